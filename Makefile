@@ -1,0 +1,53 @@
+# Entry points; the build itself is CMake (see CMakeLists.txt).
+BUILD    ?= build
+SANBUILD ?= build-asan
+TSANBUILD ?= build-tsan
+JOBS     ?= $(shell nproc)
+CMAKE_FLAGS ?=
+
+.PHONY: all deps build demo check check-fast check-asan check-tsan bench gpu-check gpu-bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+$(BUILD)/CMakeCache.txt:
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
+
+build: deps $(BUILD)/CMakeCache.txt
+	cmake --build $(BUILD) -j $(JOBS)
+
+demo: build
+	$(BUILD)/kvwire demo
+
+# All tests: a release build, then the same tests under ASan + UBSan.
+check: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	$(MAKE) check-asan
+
+check-fast: build
+	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+
+check-asan: deps
+	cmake -S . -B $(SANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=address,undefined -DKVW_WITH_CUDA=OFF $(CMAKE_FLAGS)
+	cmake --build $(SANBUILD) -j $(JOBS)
+	cd $(SANBUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 KVW_SANITIZED=1 ctest --output-on-failure -j $(JOBS)
+
+check-tsan: deps
+	cmake -S . -B $(TSANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=thread -DKVW_WITH_CUDA=OFF $(CMAKE_FLAGS)
+	cmake --build $(TSANBUILD) -j $(JOBS)
+	cd $(TSANBUILD) && UCX_MEM_EVENTS=no KVW_SANITIZED=1 ctest --output-on-failure -j $(JOBS)
+
+bench: build
+	$(BUILD)/bench_plan
+
+clean:
+	rm -rf $(BUILD) $(SANBUILD) $(TSANBUILD)
+
+# GPU verification and benchmark (skip with a message where no GPU exists).
+gpu-check:
+	scripts/gpu-check.sh
+
+gpu-bench:
+	scripts/gpu-bench.sh

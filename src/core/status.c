@@ -1,0 +1,51 @@
+#include "core/core.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+const char *kvw_status_string(kvw_status_t status)
+{
+    switch (status) {
+#define KVW_X_CASE(name, value, text)                                                    \
+    case KVW_##name:                                                                     \
+        return text;
+        KVW_STATUS_TABLE(KVW_X_CASE)
+#undef KVW_X_CASE
+    }
+    return "unknown status";
+}
+
+static _Thread_local char kvw_error_buf[512];
+
+kvw_status_t kvw__verror(kvw_status_t status, const char *fmt, va_list ap)
+{
+    vsnprintf(kvw_error_buf, sizeof(kvw_error_buf), fmt, ap);
+    return status;
+}
+
+kvw_status_t kvw__error(kvw_status_t status, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    kvw__verror(status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+void kvw__clear_error(void)
+{
+    kvw_error_buf[0] = '\0';
+}
+
+const char *kvw_last_error(void)
+{
+    return kvw_error_buf;
+}
+
+uint64_t kvw__now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}

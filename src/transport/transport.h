@@ -1,0 +1,122 @@
+/*
+ * The transport contract. A transport moves bytes with one-sided writes into memory
+ * that the receiving side registered, and delivers small notifications that are
+ * ordered after every write posted before them on the same endpoint. The protocol
+ * layer (src/proto) owns rooms, grants and state machines; transports know none of
+ * that beyond a 64-bit room tag carried with every write, which the receiver's
+ * `check_write` callback uses to confine writes to the pages granted to that room on
+ * the transports kvwire mediates (tcp) or that the sender library checks itself (shm).
+ *
+ * Lifetime: init -> (mem_reg | connect | accept callbacks | put | notify | progress)* ->
+ * close (non-blocking: no new operations, pending ones fail) -> stop (waits for the
+ * transport's threads and callbacks to finish; no callback runs after it returns) ->
+ * fini (frees). After a failed init nothing needs to be released.
+ *
+ * Threads: a transport may run its own threads (tcp and shm run one receive thread).
+ * Callbacks run on those threads; they must not block for long and must not call
+ * close/stop/fini. Every other slot is safe to call from any thread.
+ */
+#ifndef KVW_TRANSPORT_TRANSPORT_H
+#define KVW_TRANSPORT_TRANSPORT_H
+
+#include "core/core.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVW_TL_MAX_RKEY 256    /* bytes of one packed remote key */
+#define KVW_TL_MAX_ADDR 256    /* bytes of one transport address */
+#define KVW_TL_MAX_NOTIFY 4096 /* bytes of one notification */
+
+typedef struct kvw_tl *kvw_tl_h;       /* one transport instance (per context) */
+typedef struct kvw_tl_ep *kvw_tl_ep_h; /* a connection to one peer */
+typedef struct kvw_tl_mem *kvw_tl_mem_h; /* registered local memory */
+typedef struct kvw_tl_rkey *kvw_tl_rkey_h; /* unpacked remote key, bound to an ep */
+
+/* Receive-side callbacks, given at init. All optional except on_notify. */
+typedef struct kvw_tl_callbacks {
+    void *arg;
+    /* A notification arrived; every write the peer posted before it on this
+     * endpoint has landed. `msg` is valid during the call only. */
+    void (*on_notify)(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);
+    /* A mediated write is about to land at [off, off + len) of registered region
+     * `region_id` (see kvw_tl_mem_info) for `room`. Return KVW_OK to allow it; any
+     * error drops the write (the receiving protocol fails that room itself). */
+    kvw_status_t (*check_write)(void *arg, uint64_t room, uint64_t region_id, uint64_t off,
+                                uint64_t len);
+    /* An endpoint (accepted or connected) failed or closed; no more notifications
+     * arrive from it. */
+    void (*on_ep_error)(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason);
+} kvw_tl_callbacks_t;
+
+typedef struct kvw_tl_params {
+    const char *listen_host; /* NULL: 127.0.0.1; receivers listen, senders may not */
+    uint16_t listen_port;    /* 0: any free port */
+    kvw_tl_callbacks_t cb;
+} kvw_tl_params_t;
+
+/* One one-sided write. */
+typedef struct kvw_tl_put {
+    const void *src;     /* local source address (registered or not, transport-specific) */
+    kvw_tl_rkey_h rkey;  /* destination region */
+    uint64_t dst_off;    /* offset inside the destination region */
+    uint64_t len;
+} kvw_tl_put_t;
+
+typedef struct kvw_tl_ops {
+    const char *name;
+
+    /* Creates an instance and, when listen is requested, starts accepting peers.
+     * May block briefly (bind/listen). */
+    kvw_status_t (*init)(const kvw_tl_params_t *params, kvw_tl_h *tl_p);
+
+    /* This instance's address for peers (opaque bytes, <= KVW_TL_MAX_ADDR). */
+    kvw_status_t (*address)(kvw_tl_h tl, void *buf, size_t *len_p);
+
+    /* Registers [addr, addr+len). Writes the packed remote key (<= KVW_TL_MAX_RKEY) to
+     * rkey_buf and its length to *rkey_len_p. The region stays owned by the caller and
+     * must outlive the registration. `region_id` is chosen by the caller, unique per
+     * instance, and is what check_write reports. */
+    kvw_status_t (*mem_reg)(kvw_tl_h tl, void *addr, uint64_t len, kvw_mem_kind_t kind,
+                            uint64_t region_id, kvw_tl_mem_h *mem_p, void *rkey_buf,
+                            size_t *rkey_len_p);
+    void (*mem_dereg)(kvw_tl_h tl, kvw_tl_mem_h mem);
+
+    /* Connects to a peer's address. May block up to the connect timeout. */
+    kvw_status_t (*connect)(kvw_tl_h tl, const void *addr, size_t len, kvw_tl_ep_h *ep_p);
+
+    /* Unpacks a remote key received from the peer behind ep. Validates it. */
+    kvw_status_t (*rkey_unpack)(kvw_tl_ep_h ep, const void *rkey, size_t len,
+                                kvw_tl_rkey_h *rkey_p);
+    void (*rkey_release)(kvw_tl_rkey_h rkey);
+
+    /* Posts writes tagged with `room`. Source memory may be reused when the call
+     * returns (tcp, shm copy synchronously; asynchronous transports copy or wait).
+     * Errors: CONN_CLOSED, IO, OUT_OF_RANGE (outside the remote region). */
+    kvw_status_t (*put)(kvw_tl_ep_h ep, uint64_t room, const kvw_tl_put_t *puts, size_t n);
+
+    /* Sends a notification delivered after every put posted before it on ep. */
+    kvw_status_t (*notify)(kvw_tl_ep_h ep, const void *msg, size_t len);
+
+    /* Drives progress for transports without their own threads; never blocks.
+     * Returns the number of events processed (>= 0) or an error. */
+    int (*progress)(kvw_tl_h tl);
+
+    /* Closes one endpoint; non-blocking; on_ep_error is not called for it. */
+    void (*ep_close)(kvw_tl_ep_h ep);
+
+    void (*close)(kvw_tl_h tl); /* non-blocking: stop accepting, fail pending */
+    void (*stop)(kvw_tl_h tl);  /* waits until no thread or callback runs */
+    void (*fini)(kvw_tl_h tl);  /* frees everything */
+} kvw_tl_ops_t;
+
+/* Transports compiled into this library, looked up by name ("tcp", "shm", "ucx"). */
+const kvw_tl_ops_t *kvw__tl_find(const char *name);
+
+/* Names of the compiled-in transports, NULL-terminated. */
+const char *const *kvw__tl_names(void);
+
+/* Stub for slots a transport does not implement: returns KVW_ERR_UNSUPPORTED. */
+kvw_status_t kvw__tl_unsupported(void);
+
+#endif
