@@ -150,9 +150,29 @@ static kvw_seg_t *kvw_plan_push(struct kvw_plan *plan, uint32_t *cap)
 
 static const char *kvw_pool_names[KVW_NUM_POOLS] = {"full-attention", "sliding-window", "state"};
 
+static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                                   const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
+                                   bool with_pages, kvw_plan_h *plan_p);
+
 kvw_status_t kvw_plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                              const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
                              kvw_plan_h *plan_p)
+{
+    return kvw_plan_build(src, dst, chunk, sp, dp, true, plan_p);
+}
+
+/* Used by the protocol to know a sender's byte count and whether a pair exchanges
+ * anything at all, before any page list exists. */
+kvw_status_t kvw__plan_create_nopages(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                                      kvw_plan_h *plan_p)
+{
+    static const kvw_side_pages_t none = {.state_slot = 0};
+    return kvw_plan_build(src, dst, chunk, &none, &none, false, plan_p);
+}
+
+static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                                   const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
+                                   bool with_pages, kvw_plan_h *plan_p)
 {
     kvw_status_t st;
     if (!src || !dst || !chunk || !sp || !dp || !plan_p)
@@ -208,7 +228,7 @@ kvw_status_t kvw_plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *
             need_e[pool] = KVW_MAX(need_e[pool], e);
         }
     }
-    if (any_state) {
+    if (any_state && with_pages) {
         if (sp->state_slot < 0 || dp->state_slot < 0)
             return kvw__error(KVW_ERR_INVALID_PARAM, "the model has state layers but the %s side "
                               "gave no state slot", sp->state_slot < 0 ? "source" : "destination");
@@ -256,7 +276,7 @@ kvw_status_t kvw_plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *
     }
 
     uint32_t *store = plan->page_storage;
-    for (int p = 0; p < KVW_POOL_STATE; p++) {
+    for (int p = 0; p < KVW_POOL_STATE && with_pages; p++) {
         const kvw_pages_t *spl = p == KVW_POOL_FULL ? &sp->full : &sp->swa;
         const kvw_pages_t *dpl = p == KVW_POOL_FULL ? &dp->full : &dp->swa;
         uint64_t b = need_b[p] < need_e[p] ? need_b[p] : 0, e = need_b[p] < need_e[p] ? need_e[p] : 0;
@@ -272,7 +292,7 @@ kvw_status_t kvw_plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *
             goto err_free;
         store += plan->dst_maps[p].num_pages;
     }
-    if (any_state) {
+    if (any_state && with_pages) {
         store[0] = (uint32_t)sp->state_slot;
         store[1] = (uint32_t)dp->state_slot;
         plan->src_maps[KVW_POOL_STATE] = (kvw_page_map_t){store, 1, 0};

@@ -1,0 +1,155 @@
+/*
+ * kvwire transfer protocol: contexts (one per rank), senders (prefill) and receivers
+ * (decode) per room, in the shape serving engines already use.
+ *
+ * A prefill instance exposes a bootstrap endpoint where its ranks register. Each
+ * decode rank looks up the prefill ranks its routes need, connects to them and
+ * registers (protocol version, model, parallel config, every buffer and its remote
+ * key, transport address); the prefill rank answers ACCEPT or REJECT with a reason.
+ * Every incompatibility is found there, before the first request.
+ *
+ * Per room: decode posts its destination pages; prefill sends chunks; decode reaches
+ * SUCCESS only when every expected sender reported success and the byte counts match.
+ * FAILED is sticky and carries a reason. Nothing waits forever: bootstrap, waiting for
+ * the peer's half of a room and heartbeats all have timeouts.
+ */
+#ifndef KVWIRE_XFER_H
+#define KVWIRE_XFER_H
+
+#include <kvwire/kvwire.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kvw_ctx *kvw_ctx_h;
+typedef struct kvw_sender *kvw_sender_h;
+typedef struct kvw_receiver *kvw_receiver_h;
+
+typedef enum kvw_side { KVW_SIDE_PREFILL = 0, KVW_SIDE_DECODE = 1 } kvw_side_t;
+
+/* Room states, monotonic; FAILED is reachable from every state and sticky. */
+typedef enum kvw_room_state {
+    KVW_ROOM_BOOTSTRAPPING = 0,
+    KVW_ROOM_WAITING_FOR_INPUT = 1,
+    KVW_ROOM_TRANSFERRING = 2,
+    KVW_ROOM_SUCCESS = 3,
+    KVW_ROOM_FAILED = 4
+} kvw_room_state_t;
+
+KVW_API const char *kvw_room_state_string(kvw_room_state_t state);
+
+enum {
+    KVW_CTX_FIELD_SIDE = 1u << 0,
+    KVW_CTX_FIELD_RANK = 1u << 1,
+    KVW_CTX_FIELD_TRANSPORT = 1u << 2,
+    KVW_CTX_FIELD_BOOTSTRAP = 1u << 3,
+    KVW_CTX_FIELD_HOST_BOOTSTRAP = 1u << 4,
+    KVW_CTX_FIELD_LISTEN_HOST = 1u << 5,
+    KVW_CTX_FIELD_TIMEOUTS = 1u << 6,
+    KVW_CTX_FIELD_SECRET = 1u << 7,
+    KVW_CTX_FIELD_PREFILL_SIZE = 1u << 8
+};
+
+typedef struct kvw_ctx_params {
+    uint64_t field_mask;
+    kvw_side_t side;
+    kvw_rank_h rank;       /* this rank's KV cache; must outlive the context */
+    const char *transport; /* "tcp" (default), "shm", "ucx" */
+    /* "host:port" of the prefill instance's bootstrap endpoint. */
+    const char *bootstrap_addr;
+    /* Prefill only: run the bootstrap endpoint inside this context, listening on
+     * bootstrap_addr (port 0 picks one; kvw_ctx_bootstrap_addr tells which). */
+    int host_bootstrap;
+    const char *listen_host; /* address the control and data listeners bind; 127.0.0.1 */
+    uint32_t heartbeat_ms;    /* default 200 */
+    uint32_t peer_timeout_ms; /* a peer silent this long is dead; default 3000 */
+    uint32_t bootstrap_timeout_ms; /* default 10000 */
+    uint32_t wait_timeout_ms; /* a room waiting for its peer's half fails; default 30000 */
+    const char *secret;       /* optional shared secret proven at the handshake */
+    /* Decode only: prefill instance size (ranks it waits for at the bootstrap). */
+    uint32_t prefill_tp, prefill_pp, prefill_dp;
+} kvw_ctx_params_t;
+
+/*
+ * Creates a rank's context and starts its progress thread. Prefill: starts the
+ * control and data listeners and registers with the bootstrap endpoint. Decode:
+ * waits for the prefill ranks at the bootstrap, connects and registers with every
+ * prefill rank its routes need; returns REJECTED with the prefill's reason (in
+ * kvw_last_error) if any refuses. Errors: INVALID_PARAM, TIMEOUT, REJECTED, AUTH, IO.
+ */
+KVW_API kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p);
+
+/* Fails every open room with "context destroyed", stops threads, frees everything. */
+KVW_API void kvw_ctx_destroy(kvw_ctx_h ctx);
+
+/* The bootstrap endpoint this context hosts ("host:port"), or NULL. */
+KVW_API const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx);
+
+/* ---------------------------------------------------------------- prefill side */
+
+/* Creates the sender of `room`. Errors: BUSY (room already open here). */
+KVW_API kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sender_p);
+
+/* One chunk: token range, the pages holding it on this rank, and whether it is the
+ * last (the last chunk also carries the SWA window and state slots). The page arrays
+ * are copied; the KV bytes must stay in place until the room leaves TRANSFERRING. */
+typedef struct kvw_send_chunk {
+    uint64_t num_tokens;
+    uint64_t chunk_begin, chunk_end;
+    int last_chunk;
+    kvw_side_pages_t pages;
+} kvw_send_chunk_t;
+
+KVW_API kvw_status_t kvw_sender_send(kvw_sender_h sender, const kvw_send_chunk_t *chunk);
+
+/* ---------------------------------------------------------------- decode side */
+
+/* Creates the receiver of `room`, fed by the prefill DP group `prefill_dp_rank`. */
+KVW_API kvw_status_t kvw_receiver_create(kvw_ctx_h ctx, uint64_t room, uint32_t prefill_dp_rank,
+                                         kvw_receiver_h *receiver_p);
+
+typedef struct kvw_recv_post {
+    uint64_t num_tokens;
+    uint64_t prefix_len; /* tokens this rank already holds; they are not sent */
+    kvw_side_pages_t pages;
+} kvw_recv_post_t;
+
+/* Tells the prefill ranks where to write. Page arrays are copied. */
+KVW_API kvw_status_t kvw_receiver_post(kvw_receiver_h receiver, const kvw_recv_post_t *post);
+
+/* ---------------------------------------------------------------- both sides */
+
+typedef struct kvw_room_metrics {
+    uint64_t bytes;        /* payload bytes sent (prefill) or confirmed (decode) */
+    uint64_t runs;         /* coalesced runs posted (prefill) */
+    uint64_t start_ns, end_ns; /* monotonic clock: first data moved, terminal state */
+    const char *path;      /* "direct" or "staged" */
+} kvw_room_metrics_t;
+
+/* Never blocks. */
+KVW_API kvw_room_state_t kvw_sender_poll(kvw_sender_h sender);
+KVW_API kvw_room_state_t kvw_receiver_poll(kvw_receiver_h receiver);
+
+/* Why the room failed ("" unless FAILED). Valid until the handle is destroyed. */
+KVW_API const char *kvw_sender_failure(kvw_sender_h sender);
+KVW_API const char *kvw_receiver_failure(kvw_receiver_h receiver);
+KVW_API kvw_status_t kvw_sender_status(kvw_sender_h sender);
+KVW_API kvw_status_t kvw_receiver_status(kvw_receiver_h receiver);
+
+KVW_API void kvw_sender_metrics(kvw_sender_h sender, kvw_room_metrics_t *metrics_p);
+KVW_API void kvw_receiver_metrics(kvw_receiver_h receiver, kvw_room_metrics_t *metrics_p);
+
+/* Aborts the room locally and tells the peers; they stop and acknowledge. */
+KVW_API void kvw_sender_abort(kvw_sender_h sender);
+KVW_API void kvw_receiver_abort(kvw_receiver_h receiver);
+
+/* Destroying a room that is not terminal aborts it first. */
+KVW_API void kvw_sender_destroy(kvw_sender_h sender);
+KVW_API void kvw_receiver_destroy(kvw_receiver_h receiver);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

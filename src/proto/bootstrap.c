@@ -1,0 +1,282 @@
+/*
+ * The bootstrap endpoint: prefill ranks register their control address; decode ranks
+ * look the table up. One thread, poll() over its connections; a malformed frame drops
+ * only the connection that sent it.
+ */
+#include "proto/proto.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#define KVW_BS_MAX_CONNS 256
+#define KVW_BS_MAX_ENTRIES 4096
+
+struct kvw_bootstrap {
+    int listen_fd;
+    int wake[2];
+    char addr[128];
+    pthread_t thread;
+    pthread_mutex_t mu;
+    kvw_bs_entry_t *entries;
+    uint32_t num_entries;
+};
+
+static void kvw_bs_put_entry(kvw_wbuf_t *w, const kvw_bs_entry_t *e)
+{
+    kvw__wb_u32(w, e->dp);
+    kvw__wb_u32(w, e->tp);
+    kvw__wb_u32(w, e->pp);
+    kvw__wb_u32(w, e->dp_size);
+    kvw__wb_u32(w, e->tp_size);
+    kvw__wb_u32(w, e->pp_size);
+    kvw__wb_str(w, e->addr);
+}
+
+static void kvw_bs_get_entry(kvw_rbuf_t *r, kvw_bs_entry_t *e)
+{
+    e->dp = kvw__rb_u32(r);
+    e->tp = kvw__rb_u32(r);
+    e->pp = kvw__rb_u32(r);
+    e->dp_size = kvw__rb_u32(r);
+    e->tp_size = kvw__rb_u32(r);
+    e->pp_size = kvw__rb_u32(r);
+    kvw__rb_str(r, e->addr, sizeof(e->addr));
+}
+
+/* Handles one frame; returns false to drop the connection. */
+static bool kvw_bs_handle(kvw_bootstrap_t *bs, int fd, uint8_t type, const uint8_t *p, uint32_t len)
+{
+    kvw_rbuf_t r;
+    kvw_wbuf_t w;
+    kvw__rb_init(&r, p, len);
+    if (type == KVW_MSG_BS_REGISTER) {
+        kvw_bs_entry_t e;
+        kvw_bs_get_entry(&r, &e);
+        if (kvw__rb_done(&r, "bootstrap register") != KVW_OK || e.tp >= e.tp_size ||
+            e.dp >= KVW_MAX(e.dp_size, 1) || e.pp >= KVW_MAX(e.pp_size, 1))
+            return false;
+        pthread_mutex_lock(&bs->mu);
+        uint32_t i;
+        for (i = 0; i < bs->num_entries; i++)
+            if (bs->entries[i].dp == e.dp && bs->entries[i].tp == e.tp && bs->entries[i].pp == e.pp)
+                break;
+        if (i < bs->num_entries || bs->num_entries < KVW_BS_MAX_ENTRIES) {
+            bs->entries[i] = e; /* a restarted rank replaces its old entry */
+            if (i == bs->num_entries)
+                bs->num_entries++;
+        }
+        pthread_mutex_unlock(&bs->mu);
+        kvw__wb_init(&w, KVW_MSG_BS_OK);
+    } else if (type == KVW_MSG_BS_LOOKUP) {
+        if (kvw__rb_done(&r, "bootstrap lookup") != KVW_OK)
+            return false;
+        kvw__wb_init(&w, KVW_MSG_BS_TABLE);
+        pthread_mutex_lock(&bs->mu);
+        kvw__wb_u32(&w, bs->num_entries);
+        for (uint32_t i = 0; i < bs->num_entries; i++)
+            kvw_bs_put_entry(&w, &bs->entries[i]);
+        pthread_mutex_unlock(&bs->mu);
+    } else {
+        return false;
+    }
+    bool ok = kvw__wb_finish(&w) == KVW_OK &&
+              kvw__sock_send_all(fd, w.p, w.len, kvw__now_ns() + 2000000000ull) == KVW_OK;
+    kvw__wb_free(&w);
+    return ok;
+}
+
+static void *kvw_bs_main(void *arg)
+{
+    kvw_bootstrap_t *bs = arg;
+    struct pollfd pfd[KVW_BS_MAX_CONNS + 2];
+    int conns[KVW_BS_MAX_CONNS];
+    int n = 0;
+    for (;;) {
+        pfd[0] = (struct pollfd){.fd = bs->wake[0], .events = POLLIN};
+        pfd[1] = (struct pollfd){.fd = bs->listen_fd, .events = POLLIN};
+        for (int i = 0; i < n; i++)
+            pfd[2 + i] = (struct pollfd){.fd = conns[i], .events = POLLIN};
+        if (poll(pfd, (nfds_t)(n + 2), -1) < 0 && errno != EINTR)
+            break;
+        if (pfd[0].revents)
+            break;
+        for (int i = n - 1; i >= 0; i--) {
+            if (!pfd[2 + i].revents)
+                continue;
+            uint8_t type, *payload = NULL;
+            uint32_t len;
+            /* A frame must arrive whole within a second once it starts. */
+            bool keep = kvw__sock_recv_frame(conns[i], kvw__now_ns() + 1000000000ull, &type,
+                                             &payload, &len) == KVW_OK &&
+                        kvw_bs_handle(bs, conns[i], type, payload, len);
+            free(payload);
+            if (!keep) {
+                close(conns[i]);
+                conns[i] = conns[--n];
+            }
+        }
+        if (pfd[1].revents) {
+            int fd = accept4(bs->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd >= 0) {
+                if (n < KVW_BS_MAX_CONNS)
+                    conns[n++] = fd;
+                else
+                    close(fd);
+            }
+        }
+    }
+    for (int i = 0; i < n; i++)
+        close(conns[i]);
+    return NULL;
+}
+
+kvw_status_t kvw__bootstrap_start(const char *host, uint16_t port, kvw_bootstrap_t **bs_p)
+{
+    kvw_bootstrap_t *bs = calloc(1, sizeof(*bs));
+    kvw_status_t st;
+    if (bs == NULL || (bs->entries = calloc(KVW_BS_MAX_ENTRIES, sizeof(kvw_bs_entry_t))) == NULL) {
+        free(bs);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory starting the bootstrap endpoint");
+    }
+    uint16_t bound;
+    if ((st = kvw__tcp_listen(host, port, &bs->listen_fd, &bound)) != KVW_OK)
+        goto err_free;
+    if (pipe2(bs->wake, O_CLOEXEC) < 0) {
+        st = kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
+        goto err_close_listen;
+    }
+    snprintf(bs->addr, sizeof(bs->addr), "%s:%u", host, bound);
+    pthread_mutex_init(&bs->mu, NULL);
+    if (pthread_create(&bs->thread, NULL, kvw_bs_main, bs) != 0) {
+        st = kvw__error(KVW_ERR_IO, "cannot start the bootstrap thread");
+        close(bs->wake[0]);
+        close(bs->wake[1]);
+        goto err_close_listen;
+    }
+    *bs_p = bs;
+    return KVW_OK;
+err_close_listen:
+    close(bs->listen_fd);
+err_free:
+    free(bs->entries);
+    free(bs);
+    return st;
+}
+
+const char *kvw__bootstrap_addr(kvw_bootstrap_t *bs) { return bs->addr; }
+
+void kvw__bootstrap_stop(kvw_bootstrap_t *bs)
+{
+    if (bs == NULL)
+        return;
+    if (write(bs->wake[1], "x", 1) < 0) {
+        /* The thread also exits when the pipe closes. */
+    }
+    pthread_join(bs->thread, NULL);
+    close(bs->wake[0]);
+    close(bs->wake[1]);
+    close(bs->listen_fd);
+    pthread_mutex_destroy(&bs->mu);
+    free(bs->entries);
+    free(bs);
+}
+
+static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
+                                uint8_t want, uint8_t **payload_p, uint32_t *len_p)
+{
+    char host[128];
+    uint16_t port;
+    int fd;
+    kvw_status_t st = kvw__parse_hostport(bs_addr, host, sizeof(host), &port);
+    if (st != KVW_OK)
+        return st;
+    if ((st = kvw__tcp_connect(host, port, deadline_ns, &fd)) != KVW_OK)
+        return st;
+    uint8_t type;
+    if ((st = kvw__wb_finish(w)) == KVW_OK &&
+        (st = kvw__sock_send_all(fd, w->p, w->len, deadline_ns)) == KVW_OK &&
+        (st = kvw__sock_recv_frame(fd, deadline_ns, &type, payload_p, len_p)) == KVW_OK &&
+        type != want) {
+        free(*payload_p);
+        st = kvw__error(KVW_ERR_MALFORMED, "bootstrap %s answered frame type %u", bs_addr, type);
+    }
+    close(fd);
+    return st;
+}
+
+kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
+                                     uint64_t deadline_ns)
+{
+    kvw_status_t st;
+    do {
+        kvw_wbuf_t w;
+        uint8_t *p = NULL;
+        uint32_t len;
+        kvw__wb_init(&w, KVW_MSG_BS_REGISTER);
+        kvw_bs_put_entry(&w, e);
+        st = kvw_bs_call(bs_addr, &w, deadline_ns, KVW_MSG_BS_OK, &p, &len);
+        kvw__wb_free(&w);
+        free(p);
+        if (st == KVW_OK)
+            return KVW_OK;
+        usleep(50000); /* the endpoint may not be up yet */
+    } while (kvw__now_ns() < deadline_ns);
+    return kvw__error(KVW_ERR_TIMEOUT, "cannot register with the bootstrap endpoint %s: %s",
+                      bs_addr, kvw_last_error());
+}
+
+kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
+                                   uint64_t deadline_ns, kvw_bs_entry_t **entries_p,
+                                   uint32_t *count_p)
+{
+    char last[256] = "no answer yet";
+    uint32_t seen = 0, want = 0;
+    do {
+        kvw_wbuf_t w;
+        uint8_t *p = NULL;
+        uint32_t len;
+        kvw__wb_init(&w, KVW_MSG_BS_LOOKUP);
+        kvw_status_t st = kvw_bs_call(bs_addr, &w, deadline_ns, KVW_MSG_BS_TABLE, &p, &len);
+        kvw__wb_free(&w);
+        if (st != KVW_OK) {
+            snprintf(last, sizeof(last), "%s", kvw_last_error());
+            usleep(50000);
+            continue;
+        }
+        kvw_rbuf_t r;
+        kvw__rb_init(&r, p, len);
+        uint32_t n = kvw__rb_u32(&r);
+        kvw_bs_entry_t *e = NULL;
+        if (!r.bad && n <= KVW_BS_MAX_ENTRIES)
+            e = calloc(n ? n : 1, sizeof(*e));
+        for (uint32_t i = 0; e && i < n; i++)
+            kvw_bs_get_entry(&r, &e[i]);
+        free(p);
+        if (e == NULL || kvw__rb_done(&r, "bootstrap table") != KVW_OK) {
+            free(e);
+            return kvw__error(KVW_ERR_MALFORMED, "bootstrap %s sent a malformed table", bs_addr);
+        }
+        seen = n;
+        want = 0;
+        if (n) {
+            uint32_t t = tp ? tp : e[0].tp_size, q = pp ? pp : KVW_MAX(e[0].pp_size, 1);
+            uint32_t d = dp ? dp : KVW_MAX(e[0].dp_size, 1);
+            want = t * q * d;
+        }
+        if (n && n >= want) {
+            *entries_p = e;
+            *count_p = n;
+            return KVW_OK;
+        }
+        free(e);
+        snprintf(last, sizeof(last), "%u of %u prefill ranks registered", seen, want);
+        usleep(50000);
+    } while (kvw__now_ns() < deadline_ns);
+    return kvw__error(KVW_ERR_TIMEOUT, "bootstrap %s: prefill instance incomplete at the timeout "
+                      "(%s)", bs_addr, last);
+}

@@ -1,0 +1,157 @@
+/* Encoding of rank descriptions (model, parallel config, buffers) in control frames. */
+#include "proto/proto.h"
+
+#include <string.h>
+
+void kvw__wire_put_rank(kvw_wbuf_t *w, kvw_rank_h rank)
+{
+    const kvw_model_t *m = kvw_rank_model(rank);
+    const kvw_parallel_t *p = kvw_rank_parallel(rank);
+    kvw__wb_u32(w, m->num_layers);
+    for (uint32_t l = 0; l < m->num_layers; l++) {
+        kvw__wb_u8(w, (uint8_t)m->layers[l].kind);
+        kvw__wb_u32(w, m->layers[l].window);
+    }
+    kvw__wb_u32(w, m->num_kv_heads);
+    kvw__wb_u32(w, m->k_head_dim);
+    kvw__wb_u32(w, m->v_head_dim);
+    kvw__wb_u32(w, m->mla_dim);
+    kvw__wb_u32(w, m->elem_size);
+    kvw__wb_u32(w, m->scale_block);
+    kvw__wb_u32(w, m->scale_elem_size);
+    const uint32_t par[8] = {p->tp_size, p->tp_rank, p->pp_size, p->pp_rank,
+                             p->layer_begin, p->layer_end, p->dp_size, p->dp_rank};
+    for (int i = 0; i < 8; i++)
+        kvw__wb_u32(w, par[i]);
+    uint32_t nb = kvw_rank_num_buffers(rank);
+    kvw__wb_u32(w, nb);
+    for (uint32_t i = 0; i < nb; i++) {
+        const kvw_buffer_desc_t *b = kvw_rank_buffer(rank, i);
+        kvw__wb_u8(w, (uint8_t)b->pool);
+        kvw__wb_u32(w, b->layer);
+        kvw__wb_u8(w, (uint8_t)b->role);
+        kvw__wb_u8(w, (uint8_t)b->layout);
+        kvw__wb_u32(w, b->page_size);
+        kvw__wb_u32(w, b->num_heads);
+        kvw__wb_u32(w, b->head_bytes);
+        kvw__wb_u32(w, b->v_head_bytes);
+        kvw__wb_u32(w, b->num_groups);
+        for (uint32_t g = 0; g < b->num_groups && g < KVW_MAX_STATE_GROUPS; g++) {
+            kvw__wb_u32(w, b->groups[g].total_heads);
+            kvw__wb_u32(w, b->groups[g].head_bytes);
+        }
+        kvw__wb_u64(w, b->length);
+        kvw__wb_u8(w, (uint8_t)b->mem_kind);
+        kvw__wb_u32(w, (uint32_t)b->device);
+    }
+}
+
+#define KVW_WIRE_MAX_LAYERS 100000u
+#define KVW_WIRE_MAX_BUFFERS 1000000u
+
+kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p)
+{
+    kvw_model_t m = {0};
+    kvw_parallel_t p;
+    kvw_layer_desc_t *layers = NULL;
+    kvw_buffer_desc_t *bufs = NULL;
+    kvw_status_t st;
+    m.num_layers = kvw__rb_u32(r);
+    if (r->bad || m.num_layers == 0 || m.num_layers > KVW_WIRE_MAX_LAYERS ||
+        m.num_layers > (r->len - r->pos) / 5)
+        return kvw__error(KVW_ERR_MALFORMED, "rank description: bad layer count %u", m.num_layers);
+    layers = calloc(m.num_layers, sizeof(*layers));
+    if (layers == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory decoding a rank");
+    for (uint32_t l = 0; l < m.num_layers; l++) {
+        layers[l].kind = (kvw_layer_kind_t)kvw__rb_u8(r);
+        layers[l].window = kvw__rb_u32(r);
+    }
+    m.layers = layers;
+    m.num_kv_heads = kvw__rb_u32(r);
+    m.k_head_dim = kvw__rb_u32(r);
+    m.v_head_dim = kvw__rb_u32(r);
+    m.mla_dim = kvw__rb_u32(r);
+    m.elem_size = kvw__rb_u32(r);
+    m.scale_block = kvw__rb_u32(r);
+    m.scale_elem_size = kvw__rb_u32(r);
+    p.tp_size = kvw__rb_u32(r);
+    p.tp_rank = kvw__rb_u32(r);
+    p.pp_size = kvw__rb_u32(r);
+    p.pp_rank = kvw__rb_u32(r);
+    p.layer_begin = kvw__rb_u32(r);
+    p.layer_end = kvw__rb_u32(r);
+    p.dp_size = kvw__rb_u32(r);
+    p.dp_rank = kvw__rb_u32(r);
+    uint32_t nb = kvw__rb_u32(r);
+    if (r->bad || nb > KVW_WIRE_MAX_BUFFERS || nb > (r->len - r->pos) / 40) {
+        st = kvw__error(KVW_ERR_MALFORMED, "rank description: bad buffer count %u", nb);
+        goto out;
+    }
+    bufs = calloc(nb ? nb : 1, sizeof(*bufs));
+    if (bufs == NULL) {
+        st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory decoding a rank");
+        goto out;
+    }
+    for (uint32_t i = 0; i < nb && !r->bad; i++) {
+        kvw_buffer_desc_t *b = &bufs[i];
+        b->pool = (kvw_pool_t)kvw__rb_u8(r);
+        b->layer = kvw__rb_u32(r);
+        b->role = (kvw_role_t)kvw__rb_u8(r);
+        b->layout = (kvw_layout_t)kvw__rb_u8(r);
+        b->page_size = kvw__rb_u32(r);
+        b->num_heads = kvw__rb_u32(r);
+        b->head_bytes = kvw__rb_u32(r);
+        b->v_head_bytes = kvw__rb_u32(r);
+        b->num_groups = kvw__rb_u32(r);
+        if (b->num_groups > KVW_MAX_STATE_GROUPS) {
+            r->bad = true;
+            break;
+        }
+        for (uint32_t g = 0; g < b->num_groups; g++) {
+            b->groups[g].total_heads = kvw__rb_u32(r);
+            b->groups[g].head_bytes = kvw__rb_u32(r);
+        }
+        b->length = kvw__rb_u64(r);
+        b->mem_kind = (kvw_mem_kind_t)kvw__rb_u8(r);
+        b->device = (int32_t)kvw__rb_u32(r);
+        b->addr = NULL; /* remote: never dereferenced here */
+    }
+    if (r->bad) {
+        st = kvw__error(KVW_ERR_MALFORMED, "rank description is truncated or malformed");
+        goto out;
+    }
+    kvw_rank_params_t rp = {.field_mask = KVW_RANK_FIELD_MODEL | KVW_RANK_FIELD_PARALLEL |
+                                          KVW_RANK_FIELD_BUFFERS,
+                            .model = &m, .parallel = p, .buffers = bufs, .num_buffers = nb};
+    st = kvw_rank_create(&rp, rank_p);
+out:
+    free(layers);
+    free(bufs);
+    return st;
+}
+
+void kvw__wire_put_pages(kvw_wbuf_t *w, const kvw_pages_t *pl)
+{
+    kvw__wb_u64(w, pl->first_token);
+    kvw__wb_u32(w, pl->num_pages);
+    for (uint32_t i = 0; i < pl->num_pages; i++)
+        kvw__wb_u32(w, pl->pages[i]);
+}
+
+kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p)
+{
+    pl->first_token = kvw__rb_u64(r);
+    pl->num_pages = kvw__rb_u32(r);
+    if (r->bad || pl->num_pages > (r->len - r->pos) / 4)
+        return kvw__error(KVW_ERR_MALFORMED, "page list: %u pages do not fit the frame",
+                          pl->num_pages);
+    uint32_t *s = malloc(sizeof(uint32_t) * (pl->num_pages ? pl->num_pages : 1));
+    if (s == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory decoding pages");
+    for (uint32_t i = 0; i < pl->num_pages; i++)
+        s[i] = kvw__rb_u32(r);
+    pl->pages = s;
+    *store_p = s;
+    return KVW_OK;
+}

@@ -1,0 +1,709 @@
+/*
+ * Contexts: one per rank. A control thread owns every control socket (accepts, reads
+ * frames, sends queued frames, heartbeats, timeouts); on prefill ranks a worker thread
+ * moves the bytes. One mutex (ctx->mu) guards the peer and room tables; no socket I/O
+ * happens while it is held except non-blocking reads on the control thread.
+ */
+#include "proto/proto.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+const char *kvw_room_state_string(kvw_room_state_t s)
+{
+    static const char *n[] = {"Bootstrapping", "WaitingForInput", "Transferring", "Success",
+                              "Failed"};
+    return (unsigned)s < KVW_ARRAY_SIZE(n) ? n[s] : "unknown";
+}
+
+void kvw__ctx_wake(struct kvw_ctx *ctx)
+{
+    if (write(ctx->wake_fd[1], "w", 1) < 0) {
+        /* A full pipe already guarantees a wake-up. */
+    }
+}
+
+void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
+{
+    kvw_outmsg_t *m = malloc(sizeof(*m));
+    if (peer->dead || m == NULL || kvw__wb_finish(w) != KVW_OK) {
+        free(m);
+        kvw__wb_free(w);
+        return;
+    }
+    m->w = *w;
+    m->next = NULL;
+    if (peer->out_tail)
+        peer->out_tail->next = m;
+    else
+        peer->out_head = m;
+    peer->out_tail = m;
+    kvw__ctx_wake(ctx);
+}
+
+static void kvw_peer_drop_out(kvw_peer_t *peer)
+{
+    while (peer->out_head) {
+        kvw_outmsg_t *m = peer->out_head;
+        peer->out_head = m->next;
+        kvw__wb_free(&m->w);
+        free(m);
+    }
+    peer->out_tail = NULL;
+}
+
+/* Marks a peer dead and fails every room that involves it. mu held. */
+void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
+                    const char *reason)
+{
+    if (peer->dead)
+        return;
+    peer->dead = true;
+    if (peer->fd >= 0) {
+        shutdown(peer->fd, SHUT_RDWR);
+    }
+    kvw_peer_drop_out(peer);
+    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
+        for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
+            bool involved = false;
+            for (uint32_t i = 0; i < r->num_dsts; i++)
+                involved |= r->dsts[i].peer == peer->id;
+            for (uint32_t i = 0; i < r->num_srcs; i++)
+                involved |= r->srcs[i].peer == peer->id && !r->srcs[i].done;
+            if (involved)
+                kvw__room_fail(ctx, r, status, false, "%s: %s", peer->desc, reason);
+        }
+}
+
+static kvw_peer_t *kvw_peer_add(struct kvw_ctx *ctx, int fd)
+{
+    if (ctx->num_peers == ctx->cap_peers) {
+        uint32_t cap = ctx->cap_peers ? ctx->cap_peers * 2 : 16;
+        kvw_peer_t **n = realloc(ctx->peers, sizeof(*n) * cap);
+        if (n == NULL)
+            return NULL;
+        ctx->peers = n;
+        ctx->cap_peers = cap;
+    }
+    kvw_peer_t *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return NULL;
+    p->id = ctx->num_peers;
+    p->fd = fd;
+    p->last_rx_ns = p->last_tx_ns = kvw__now_ns();
+    ctx->peers[ctx->num_peers++] = p;
+    return p;
+}
+
+static void kvw_peer_free(struct kvw_ctx *ctx, kvw_peer_t *p)
+{
+    kvw_peer_drop_out(p);
+    if (p->fd >= 0)
+        close(p->fd);
+    for (uint32_t i = 0; i < p->num_rkeys; i++)
+        if (p->rkeys[i])
+            ctx->tl_ops->rkey_release(p->rkeys[i]);
+    free(p->rkeys);
+    if (p->ep)
+        ctx->tl_ops->ep_close(p->ep);
+    kvw_rank_destroy(p->remote);
+    free(p->payload);
+    free(p);
+}
+
+/* Whether src and dst exchange any bytes (the topology alone decides). */
+static bool kvw_pair_needed(kvw_rank_h src, kvw_rank_h dst)
+{
+    kvw_chunk_t c = {.num_tokens = 1, .chunk_begin = 0, .chunk_end = 1, .last_chunk = 1};
+    kvw_plan_h plan;
+    if (kvw__plan_create_nopages(src, dst, &c, &plan) != KVW_OK)
+        return false;
+    bool needed = plan->num_segs > 0;
+    kvw_plan_destroy(plan);
+    return needed;
+}
+
+/* ------------------------------------------------------------ handshake */
+
+static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
+                          const uint8_t *rkeys, const size_t *rkey_lens, const void *addr,
+                          size_t addr_len)
+{
+    kvw__wb_u32(w, peer_id);
+    kvw__wb_str(w, ctx->tl_ops->name);
+    kvw__wb_bytes(w, addr, addr_len);
+    kvw__wire_put_rank(w, ctx->rank);
+    uint32_t nb = kvw_rank_num_buffers(ctx->rank);
+    for (uint32_t i = 0; i < nb; i++)
+        kvw__wb_bytes(w, rkeys + (size_t)i * KVW_TL_MAX_RKEY, rkey_lens[i]);
+}
+
+/* Prefill side of the registration, on a fresh connection (control thread). */
+kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p)
+{
+    uint8_t type, *p = NULL;
+    uint32_t len;
+    kvw_rank_h remote = NULL;
+    kvw_tl_ep_h ep = NULL;
+    kvw_tl_rkey_h *rkeys = NULL;
+    uint32_t nb = 0;
+    char reason[400] = "";
+    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
+    kvw_status_t st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
+    if (st != KVW_OK)
+        return st;
+    if (type != KVW_MSG_HELLO) {
+        free(p);
+        return kvw__error(KVW_ERR_MALFORMED, "expected a registration, got frame type %u", type);
+    }
+    kvw_rbuf_t r;
+    kvw__rb_init(&r, p, len);
+    uint32_t id_at_remote = kvw__rb_u32(&r);
+    char tl_name[32];
+    kvw__rb_str(&r, tl_name, sizeof(tl_name));
+    size_t addr_len = 0;
+    const void *addr = kvw__rb_bytes(&r, KVW_TL_MAX_ADDR, &addr_len);
+    if (r.bad) {
+        free(p);
+        return kvw__error(KVW_ERR_MALFORMED, "truncated registration");
+    }
+    st = kvw__wire_get_rank(&r, &remote);
+    if (st != KVW_OK) {
+        snprintf(reason, sizeof(reason), "bad registration: %s", kvw_last_error());
+        goto reply;
+    }
+    nb = kvw_rank_num_buffers(remote);
+    rkeys = calloc(nb ? nb : 1, sizeof(*rkeys));
+    if (strcmp(tl_name, ctx->tl_ops->name) != 0) {
+        st = KVW_ERR_INCOMPATIBLE;
+        snprintf(reason, sizeof(reason), "transport mismatch: decode uses '%s', this prefill rank "
+                 "uses '%s'", tl_name, ctx->tl_ops->name);
+        goto reply;
+    }
+    if ((st = kvw_rank_check_compatible(ctx->rank, remote)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "%s", kvw_last_error());
+        goto reply;
+    }
+    for (uint32_t i = 0; i < nb; i++)
+        if (kvw_rank_buffer(remote, i)->mem_kind != KVW_MEM_HOST &&
+            strcmp(ctx->tl_ops->name, "cuda_ipc") != 0) {
+            st = KVW_ERR_UNSUPPORTED;
+            snprintf(reason, sizeof(reason), "decode buffer %u is GPU memory, which transport "
+                     "'%s' cannot write", i, ctx->tl_ops->name);
+            goto reply;
+        }
+    if ((st = ctx->tl_ops->connect(ctx->tl, addr, addr_len, &ep)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
+        goto reply;
+    }
+    for (uint32_t i = 0; i < nb; i++) {
+        size_t kl = 0;
+        const void *k = kvw__rb_bytes(&r, KVW_TL_MAX_RKEY, &kl);
+        if (k == NULL) {
+            st = KVW_ERR_MALFORMED;
+            snprintf(reason, sizeof(reason), "registration lacks the key of buffer %u", i);
+            goto reply;
+        }
+        if ((st = ctx->tl_ops->rkey_unpack(ep, k, kl, &rkeys[i])) != KVW_OK) {
+            snprintf(reason, sizeof(reason), "bad remote key for buffer %u: %s", i,
+                     kvw_last_error());
+            goto reply;
+        }
+    }
+    if (kvw__rb_done(&r, "registration") != KVW_OK) {
+        st = KVW_ERR_MALFORMED;
+        snprintf(reason, sizeof(reason), "%s", kvw_last_error());
+    }
+reply:
+    free(p);
+    kvw_wbuf_t w;
+    kvw__wb_init(&w, st == KVW_OK ? KVW_MSG_ACCEPT : KVW_MSG_REJECT);
+    if (st == KVW_OK)
+        kvw__wire_put_rank(&w, ctx->rank);
+    else {
+        kvw__wb_u32(&w, (uint32_t)(int32_t)st);
+        kvw__wb_str(&w, reason);
+    }
+    kvw_status_t sst = kvw__wb_finish(&w);
+    if (sst == KVW_OK)
+        sst = kvw__sock_send_all(fd, w.p, w.len, deadline);
+    kvw__wb_free(&w);
+    if (st == KVW_OK && sst != KVW_OK)
+        st = sst;
+    if (st != KVW_OK) {
+        for (uint32_t i = 0; rkeys && i < nb; i++)
+            if (rkeys[i])
+                ctx->tl_ops->rkey_release(rkeys[i]);
+        free(rkeys);
+        if (ep)
+            ctx->tl_ops->ep_close(ep);
+        kvw_rank_destroy(remote);
+        return reason[0] ? kvw__error(st, "%s", reason) : st;
+    }
+    pthread_mutex_lock(&ctx->mu);
+    kvw_peer_t *peer = kvw_peer_add(ctx, fd);
+    if (peer == NULL) {
+        pthread_mutex_unlock(&ctx->mu);
+        for (uint32_t i = 0; i < nb; i++)
+            ctx->tl_ops->rkey_release(rkeys[i]);
+        free(rkeys);
+        ctx->tl_ops->ep_close(ep);
+        kvw_rank_destroy(remote);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
+    }
+    const kvw_parallel_t *rp = kvw_rank_parallel(remote);
+    peer->remote = remote;
+    peer->ep = ep;
+    peer->rkeys = rkeys;
+    peer->num_rkeys = nb;
+    peer->id_at_remote = id_at_remote;
+    peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
+    peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
+    peer->needed = kvw_pair_needed(ctx->rank, remote);
+    snprintf(peer->desc, sizeof(peer->desc), "decode rank dp%u/tp%u/pp%u", peer->dp, peer->tp,
+             peer->pp);
+    pthread_mutex_unlock(&ctx->mu);
+    *peer_p = peer;
+    return KVW_OK;
+}
+
+/* Decode side: connect to one prefill rank and register. */
+static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
+                                       const uint8_t *rkeys, const size_t *rkey_lens,
+                                       const void *addr, size_t addr_len, uint64_t deadline)
+{
+    char host[128];
+    uint16_t port;
+    int fd = -1;
+    uint8_t type, *p = NULL;
+    uint32_t len;
+    kvw_status_t st = kvw__parse_hostport(e->addr, host, sizeof(host), &port);
+    if (st != KVW_OK)
+        return st;
+    if ((st = kvw__tcp_connect(host, port, deadline, &fd)) != KVW_OK)
+        return st;
+    kvw_wbuf_t w;
+    kvw__wb_init(&w, KVW_MSG_HELLO);
+    kvw_put_hello(ctx, &w, ctx->num_peers, rkeys, rkey_lens, addr, addr_len);
+    if ((st = kvw__wb_finish(&w)) == KVW_OK)
+        st = kvw__sock_send_all(fd, w.p, w.len, deadline);
+    kvw__wb_free(&w);
+    if (st == KVW_OK)
+        st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
+    if (st != KVW_OK) {
+        close(fd);
+        return kvw__error(st, "registration with prefill rank dp%u/tp%u/pp%u at %s failed: %s",
+                          e->dp, e->tp, e->pp, e->addr, kvw_last_error());
+    }
+    kvw_rbuf_t r;
+    kvw__rb_init(&r, p, len);
+    if (type == KVW_MSG_REJECT) {
+        kvw_status_t why = (kvw_status_t)(int32_t)kvw__rb_u32(&r);
+        char reason[400];
+        kvw__rb_str(&r, reason, sizeof(reason));
+        free(p);
+        close(fd);
+        (void)why;
+        return kvw__error(KVW_ERR_REJECTED, "prefill rank dp%u/tp%u/pp%u rejected this decode "
+                          "rank: %s", e->dp, e->tp, e->pp, reason);
+    }
+    kvw_rank_h remote = NULL;
+    if (type != KVW_MSG_ACCEPT || (st = kvw__wire_get_rank(&r, &remote)) != KVW_OK ||
+        (st = kvw__rb_done(&r, "accept")) != KVW_OK) {
+        free(p);
+        close(fd);
+        kvw_rank_destroy(remote);
+        return kvw__error(KVW_ERR_MALFORMED, "prefill rank at %s answered the registration with "
+                          "a malformed frame (type %u)", e->addr, type);
+    }
+    free(p);
+    pthread_mutex_lock(&ctx->mu);
+    kvw_peer_t *peer = kvw_peer_add(ctx, fd);
+    if (peer == NULL) {
+        pthread_mutex_unlock(&ctx->mu);
+        close(fd);
+        kvw_rank_destroy(remote);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
+    }
+    peer->remote = remote;
+    peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
+    peer->needed = kvw_pair_needed(remote, ctx->rank);
+    snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s", e->dp, e->tp,
+             e->pp, e->addr);
+    pthread_mutex_unlock(&ctx->mu);
+    return KVW_OK;
+}
+
+/* ------------------------------------------------------------ control thread */
+
+/* Reads what is available on a peer's socket; handles complete frames. mu held. */
+static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
+{
+    for (;;) {
+        ssize_t k;
+        if (peer->hdr_got < KVW_WIRE_HDR) {
+            k = recv(peer->fd, peer->hdr + peer->hdr_got, KVW_WIRE_HDR - peer->hdr_got,
+                     MSG_DONTWAIT);
+        } else {
+            k = recv(peer->fd, peer->payload + peer->payload_got,
+                     peer->payload_len - peer->payload_got, MSG_DONTWAIT);
+            if (peer->payload_len == 0)
+                k = 0, errno = 0;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return;
+        if (k < 0 || (k == 0 && !(peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0))) {
+            kvw__peer_dead(ctx, peer, KVW_ERR_CONN_CLOSED,
+                           k == 0 ? "closed the connection" : strerror(errno));
+            return;
+        }
+        peer->last_rx_ns = kvw__now_ns();
+        if (peer->hdr_got < KVW_WIRE_HDR) {
+            peer->hdr_got += (uint32_t)k;
+            if (peer->hdr_got < KVW_WIRE_HDR)
+                continue;
+            uint8_t type;
+            uint32_t len;
+            if (kvw__wire_header(peer->hdr, &type, &len) != KVW_OK) {
+                kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
+                return;
+            }
+            peer->payload = malloc(len ? len : 1);
+            if (peer->payload == NULL) {
+                kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
+                return;
+            }
+            peer->payload_len = len;
+            peer->payload_got = 0;
+        } else {
+            peer->payload_got += (uint32_t)k;
+        }
+        if (peer->payload_got == peer->payload_len) {
+            uint8_t *payload = peer->payload;
+            peer->payload = NULL;
+            peer->hdr_got = 0;
+            kvw__handle_frame(ctx, peer, peer->hdr[5], payload, peer->payload_len);
+            free(payload);
+            if (peer->dead)
+                return;
+        }
+    }
+}
+
+/* Sends queued frames; called without mu, takes it only to pop. */
+static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer)
+{
+    for (;;) {
+        pthread_mutex_lock(&ctx->mu);
+        kvw_outmsg_t *m = peer->dead ? NULL : peer->out_head;
+        if (m) {
+            peer->out_head = m->next;
+            if (peer->out_head == NULL)
+                peer->out_tail = NULL;
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        if (m == NULL)
+            return;
+        kvw_status_t st = kvw__sock_send_all(peer->fd, m->w.p, m->w.len,
+                                             kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull);
+        kvw__wb_free(&m->w);
+        free(m);
+        pthread_mutex_lock(&ctx->mu);
+        if (st != KVW_OK)
+            kvw__peer_dead(ctx, peer, st, kvw_last_error());
+        else
+            peer->last_tx_ns = kvw__now_ns();
+        pthread_mutex_unlock(&ctx->mu);
+        if (st != KVW_OK)
+            return;
+    }
+}
+
+static void *kvw_ctrl_main(void *arg)
+{
+    struct kvw_ctx *ctx = arg;
+    struct pollfd *pfd = NULL;
+    uint32_t *pidx = NULL;
+    uint32_t cap = 0;
+    for (;;) {
+        pthread_mutex_lock(&ctx->mu);
+        if (ctx->stopping) {
+            pthread_mutex_unlock(&ctx->mu);
+            break;
+        }
+        uint32_t need = ctx->num_peers + 2;
+        if (need > cap) {
+            cap = need * 2;
+            pfd = realloc(pfd, sizeof(*pfd) * cap);
+            pidx = realloc(pidx, sizeof(*pidx) * cap);
+            if (pfd == NULL || pidx == NULL) {
+                pthread_mutex_unlock(&ctx->mu);
+                break; /* cannot happen in practice; rooms then time out */
+            }
+        }
+        nfds_t n = 0;
+        pfd[n++] = (struct pollfd){.fd = ctx->wake_fd[0], .events = POLLIN};
+        if (ctx->listen_fd >= 0)
+            pfd[n++] = (struct pollfd){.fd = ctx->listen_fd, .events = POLLIN};
+        uint32_t first_peer = (uint32_t)n;
+        for (uint32_t i = 0; i < ctx->num_peers; i++) {
+            if (ctx->peers[i]->dead)
+                continue;
+            pidx[n] = i;
+            pfd[n++] = (struct pollfd){.fd = ctx->peers[i]->fd, .events = POLLIN};
+        }
+        pthread_mutex_unlock(&ctx->mu);
+
+        int timeout = (int)KVW_MAX(ctx->heartbeat_ms / 2, 10);
+        if (poll(pfd, n, timeout) < 0 && errno != EINTR)
+            break;
+        if (pfd[0].revents) {
+            char buf[64];
+            while (read(ctx->wake_fd[0], buf, sizeof(buf)) > 0) {
+            }
+        }
+        if (ctx->listen_fd >= 0 && pfd[1].revents) {
+            int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd >= 0) {
+                kvw_peer_t *peer;
+                /* A bad or refused registration only closes this connection. */
+                if (kvw__prefill_handshake(ctx, fd, &peer) != KVW_OK)
+                    close(fd);
+                else
+                    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+            }
+        }
+        pthread_mutex_lock(&ctx->mu);
+        for (nfds_t i = first_peer; i < n; i++)
+            if (pfd[i].revents && !ctx->peers[pidx[i]]->dead)
+                kvw_peer_read(ctx, ctx->peers[pidx[i]]);
+        uint64_t now = kvw__now_ns();
+        for (uint32_t i = 0; i < ctx->num_peers; i++) {
+            kvw_peer_t *p = ctx->peers[i];
+            if (p->dead)
+                continue;
+            if (now - p->last_rx_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
+                char why[96];
+                snprintf(why, sizeof(why), "no heartbeat for %u ms", ctx->peer_timeout_ms);
+                kvw__peer_dead(ctx, p, KVW_ERR_PEER_DEAD, why);
+                continue;
+            }
+            if (now - p->last_tx_ns > (uint64_t)ctx->heartbeat_ms * 1000000ull &&
+                p->out_head == NULL) {
+                kvw_wbuf_t w;
+                kvw__wb_init(&w, KVW_MSG_HEARTBEAT);
+                kvw__peer_send(ctx, p, &w);
+            }
+        }
+        kvw__check_timeouts(ctx, now);
+        uint32_t np = ctx->num_peers;
+        pthread_mutex_unlock(&ctx->mu);
+        for (uint32_t i = 0; i < np; i++)
+            kvw_peer_flush(ctx, ctx->peers[i]);
+    }
+    free(pfd);
+    free(pidx);
+    return NULL;
+}
+
+/* ------------------------------------------------------------ create / destroy */
+
+kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
+{
+    const uint64_t need = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_BOOTSTRAP;
+    kvw_status_t st;
+    if (params == NULL || ctx_p == NULL || (params->field_mask & need) != need ||
+        params->rank == NULL || params->bootstrap_addr == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "context params need a side, a rank and a bootstrap address");
+    uint64_t fm = params->field_mask;
+    if ((fm & KVW_CTX_FIELD_SECRET) && params->secret && params->secret[0])
+        return kvw__error(KVW_ERR_UNSUPPORTED, "shared-secret authentication is not built in "
+                          "this version");
+    struct kvw_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (ctx == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a context");
+    ctx->side = params->side;
+    ctx->rank = params->rank;
+    ctx->listen_fd = -1;
+    ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
+    snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
+             (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host
+                                                                      : "127.0.0.1");
+    snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s", params->bootstrap_addr);
+    bool t = fm & KVW_CTX_FIELD_TIMEOUTS;
+    ctx->heartbeat_ms = t && params->heartbeat_ms ? params->heartbeat_ms : 200;
+    ctx->peer_timeout_ms = t && params->peer_timeout_ms ? params->peer_timeout_ms : 3000;
+    ctx->bootstrap_timeout_ms = t && params->bootstrap_timeout_ms ? params->bootstrap_timeout_ms : 10000;
+    ctx->wait_timeout_ms = t && params->wait_timeout_ms ? params->wait_timeout_ms : 30000;
+    pthread_mutex_init(&ctx->mu, NULL);
+    pthread_cond_init(&ctx->cv, NULL);
+    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
+
+    const char *tl_name = (fm & KVW_CTX_FIELD_TRANSPORT) && params->transport ? params->transport
+                                                                               : "tcp";
+    ctx->tl_ops = kvw__tl_find(tl_name);
+    if (ctx->tl_ops == NULL) {
+        st = kvw__error(KVW_ERR_UNSUPPORTED, "unknown transport '%s'", tl_name);
+        goto err;
+    }
+    if (pipe2(ctx->wake_fd, O_CLOEXEC | O_NONBLOCK) < 0) {
+        st = kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
+        goto err;
+    }
+    kvw_tl_params_t tp = {.listen_host = ctx->side == KVW_SIDE_DECODE ? ctx->listen_host : NULL,
+                          .listen_port = 0,
+                          .cb = {.arg = ctx, .on_notify = kvw__on_notify,
+                                 .check_write = kvw__check_write,
+                                 .on_ep_error = kvw__on_ep_error}};
+    if ((st = ctx->tl_ops->init(&tp, &ctx->tl)) != KVW_OK)
+        goto err;
+
+    if (ctx->side == KVW_SIDE_PREFILL) {
+        const kvw_parallel_t *par = kvw_rank_parallel(ctx->rank);
+        if (params->host_bootstrap && (fm & KVW_CTX_FIELD_HOST_BOOTSTRAP)) {
+            char host[128];
+            uint16_t port;
+            if ((st = kvw__parse_hostport(params->bootstrap_addr, host, sizeof(host), &port)) != KVW_OK ||
+                (st = kvw__bootstrap_start(host, port, &ctx->bs)) != KVW_OK)
+                goto err;
+            snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s",
+                     kvw__bootstrap_addr(ctx->bs));
+        }
+        if ((st = kvw__tcp_listen(ctx->listen_host, 0, &ctx->listen_fd, &ctx->listen_port)) != KVW_OK)
+            goto err;
+        if (pthread_create(&ctx->worker_thread, NULL, kvw__worker_main, ctx) != 0) {
+            st = kvw__error(KVW_ERR_IO, "cannot start the worker thread");
+            goto err;
+        }
+        ctx->worker_started = true;
+        if (pthread_create(&ctx->ctrl_thread, NULL, kvw_ctrl_main, ctx) != 0) {
+            st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
+            goto err;
+        }
+        ctx->ctrl_started = true;
+        kvw_bs_entry_t e = {.dp = par->dp_rank, .tp = par->tp_rank, .pp = par->pp_rank,
+                            .dp_size = KVW_MAX(par->dp_size, 1), .tp_size = par->tp_size,
+                            .pp_size = KVW_MAX(par->pp_size, 1)};
+        snprintf(e.addr, sizeof(e.addr), "%s:%u", ctx->listen_host, ctx->listen_port);
+        if ((st = kvw__bootstrap_register(ctx->bootstrap_addr, &e, deadline)) != KVW_OK)
+            goto err;
+    } else {
+        /* Register every buffer, then register with every prefill rank. */
+        uint32_t nb = kvw_rank_num_buffers(ctx->rank);
+        uint8_t *rkeys = calloc(nb ? nb : 1, KVW_TL_MAX_RKEY);
+        size_t *rkey_lens = calloc(nb ? nb : 1, sizeof(size_t));
+        ctx->mems = calloc(nb ? nb : 1, sizeof(*ctx->mems));
+        uint8_t addr[KVW_TL_MAX_ADDR];
+        size_t addr_len = sizeof(addr);
+        kvw_bs_entry_t *entries = NULL;
+        uint32_t ne = 0;
+        if (!rkeys || !rkey_lens || !ctx->mems) {
+            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory registering buffers");
+            goto err_decode;
+        }
+        for (uint32_t i = 0; i < nb; i++) {
+            const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
+            if ((st = ctx->tl_ops->mem_reg(ctx->tl, b->addr, b->length, b->mem_kind, i,
+                                           &ctx->mems[i], rkeys + (size_t)i * KVW_TL_MAX_RKEY,
+                                           &rkey_lens[i])) != KVW_OK)
+                goto err_decode;
+            ctx->num_mems = i + 1;
+        }
+        if ((st = ctx->tl_ops->address(ctx->tl, addr, &addr_len)) != KVW_OK)
+            goto err_decode;
+        if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
+                                        params->prefill_pp, params->prefill_dp, deadline, &entries,
+                                        &ne)) != KVW_OK)
+            goto err_decode;
+        for (uint32_t i = 0; i < ne; i++)
+            if ((st = kvw_decode_connect(ctx, &entries[i], rkeys, rkey_lens, addr, addr_len,
+                                         deadline)) != KVW_OK)
+                goto err_decode;
+        for (uint32_t i = 0; i < ctx->num_peers; i++)
+            fcntl(ctx->peers[i]->fd, F_SETFL, fcntl(ctx->peers[i]->fd, F_GETFL) | O_NONBLOCK);
+        if (pthread_create(&ctx->ctrl_thread, NULL, kvw_ctrl_main, ctx) != 0)
+            st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
+        else
+            ctx->ctrl_started = true;
+    err_decode:
+        free(rkeys);
+        free(rkey_lens);
+        free(entries);
+        if (st != KVW_OK)
+            goto err;
+    }
+    *ctx_p = ctx;
+    return KVW_OK;
+err:
+    {
+        /* Keep the first error's message across the teardown. */
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", kvw_last_error());
+        kvw_ctx_destroy(ctx);
+        return kvw__error(st, "%s", msg);
+    }
+}
+
+const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx)
+{
+    return ctx && ctx->bs ? kvw__bootstrap_addr(ctx->bs) : NULL;
+}
+
+void kvw_ctx_destroy(kvw_ctx_h ctx)
+{
+    if (ctx == NULL)
+        return;
+    pthread_mutex_lock(&ctx->mu);
+    ctx->stopping = true;
+    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
+        for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next)
+            kvw__room_fail(ctx, r, KVW_ERR_SHUTDOWN, false, "the context was destroyed");
+    pthread_cond_broadcast(&ctx->cv);
+    pthread_mutex_unlock(&ctx->mu);
+    if (ctx->wake_fd[1] >= 0)
+        kvw__ctx_wake(ctx);
+    if (ctx->ctrl_started)
+        pthread_join(ctx->ctrl_thread, NULL);
+    if (ctx->worker_started)
+        pthread_join(ctx->worker_thread, NULL);
+    if (ctx->tl) {
+        ctx->tl_ops->close(ctx->tl);
+        ctx->tl_ops->stop(ctx->tl);
+    }
+    for (uint32_t i = 0; i < ctx->num_peers; i++)
+        kvw_peer_free(ctx, ctx->peers[i]);
+    free(ctx->peers);
+    for (uint32_t i = 0; i < ctx->num_mems; i++)
+        ctx->tl_ops->mem_dereg(ctx->tl, ctx->mems[i]);
+    free(ctx->mems);
+    if (ctx->tl)
+        ctx->tl_ops->fini(ctx->tl);
+    /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
+    for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
+        kvw_room_t *r = ctx->rooms[b];
+        while (r) {
+            kvw_room_t *next = r->next;
+            if (!r->engine_owned)
+                kvw__room_free(r);
+            else
+                r->ctx = NULL;
+            r = next;
+        }
+    }
+    kvw__bootstrap_stop(ctx->bs);
+    if (ctx->listen_fd >= 0)
+        close(ctx->listen_fd);
+    if (ctx->wake_fd[0] >= 0) {
+        close(ctx->wake_fd[0]);
+        close(ctx->wake_fd[1]);
+    }
+    pthread_mutex_destroy(&ctx->mu);
+    pthread_cond_destroy(&ctx->cv);
+    free(ctx);
+}

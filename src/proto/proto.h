@@ -1,0 +1,191 @@
+/* Protocol internals: contexts, peers, rooms, the bootstrap endpoint. */
+#ifndef KVW_PROTO_PROTO_H
+#define KVW_PROTO_PROTO_H
+
+#include <kvwire/xfer.h>
+
+#include "plan/rank.h"
+#include "proto/wire.h"
+#include "transport/transport.h"
+
+#include <pthread.h>
+
+/* Rank descriptions in frames (remote buffers get addr = NULL). */
+void kvw__wire_put_rank(kvw_wbuf_t *w, kvw_rank_h rank);
+kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p);
+void kvw__wire_put_pages(kvw_wbuf_t *w, const kvw_pages_t *pl);
+kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p);
+
+/* Plan without page lists: segments and byte count only (pages are not checked). */
+kvw_status_t kvw__plan_create_nopages(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                                      kvw_plan_h *plan_p);
+
+/* ------------------------------------------------------------ bootstrap */
+
+typedef struct kvw_bs_entry {
+    uint32_t dp, tp, pp;
+    uint32_t dp_size, tp_size, pp_size;
+    char addr[128]; /* control endpoint host:port */
+} kvw_bs_entry_t;
+
+typedef struct kvw_bootstrap kvw_bootstrap_t;
+
+kvw_status_t kvw__bootstrap_start(const char *host, uint16_t port, kvw_bootstrap_t **bs_p);
+const char *kvw__bootstrap_addr(kvw_bootstrap_t *bs);
+void kvw__bootstrap_stop(kvw_bootstrap_t *bs);
+kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
+                                     uint64_t deadline_ns);
+/* Waits until the table holds every rank of the instance (sizes from the entries or
+ * the expected sizes when non-zero). *entries_p is malloc'd. */
+kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
+                                   uint64_t deadline_ns, kvw_bs_entry_t **entries_p,
+                                   uint32_t *count_p);
+
+/* ------------------------------------------------------------ contexts */
+
+typedef struct kvw_outmsg {
+    struct kvw_outmsg *next;
+    kvw_wbuf_t w;
+} kvw_outmsg_t;
+
+typedef struct kvw_peer {
+    uint32_t id;
+    int fd;
+    bool dead;
+    char desc[160];
+    kvw_rank_h remote;
+    uint32_t dp, tp, pp;
+    bool needed;   /* the topology makes this peer and us exchange bytes */
+    uint64_t last_rx_ns, last_tx_ns;
+    kvw_outmsg_t *out_head, *out_tail;
+    /* Incremental frame reader. */
+    uint8_t hdr[KVW_WIRE_HDR];
+    uint32_t hdr_got;
+    uint8_t *payload;
+    uint32_t payload_len, payload_got;
+    /* Prefill side: the data path to this decode rank. */
+    kvw_tl_ep_h ep;
+    kvw_tl_rkey_h *rkeys;
+    uint32_t num_rkeys;
+    uint32_t id_at_remote; /* id the decode side gave us; carried in DONE */
+    uint32_t remote_group_size; /* decode tp x pp */
+} kvw_peer_t;
+
+/* One chunk queued by the prefill engine. */
+typedef struct kvw_qchunk {
+    kvw_chunk_t c;
+    kvw_side_pages_t pages;
+    uint32_t *store;
+} kvw_qchunk_t;
+
+/* Prefill: one decode rank's half of a room. */
+typedef struct kvw_room_dst {
+    uint32_t peer;
+    uint64_t num_tokens, prefix_len;
+    kvw_side_pages_t pages;
+    uint32_t *store;
+    uint32_t next_chunk; /* chunks sent so far */
+    bool last_sent;
+} kvw_room_dst_t;
+
+/* Decode: one prefill rank's half of a room. */
+typedef struct kvw_room_src {
+    uint32_t peer;
+    uint64_t expected, got;
+    bool done;
+} kvw_room_src_t;
+
+typedef struct kvw_room {
+    struct kvw_room *next; /* hash chain */
+    struct kvw_ctx *ctx;
+    uint64_t id;
+    bool is_sender;
+    bool engine_owned; /* a handle exists (a prefill room can exist from a REQ alone) */
+    kvw_room_state_t state;
+    kvw_status_t status;
+    char reason[320];
+    uint64_t created_ns, deadline_ns, start_ns, end_ns;
+    uint64_t bytes, runs;
+    uint32_t inflight; /* worker jobs running on this room */
+    bool queued;
+    struct kvw_room *qnext;
+    /* prefill */
+    int32_t dst_dp; /* -1 until the first REQ */
+    kvw_room_dst_t *dsts;
+    uint32_t num_dsts;
+    kvw_qchunk_t *chunks;
+    uint32_t num_chunks, cap_chunks;
+    bool have_last;
+    uint64_t num_tokens;
+    /* decode */
+    uint32_t src_dp;
+    kvw_room_src_t *srcs;
+    uint32_t num_srcs;
+    uint32_t *granted[KVW_NUM_POOLS]; /* sorted pages the room may write */
+    uint32_t num_granted[KVW_NUM_POOLS];
+} kvw_room_t;
+
+#define KVW_ROOM_BUCKETS 1024
+
+struct kvw_ctx {
+    kvw_side_t side;
+    kvw_rank_h rank;
+    const kvw_tl_ops_t *tl_ops;
+    kvw_tl_h tl;
+    kvw_tl_mem_h *mems;
+    uint32_t num_mems;
+    char listen_host[64];
+    char bootstrap_addr[128];
+    kvw_bootstrap_t *bs;
+    uint32_t heartbeat_ms, peer_timeout_ms, bootstrap_timeout_ms, wait_timeout_ms;
+
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    bool stopping;
+
+    int listen_fd;
+    uint16_t listen_port;
+    int wake_fd[2];
+    kvw_peer_t **peers;
+    uint32_t num_peers, cap_peers;
+
+    kvw_room_t *rooms[KVW_ROOM_BUCKETS];
+    kvw_room_t *q_head, *q_tail; /* prefill rooms with work for the worker */
+
+    pthread_t ctrl_thread, worker_thread;
+    bool ctrl_started, worker_started;
+};
+
+/* Room table (ctx->mu held). */
+kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id);
+kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender);
+void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room);
+void kvw__room_free(kvw_room_t *room);
+/* Fails a room (sticky) with a reason; tells peers when `notify` is set. mu held. */
+void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
+                    const char *fmt, ...) KVW_PRINTF(5, 6);
+void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state);
+
+/* Queues a frame for a peer; the control thread sends it. mu held; takes w. */
+void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w);
+void kvw__ctx_wake(struct kvw_ctx *ctx);
+void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
+                    const char *reason);
+
+/* Frame handlers (mu held). */
+void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, const uint8_t *p,
+                       uint32_t len);
+void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now);
+void *kvw__worker_main(void *arg);
+void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room);
+
+/* Prefill: handles a HELLO on a fresh connection (blocking, before polling it). */
+kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p);
+
+/* Transport callbacks (decode). */
+void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);
+kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
+                              uint64_t len);
+void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason);
+
+#endif

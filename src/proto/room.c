@@ -1,0 +1,965 @@
+/*
+ * Rooms: the per-request state machines on both sides, the frames that drive them,
+ * the prefill worker that moves bytes, and the decode side's transport callbacks.
+ */
+#include "proto/proto.h"
+
+#include <stdio.h>
+#include <string.h>
+
+struct kvw_sender {
+    kvw_room_t *room;
+    struct kvw_ctx *ctx;
+};
+struct kvw_receiver {
+    kvw_room_t *room;
+    struct kvw_ctx *ctx;
+};
+
+#define KVW_PUT_BATCH 512
+
+/* ------------------------------------------------------------ room table */
+
+static uint32_t kvw_room_bucket(uint64_t id)
+{
+    id ^= id >> 33;
+    id *= 0xff51afd7ed558ccdull;
+    id ^= id >> 33;
+    return (uint32_t)(id % KVW_ROOM_BUCKETS);
+}
+
+kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id)
+{
+    for (kvw_room_t *r = ctx->rooms[kvw_room_bucket(id)]; r; r = r->next)
+        if (r->id == id)
+            return r;
+    return NULL;
+}
+
+kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender)
+{
+    kvw_room_t *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return NULL;
+    r->ctx = ctx;
+    r->id = id;
+    r->is_sender = is_sender;
+    r->dst_dp = -1;
+    r->state = KVW_ROOM_BOOTSTRAPPING;
+    r->created_ns = kvw__now_ns();
+    r->deadline_ns = r->created_ns + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
+    uint32_t b = kvw_room_bucket(id);
+    r->next = ctx->rooms[b];
+    ctx->rooms[b] = r;
+    return r;
+}
+
+void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room)
+{
+    for (kvw_room_t **pp = &ctx->rooms[kvw_room_bucket(room->id)]; *pp; pp = &(*pp)->next)
+        if (*pp == room) {
+            *pp = room->next;
+            break;
+        }
+    /* Drop it from the worker queue too. */
+    for (kvw_room_t **pp = &ctx->q_head; *pp; pp = &(*pp)->qnext)
+        if (*pp == room) {
+            *pp = room->qnext;
+            break;
+        }
+    ctx->q_tail = NULL;
+    for (kvw_room_t *q = ctx->q_head; q; q = q->qnext)
+        ctx->q_tail = q;
+    room->queued = false;
+}
+
+void kvw__room_free(kvw_room_t *r)
+{
+    for (uint32_t i = 0; i < r->num_dsts; i++)
+        free(r->dsts[i].store);
+    free(r->dsts);
+    for (uint32_t i = 0; i < r->num_chunks; i++)
+        free(r->chunks[i].store);
+    free(r->chunks);
+    free(r->srcs);
+    for (int p = 0; p < KVW_NUM_POOLS; p++)
+        free(r->granted[p]);
+    free(r);
+}
+
+void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
+{
+    /* Monotonic: never back, never out of a terminal state. */
+    if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS || state <= room->state)
+        return;
+    room->state = state;
+    if (state == KVW_ROOM_TRANSFERRING && !room->start_ns)
+        room->start_ns = kvw__now_ns();
+    if (state == KVW_ROOM_SUCCESS)
+        room->end_ns = kvw__now_ns();
+}
+
+static void kvw_send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
+                              kvw_status_t status, const char *reason)
+{
+    kvw_wbuf_t w;
+    kvw__wb_init(&w, type);
+    kvw__wb_u64(&w, room);
+    kvw__wb_u32(&w, (uint32_t)(int32_t)status);
+    kvw__wb_str(&w, reason);
+    kvw__peer_send(ctx, peer, &w);
+}
+
+void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
+                    const char *fmt, ...)
+{
+    if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS)
+        return;
+    room->state = KVW_ROOM_FAILED;
+    room->status = status;
+    room->end_ns = kvw__now_ns();
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(room->reason, sizeof(room->reason), fmt, ap);
+    va_end(ap);
+    if (!notify)
+        return;
+    /* Tell the other side: prefill reports FAILED to its decode ranks; decode aborts
+     * the room on its prefill ranks. */
+    if (room->is_sender) {
+        for (uint32_t i = 0; i < room->num_dsts; i++)
+            kvw_send_room_msg(ctx, ctx->peers[room->dsts[i].peer], KVW_MSG_FAILED, room->id, status,
+                              room->reason);
+    } else {
+        for (uint32_t i = 0; i < room->num_srcs; i++)
+            kvw_send_room_msg(ctx, ctx->peers[room->srcs[i].peer], KVW_MSG_ABORT, room->id, status,
+                              room->reason);
+    }
+    pthread_cond_broadcast(&ctx->cv);
+}
+
+void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
+{
+    for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
+        kvw_room_t **pp = &ctx->rooms[b];
+        while (*pp) {
+            kvw_room_t *r = *pp;
+            bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;
+            if (!terminal && now > r->deadline_ns)
+                kvw__room_fail(ctx, r, KVW_ERR_TIMEOUT, true,
+                               "room %llu timed out after %u ms in state %s",
+                               (unsigned long long)r->id, ctx->wait_timeout_ms,
+                               kvw_room_state_string(r->state));
+            /* Rooms no handle owns (a REQ or ABORT for a room the engine never opened)
+             * are dropped once terminal and idle. */
+            if (!r->engine_owned && r->inflight == 0 &&
+                (r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS) &&
+                now > r->end_ns + (uint64_t)ctx->wait_timeout_ms * 1000000ull) {
+                *pp = r->next;
+                kvw__room_unlink(ctx, r);
+                kvw__room_free(r);
+                continue;
+            }
+            pp = &r->next;
+        }
+    }
+}
+
+/* ------------------------------------------------------------ prefill */
+
+void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
+{
+    if (room->queued)
+        return;
+    room->queued = true;
+    room->qnext = NULL;
+    if (ctx->q_tail)
+        ctx->q_tail->qnext = room;
+    else
+        ctx->q_head = room;
+    ctx->q_tail = room;
+    pthread_cond_broadcast(&ctx->cv);
+}
+
+/* Decode ranks the room must serve are known once every rank of the decode DP group
+ * has registered; until then the room keeps waiting. mu held. */
+static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    if (r->dst_dp < 0)
+        return false;
+    uint32_t group = 0, connected = 0, needed = 0;
+    for (uint32_t i = 0; i < ctx->num_peers; i++) {
+        kvw_peer_t *p = ctx->peers[i];
+        if (p->dp != (uint32_t)r->dst_dp)
+            continue;
+        group = p->remote_group_size;
+        connected++;
+        needed += p->needed;
+    }
+    return connected >= group && r->num_dsts >= needed;
+}
+
+static void kvw_sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    if (r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
+        return;
+    bool complete = kvw_room_dsts_complete(ctx, r);
+    if (complete)
+        kvw__room_advance(r, KVW_ROOM_WAITING_FOR_INPUT);
+    if (complete && r->num_chunks)
+        kvw__room_advance(r, KVW_ROOM_TRANSFERRING);
+    if (complete && r->have_last) {
+        bool all = true;
+        for (uint32_t i = 0; i < r->num_dsts; i++)
+            all &= r->dsts[i].last_sent;
+        if (all)
+            kvw__room_advance(r, KVW_ROOM_SUCCESS);
+    }
+    /* Work exists when some decode rank has chunks it has not been sent. */
+    for (uint32_t i = 0; i < r->num_dsts; i++)
+        if (r->dsts[i].next_chunk < r->num_chunks) {
+            kvw__queue_room(ctx, r);
+            break;
+        }
+}
+
+static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
+{
+    uint64_t id = kvw__rb_u64(rb);
+    uint32_t dp = kvw__rb_u32(rb);
+    kvw_room_dst_t d = {.peer = peer->id};
+    d.num_tokens = kvw__rb_u64(rb);
+    d.prefix_len = kvw__rb_u64(rb);
+    uint32_t *s1 = NULL, *s2 = NULL;
+    if (kvw__wire_get_pages(rb, &d.pages.full, &s1) != KVW_OK ||
+        kvw__wire_get_pages(rb, &d.pages.swa, &s2) != KVW_OK) {
+        free(s1);
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "malformed request frame");
+        return;
+    }
+    d.pages.state_slot = (int64_t)kvw__rb_u64(rb);
+    if (kvw__rb_done(rb, "request") != KVW_OK) {
+        free(s1);
+        free(s2);
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
+        return;
+    }
+    /* One allocation per destination keeps the room's frees simple. */
+    d.store = malloc(sizeof(uint32_t) * ((size_t)d.pages.full.num_pages + d.pages.swa.num_pages + 1));
+    if (d.store) {
+        memcpy(d.store, s1, sizeof(uint32_t) * d.pages.full.num_pages);
+        memcpy(d.store + d.pages.full.num_pages, s2, sizeof(uint32_t) * d.pages.swa.num_pages);
+        d.pages.full.pages = d.store;
+        d.pages.swa.pages = d.store + d.pages.full.num_pages;
+    }
+    free(s1);
+    free(s2);
+    kvw_room_t *r = kvw__room_find(ctx, id);
+    if (r == NULL)
+        r = kvw__room_new(ctx, id, true);
+    if (r == NULL || d.store == NULL) {
+        free(d.store);
+        kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_NO_MEMORY,
+                          "prefill rank out of memory accepting the request");
+        return;
+    }
+    kvw_room_dst_t *nd = realloc(r->dsts, sizeof(*nd) * (r->num_dsts + 1));
+    if (nd == NULL) {
+        free(d.store);
+        kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory accepting a request");
+        return;
+    }
+    r->dsts = nd;
+    r->dsts[r->num_dsts++] = d;
+    if (r->state == KVW_ROOM_FAILED) {
+        kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, r->status, r->reason);
+        return;
+    }
+    for (uint32_t i = 0; i + 1 < r->num_dsts; i++)
+        if (r->dsts[i].peer == peer->id) {
+            kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
+                           "%s posted room %llu twice", peer->desc, (unsigned long long)id);
+            return;
+        }
+    if (r->dst_dp < 0)
+        r->dst_dp = (int32_t)dp;
+    if ((uint32_t)r->dst_dp != dp || !peer->needed) {
+        kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
+                       "room %llu: %s posted for decode DP group %u, but the room belongs to "
+                       "group %d%s", (unsigned long long)id, peer->desc, dp, r->dst_dp,
+                       peer->needed ? "" : " (and this rank sends it nothing)");
+        return;
+    }
+    if (r->num_tokens && d.num_tokens != r->num_tokens) {
+        kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
+                       "room %llu: decode expects %llu tokens, prefill sends %llu",
+                       (unsigned long long)id, (unsigned long long)d.num_tokens,
+                       (unsigned long long)r->num_tokens);
+        return;
+    }
+    kvw_sender_update(ctx, r);
+}
+
+/* Worker: executes one (room, decode rank, chunk) step. Called with mu NOT held;
+ * the room is pinned by inflight. */
+typedef struct kvw_put_ctx {
+    struct kvw_ctx *ctx;
+    kvw_peer_t *peer;
+    kvw_room_t *room;
+    kvw_tl_put_t puts[KVW_PUT_BATCH];
+    size_t n;
+    uint64_t runs;
+} kvw_put_ctx_t;
+
+static kvw_status_t kvw_put_flush(kvw_put_ctx_t *pc)
+{
+    if (pc->n == 0)
+        return KVW_OK;
+    kvw_status_t st = pc->ctx->tl_ops->put(pc->peer->ep, pc->room->id, pc->puts, pc->n);
+    pc->n = 0;
+    return st;
+}
+
+static kvw_status_t kvw_put_run(void *arg, const kvw_run_t *run)
+{
+    kvw_put_ctx_t *pc = arg;
+    const kvw_buffer_desc_t *sb = kvw_rank_buffer(pc->ctx->rank, run->src_buf);
+    if (run->dst_buf >= pc->peer->num_rkeys)
+        return kvw__error(KVW_ERR_INTERNAL, "run names destination buffer %u of %u", run->dst_buf,
+                          pc->peer->num_rkeys);
+    pc->puts[pc->n++] = (kvw_tl_put_t){.src = (const uint8_t *)sb->addr + run->src_off,
+                                       .rkey = pc->peer->rkeys[run->dst_buf],
+                                       .dst_off = run->dst_off, .len = run->len};
+    pc->runs++;
+    if (pc->n == KVW_PUT_BATCH) {
+        /* Stop early when the room was aborted meanwhile. */
+        if (__atomic_load_n(&pc->room->state, __ATOMIC_RELAXED) == KVW_ROOM_FAILED)
+            return kvw__error(KVW_ERR_ABORTED, "room aborted");
+        return kvw_put_flush(pc);
+    }
+    return KVW_OK;
+}
+
+static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, kvw_room_dst_t *d,
+                                    const kvw_qchunk_t *q, kvw_peer_t *peer, uint64_t *bytes_p,
+                                    uint64_t *runs_p)
+{
+    kvw_chunk_t c = q->c;
+    c.prefix_len = d->prefix_len;
+    if (c.prefix_len > c.num_tokens)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "decode prefix %llu exceeds %llu tokens",
+                          (unsigned long long)c.prefix_len, (unsigned long long)c.num_tokens);
+    kvw_plan_h plan;
+    kvw_status_t st = kvw_plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
+    if (st != KVW_OK)
+        return st;
+    static kvw_put_ctx_t *unused;
+    (void)unused;
+    kvw_put_ctx_t *pc = malloc(sizeof(*pc));
+    if (pc == NULL) {
+        kvw_plan_destroy(plan);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory sending");
+    }
+    pc->ctx = ctx, pc->peer = peer, pc->room = r, pc->n = 0, pc->runs = 0;
+    st = kvw_plan_expand(plan, kvw_put_run, pc);
+    if (st == KVW_OK)
+        st = kvw_put_flush(pc);
+    if (st == KVW_OK) {
+        kvw_wbuf_t w;
+        kvw__wb_init(&w, KVW_MSG_DONE);
+        kvw__wb_u64(&w, r->id);
+        kvw__wb_u32(&w, peer->id_at_remote);
+        kvw__wb_u64(&w, c.chunk_begin);
+        kvw__wb_u64(&w, c.chunk_end);
+        kvw__wb_u64(&w, plan->bytes);
+        kvw__wb_u8(&w, (uint8_t)(c.last_chunk != 0));
+        if ((st = kvw__wb_finish(&w)) == KVW_OK)
+            st = ctx->tl_ops->notify(peer->ep, w.p, w.len);
+        kvw__wb_free(&w);
+    }
+    *bytes_p = plan->bytes;
+    *runs_p = pc->runs;
+    free(pc);
+    kvw_plan_destroy(plan);
+    return st;
+}
+
+void *kvw__worker_main(void *arg)
+{
+    struct kvw_ctx *ctx = arg;
+    pthread_mutex_lock(&ctx->mu);
+    for (;;) {
+        while (!ctx->stopping && ctx->q_head == NULL)
+            pthread_cond_wait(&ctx->cv, &ctx->mu);
+        if (ctx->stopping)
+            break;
+        kvw_room_t *r = ctx->q_head;
+        ctx->q_head = r->qnext;
+        if (ctx->q_head == NULL)
+            ctx->q_tail = NULL;
+        r->queued = false;
+        /* Serve every decode rank that has an unsent chunk, one chunk at a time. */
+        for (uint32_t i = 0; i < r->num_dsts && r->state != KVW_ROOM_FAILED; i++) {
+            kvw_room_dst_t *d = &r->dsts[i];
+            while (d->next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
+                kvw_peer_t *peer = ctx->peers[d->peer];
+                kvw_qchunk_t q = r->chunks[d->next_chunk];
+                kvw_room_dst_t dcopy = *d;
+                r->inflight++;
+                if (!r->start_ns)
+                    r->start_ns = kvw__now_ns();
+                pthread_mutex_unlock(&ctx->mu);
+                uint64_t bytes = 0, runs = 0;
+                kvw_status_t st = kvw_worker_step(ctx, r, &dcopy, &q, peer, &bytes, &runs);
+                char msg[512];
+                snprintf(msg, sizeof(msg), "%s", kvw_last_error());
+                pthread_mutex_lock(&ctx->mu);
+                r->inflight--;
+                d = &r->dsts[i];
+                if (st != KVW_OK) {
+                    if (r->state != KVW_ROOM_FAILED)
+                        kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc,
+                                       msg);
+                    if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
+                        kvw__peer_dead(ctx, peer, st, msg);
+                    break;
+                }
+                r->bytes += bytes;
+                r->runs += runs;
+                if (q.c.last_chunk)
+                    d->last_sent = true;
+                d->next_chunk++;
+            }
+        }
+        kvw_sender_update(ctx, r);
+        pthread_cond_broadcast(&ctx->cv);
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    return NULL;
+}
+
+kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sender_p)
+{
+    if (ctx == NULL || sender_p == NULL || ctx->side != KVW_SIDE_PREFILL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "senders exist on prefill contexts only");
+    struct kvw_sender *s = calloc(1, sizeof(*s));
+    if (s == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a sender");
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = kvw__room_find(ctx, room);
+    if (r && r->engine_owned) {
+        pthread_mutex_unlock(&ctx->mu);
+        free(s);
+        return kvw__error(KVW_ERR_BUSY, "room %llu already has a sender on this rank",
+                          (unsigned long long)room);
+    }
+    if (r == NULL)
+        r = kvw__room_new(ctx, room, true);
+    if (r == NULL) {
+        pthread_mutex_unlock(&ctx->mu);
+        free(s);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a sender");
+    }
+    r->engine_owned = true;
+    /* The wait timeout counts from the engine's side of the room. */
+    r->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
+    kvw_sender_update(ctx, r);
+    pthread_mutex_unlock(&ctx->mu);
+    s->room = r;
+    s->ctx = ctx;
+    *sender_p = s;
+    return KVW_OK;
+}
+
+kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
+{
+    if (s == NULL || chunk == NULL || s->ctx == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_sender_send: NULL argument or no context");
+    if (chunk->chunk_begin > chunk->chunk_end || chunk->chunk_end > chunk->num_tokens ||
+        (chunk->last_chunk && chunk->chunk_end != chunk->num_tokens))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "chunk [%llu, %llu) of a %llu-token request%s",
+                          (unsigned long long)chunk->chunk_begin,
+                          (unsigned long long)chunk->chunk_end,
+                          (unsigned long long)chunk->num_tokens,
+                          chunk->last_chunk ? " cannot be the last one" : " is out of range");
+    struct kvw_ctx *ctx = s->ctx;
+    kvw_qchunk_t q = {.c = {.num_tokens = chunk->num_tokens, .chunk_begin = chunk->chunk_begin,
+                            .chunk_end = chunk->chunk_end, .last_chunk = chunk->last_chunk}};
+    q.pages = chunk->pages;
+    q.store = malloc(sizeof(uint32_t) *
+                     ((size_t)chunk->pages.full.num_pages + chunk->pages.swa.num_pages + 1));
+    if (q.store == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory queuing a chunk");
+    if (chunk->pages.full.num_pages)
+        memcpy(q.store, chunk->pages.full.pages, sizeof(uint32_t) * chunk->pages.full.num_pages);
+    if (chunk->pages.swa.num_pages)
+        memcpy(q.store + chunk->pages.full.num_pages, chunk->pages.swa.pages,
+               sizeof(uint32_t) * chunk->pages.swa.num_pages);
+    q.pages.full.pages = q.store;
+    q.pages.swa.pages = q.store + chunk->pages.full.num_pages;
+
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = s->room;
+    kvw_status_t st = KVW_OK;
+    if (r->state == KVW_ROOM_FAILED)
+        st = kvw__error(r->status ? r->status : KVW_ERR_ABORTED, "room %llu already failed: %s",
+                        (unsigned long long)r->id, r->reason);
+    else if (r->have_last)
+        st = kvw__error(KVW_ERR_INVALID_PARAM, "room %llu already sent its last chunk",
+                        (unsigned long long)r->id);
+    else if (r->num_tokens && r->num_tokens != chunk->num_tokens)
+        st = kvw__error(KVW_ERR_INVALID_PARAM, "room %llu: chunk says %llu tokens, earlier ones %llu",
+                        (unsigned long long)r->id, (unsigned long long)chunk->num_tokens,
+                        (unsigned long long)r->num_tokens);
+    if (st == KVW_OK && r->num_chunks == r->cap_chunks) {
+        uint32_t cap = r->cap_chunks ? r->cap_chunks * 2 : 4;
+        kvw_qchunk_t *n = realloc(r->chunks, sizeof(*n) * cap);
+        if (n == NULL)
+            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory queuing a chunk");
+        else
+            r->chunks = n, r->cap_chunks = cap;
+    }
+    if (st != KVW_OK) {
+        pthread_mutex_unlock(&ctx->mu);
+        free(q.store);
+        return st;
+    }
+    r->num_tokens = chunk->num_tokens;
+    for (uint32_t i = 0; i < r->num_dsts; i++)
+        if (r->dsts[i].num_tokens != chunk->num_tokens) {
+            kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
+                           "room %llu: decode expects %llu tokens, prefill sends %llu",
+                           (unsigned long long)r->id, (unsigned long long)r->dsts[i].num_tokens,
+                           (unsigned long long)chunk->num_tokens);
+            break;
+        }
+    r->chunks[r->num_chunks++] = q;
+    r->have_last |= chunk->last_chunk != 0;
+    kvw_sender_update(ctx, r);
+    pthread_mutex_unlock(&ctx->mu);
+    return KVW_OK;
+}
+
+/* ------------------------------------------------------------ decode */
+
+static int kvw_u32_cmp(const void *a, const void *b)
+{
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Pages of one pool that a room may have written: those covering [tb, te). */
+static kvw_status_t kvw_grant(kvw_room_t *r, int pool, const kvw_pages_t *pl, uint32_t ps,
+                              uint64_t tb, uint64_t te)
+{
+    r->num_granted[pool] = 0;
+    if (tb >= te || ps == 0)
+        return KVW_OK;
+    if (pl->first_token > tb || pl->first_token % ps ||
+        pl->first_token + (uint64_t)pl->num_pages * ps < te)
+        return kvw__error(KVW_ERR_OUT_OF_RANGE,
+                          "room %llu: the %s page list (%u pages of %u tokens from token %llu) "
+                          "does not cover tokens [%llu, %llu)", (unsigned long long)r->id,
+                          pool == KVW_POOL_FULL ? "full-attention" : "sliding-window",
+                          pl->num_pages, ps, (unsigned long long)pl->first_token,
+                          (unsigned long long)tb, (unsigned long long)te);
+    uint64_t i0 = (tb - pl->first_token) / ps, i1 = (te - pl->first_token + ps - 1) / ps;
+    r->granted[pool] = malloc(sizeof(uint32_t) * (i1 - i0));
+    if (r->granted[pool] == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory granting pages");
+    memcpy(r->granted[pool], pl->pages + i0, sizeof(uint32_t) * (i1 - i0));
+    qsort(r->granted[pool], i1 - i0, sizeof(uint32_t), kvw_u32_cmp);
+    r->num_granted[pool] = (uint32_t)(i1 - i0);
+    return KVW_OK;
+}
+
+kvw_status_t kvw_receiver_create(kvw_ctx_h ctx, uint64_t room, uint32_t prefill_dp,
+                                 kvw_receiver_h *receiver_p)
+{
+    if (ctx == NULL || receiver_p == NULL || ctx->side != KVW_SIDE_DECODE)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "receivers exist on decode contexts only");
+    struct kvw_receiver *rv = calloc(1, sizeof(*rv));
+    if (rv == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a receiver");
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = kvw__room_find(ctx, room);
+    if (r) {
+        pthread_mutex_unlock(&ctx->mu);
+        free(rv);
+        return kvw__error(KVW_ERR_BUSY, "room %llu already has a receiver on this rank",
+                          (unsigned long long)room);
+    }
+    r = kvw__room_new(ctx, room, false);
+    if (r == NULL) {
+        pthread_mutex_unlock(&ctx->mu);
+        free(rv);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a receiver");
+    }
+    r->engine_owned = true;
+    r->src_dp = prefill_dp;
+    pthread_mutex_unlock(&ctx->mu);
+    rv->room = r;
+    rv->ctx = ctx;
+    *receiver_p = rv;
+    return KVW_OK;
+}
+
+kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
+{
+    if (rv == NULL || post == NULL || rv->ctx == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_receiver_post: NULL argument or no context");
+    struct kvw_ctx *ctx = rv->ctx;
+    kvw_room_t *r = rv->room;
+    kvw_rank_h me = ctx->rank;
+    if (post->prefix_len > post->num_tokens)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "prefix %llu exceeds the request's %llu tokens",
+                          (unsigned long long)post->prefix_len,
+                          (unsigned long long)post->num_tokens);
+    pthread_mutex_lock(&ctx->mu);
+    kvw_status_t st = KVW_OK;
+    if (r->state != KVW_ROOM_BOOTSTRAPPING) {
+        st = r->state == KVW_ROOM_FAILED
+                 ? kvw__error(r->status, "room %llu already failed: %s", (unsigned long long)r->id,
+                              r->reason)
+                 : kvw__error(KVW_ERR_INVALID_PARAM, "room %llu was already posted",
+                              (unsigned long long)r->id);
+        goto out;
+    }
+    /* Senders: every prefill rank of the chosen DP group that sends this rank bytes. */
+    kvw_chunk_t whole = {.num_tokens = post->num_tokens, .chunk_begin = 0,
+                         .chunk_end = post->num_tokens, .prefix_len = post->prefix_len,
+                         .last_chunk = 1};
+    r->srcs = calloc(ctx->num_peers ? ctx->num_peers : 1, sizeof(*r->srcs));
+    if (r->srcs == NULL) {
+        st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory posting a room");
+        goto out;
+    }
+    for (uint32_t i = 0; i < ctx->num_peers; i++) {
+        kvw_peer_t *p = ctx->peers[i];
+        if (p->dp != r->src_dp || !p->needed)
+            continue;
+        if (p->dead) {
+            st = kvw__error(KVW_ERR_PEER_DEAD, "room %llu needs %s, which is gone",
+                            (unsigned long long)r->id, p->desc);
+            goto out;
+        }
+        kvw_plan_h plan;
+        if ((st = kvw__plan_create_nopages(p->remote, me, &whole, &plan)) != KVW_OK)
+            goto out;
+        r->srcs[r->num_srcs++] = (kvw_room_src_t){.peer = i, .expected = plan->bytes};
+        kvw_plan_destroy(plan);
+    }
+    if (r->num_srcs == 0) {
+        st = kvw__error(KVW_ERR_NOT_FOUND, "no prefill rank of DP group %u sends to this rank",
+                        r->src_dp);
+        goto out;
+    }
+    /* Grants: the pages the transfer may write, so stray writes are refused. */
+    uint64_t min_window = UINT64_MAX;
+    const kvw_model_t *m = kvw_rank_model(me);
+    const kvw_parallel_t *par = kvw_rank_parallel(me);
+    bool state = false;
+    for (uint32_t l = par->layer_begin; l < par->layer_end; l++) {
+        if (m->layers[l].kind == KVW_LAYER_SWA)
+            min_window = KVW_MIN(min_window, m->layers[l].window);
+        state |= m->layers[l].kind == KVW_LAYER_STATE;
+    }
+    uint64_t n = post->num_tokens;
+    if ((st = kvw_grant(r, KVW_POOL_FULL, &post->pages.full, me->pool_page_size[KVW_POOL_FULL],
+                        post->prefix_len, n)) != KVW_OK)
+        goto out;
+    if (min_window != UINT64_MAX) {
+        uint64_t ws = n > min_window ? n - min_window : 0;
+        if ((st = kvw_grant(r, KVW_POOL_SWA, &post->pages.swa, me->pool_page_size[KVW_POOL_SWA],
+                            KVW_MAX(ws, post->prefix_len), n)) != KVW_OK)
+            goto out;
+    }
+    if (state) {
+        if (post->pages.state_slot < 0 ||
+            (uint64_t)post->pages.state_slot >= me->pool_capacity[KVW_POOL_STATE]) {
+            st = kvw__error(KVW_ERR_OUT_OF_RANGE, "room %llu: state slot %lld outside the %llu "
+                            "slots", (unsigned long long)r->id, (long long)post->pages.state_slot,
+                            (unsigned long long)me->pool_capacity[KVW_POOL_STATE]);
+            goto out;
+        }
+        r->granted[KVW_POOL_STATE] = malloc(sizeof(uint32_t));
+        if (r->granted[KVW_POOL_STATE] == NULL) {
+            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory granting pages");
+            goto out;
+        }
+        r->granted[KVW_POOL_STATE][0] = (uint32_t)post->pages.state_slot;
+        r->num_granted[KVW_POOL_STATE] = 1;
+    }
+    r->num_tokens = n;
+    for (uint32_t i = 0; i < r->num_srcs; i++) {
+        kvw_wbuf_t w;
+        kvw__wb_init(&w, KVW_MSG_REQ);
+        kvw__wb_u64(&w, r->id);
+        kvw__wb_u32(&w, par->dp_rank);
+        kvw__wb_u64(&w, n);
+        kvw__wb_u64(&w, post->prefix_len);
+        kvw__wire_put_pages(&w, &post->pages.full);
+        kvw__wire_put_pages(&w, &post->pages.swa);
+        kvw__wb_u64(&w, (uint64_t)post->pages.state_slot);
+        kvw__peer_send(ctx, ctx->peers[r->srcs[i].peer], &w);
+    }
+    r->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
+    kvw__room_advance(r, KVW_ROOM_WAITING_FOR_INPUT);
+out:
+    if (st != KVW_OK)
+        kvw__room_fail(ctx, r, st, false, "%s", kvw_last_error());
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (!r->srcs[i].done)
+            return;
+    /* Fail closed: every sender's byte count must be exactly what the plan implies. */
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (r->srcs[i].got != r->srcs[i].expected) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "%s delivered %llu bytes, the plan expects %llu",
+                           ctx->peers[r->srcs[i].peer]->desc,
+                           (unsigned long long)r->srcs[i].got,
+                           (unsigned long long)r->srcs[i].expected);
+            return;
+        }
+    kvw__room_advance(r, KVW_ROOM_SUCCESS);
+}
+
+void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
+{
+    struct kvw_ctx *ctx = arg;
+    (void)ep;
+    if (len < KVW_WIRE_HDR)
+        return;
+    uint8_t type;
+    uint32_t plen;
+    if (kvw__wire_header(msg, &type, &plen) != KVW_OK || type != KVW_MSG_DONE ||
+        plen != len - KVW_WIRE_HDR)
+        return;
+    kvw_rbuf_t rb;
+    kvw__rb_init(&rb, (const uint8_t *)msg + KVW_WIRE_HDR, plen);
+    uint64_t id = kvw__rb_u64(&rb);
+    uint32_t peer_id = kvw__rb_u32(&rb);
+    uint64_t cb = kvw__rb_u64(&rb), ce = kvw__rb_u64(&rb), bytes = kvw__rb_u64(&rb);
+    bool last = kvw__rb_u8(&rb) != 0;
+    if (kvw__rb_done(&rb, "done") != KVW_OK)
+        return;
+    (void)cb;
+    (void)ce;
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = kvw__room_find(ctx, id);
+    if (r && !r->is_sender && r->state != KVW_ROOM_FAILED && r->state != KVW_ROOM_SUCCESS) {
+        kvw_room_src_t *s = NULL;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            if (r->srcs[i].peer == peer_id)
+                s = &r->srcs[i];
+        if (s == NULL || s->done) {
+            kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true,
+                           "room %llu: completion from an unexpected sender (peer %u)",
+                           (unsigned long long)id, peer_id);
+        } else {
+            kvw__room_advance(r, KVW_ROOM_TRANSFERRING);
+            s->got += bytes;
+            r->bytes += bytes;
+            s->done = last;
+            kvw_receiver_done(ctx, r);
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+static bool kvw_granted(const kvw_room_t *r, int pool, uint32_t page)
+{
+    const uint32_t *g = r->granted[pool];
+    uint32_t lo = 0, hi = r->num_granted[pool];
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (g[mid] == page)
+            return true;
+        if (g[mid] < page)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return false;
+}
+
+kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
+                              uint64_t len)
+{
+    struct kvw_ctx *ctx = arg;
+    kvw_status_t st = KVW_OK;
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = kvw__room_find(ctx, room);
+    const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, (uint32_t)region);
+    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED ||
+        r->state == KVW_ROOM_SUCCESS || r->state == KVW_ROOM_BOOTSTRAPPING || b == NULL) {
+        st = KVW_ERR_OUT_OF_RANGE;
+        if (r && !r->is_sender)
+            kvw__room_fail(ctx, r, st, true, "a write arrived for room %llu in state %s",
+                           (unsigned long long)room, kvw_room_state_string(r->state));
+        goto out;
+    }
+    const kvw_comp_view_t *v = NULL;
+    for (uint32_t i = 0; i < ctx->rank->num_views; i++)
+        if (ctx->rank->views[i].buf == region) {
+            v = &ctx->rank->views[i];
+            break;
+        }
+    if (v == NULL || len == 0) {
+        st = KVW_ERR_OUT_OF_RANGE;
+        goto out;
+    }
+    uint64_t ps = v->view.page_stride;
+    for (uint64_t p = off / ps; p <= (off + len - 1) / ps; p++)
+        if (p > UINT32_MAX || !kvw_granted(r, (int)v->pool, (uint32_t)p)) {
+            st = KVW_ERR_OUT_OF_RANGE;
+            kvw__room_fail(ctx, r, st, true,
+                           "room %llu: a write to buffer %llu bytes [%llu, %llu) touches page "
+                           "%llu, which this room was not granted", (unsigned long long)room,
+                           (unsigned long long)region, (unsigned long long)off,
+                           (unsigned long long)(off + len), (unsigned long long)p);
+            break;
+        }
+out:
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason)
+{
+    /* Data connections are anonymous; the control channel of the same peer notices the
+     * failure (closed socket or missing heartbeats) and fails its rooms with a name. */
+    (void)arg;
+    (void)ep;
+    (void)status;
+    (void)reason;
+}
+
+/* ------------------------------------------------------------ frames */
+
+void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, const uint8_t *p,
+                       uint32_t len)
+{
+    kvw_rbuf_t rb;
+    kvw__rb_init(&rb, p, len);
+    switch (type) {
+    case KVW_MSG_HEARTBEAT:
+        if (len)
+            kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "heartbeat with a payload");
+        return;
+    case KVW_MSG_REQ:
+        if (ctx->side != KVW_SIDE_PREFILL)
+            break;
+        kvw_handle_req(ctx, peer, &rb);
+        return;
+    case KVW_MSG_ABORT:
+    case KVW_MSG_FAILED:
+    case KVW_MSG_ABORT_ACK: {
+        uint64_t id = kvw__rb_u64(&rb);
+        kvw_status_t st = (kvw_status_t)(int32_t)kvw__rb_u32(&rb);
+        char reason[256];
+        kvw__rb_str(&rb, reason, sizeof(reason));
+        if (kvw__rb_done(&rb, "room message") != KVW_OK) {
+            kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
+            return;
+        }
+        if (st >= 0 || st < -100)
+            st = KVW_ERR_REMOTE_FAILED;
+        kvw_room_t *r = kvw__room_find(ctx, id);
+        if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
+            if (r == NULL)
+                r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
+            if (r)
+                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, false, "aborted by %s: %s", peer->desc,
+                               reason);
+            kvw_send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "acknowledged");
+        } else if (type == KVW_MSG_FAILED && ctx->side == KVW_SIDE_DECODE && r) {
+            kvw__room_fail(ctx, r, st == KVW_ERR_ABORTED ? KVW_ERR_ABORTED : KVW_ERR_REMOTE_FAILED,
+                           false, "%s failed the room: %s", peer->desc, reason);
+        }
+        return;
+    }
+    default:
+        break;
+    }
+    char why[96];
+    snprintf(why, sizeof(why), "unexpected frame type %u on the control channel", type);
+    kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
+}
+
+/* ------------------------------------------------------------ handles */
+
+#define KVW_HANDLE_FNS(kind, T)                                                          \
+    kvw_room_state_t kvw_##kind##_poll(T h)                                              \
+    {                                                                                    \
+        if (h == NULL)                                                                   \
+            return KVW_ROOM_FAILED;                                                      \
+        if (h->ctx == NULL)                                                              \
+            return h->room->state;                                                       \
+        pthread_mutex_lock(&h->ctx->mu);                                                 \
+        kvw_room_state_t s = h->room->state;                                             \
+        pthread_mutex_unlock(&h->ctx->mu);                                               \
+        return s;                                                                        \
+    }                                                                                    \
+    const char *kvw_##kind##_failure(T h)                                                \
+    {                                                                                    \
+        if (h == NULL)                                                                   \
+            return "NULL handle";                                                        \
+        return kvw_##kind##_poll(h) == KVW_ROOM_FAILED ? h->room->reason : "";           \
+    }                                                                                    \
+    kvw_status_t kvw_##kind##_status(T h)                                                \
+    {                                                                                    \
+        kvw_room_state_t s = kvw_##kind##_poll(h);                                       \
+        return s == KVW_ROOM_FAILED ? (h ? h->room->status : KVW_ERR_INVALID_PARAM)      \
+               : s == KVW_ROOM_SUCCESS ? KVW_OK                                          \
+                                       : KVW_INPROGRESS;                                 \
+    }                                                                                    \
+    void kvw_##kind##_metrics(T h, kvw_room_metrics_t *m)                                \
+    {                                                                                    \
+        if (h == NULL || m == NULL)                                                      \
+            return;                                                                      \
+        if (h->ctx)                                                                      \
+            pthread_mutex_lock(&h->ctx->mu);                                             \
+        m->bytes = h->room->bytes;                                                       \
+        m->runs = h->room->runs;                                                         \
+        m->start_ns = h->room->start_ns;                                                 \
+        m->end_ns = h->room->end_ns;                                                     \
+        m->path = "direct";                                                              \
+        if (h->ctx)                                                                      \
+            pthread_mutex_unlock(&h->ctx->mu);                                           \
+    }                                                                                    \
+    void kvw_##kind##_abort(T h)                                                         \
+    {                                                                                    \
+        if (h == NULL || h->ctx == NULL)                                                 \
+            return;                                                                      \
+        pthread_mutex_lock(&h->ctx->mu);                                                 \
+        kvw__room_fail(h->ctx, h->room, KVW_ERR_ABORTED, true, "aborted by the %s engine", \
+                       h->room->is_sender ? "prefill" : "decode");                       \
+        pthread_mutex_unlock(&h->ctx->mu);                                               \
+    }                                                                                    \
+    void kvw_##kind##_destroy(T h)                                                       \
+    {                                                                                    \
+        if (h == NULL)                                                                   \
+            return;                                                                      \
+        struct kvw_ctx *ctx = h->ctx;                                                    \
+        if (ctx) {                                                                       \
+            pthread_mutex_lock(&ctx->mu);                                                \
+            kvw__room_fail(ctx, h->room, KVW_ERR_ABORTED, true,                          \
+                           "the room was destroyed before it finished");                 \
+            while (h->room->inflight)                                                    \
+                pthread_cond_wait(&ctx->cv, &ctx->mu);                                   \
+            kvw__room_unlink(ctx, h->room);                                              \
+            pthread_mutex_unlock(&ctx->mu);                                              \
+        }                                                                                \
+        kvw__room_free(h->room);                                                         \
+        free(h);                                                                         \
+    }
+
+KVW_HANDLE_FNS(sender, kvw_sender_h)
+KVW_HANDLE_FNS(receiver, kvw_receiver_h)

@@ -1,0 +1,361 @@
+#include "proto/wire.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+static void kvw_wb_put(kvw_wbuf_t *w, const void *p, size_t n)
+{
+    if (w->oom)
+        return;
+    if (w->len + n > w->cap) {
+        size_t cap = w->cap ? w->cap : 256;
+        while (cap < w->len + n)
+            cap *= 2;
+        uint8_t *np = realloc(w->p, cap);
+        if (np == NULL) {
+            w->oom = true;
+            return;
+        }
+        w->p = np;
+        w->cap = cap;
+    }
+    memcpy(w->p + w->len, p, n);
+    w->len += n;
+}
+
+void kvw__wb_u8(kvw_wbuf_t *w, uint8_t v) { kvw_wb_put(w, &v, 1); }
+void kvw__wb_u16(kvw_wbuf_t *w, uint16_t v)
+{
+    uint8_t b[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
+    kvw_wb_put(w, b, 2);
+}
+void kvw__wb_u32(kvw_wbuf_t *w, uint32_t v)
+{
+    uint8_t b[4];
+    for (int i = 0; i < 4; i++)
+        b[i] = (uint8_t)(v >> (8 * i));
+    kvw_wb_put(w, b, 4);
+}
+void kvw__wb_u64(kvw_wbuf_t *w, uint64_t v)
+{
+    uint8_t b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)(v >> (8 * i));
+    kvw_wb_put(w, b, 8);
+}
+void kvw__wb_bytes(kvw_wbuf_t *w, const void *p, size_t n)
+{
+    kvw__wb_u32(w, (uint32_t)n);
+    if (n)
+        kvw_wb_put(w, p, n);
+}
+void kvw__wb_str(kvw_wbuf_t *w, const char *s)
+{
+    kvw__wb_bytes(w, s ? s : "", s ? strlen(s) : 0);
+}
+
+void kvw__wb_init(kvw_wbuf_t *w, uint8_t type)
+{
+    memset(w, 0, sizeof(*w));
+    kvw__wb_u32(w, KVW_WIRE_MAGIC);
+    kvw__wb_u8(w, KVW_WIRE_VERSION);
+    kvw__wb_u8(w, type);
+    kvw__wb_u16(w, 0);
+    kvw__wb_u32(w, 0);
+}
+
+kvw_status_t kvw__wb_finish(kvw_wbuf_t *w)
+{
+    if (w->oom)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory encoding a frame");
+    uint32_t n = (uint32_t)(w->len - KVW_WIRE_HDR);
+    for (int i = 0; i < 4; i++)
+        w->p[8 + i] = (uint8_t)(n >> (8 * i));
+    return KVW_OK;
+}
+
+void kvw__wb_free(kvw_wbuf_t *w)
+{
+    free(w->p);
+    memset(w, 0, sizeof(*w));
+}
+
+static uint32_t kvw_le32(const uint8_t *b)
+{
+    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
+}
+
+kvw_status_t kvw__wire_header(const uint8_t h[KVW_WIRE_HDR], uint8_t *type_p, uint32_t *len_p)
+{
+    uint32_t magic = kvw_le32(h);
+    if (magic != KVW_WIRE_MAGIC)
+        return kvw__error(KVW_ERR_MALFORMED, "bad frame magic 0x%08x (expected 0x%08x)", magic,
+                          KVW_WIRE_MAGIC);
+    if (h[4] != KVW_WIRE_VERSION)
+        return kvw__error(KVW_ERR_MALFORMED, "unsupported protocol version %u (this side speaks %u)",
+                          h[4], KVW_WIRE_VERSION);
+    if (h[5] == 0 || h[5] >= KVW_MSG_MAX)
+        return kvw__error(KVW_ERR_MALFORMED, "unknown frame type %u", h[5]);
+    uint32_t len = kvw_le32(h + 8);
+    if (len > KVW_WIRE_MAX_PAYLOAD)
+        return kvw__error(KVW_ERR_MALFORMED, "frame payload of %u bytes exceeds the %u-byte limit",
+                          len, KVW_WIRE_MAX_PAYLOAD);
+    *type_p = h[5];
+    *len_p = len;
+    return KVW_OK;
+}
+
+void kvw__rb_init(kvw_rbuf_t *r, const void *p, size_t len)
+{
+    r->p = p;
+    r->len = len;
+    r->pos = 0;
+    r->bad = false;
+}
+
+static const uint8_t *kvw_rb_take(kvw_rbuf_t *r, size_t n)
+{
+    if (r->bad || r->len - r->pos < n) {
+        r->bad = true;
+        return NULL;
+    }
+    const uint8_t *p = r->p + r->pos;
+    r->pos += n;
+    return p;
+}
+
+uint8_t kvw__rb_u8(kvw_rbuf_t *r)
+{
+    const uint8_t *b = kvw_rb_take(r, 1);
+    return b ? b[0] : 0;
+}
+uint16_t kvw__rb_u16(kvw_rbuf_t *r)
+{
+    const uint8_t *b = kvw_rb_take(r, 2);
+    return b ? (uint16_t)(b[0] | b[1] << 8) : 0;
+}
+uint32_t kvw__rb_u32(kvw_rbuf_t *r)
+{
+    const uint8_t *b = kvw_rb_take(r, 4);
+    return b ? kvw_le32(b) : 0;
+}
+uint64_t kvw__rb_u64(kvw_rbuf_t *r)
+{
+    const uint8_t *b = kvw_rb_take(r, 8);
+    return b ? (uint64_t)kvw_le32(b) | (uint64_t)kvw_le32(b + 4) << 32 : 0;
+}
+const void *kvw__rb_bytes(kvw_rbuf_t *r, size_t max, size_t *len_p)
+{
+    uint32_t n = kvw__rb_u32(r);
+    if (r->bad || n > max) {
+        r->bad = true;
+        return NULL;
+    }
+    const uint8_t *p = kvw_rb_take(r, n);
+    if (p)
+        *len_p = n;
+    return p;
+}
+void kvw__rb_str(kvw_rbuf_t *r, char *out, size_t cap)
+{
+    size_t n = 0;
+    const char *p = kvw__rb_bytes(r, cap - 1, &n);
+    if (p == NULL) {
+        out[0] = '\0';
+        return;
+    }
+    memcpy(out, p, n);
+    out[n] = '\0';
+}
+kvw_status_t kvw__rb_done(kvw_rbuf_t *r, const char *what)
+{
+    if (r->bad)
+        return kvw__error(KVW_ERR_MALFORMED, "%s frame is truncated or has an oversized field", what);
+    if (r->pos != r->len)
+        return kvw__error(KVW_ERR_MALFORMED, "%s frame has %zu trailing bytes", what,
+                          r->len - r->pos);
+    return KVW_OK;
+}
+
+static int kvw_wait_fd(int fd, short ev, uint64_t deadline_ns)
+{
+    for (;;) {
+        uint64_t now = kvw__now_ns();
+        if (now >= deadline_ns)
+            return 0;
+        uint64_t ms = (deadline_ns - now + 999999) / 1000000;
+        struct pollfd p = {.fd = fd, .events = ev};
+        int r = poll(&p, 1, ms > 1000 ? 1000 : (int)ms);
+        if (r > 0)
+            return 1;
+        if (r < 0 && errno != EINTR)
+            return -1;
+    }
+}
+
+kvw_status_t kvw__sock_send_all(int fd, const void *p, size_t n, uint64_t deadline_ns)
+{
+    const uint8_t *b = p;
+    while (n) {
+        ssize_t k = send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+            b += k;
+            n -= (size_t)k;
+            continue;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            int w = kvw_wait_fd(fd, POLLOUT, deadline_ns);
+            if (w == 0)
+                return kvw__error(KVW_ERR_TIMEOUT, "timed out sending to a peer");
+            if (w < 0)
+                return kvw__error(KVW_ERR_IO, "poll failed: %s", strerror(errno));
+            continue;
+        }
+        return kvw__error(KVW_ERR_CONN_CLOSED, "send failed: %s", strerror(errno));
+    }
+    return KVW_OK;
+}
+
+kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns)
+{
+    uint8_t *b = p;
+    while (n) {
+        ssize_t k = recv(fd, b, n, MSG_DONTWAIT);
+        if (k > 0) {
+            b += k;
+            n -= (size_t)k;
+            continue;
+        }
+        if (k == 0)
+            return kvw__error(KVW_ERR_CONN_CLOSED, "the peer closed the connection");
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
+            int w = kvw_wait_fd(fd, POLLIN, deadline_ns);
+            if (w == 0)
+                return kvw__error(KVW_ERR_TIMEOUT, "timed out waiting for a peer's reply");
+            if (w < 0)
+                return kvw__error(KVW_ERR_IO, "poll failed: %s", strerror(errno));
+            continue;
+        }
+        return kvw__error(KVW_ERR_CONN_CLOSED, "recv failed: %s", strerror(errno));
+    }
+    return KVW_OK;
+}
+
+kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
+                                  uint8_t **payload_p, uint32_t *len_p)
+{
+    uint8_t hdr[KVW_WIRE_HDR];
+    uint8_t type;
+    uint32_t len;
+    kvw_status_t st = kvw__sock_recv_all(fd, hdr, sizeof(hdr), deadline_ns);
+    if (st != KVW_OK)
+        return st;
+    if ((st = kvw__wire_header(hdr, &type, &len)) != KVW_OK)
+        return st;
+    uint8_t *p = malloc(len ? len : 1);
+    if (p == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory receiving a %u-byte frame", len);
+    if ((st = kvw__sock_recv_all(fd, p, len, deadline_ns)) != KVW_OK) {
+        free(p);
+        return st;
+    }
+    *type_p = type;
+    *payload_p = p;
+    *len_p = len;
+    return KVW_OK;
+}
+
+kvw_status_t kvw__parse_hostport(const char *s, char *host, size_t hcap, uint16_t *port_p)
+{
+    const char *colon = s ? strrchr(s, ':') : NULL;
+    if (colon == NULL || (size_t)(colon - s) >= hcap || colon == s)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "address '%s' is not host:port", s ? s : "(null)");
+    char *end;
+    unsigned long port = strtoul(colon + 1, &end, 10);
+    if (*end || port > 65535 || end == colon + 1)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "address '%s' has a bad port", s);
+    memcpy(host, s, (size_t)(colon - s));
+    host[colon - s] = '\0';
+    *port_p = (uint16_t)port;
+    return KVW_OK;
+}
+
+static kvw_status_t kvw_resolve(const char *host, uint16_t port, struct sockaddr_in *sa)
+{
+    memset(sa, 0, sizeof(*sa));
+    sa->sin_family = AF_INET;
+    sa->sin_port = htons(port);
+    if (inet_pton(AF_INET, host, &sa->sin_addr) == 1)
+        return KVW_OK;
+    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM}, *res = NULL;
+    if (getaddrinfo(host, NULL, &hints, &res) != 0 || res == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "cannot resolve host '%s'", host);
+    sa->sin_addr = ((struct sockaddr_in *)res->ai_addr)->sin_addr;
+    freeaddrinfo(res);
+    return KVW_OK;
+}
+
+kvw_status_t kvw__tcp_listen(const char *host, uint16_t port, int *fd_p, uint16_t *port_p)
+{
+    struct sockaddr_in sa;
+    kvw_status_t st = kvw_resolve(host, port, &sa);
+    if (st != KVW_OK)
+        return st;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return kvw__error(KVW_ERR_IO, "socket: %s", strerror(errno));
+    int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 128) < 0) {
+        st = kvw__error(KVW_ERR_IO, "cannot listen on %s:%u: %s", host, port, strerror(errno));
+        close(fd);
+        return st;
+    }
+    socklen_t sl = sizeof(sa);
+    getsockname(fd, (struct sockaddr *)&sa, &sl);
+    *port_p = ntohs(sa.sin_port);
+    *fd_p = fd;
+    return KVW_OK;
+}
+
+kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_p)
+{
+    struct sockaddr_in sa;
+    kvw_status_t st = kvw_resolve(host, port, &sa);
+    if (st != KVW_OK)
+        return st;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    if (fd < 0)
+        return kvw__error(KVW_ERR_IO, "socket: %s", strerror(errno));
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+        if (errno != EINPROGRESS) {
+            st = kvw__error(KVW_ERR_IO, "cannot connect to %s:%u: %s", host, port, strerror(errno));
+            close(fd);
+            return st;
+        }
+        int w = kvw_wait_fd(fd, POLLOUT, deadline_ns);
+        int err = 0;
+        socklen_t el = sizeof(err);
+        if (w > 0)
+            getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
+        if (w <= 0 || err) {
+            st = kvw__error(w == 0 ? KVW_ERR_TIMEOUT : KVW_ERR_IO, "cannot connect to %s:%u: %s",
+                            host, port, w == 0 ? "timed out" : strerror(err ? err : errno));
+            close(fd);
+            return st;
+        }
+    }
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    *fd_p = fd;
+    return KVW_OK;
+}

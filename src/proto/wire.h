@@ -1,0 +1,89 @@
+/*
+ * Wire format of kvwire's control messages. Every frame is a 12-byte header (magic,
+ * version, type, flags, payload length; little-endian, fixed width) and a payload of
+ * at most KVW_WIRE_MAX_PAYLOAD bytes. Readers check every field against the bytes
+ * that remain before using it; a short or oversized field marks the reader bad.
+ */
+#ifndef KVW_PROTO_WIRE_H
+#define KVW_PROTO_WIRE_H
+
+#include "core/core.h"
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVW_WIRE_MAGIC 0x3157564bu /* "KVW1" */
+#define KVW_WIRE_VERSION 1
+#define KVW_WIRE_HDR 12
+#define KVW_WIRE_MAX_PAYLOAD (64u << 20)
+
+typedef enum kvw_msg_type {
+    KVW_MSG_HELLO = 1,     /* decode -> prefill: registration */
+    KVW_MSG_ACCEPT = 2,    /* prefill -> decode */
+    KVW_MSG_REJECT = 3,    /* prefill -> decode: reason */
+    KVW_MSG_REQ = 4,       /* decode -> prefill: a room's destination pages */
+    KVW_MSG_ABORT = 5,     /* either way: room, reason */
+    KVW_MSG_ABORT_ACK = 6, /* prefill -> decode */
+    KVW_MSG_FAILED = 7,    /* prefill -> decode: room, status, reason */
+    KVW_MSG_HEARTBEAT = 8,
+    KVW_MSG_DONE = 9,      /* prefill -> decode through the transport, after the data */
+    KVW_MSG_BS_REGISTER = 20, /* prefill rank -> bootstrap */
+    KVW_MSG_BS_OK = 21,
+    KVW_MSG_BS_LOOKUP = 22,   /* decode -> bootstrap */
+    KVW_MSG_BS_TABLE = 23,
+    KVW_MSG_CHALLENGE = 30,   /* prefill -> decode: nonce for the shared secret */
+    KVW_MSG_MAX = 31
+} kvw_msg_type_t;
+
+typedef struct kvw_wbuf {
+    uint8_t *p;
+    size_t len, cap;
+    bool oom;
+} kvw_wbuf_t;
+
+typedef struct kvw_rbuf {
+    const uint8_t *p;
+    size_t len, pos;
+    bool bad;
+} kvw_rbuf_t;
+
+/* Writer: starts a frame of `type`; kvw__wb_finish fills in the length. */
+void kvw__wb_init(kvw_wbuf_t *w, uint8_t type);
+void kvw__wb_u8(kvw_wbuf_t *w, uint8_t v);
+void kvw__wb_u16(kvw_wbuf_t *w, uint16_t v);
+void kvw__wb_u32(kvw_wbuf_t *w, uint32_t v);
+void kvw__wb_u64(kvw_wbuf_t *w, uint64_t v);
+void kvw__wb_bytes(kvw_wbuf_t *w, const void *p, size_t n); /* u32 length + bytes */
+void kvw__wb_str(kvw_wbuf_t *w, const char *s);
+kvw_status_t kvw__wb_finish(kvw_wbuf_t *w); /* NO_MEMORY if any append failed */
+void kvw__wb_free(kvw_wbuf_t *w);
+
+/* Header parse: OK, or MALFORMED with a message (bad magic, version, type, length). */
+kvw_status_t kvw__wire_header(const uint8_t hdr[KVW_WIRE_HDR], uint8_t *type_p, uint32_t *len_p);
+
+void kvw__rb_init(kvw_rbuf_t *r, const void *p, size_t len);
+uint8_t kvw__rb_u8(kvw_rbuf_t *r);
+uint16_t kvw__rb_u16(kvw_rbuf_t *r);
+uint32_t kvw__rb_u32(kvw_rbuf_t *r);
+uint64_t kvw__rb_u64(kvw_rbuf_t *r);
+/* Returns a pointer into the frame and its length (<= max), or NULL and marks bad. */
+const void *kvw__rb_bytes(kvw_rbuf_t *r, size_t max, size_t *len_p);
+/* Copies a string of at most cap-1 bytes into out (NUL-terminated). */
+void kvw__rb_str(kvw_rbuf_t *r, char *out, size_t cap);
+/* OK if nothing was short and every byte was consumed; else MALFORMED naming `what`. */
+kvw_status_t kvw__rb_done(kvw_rbuf_t *r, const char *what);
+
+/* Blocking helpers on a socket with a deadline (absolute kvw__now_ns()). */
+kvw_status_t kvw__sock_send_all(int fd, const void *p, size_t n, uint64_t deadline_ns);
+kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns);
+/* Reads one whole frame (header + payload, malloc'd into *payload_p). */
+kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
+                                  uint8_t **payload_p, uint32_t *len_p);
+
+/* "host:port" parsing and TCP helpers. */
+kvw_status_t kvw__parse_hostport(const char *s, char *host, size_t hcap, uint16_t *port_p);
+kvw_status_t kvw__tcp_listen(const char *host, uint16_t port, int *fd_p, uint16_t *port_p);
+kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_p);
+
+#endif
