@@ -1,0 +1,143 @@
+/*
+ * kvwire/cuda.h — GPU execution of plans, and the few CUDA helpers that callers and
+ * tests need around it.
+ *
+ * The core library never links CUDA. The first call of any function here loads the
+ * module libkvwire_cuda.so (built from src/cuda when nvcc is present) with dlopen: from
+ * the path in the environment variable KVW_CUDA_MODULE if set, else from the directory
+ * holding libkvwire (or the executable it is linked into), else through the dynamic
+ * loader's search path. Without the module, or without a GPU and driver, every
+ * function returns KVW_ERR_UNSUPPORTED and kvw_last_error() says which of the two is
+ * missing.
+ *
+ * Loading the module does not touch the GPU; every other call initialises the CUDA
+ * runtime. A process that forks must do so before its first call here (CUDA state does
+ * not survive fork).
+ *
+ * Streams are cudaStream_t values passed as void *; NULL is the legacy default stream.
+ * Device pointers are plain pointers valid in the calling thread's current device
+ * context, including peer memory opened with kvw_cuda_ipc_open.
+ */
+#ifndef KVWIRE_CUDA_H
+#define KVWIRE_CUDA_H
+
+#include <kvwire/kvwire.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/*
+ * OK when the module loads, the CUDA runtime initialises and at least one device
+ * exists. UNSUPPORTED otherwise: no module, no driver (CUDA error 35), no device (100).
+ */
+KVW_API kvw_status_t kvw_cuda_available(void);
+
+/* ---------------------------------------------------------------- device helpers */
+
+KVW_API kvw_status_t kvw_cuda_device_count(int *count_p);
+/* Selects the calling thread's current device. */
+KVW_API kvw_status_t kvw_cuda_set_device(int device);
+KVW_API kvw_status_t kvw_cuda_get_device(int *device_p);
+
+/* Device memory on the current device (cudaMalloc: at least 256-byte aligned). The
+ * caller owns it and releases it with kvw_cuda_free. NO_MEMORY when the device is full. */
+KVW_API kvw_status_t kvw_cuda_malloc(uint64_t size, void **ptr_p);
+KVW_API kvw_status_t kvw_cuda_free(void *ptr);
+/* Page-locked host memory (cudaMallocHost), for fast host <-> device copies. */
+KVW_API kvw_status_t kvw_cuda_malloc_host(uint64_t size, void **ptr_p);
+KVW_API kvw_status_t kvw_cuda_free_host(void *ptr);
+
+/* Copies `size` bytes in whichever direction the two pointers imply (host or device,
+ * local or peer). With stream NULL the call returns when the copy is done; otherwise it
+ * is queued on the stream. */
+KVW_API kvw_status_t kvw_cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream);
+/* Sets device bytes; stream as for kvw_cuda_memcpy. */
+KVW_API kvw_status_t kvw_cuda_memset(void *ptr, int value, uint64_t size, void *stream);
+
+/* A non-blocking stream on the current device. */
+KVW_API kvw_status_t kvw_cuda_stream_create(void **stream_p);
+KVW_API kvw_status_t kvw_cuda_stream_destroy(void *stream);
+/* Waits for the stream's work; returns the error of a kernel that failed on it. */
+KVW_API kvw_status_t kvw_cuda_stream_sync(void *stream);
+KVW_API kvw_status_t kvw_cuda_device_sync(void);
+
+/* ---------------------------------------------------------------- CUDA IPC */
+
+#define KVW_CUDA_IPC_HANDLE_SIZE 64
+
+/* An opaque handle that another process on the same host can open; plain bytes, so it
+ * can travel in any message. */
+typedef struct kvw_cuda_ipc_handle {
+    uint8_t bytes[KVW_CUDA_IPC_HANDLE_SIZE];
+} kvw_cuda_ipc_handle_t;
+
+/*
+ * Exports the allocation that starts at `base` (a pointer returned by kvw_cuda_malloc or
+ * cudaMalloc, not an interior pointer: offsets travel separately). The allocation must
+ * stay allocated while any peer has it open.
+ */
+KVW_API kvw_status_t kvw_cuda_ipc_export(void *base, kvw_cuda_ipc_handle_t *handle_p);
+/* Maps a peer's allocation into the current device's context (peer access is enabled
+ * as needed). The pointer is valid until kvw_cuda_ipc_close. */
+KVW_API kvw_status_t kvw_cuda_ipc_open(const kvw_cuda_ipc_handle_t *handle, void **ptr_p);
+KVW_API kvw_status_t kvw_cuda_ipc_close(void *ptr);
+
+/* ---------------------------------------------------------------- plans on the GPU */
+
+typedef struct kvw_cuda_plan *kvw_cuda_plan_h;
+
+/* What a device plan will run: each selects whose buffers must be KVW_MEM_CUDA with
+ * addresses valid in the current device context. */
+enum {
+    KVW_CUDA_DIRECT = 1u << 0,  /* source and destination buffers */
+    KVW_CUDA_GATHER = 1u << 1,  /* source buffers only */
+    KVW_CUDA_SCATTER = 1u << 2  /* destination buffers only */
+};
+
+/*
+ * Copies a plan's segments and page lists to the current device, once, so that it can
+ * run any number of times with one kernel launch each (the launch size follows the byte
+ * count, never the number of segments or runs). Buffer addresses are read now from the
+ * plan's rank descriptions; the plan itself may be destroyed afterwards, but the
+ * buffers must outlive every launch. Errors: INVALID_PARAM (a buffer that `uses` needs
+ * is not KVW_MEM_CUDA or has no address), UNSUPPORTED (no GPU or module), NO_MEMORY.
+ */
+KVW_API kvw_status_t kvw_cuda_plan_upload(kvw_plan_h plan, unsigned uses,
+                                          kvw_cuda_plan_h *cplan_p);
+/* Frees the device copy (synchronises with the device, as cudaFree does). */
+KVW_API void kvw_cuda_plan_destroy(kvw_cuda_plan_h cplan);
+/* Payload bytes of the plan: the size a staging buffer needs. */
+KVW_API uint64_t kvw_cuda_plan_bytes(kvw_cuda_plan_h cplan);
+
+/* Copies every byte of the plan from source to destination buffers on `stream`
+ * (asynchronously: kernel errors surface at the next synchronisation). */
+KVW_API kvw_status_t kvw_cuda_plan_exec(kvw_cuda_plan_h cplan, void *stream);
+
+/*
+ * Staged path. Gather packs the plan's source bytes into `staging` (device memory,
+ * 16-byte aligned, at least kvw_cuda_plan_bytes bytes); scatter unpacks such a buffer
+ * into the destination. The staging layout is the plan order: the concatenation of the
+ * runs of kvw_plan_expand, in the order it emits them, so a CPU gather made with
+ * kvw_plan_expand and a GPU scatter agree byte for byte. Errors: INVALID_PARAM
+ * (misaligned or NULL staging, plan not uploaded for this use), BUFFER_TOO_SMALL.
+ */
+KVW_API kvw_status_t kvw_cuda_plan_gather(kvw_cuda_plan_h cplan, void *staging, uint64_t size,
+                                          void *stream);
+KVW_API kvw_status_t kvw_cuda_plan_scatter(kvw_cuda_plan_h cplan, const void *staging,
+                                           uint64_t size, void *stream);
+
+/*
+ * One-shot direct copy of a plan whose source and destination buffers are KVW_MEM_CUDA
+ * device pointers valid in the current device context (local, or peer memory mapped
+ * with kvw_cuda_ipc_open). Uploads the plan, launches, and releases the device copy,
+ * all ordered on `stream` without waiting. For a plan that runs more than once, upload
+ * it with kvw_cuda_plan_upload instead.
+ */
+KVW_API kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVWIRE_CUDA_H */

@@ -1,0 +1,283 @@
+/*
+ * Plan execution kernels: one fused kernel template serves the direct copy (source
+ * pages -> destination pages, e.g. through CUDA IPC-mapped peer pointers), the gather
+ * (source pages -> contiguous staging) and the scatter (staging -> destination pages).
+ * copy_core.h holds the addressing; this file holds the launch machinery and the device
+ * copy of a plan.
+ */
+#include "cuda/copy_core.h"
+#include "cuda/internal.h"
+
+#include <stdlib.h>
+
+struct kvwc_plan {
+    int device;
+    void *dmem; /* the laid-out segments and page lists */
+    const kvwc_dseg_t *dsegs;
+    uint32_t num_segs;
+    uint64_t num_jobs;
+    uint64_t bytes;
+    unsigned uses;
+    int grid;
+};
+
+template <int W> struct kvwc_vec;
+template <> struct kvwc_vec<16> { typedef uint4 type; };
+template <> struct kvwc_vec<8> { typedef uint2 type; };
+template <> struct kvwc_vec<4> { typedef uint32_t type; };
+template <> struct kvwc_vec<2> { typedef uint16_t type; };
+template <> struct kvwc_vec<1> { typedef uint8_t type; };
+
+/*
+ * One job: token bases into shared memory, then W-byte units, KVWC_UNROLL loads in
+ * flight per thread before the first store. The segment is passed by value so that the
+ * compiler keeps its fields in registers instead of reloading them after every store.
+ */
+template <int W, int MODE>
+__device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t &s, uint64_t b0, uint64_t b1,
+                                             uint64_t stage, kvwc_tokens_t *tt)
+{
+    typedef typename kvwc_vec<W>::type vec;
+    kvwc_jobgeo_t g;
+    kvwc_job_geo(&s, b0, b1, W, &g);
+    for (uint32_t i = threadIdx.x; i < g.ntok; i += blockDim.x)
+        kvwc_token_bases(&s, MODE, s.tok_begin + g.t0 + i, tt, i);
+    __syncthreads();
+    const uint32_t stride = blockDim.x;
+    for (uint32_t u = g.ub + threadIdx.x; u < g.ue; u += KVWC_UNROLL * stride) {
+        vec v[KVWC_UNROLL];
+        uint64_t dst[KVWC_UNROLL];
+#pragma unroll
+        for (int k = 0; k < KVWC_UNROLL; k++) {
+            uint32_t uk = u + k * stride;
+            if (uk < g.ue) {
+                uint64_t src;
+                kvwc_unit_addrs(&s, MODE, W, &g, tt, uk, stage, &src, &dst[k]);
+                v[k] = *(const vec *)(uintptr_t)src;
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < KVWC_UNROLL; k++) {
+            if (u + k * stride < g.ue)
+                *(vec *)(uintptr_t)dst[k] = v[k];
+        }
+    }
+    __syncthreads(); /* the next job reuses the token table */
+}
+
+template <int MODE>
+__global__ void __launch_bounds__(KVWC_THREADS)
+    kvwc_copy_kernel(const kvwc_dseg_t *__restrict__ segs, uint32_t num_segs, uint64_t num_jobs,
+                     uint64_t stage)
+{
+    __shared__ kvwc_tokens_t tt;
+    for (uint64_t job = blockIdx.x; job < num_jobs; job += gridDim.x) {
+        const kvwc_dseg_t s = segs[kvwc_find_seg(segs, num_segs, job)];
+        uint64_t b0, b1;
+        kvwc_job_range(&s, job, &b0, &b1);
+        switch (s.w[MODE]) {
+        case 16: kvwc_run_job<16, MODE>(s, b0, b1, stage, &tt); break;
+        case 8: kvwc_run_job<8, MODE>(s, b0, b1, stage, &tt); break;
+        case 4: kvwc_run_job<4, MODE>(s, b0, b1, stage, &tt); break;
+        case 2: kvwc_run_job<2, MODE>(s, b0, b1, stage, &tt); break;
+        default: kvwc_run_job<1, MODE>(s, b0, b1, stage, &tt); break;
+        }
+    }
+}
+
+static kvw_status_t kvwc_launch(const kvwc_plan *p, int mode, uint64_t stage, void *stream)
+{
+    if (p->num_jobs == 0)
+        return KVW_OK;
+    int dev;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaGetDevice");
+    if (dev != p->device)
+        return kvwc_error(KVW_ERR_INVALID_PARAM,
+                          "the device plan lives on device %d but device %d is current",
+                          p->device, dev);
+    uint64_t grid = p->num_jobs < (uint64_t)p->grid ? p->num_jobs : (uint64_t)p->grid;
+    cudaStream_t st = (cudaStream_t)stream;
+    switch (mode) {
+    case KVWC_MODE_DIRECT:
+        kvwc_copy_kernel<KVWC_MODE_DIRECT>
+            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->num_segs, p->num_jobs, stage);
+        break;
+    case KVWC_MODE_GATHER:
+        kvwc_copy_kernel<KVWC_MODE_GATHER>
+            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->num_segs, p->num_jobs, stage);
+        break;
+    default:
+        kvwc_copy_kernel<KVWC_MODE_SCATTER>
+            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->num_segs, p->num_jobs, stage);
+        break;
+    }
+    e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "launching the copy kernel");
+    return KVW_OK;
+}
+
+/* Lays the plan out in host memory for device address `dev_base`. */
+static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, uint64_t dev_base, void **host_p,
+                                 uint64_t *size_p, kvwc_plan *p)
+{
+    uint64_t size = kvwc_blob_size(in);
+    void *host = malloc(size ? size : 1);
+    if (host == NULL)
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory laying out a device plan");
+    const char *why = NULL;
+    if (kvwc_blob_fill(in, host, dev_base, &p->num_segs, &p->num_jobs, &why) != 0) {
+        free(host);
+        return kvwc_error(KVW_ERR_UNSUPPORTED, "the CUDA executor cannot run this plan: %s", why);
+    }
+    p->dsegs = (const kvwc_dseg_t *)(uintptr_t)dev_base;
+    p->bytes = in->bytes;
+    p->uses = in->uses;
+    *host_p = host;
+    *size_p = size;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_plan_device(kvwc_plan *p)
+{
+    cudaError_t e = cudaGetDevice(&p->device);
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaGetDevice");
+    int sms = 0;
+    e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaDeviceGetAttribute(multiprocessor count)");
+    /* Enough resident blocks to keep every multiprocessor's memory pipes busy; the
+     * kernel loops over jobs, so more jobs than blocks costs nothing. */
+    p->grid = sms * 8;
+    return KVW_OK;
+}
+
+kvw_status_t kvwc_plan_upload(const kvwc_plan_in_t *in, kvwc_plan_h *plan_p)
+{
+    kvwc_plan *p = (kvwc_plan *)calloc(1, sizeof(*p));
+    if (p == NULL)
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory creating a device plan");
+    kvw_status_t st = kvwc_plan_device(p);
+    if (st != KVW_OK)
+        goto err_free_plan;
+    {
+        uint64_t size = kvwc_blob_size(in);
+        if (size) {
+            cudaError_t e = cudaMalloc(&p->dmem, size);
+            if (e != cudaSuccess) {
+                st = kvwc_cuda_error(e, "cudaMalloc for a device plan");
+                goto err_free_plan;
+            }
+        }
+        void *host;
+        st = kvwc_prepare(in, (uint64_t)(uintptr_t)p->dmem, &host, &size, p);
+        if (st != KVW_OK)
+            goto err_free_dev;
+        if (size) {
+            cudaError_t e = cudaMemcpy(p->dmem, host, size, cudaMemcpyHostToDevice);
+            free(host);
+            if (e != cudaSuccess) {
+                st = kvwc_cuda_error(e, "cudaMemcpy uploading a device plan");
+                goto err_free_dev;
+            }
+        } else {
+            free(host);
+        }
+    }
+    *plan_p = p;
+    return KVW_OK;
+
+err_free_dev:
+    cudaFree(p->dmem);
+err_free_plan:
+    free(p);
+    return st;
+}
+
+void kvwc_plan_free(kvwc_plan_h p)
+{
+    if (p == NULL)
+        return;
+    if (p->dmem)
+        cudaFree(p->dmem);
+    free(p);
+}
+
+kvw_status_t kvwc_plan_exec(kvwc_plan_h p, void *stream)
+{
+    if (!(p->uses & KVWC_USE_DIRECT))
+        return kvwc_error(KVW_ERR_INVALID_PARAM,
+                          "the device plan was not uploaded for direct copies");
+    return kvwc_launch(p, KVWC_MODE_DIRECT, 0, stream);
+}
+
+static kvw_status_t kvwc_check_staging(const kvwc_plan *p, const void *staging, uint64_t size,
+                                       unsigned use, const char *what)
+{
+    if (!(p->uses & use))
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "the device plan was not uploaded for %s", what);
+    if (p->bytes && staging == NULL)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "%s: NULL staging buffer", what);
+    if ((uintptr_t)staging % 16)
+        return kvwc_error(KVW_ERR_INVALID_PARAM,
+                          "%s: the staging buffer must be 16-byte aligned (got %p)", what,
+                          staging);
+    if (size < p->bytes)
+        return kvwc_error(KVW_ERR_BUFFER_TOO_SMALL,
+                          "%s: staging buffer of %llu bytes, the plan moves %llu", what,
+                          (unsigned long long)size, (unsigned long long)p->bytes);
+    return KVW_OK;
+}
+
+kvw_status_t kvwc_plan_gather(kvwc_plan_h p, void *staging, uint64_t size, void *stream)
+{
+    kvw_status_t st = kvwc_check_staging(p, staging, size, KVWC_USE_GATHER, "gather");
+    if (st != KVW_OK)
+        return st;
+    return kvwc_launch(p, KVWC_MODE_GATHER, (uint64_t)(uintptr_t)staging, stream);
+}
+
+kvw_status_t kvwc_plan_scatter(kvwc_plan_h p, const void *staging, uint64_t size, void *stream)
+{
+    kvw_status_t st = kvwc_check_staging(p, staging, size, KVWC_USE_SCATTER, "scatter");
+    if (st != KVW_OK)
+        return st;
+    return kvwc_launch(p, KVWC_MODE_SCATTER, (uint64_t)(uintptr_t)staging, stream);
+}
+
+kvw_status_t kvwc_plan_exec_once(const kvwc_plan_in_t *in, void *stream)
+{
+    kvwc_plan p = {};
+    kvw_status_t st = kvwc_plan_device(&p);
+    if (st != KVW_OK)
+        return st;
+    cudaStream_t s = (cudaStream_t)stream;
+    uint64_t size = kvwc_blob_size(in);
+    if (size == 0)
+        return KVW_OK;
+    /* Stream-ordered allocation keeps the whole call asynchronous. */
+    cudaError_t e = cudaMallocAsync(&p.dmem, size, s);
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaMallocAsync for a device plan");
+    void *host;
+    st = kvwc_prepare(in, (uint64_t)(uintptr_t)p.dmem, &host, &size, &p);
+    if (st != KVW_OK)
+        goto err_free_dev;
+    /* From pageable memory the copy is staged before the call returns, so the host
+     * image can be freed at once. */
+    e = cudaMemcpyAsync(p.dmem, host, size, cudaMemcpyHostToDevice, s);
+    free(host);
+    if (e != cudaSuccess) {
+        st = kvwc_cuda_error(e, "cudaMemcpyAsync uploading a device plan");
+        goto err_free_dev;
+    }
+    st = kvwc_launch(&p, KVWC_MODE_DIRECT, 0, stream);
+err_free_dev:
+    e = cudaFreeAsync(p.dmem, s);
+    if (st == KVW_OK && e != cudaSuccess)
+        st = kvwc_cuda_error(e, "cudaFreeAsync for a device plan");
+    return st;
+}

@@ -1,0 +1,334 @@
+/*
+ * The addressing core of the CUDA copy kernels, written once in C for the device and
+ * the host: the kernels in copy.cu run it on the GPU, and tests/gpu/test_cuda_emu.c runs
+ * the very same functions on the CPU against kvw_plan_exec_cpu, so that CI without a
+ * GPU still checks every index computation the kernels make.
+ *
+ * Work decomposition. Each segment's bytes are numbered in token-major order (token,
+ * then head, then byte); that numbering is cut into
+ * jobs of at most KVWC_JOB_BYTES bytes and at most KVWC_MAX_TOK tokens; a prefix sum of
+ * job counts over the segments lets a block find its segment by binary search, so the
+ * number of segments, pages or runs never changes the launch: one launch per plan,
+ * blocks proportional to bytes. Inside a job, the block first computes each token's
+ * base address on both sides (one page-table lookup per token and side, kept in shared
+ * memory), then every thread moves W-byte units, W the widest power of two up to 16
+ * that every address of the segment is aligned to.
+ */
+#ifndef KVW_CUDA_COPY_CORE_H
+#define KVW_CUDA_COPY_CORE_H
+
+#include "cuda/module.h"
+
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define KVWC_HD __host__ __device__ __forceinline__
+#else
+#define KVWC_HD static inline
+#endif
+
+#define KVWC_JOB_BYTES 65536u
+#define KVWC_MAX_TOK 256u
+#define KVWC_TOK_CAP (KVWC_MAX_TOK + 2u) /* a byte range may straddle two extra tokens */
+#define KVWC_THREADS 256
+#define KVWC_UNROLL 4
+
+enum { KVWC_MODE_DIRECT = 0, KVWC_MODE_GATHER = 1, KVWC_MODE_SCATTER = 2, KVWC_NUM_MODES = 3 };
+
+typedef struct kvwc_dside {
+    uint64_t base;
+    uint64_t page_stride, token_stride, head_stride;
+    uint64_t first_token;
+    const uint32_t *pages; /* device pointer (host pointer in the emulator) */
+    uint32_t page_size;
+    uint32_t contig; /* head_stride == head_bytes: a token's heads are one run */
+} kvwc_dside_t;
+
+typedef struct kvwc_dseg {
+    kvwc_dside_t src, dst;
+    uint64_t tok_begin, tok_end;
+    uint64_t row_bytes;  /* num_heads * head_bytes */
+    uint64_t bytes;      /* (tok_end - tok_begin) * row_bytes */
+    uint64_t stage_off;  /* where this segment starts in a staging buffer */
+    uint64_t job_begin;  /* index of its first job */
+    uint64_t job_bytes;  /* bytes per job (the last job may be shorter) */
+    uint32_t head_bytes;
+    uint32_t w[KVWC_NUM_MODES]; /* unit width per mode */
+} kvwc_dseg_t;
+
+/* Per-token bases of one job, in shared memory on the device. */
+typedef struct kvwc_tokens {
+    uint64_t src[KVWC_TOK_CAP];
+    uint64_t dst[KVWC_TOK_CAP];
+    uint64_t stage[KVWC_TOK_CAP];    /* offset inside the staging buffer */
+    uint64_t stage_hs[KVWC_TOK_CAP]; /* staging distance between heads of this token */
+} kvwc_tokens_t;
+
+/* Which sides a mode reads page tables of. */
+#define KVWC_MODE_SRC(mode) ((mode) != KVWC_MODE_SCATTER)
+#define KVWC_MODE_DST(mode) ((mode) != KVWC_MODE_GATHER)
+
+/* Index of the segment holding job `job`: the last i with job_begin[i] <= job. */
+KVWC_HD uint32_t kvwc_find_seg(const kvwc_dseg_t *segs, uint32_t num_segs, uint64_t job)
+{
+    uint32_t lo = 0, hi = num_segs - 1;
+    while (lo < hi) {
+        uint32_t mid = (lo + hi + 1) / 2;
+        if (segs[mid].job_begin <= job)
+            lo = mid;
+        else
+            hi = mid - 1;
+    }
+    return lo;
+}
+
+/* Byte range [*b0, *b1) of the segment that job `job` covers. */
+KVWC_HD void kvwc_job_range(const kvwc_dseg_t *s, uint64_t job, uint64_t *b0, uint64_t *b1)
+{
+    uint64_t b = (job - s->job_begin) * s->job_bytes;
+    uint64_t e = b + s->job_bytes;
+    *b0 = b;
+    *b1 = e < s->bytes ? e : s->bytes;
+}
+
+/* Address (relative to page-aligned origin) of token t's first copied head on a side,
+ * and the token's index inside its page. */
+KVWC_HD uint64_t kvwc_side_token(const kvwc_dside_t *d, uint64_t t, uint64_t *in_page_p)
+{
+    uint64_t rel = t - d->first_token;
+    uint64_t idx = rel / d->page_size;
+    uint64_t in = rel - idx * d->page_size;
+    *in_page_p = in;
+    return d->base + (uint64_t)d->pages[idx] * d->page_stride + in * d->token_stride;
+}
+
+/*
+ * Staging order. A staging buffer holds a plan's bytes in the order kvw_plan_expand
+ * emits them (src/plan/walk.c): each segment is cut into runs of tokens that stay inside
+ * one page on both sides, and each run of L tokens is copied either token by token
+ * (order A: tokens outer, heads inner) or head by head (order B), whichever gives longer
+ * contiguous chunks. This mirrors that choice (kvw__box_make) exactly; the CPU
+ * emulation test compares the two on every layout, so a change there fails CI instead
+ * of silently shuffling staged bytes.
+ */
+KVWC_HD int kvwc_run_head_major(const kvwc_dseg_t *s, uint64_t L)
+{
+    uint64_t hb = s->head_bytes, n = s->row_bytes / s->head_bytes;
+    uint64_t ts_s = s->src.token_stride, ts_d = s->dst.token_stride;
+    uint64_t hs_s = s->src.head_stride, hs_d = s->dst.head_stride;
+    /* A: L tokens outer, n heads inner. */
+    int inner_a = n == 1 || (hs_s == hb && hs_d == hb);
+    int whole_a = inner_a && (L == 1 || (ts_s == n * hb && ts_d == n * hb));
+    uint64_t chunk_a = whole_a ? L * n * hb : inner_a ? n * hb : hb;
+    /* B: n heads outer, L tokens inner. */
+    int inner_b = L == 1 || (ts_s == hb && ts_d == hb);
+    int whole_b = inner_b && (n == 1 || (hs_s == L * hb && hs_d == L * hb));
+    uint64_t chunk_b = whole_b ? n * L * hb : inner_b ? L * hb : hb;
+    return chunk_b > chunk_a || (whole_b && !whole_a);
+}
+
+/* Fills slot i of the token table for absolute token t. */
+KVWC_HD void kvwc_token_bases(const kvwc_dseg_t *s, int mode, uint64_t t, kvwc_tokens_t *tt,
+                              uint32_t i)
+{
+    uint64_t in_s = 0, in_d = 0;
+    if (KVWC_MODE_SRC(mode))
+        tt->src[i] = kvwc_side_token(&s->src, t, &in_s);
+    else
+        in_s = (t - s->src.first_token) % s->src.page_size;
+    if (KVWC_MODE_DST(mode))
+        tt->dst[i] = kvwc_side_token(&s->dst, t, &in_d);
+    else
+        in_d = (t - s->dst.first_token) % s->dst.page_size;
+    if (mode == KVWC_MODE_DIRECT)
+        return;
+    /* The run of kvw_plan_expand holding t: tokens inside one page on both sides. */
+    uint64_t ps = t - in_s, pd = t - in_d;
+    uint64_t bs = ps > pd ? ps : pd;
+    uint64_t be_s = ps + s->src.page_size, be_d = pd + s->dst.page_size;
+    uint64_t be = be_s < be_d ? be_s : be_d;
+    if (bs < s->tok_begin)
+        bs = s->tok_begin;
+    if (be > s->tok_end)
+        be = s->tok_end;
+    if (kvwc_run_head_major(s, be - bs)) {
+        tt->stage[i] = s->stage_off + (bs - s->tok_begin) * s->row_bytes + (t - bs) * s->head_bytes;
+        tt->stage_hs[i] = (be - bs) * s->head_bytes;
+    } else {
+        tt->stage[i] = s->stage_off + (t - s->tok_begin) * s->row_bytes;
+        tt->stage_hs[i] = s->head_bytes;
+    }
+}
+
+/* Geometry of one job, shared by all its units. */
+typedef struct kvwc_jobgeo {
+    uint64_t t0;        /* first token, relative to tok_begin */
+    uint32_t ntok;      /* tokens in the table */
+    uint32_t ub, ue;    /* units [ub, ue), counted from the start of token t0 */
+    uint32_t row_units; /* units per token */
+    uint32_t head_units;
+} kvwc_jobgeo_t;
+
+KVWC_HD void kvwc_job_geo(const kvwc_dseg_t *s, uint64_t b0, uint64_t b1, uint32_t w,
+                          kvwc_jobgeo_t *g)
+{
+    uint64_t row = s->row_bytes;
+    g->t0 = b0 / row;
+    g->ntok = (uint32_t)((b1 - 1) / row - g->t0 + 1);
+    g->ub = (uint32_t)((b0 - g->t0 * row) / w);
+    g->ue = (uint32_t)((b1 - g->t0 * row) / w);
+    g->row_units = (uint32_t)(row / w);
+    g->head_units = s->head_bytes / w;
+}
+
+/* Source and destination byte addresses of unit u of a job (the staging buffer is
+ * `stage` in the modes that use one). */
+KVWC_HD void kvwc_unit_addrs(const kvwc_dseg_t *s, int mode, uint32_t w, const kvwc_jobgeo_t *g,
+                             const kvwc_tokens_t *tt, uint32_t u, uint64_t stage,
+                             uint64_t *src_p, uint64_t *dst_p)
+{
+    uint32_t tl = u / g->row_units;
+    uint32_t c = u - tl * g->row_units;
+    uint32_t h = c / g->head_units;
+    uint32_t cc = c - h * g->head_units;
+    uint64_t lin = (uint64_t)c * w, in_head = (uint64_t)cc * w;
+    uint64_t src, dst;
+    if (mode == KVWC_MODE_SCATTER)
+        src = stage + tt->stage[tl] + h * tt->stage_hs[tl] + in_head;
+    else
+        src = tt->src[tl] + (s->src.contig ? lin : h * s->src.head_stride + in_head);
+    if (mode == KVWC_MODE_GATHER)
+        dst = stage + tt->stage[tl] + h * tt->stage_hs[tl] + in_head;
+    else
+        dst = tt->dst[tl] + (s->dst.contig ? lin : h * s->dst.head_stride + in_head);
+    *src_p = src;
+    *dst_p = dst;
+}
+
+/*
+ * The CPU twin of one launch: moves every byte of every job of a laid-out plan with
+ * exactly the address computations the kernel uses. For tests without a GPU.
+ */
+static inline void kvwc_emulate(const kvwc_dseg_t *segs, uint32_t num_segs, uint64_t num_jobs,
+                                int mode, uint8_t *stage, kvwc_tokens_t *tt)
+{
+    for (uint64_t job = 0; job < num_jobs; job++) {
+        const kvwc_dseg_t *s = &segs[kvwc_find_seg(segs, num_segs, job)];
+        uint64_t b0, b1;
+        kvwc_job_range(s, job, &b0, &b1);
+        uint32_t w = s->w[mode];
+        kvwc_jobgeo_t g;
+        kvwc_job_geo(s, b0, b1, w, &g);
+        for (uint32_t i = 0; i < g.ntok; i++)
+            kvwc_token_bases(s, mode, s->tok_begin + g.t0 + i, tt, i);
+        for (uint32_t u = g.ub; u < g.ue; u++) {
+            uint64_t src, dst;
+            kvwc_unit_addrs(s, mode, w, &g, tt, u, (uint64_t)(uintptr_t)stage, &src, &dst);
+            memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, w);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------- host-side layout */
+
+#define KVWC_MAX_MAPS 16
+
+/* Largest power of two up to 16 dividing x (16 for x == 0). */
+static inline uint32_t kvwc_align_of(uint64_t x)
+{
+    uint64_t low = x & (~x + 1);
+    return (x == 0 || low >= 16) ? 16u : (uint32_t)low;
+}
+
+static inline uint64_t kvwc_side_bits(const kvwc_side_t *s, uint32_t num_heads)
+{
+    return s->base | s->page_stride | s->token_stride | (num_heads > 1 ? s->head_stride : 0);
+}
+
+/*
+ * A device plan is one allocation: the laid-out segments, then every page list. These
+ * two functions size it and fill a host image of it whose pointers are valid once the
+ * image is copied to `dev_base` (the emulator passes the image itself). Empty segments
+ * are dropped. Returns 0, or -1 with a reason in err for a plan the kernels cannot run.
+ */
+static inline uint64_t kvwc_blob_size(const kvwc_plan_in_t *in)
+{
+    uint64_t n = (uint64_t)in->num_segs * sizeof(kvwc_dseg_t);
+    for (uint32_t m = 0; m < in->num_maps; m++)
+        n += (uint64_t)in->maps[m].num_pages * sizeof(uint32_t);
+    return n;
+}
+
+static inline int kvwc_blob_fill(const kvwc_plan_in_t *in, void *blob, uint64_t dev_base,
+                                 uint32_t *num_segs_p, uint64_t *num_jobs_p, const char **err)
+{
+    if (in->num_maps > KVWC_MAX_MAPS) {
+        *err = "too many page maps";
+        return -1;
+    }
+    kvwc_dseg_t *out = (kvwc_dseg_t *)blob;
+    uint64_t pages_off = (uint64_t)in->num_segs * sizeof(kvwc_dseg_t);
+    uint64_t map_dev[KVWC_MAX_MAPS];
+    for (uint32_t m = 0; m < in->num_maps; m++) {
+        map_dev[m] = dev_base + pages_off;
+        if (in->maps[m].num_pages)
+            memcpy((uint8_t *)blob + pages_off, in->maps[m].pages,
+                   (size_t)in->maps[m].num_pages * sizeof(uint32_t));
+        pages_off += (uint64_t)in->maps[m].num_pages * sizeof(uint32_t);
+    }
+    uint32_t n = 0;
+    uint64_t jobs = 0, stage = 0;
+    for (uint32_t i = 0; i < in->num_segs; i++) {
+        const kvwc_seg_in_t *g = &in->segs[i];
+        if (g->tok_end <= g->tok_begin || g->num_heads == 0)
+            continue;
+        if (g->head_bytes == 0 || g->src.page_size == 0 || g->dst.page_size == 0 ||
+            g->src.map >= in->num_maps || g->dst.map >= in->num_maps) {
+            *err = "malformed segment (zero head bytes or page size, or bad page map)";
+            return -1;
+        }
+        kvwc_dseg_t *d = &out[n++];
+        memset(d, 0, sizeof(*d));
+        const kvwc_side_t *sides[2] = {&g->src, &g->dst};
+        kvwc_dside_t *dsides[2] = {&d->src, &d->dst};
+        for (int k = 0; k < 2; k++) {
+            dsides[k]->base = sides[k]->base;
+            dsides[k]->page_stride = sides[k]->page_stride;
+            dsides[k]->token_stride = sides[k]->token_stride;
+            dsides[k]->head_stride = sides[k]->head_stride;
+            dsides[k]->first_token = sides[k]->first_token;
+            dsides[k]->pages = (const uint32_t *)(uintptr_t)map_dev[sides[k]->map];
+            dsides[k]->page_size = sides[k]->page_size;
+            dsides[k]->contig = g->num_heads == 1 || sides[k]->head_stride == g->head_bytes;
+        }
+        d->tok_begin = g->tok_begin;
+        d->tok_end = g->tok_end;
+        d->head_bytes = g->head_bytes;
+        d->row_bytes = (uint64_t)g->num_heads * g->head_bytes;
+        d->bytes = (g->tok_end - g->tok_begin) * d->row_bytes;
+        d->stage_off = stage;
+        uint64_t hb = g->head_bytes;
+        uint64_t sb = kvwc_side_bits(&g->src, g->num_heads) | hb;
+        uint64_t db = kvwc_side_bits(&g->dst, g->num_heads) | hb;
+        uint64_t tb = stage | hb;
+        d->w[KVWC_MODE_DIRECT] = kvwc_align_of(sb | db);
+        d->w[KVWC_MODE_GATHER] = kvwc_align_of(sb | tb);
+        d->w[KVWC_MODE_SCATTER] = kvwc_align_of(tb | db);
+        if (d->row_bytes >= (1ull << 31)) {
+            *err = "a token row of 2 GiB or more";
+            return -1;
+        }
+        d->job_bytes = d->row_bytes * KVWC_MAX_TOK < KVWC_JOB_BYTES ? d->row_bytes * KVWC_MAX_TOK
+                                                                    : KVWC_JOB_BYTES;
+        d->job_begin = jobs;
+        jobs += (d->bytes + d->job_bytes - 1) / d->job_bytes;
+        stage += d->bytes;
+    }
+    *num_segs_p = n;
+    *num_jobs_p = jobs;
+    return 0;
+}
+
+
+#endif

@@ -1,0 +1,32 @@
+/* Shared by the CUDA module's translation units; never seen by the core library. */
+#ifndef KVW_CUDA_INTERNAL_H
+#define KVW_CUDA_INTERNAL_H
+
+#include "cuda/module.h"
+
+#include <cuda_runtime.h>
+
+#if defined(__GNUC__)
+#define KVWC_PRINTF(f, a) __attribute__((format(printf, f, a)))
+#else
+#define KVWC_PRINTF(f, a)
+#endif
+
+/* Records a message for last_error() in the calling thread and returns `st`. */
+kvw_status_t kvwc_error(kvw_status_t st, const char *fmt, ...) KVWC_PRINTF(2, 3);
+
+/* Maps a CUDA runtime error to a status, naming the call that failed. "No driver" (35),
+ * "no device" (100) and "stub library" (34) become UNSUPPORTED. */
+kvw_status_t kvwc_cuda_error(cudaError_t e, const char *what);
+
+const char *kvwc_last_error(void);
+
+kvw_status_t kvwc_plan_upload(const kvwc_plan_in_t *in, kvwc_plan_h *plan_p);
+void kvwc_plan_free(kvwc_plan_h plan);
+kvw_status_t kvwc_plan_exec(kvwc_plan_h plan, void *stream);
+kvw_status_t kvwc_plan_gather(kvwc_plan_h plan, void *staging, uint64_t size, void *stream);
+kvw_status_t kvwc_plan_scatter(kvwc_plan_h plan, const void *staging, uint64_t size,
+                               void *stream);
+kvw_status_t kvwc_plan_exec_once(const kvwc_plan_in_t *in, void *stream);
+
+#endif

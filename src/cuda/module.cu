@@ -1,0 +1,221 @@
+/*
+ * libkvwire_cuda.so: the CUDA runtime side of kvwire. Exports one symbol,
+ * KVWC_ENTRY_NAME, returning the operations table of cuda/module.h; everything else is
+ * hidden. Only the core library's loader (src/exec/cuda_loader.c) calls it.
+ */
+#include "cuda/internal.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+
+static thread_local char kvwc_msg[512];
+
+kvw_status_t kvwc_error(kvw_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(kvwc_msg, sizeof(kvwc_msg), fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+const char *kvwc_last_error(void)
+{
+    return kvwc_msg;
+}
+
+kvw_status_t kvwc_cuda_error(cudaError_t e, const char *what)
+{
+    kvw_status_t st;
+    switch (e) {
+    case cudaErrorInsufficientDriver:
+    case cudaErrorNoDevice:
+    case cudaErrorStubLibrary:
+        return kvwc_error(KVW_ERR_UNSUPPORTED, "no usable CUDA GPU: %s returned %d (%s)", what,
+                          (int)e, cudaGetErrorString(e));
+    case cudaErrorMemoryAllocation: st = KVW_ERR_NO_MEMORY; break;
+    case cudaErrorInvalidValue:
+    case cudaErrorInvalidDevice:
+    case cudaErrorInvalidDevicePointer:
+    case cudaErrorInvalidResourceHandle: st = KVW_ERR_INVALID_PARAM; break;
+    case cudaErrorNotSupported: st = KVW_ERR_UNSUPPORTED; break;
+    default: st = KVW_ERR_INTERNAL; break;
+    }
+    return kvwc_error(st, "%s failed: CUDA error %d (%s: %s)", what, (int)e, cudaGetErrorName(e),
+                      cudaGetErrorString(e));
+}
+
+#define KVWC_CALL(expr, what)                                                            \
+    do {                                                                                 \
+        cudaError_t kvwc_e_ = (expr);                                                    \
+        if (kvwc_e_ != cudaSuccess)                                                      \
+            return kvwc_cuda_error(kvwc_e_, what);                                       \
+    } while (0)
+
+static kvw_status_t kvwc_available(void)
+{
+    int n = 0;
+    KVWC_CALL(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    if (n == 0)
+        return kvwc_error(KVW_ERR_UNSUPPORTED, "no usable CUDA GPU: no device found");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_device_count(int *count_p)
+{
+    int n = 0;
+    KVWC_CALL(cudaGetDeviceCount(&n), "cudaGetDeviceCount");
+    *count_p = n;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_set_device(int device)
+{
+    KVWC_CALL(cudaSetDevice(device), "cudaSetDevice");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_get_device(int *device_p)
+{
+    int d;
+    KVWC_CALL(cudaGetDevice(&d), "cudaGetDevice");
+    *device_p = d;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_malloc_dev(uint64_t size, void **ptr_p)
+{
+    void *p = NULL;
+    KVWC_CALL(cudaMalloc(&p, size), "cudaMalloc");
+    *ptr_p = p;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_free_dev(void *ptr)
+{
+    KVWC_CALL(cudaFree(ptr), "cudaFree");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_malloc_host(uint64_t size, void **ptr_p)
+{
+    void *p = NULL;
+    KVWC_CALL(cudaMallocHost(&p, size), "cudaMallocHost");
+    *ptr_p = p;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_free_host(void *ptr)
+{
+    KVWC_CALL(cudaFreeHost(ptr), "cudaFreeHost");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_memcpy_any(void *dst, const void *src, uint64_t size, void *stream)
+{
+    if (stream == NULL) {
+        KVWC_CALL(cudaMemcpy(dst, src, size, cudaMemcpyDefault), "cudaMemcpy");
+    } else {
+        KVWC_CALL(cudaMemcpyAsync(dst, src, size, cudaMemcpyDefault, (cudaStream_t)stream),
+                  "cudaMemcpyAsync");
+    }
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_memset_dev(void *ptr, int value, uint64_t size, void *stream)
+{
+    if (stream == NULL) {
+        KVWC_CALL(cudaMemset(ptr, value, size), "cudaMemset");
+    } else {
+        KVWC_CALL(cudaMemsetAsync(ptr, value, size, (cudaStream_t)stream), "cudaMemsetAsync");
+    }
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_stream_create(void **stream_p)
+{
+    cudaStream_t s;
+    KVWC_CALL(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "cudaStreamCreate");
+    *stream_p = (void *)s;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_stream_destroy(void *stream)
+{
+    KVWC_CALL(cudaStreamDestroy((cudaStream_t)stream), "cudaStreamDestroy");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_stream_sync(void *stream)
+{
+    KVWC_CALL(cudaStreamSynchronize((cudaStream_t)stream), "cudaStreamSynchronize");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_device_sync(void)
+{
+    KVWC_CALL(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+    return KVW_OK;
+}
+
+static_assert(sizeof(cudaIpcMemHandle_t) == KVWC_IPC_HANDLE_SIZE, "IPC handle size changed");
+
+static kvw_status_t kvwc_ipc_export(void *base, void *handle64)
+{
+    cudaIpcMemHandle_t h;
+    KVWC_CALL(cudaIpcGetMemHandle(&h, base), "cudaIpcGetMemHandle");
+    memcpy(handle64, &h, sizeof(h));
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_ipc_open(const void *handle64, void **ptr_p)
+{
+    cudaIpcMemHandle_t h;
+    memcpy(&h, handle64, sizeof(h));
+    void *p = NULL;
+    KVWC_CALL(cudaIpcOpenMemHandle(&p, h, cudaIpcMemLazyEnablePeerAccess),
+              "cudaIpcOpenMemHandle");
+    *ptr_p = p;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_ipc_close(void *ptr)
+{
+    KVWC_CALL(cudaIpcCloseMemHandle(ptr), "cudaIpcCloseMemHandle");
+    return KVW_OK;
+}
+
+static const kvwc_ops_t kvwc_ops = {
+    .abi = KVWC_ABI_VERSION,
+    .size = sizeof(kvwc_ops_t),
+    .last_error = kvwc_last_error,
+    .available = kvwc_available,
+    .device_count = kvwc_device_count,
+    .set_device = kvwc_set_device,
+    .get_device = kvwc_get_device,
+    .malloc_dev = kvwc_malloc_dev,
+    .free_dev = kvwc_free_dev,
+    .malloc_host = kvwc_malloc_host,
+    .free_host = kvwc_free_host,
+    .memcpy_any = kvwc_memcpy_any,
+    .memset_dev = kvwc_memset_dev,
+    .stream_create = kvwc_stream_create,
+    .stream_destroy = kvwc_stream_destroy,
+    .stream_sync = kvwc_stream_sync,
+    .device_sync = kvwc_device_sync,
+    .ipc_export = kvwc_ipc_export,
+    .ipc_open = kvwc_ipc_open,
+    .ipc_close = kvwc_ipc_close,
+    .plan_upload = kvwc_plan_upload,
+    .plan_free = kvwc_plan_free,
+    .plan_exec = kvwc_plan_exec,
+    .plan_gather = kvwc_plan_gather,
+    .plan_scatter = kvwc_plan_scatter,
+    .plan_exec_once = kvwc_plan_exec_once,
+};
+
+extern "C" __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)
+{
+    return &kvwc_ops;
+}

@@ -1,0 +1,126 @@
+/*
+ * The contract between the core library and the CUDA module (libkvwire_cuda.so).
+ *
+ * The core never links CUDA: src/exec/cuda_loader.c dlopens the module and calls one
+ * exported function, KVWC_ENTRY_NAME, which returns a table of operations. Both sides
+ * are built from this header in one tree, but a stale module next to a new library is a
+ * real deployment mistake, so the table carries an ABI number and its own size and the
+ * loader refuses a mismatch with a clear message.
+ *
+ * The module sees no kvwire internals: the loader flattens a struct kvw_plan into
+ * kvwc_plan_in_t (segments with buffer addresses already resolved, plus the page lists),
+ * so the module depends on nothing but this header and kvwire.h's status codes.
+ *
+ * Every operation returns a kvw_status_t; on error, last_error() returns a message for
+ * the calling thread. Operations never print.
+ */
+#ifndef KVW_CUDA_MODULE_H
+#define KVW_CUDA_MODULE_H
+
+#include <kvwire/kvwire.h>
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVWC_ABI_VERSION 1
+#define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
+#define KVWC_MODULE_FILE "libkvwire_cuda.so"
+
+/* What a device plan will be used for; selects which side's addresses must be valid. */
+enum {
+    KVWC_USE_DIRECT = 1u << 0,  /* source and destination buffers */
+    KVWC_USE_GATHER = 1u << 1,  /* source buffers -> staging */
+    KVWC_USE_SCATTER = 1u << 2  /* staging -> destination buffers */
+};
+
+/* One side of a segment. `base` is the buffer address plus the plane offset plus the
+ * first copied head times head_stride (0 when that side's buffers are not addressable
+ * here); offsets follow plan.h's addressing formula from there. */
+typedef struct kvwc_side {
+    uint64_t base;
+    uint64_t page_stride, token_stride, head_stride;
+    uint64_t first_token; /* the page map's first token */
+    uint32_t page_size;
+    uint32_t map; /* index into kvwc_plan_in_t.maps */
+} kvwc_side_t;
+
+typedef struct kvwc_seg_in {
+    kvwc_side_t src, dst;
+    uint64_t tok_begin, tok_end;
+    uint32_t head_bytes, num_heads;
+} kvwc_seg_in_t;
+
+typedef struct kvwc_map_in {
+    const uint32_t *pages;
+    uint32_t num_pages;
+} kvwc_map_in_t;
+
+typedef struct kvwc_plan_in {
+    uint32_t num_segs;
+    const kvwc_seg_in_t *segs;
+    uint32_t num_maps;
+    const kvwc_map_in_t *maps;
+    uint64_t bytes; /* sum of the segments' bytes */
+    unsigned uses;  /* KVWC_USE_* */
+} kvwc_plan_in_t;
+
+typedef struct kvwc_plan *kvwc_plan_h;
+
+#define KVWC_IPC_HANDLE_SIZE 64
+
+typedef struct kvwc_ops {
+    uint32_t abi;  /* KVWC_ABI_VERSION */
+    uint32_t size; /* sizeof(kvwc_ops_t) */
+    const char *(*last_error)(void);
+
+    /* OK when the runtime initialises and a device exists; UNSUPPORTED otherwise. */
+    kvw_status_t (*available)(void);
+    kvw_status_t (*device_count)(int *count_p);
+    kvw_status_t (*set_device)(int device);
+    kvw_status_t (*get_device)(int *device_p);
+    kvw_status_t (*malloc_dev)(uint64_t size, void **ptr_p);
+    kvw_status_t (*free_dev)(void *ptr);
+    kvw_status_t (*malloc_host)(uint64_t size, void **ptr_p);
+    kvw_status_t (*free_host)(void *ptr);
+    kvw_status_t (*memcpy_any)(void *dst, const void *src, uint64_t size, void *stream);
+    kvw_status_t (*memset_dev)(void *ptr, int value, uint64_t size, void *stream);
+    kvw_status_t (*stream_create)(void **stream_p);
+    kvw_status_t (*stream_destroy)(void *stream);
+    kvw_status_t (*stream_sync)(void *stream);
+    kvw_status_t (*device_sync)(void);
+    kvw_status_t (*ipc_export)(void *base, void *handle64);
+    kvw_status_t (*ipc_open)(const void *handle64, void **ptr_p);
+    kvw_status_t (*ipc_close)(void *ptr);
+
+    kvw_status_t (*plan_upload)(const kvwc_plan_in_t *in, kvwc_plan_h *plan_p);
+    void (*plan_free)(kvwc_plan_h plan);
+    kvw_status_t (*plan_exec)(kvwc_plan_h plan, void *stream);
+    kvw_status_t (*plan_gather)(kvwc_plan_h plan, void *staging, uint64_t size, void *stream);
+    kvw_status_t (*plan_scatter)(kvwc_plan_h plan, const void *staging, uint64_t size,
+                                 void *stream);
+    /* Upload, run the direct copy and release the device copy, all ordered on `stream`. */
+    kvw_status_t (*plan_exec_once)(const kvwc_plan_in_t *in, void *stream);
+} kvwc_ops_t;
+
+typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
+
+/*
+ * Core side (src/exec/cuda_loader.c): flattens a plan for the module. `maps` is storage
+ * for the page maps (2 * KVW_NUM_POOLS entries); the segment array is allocated and
+ * released by kvw__cuda_plan_in_free. Checks that the buffers `uses` needs are
+ * KVW_MEM_CUDA with addresses. Errors: INVALID_PARAM, NO_MEMORY.
+ */
+struct kvw_plan;
+kvw_status_t kvw__cuda_plan_in_make(const struct kvw_plan *plan, unsigned uses,
+                                    kvwc_map_in_t *maps, kvwc_plan_in_t *in_p);
+void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

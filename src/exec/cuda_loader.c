@@ -1,0 +1,380 @@
+/*
+ * The CUDA executor as the core library sees it: loads libkvwire_cuda.so on first use
+ * (dlopen, so the core never links CUDA), checks its ABI, and implements
+ * include/kvwire/cuda.h on top of the module's operations table. It also flattens plans
+ * for the module: segments with buffer addresses resolved, plus the page lists.
+ */
+#include "core/core.h"
+#include "cuda/module.h"
+#include "plan/plan.h"
+
+#include <kvwire/cuda.h>
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+_Static_assert((unsigned)KVW_CUDA_DIRECT == (unsigned)KVWC_USE_DIRECT &&
+                   (unsigned)KVW_CUDA_GATHER == (unsigned)KVWC_USE_GATHER &&
+                   (unsigned)KVW_CUDA_SCATTER == (unsigned)KVWC_USE_SCATTER,
+               "public and module use flags must agree");
+_Static_assert(KVW_CUDA_IPC_HANDLE_SIZE == KVWC_IPC_HANDLE_SIZE, "IPC handle sizes must agree");
+
+static pthread_once_t kvw_cuda_once = PTHREAD_ONCE_INIT;
+static const kvwc_ops_t *kvw_cuda_ops;
+static char kvw_cuda_load_msg[1024];
+
+/* Tries one path; on failure appends "path: reason" to the load message. */
+static void *kvw_cuda_try(const char *path)
+{
+    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
+    if (h == NULL) {
+        size_t used = strlen(kvw_cuda_load_msg);
+        const char *why = dlerror();
+        snprintf(kvw_cuda_load_msg + used, sizeof(kvw_cuda_load_msg) - used, "%s%s",
+                 used ? "; " : "", why ? why : path);
+    }
+    return h;
+}
+
+static void kvw_cuda_load(void)
+{
+    void *h = NULL;
+    const char *env = getenv("KVW_CUDA_MODULE");
+    if (env && *env) {
+        h = kvw_cuda_try(env);
+    } else {
+        /* Next to the object that holds this code: libkvwire.so, or the executable a
+         * static libkvwire was linked into. */
+        Dl_info info;
+        if (dladdr((void *)kvw_cuda_load, &info) && info.dli_fname) {
+            char path[4096];
+            const char *slash = strrchr(info.dli_fname, '/');
+            if (slash) {
+                int n = snprintf(path, sizeof(path), "%.*s/%s", (int)(slash - info.dli_fname),
+                                 info.dli_fname, KVWC_MODULE_FILE);
+                if (n > 0 && (size_t)n < sizeof(path))
+                    h = kvw_cuda_try(path);
+            }
+        }
+        if (h == NULL)
+            h = kvw_cuda_try(KVWC_MODULE_FILE);
+    }
+    if (h == NULL)
+        return;
+    kvwc_entry_fn entry = (kvwc_entry_fn)dlsym(h, KVWC_ENTRY_NAME);
+    const kvwc_ops_t *ops = entry ? entry() : NULL;
+    if (ops == NULL) {
+        snprintf(kvw_cuda_load_msg, sizeof(kvw_cuda_load_msg),
+                 "the CUDA module has no entry point %s", KVWC_ENTRY_NAME);
+        dlclose(h);
+        return;
+    }
+    if (ops->abi != KVWC_ABI_VERSION || ops->size != sizeof(kvwc_ops_t)) {
+        snprintf(kvw_cuda_load_msg, sizeof(kvw_cuda_load_msg),
+                 "the CUDA module was built for ABI %u (table of %u bytes); this library "
+                 "needs ABI %u (%zu bytes): rebuild or reinstall them together",
+                 ops->abi, ops->size, KVWC_ABI_VERSION, sizeof(kvwc_ops_t));
+        dlclose(h);
+        return;
+    }
+    /* The module stays loaded for the life of the process. */
+    kvw_cuda_ops = ops;
+}
+
+static kvw_status_t kvw_cuda_get(const kvwc_ops_t **ops_p)
+{
+    pthread_once(&kvw_cuda_once, kvw_cuda_load);
+    if (kvw_cuda_ops == NULL)
+        return kvw__error(KVW_ERR_UNSUPPORTED,
+                          "CUDA support is not available: the module %s could not be loaded "
+                          "(%s); build with nvcc present, or set KVW_CUDA_MODULE to its path",
+                          KVWC_MODULE_FILE, kvw_cuda_load_msg);
+    *ops_p = kvw_cuda_ops;
+    return KVW_OK;
+}
+
+/* Passes a module status up, copying its message into this thread's error. */
+static kvw_status_t kvw_cuda_ret(const kvwc_ops_t *ops, kvw_status_t st)
+{
+    if (st != KVW_OK)
+        return kvw__error(st, "%s", ops->last_error());
+    return KVW_OK;
+}
+
+#define KVW_CUDA_FORWARD(call)                                                           \
+    const kvwc_ops_t *ops = NULL;                                                        \
+    kvw_status_t st_ = kvw_cuda_get(&ops);                                               \
+    if (st_ != KVW_OK)                                                                   \
+        return st_;                                                                      \
+    return kvw_cuda_ret(ops, ops->call)
+
+kvw_status_t kvw_cuda_available(void)
+{
+    KVW_CUDA_FORWARD(available());
+}
+
+kvw_status_t kvw_cuda_device_count(int *count_p)
+{
+    if (count_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_device_count: NULL argument");
+    KVW_CUDA_FORWARD(device_count(count_p));
+}
+
+kvw_status_t kvw_cuda_set_device(int device)
+{
+    KVW_CUDA_FORWARD(set_device(device));
+}
+
+kvw_status_t kvw_cuda_get_device(int *device_p)
+{
+    if (device_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_get_device: NULL argument");
+    KVW_CUDA_FORWARD(get_device(device_p));
+}
+
+kvw_status_t kvw_cuda_malloc(uint64_t size, void **ptr_p)
+{
+    if (ptr_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_malloc: NULL argument");
+    KVW_CUDA_FORWARD(malloc_dev(size, ptr_p));
+}
+
+kvw_status_t kvw_cuda_free(void *ptr)
+{
+    KVW_CUDA_FORWARD(free_dev(ptr));
+}
+
+kvw_status_t kvw_cuda_malloc_host(uint64_t size, void **ptr_p)
+{
+    if (ptr_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_malloc_host: NULL argument");
+    KVW_CUDA_FORWARD(malloc_host(size, ptr_p));
+}
+
+kvw_status_t kvw_cuda_free_host(void *ptr)
+{
+    KVW_CUDA_FORWARD(free_host(ptr));
+}
+
+kvw_status_t kvw_cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream)
+{
+    KVW_CUDA_FORWARD(memcpy_any(dst, src, size, stream));
+}
+
+kvw_status_t kvw_cuda_memset(void *ptr, int value, uint64_t size, void *stream)
+{
+    KVW_CUDA_FORWARD(memset_dev(ptr, value, size, stream));
+}
+
+kvw_status_t kvw_cuda_stream_create(void **stream_p)
+{
+    if (stream_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_stream_create: NULL argument");
+    KVW_CUDA_FORWARD(stream_create(stream_p));
+}
+
+kvw_status_t kvw_cuda_stream_destroy(void *stream)
+{
+    KVW_CUDA_FORWARD(stream_destroy(stream));
+}
+
+kvw_status_t kvw_cuda_stream_sync(void *stream)
+{
+    KVW_CUDA_FORWARD(stream_sync(stream));
+}
+
+kvw_status_t kvw_cuda_device_sync(void)
+{
+    KVW_CUDA_FORWARD(device_sync());
+}
+
+kvw_status_t kvw_cuda_ipc_export(void *base, kvw_cuda_ipc_handle_t *handle_p)
+{
+    if (base == NULL || handle_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_ipc_export: NULL argument");
+    KVW_CUDA_FORWARD(ipc_export(base, handle_p->bytes));
+}
+
+kvw_status_t kvw_cuda_ipc_open(const kvw_cuda_ipc_handle_t *handle, void **ptr_p)
+{
+    if (handle == NULL || ptr_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_ipc_open: NULL argument");
+    KVW_CUDA_FORWARD(ipc_open(handle->bytes, ptr_p));
+}
+
+kvw_status_t kvw_cuda_ipc_close(void *ptr)
+{
+    KVW_CUDA_FORWARD(ipc_close(ptr));
+}
+
+/* ---------------------------------------------------------------- plans */
+
+/* Checks that a segment's buffer on one side can be addressed from the GPU. */
+static kvw_status_t kvw_cuda_check_buf(const kvw_buffer_desc_t *b, const char *side, uint32_t i)
+{
+    if (b->mem_kind != KVW_MEM_CUDA || b->addr == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "the CUDA executor needs %s buffer %u (layer %u) to be KVW_MEM_CUDA "
+                          "with a device address (it is %s, address %p)", side, i, b->layer,
+                          b->mem_kind == KVW_MEM_CUDA ? "KVW_MEM_CUDA" : "KVW_MEM_HOST", b->addr);
+    return KVW_OK;
+}
+
+static void kvw_cuda_side(kvwc_side_t *o, const kvw_view_t *v, const kvw_page_map_t *m,
+                          const kvw_buffer_desc_t *b, bool addressed, uint32_t head,
+                          uint32_t map)
+{
+    o->base = addressed ? (uint64_t)(uintptr_t)b->addr + v->plane_off + head * v->head_stride : 0;
+    o->page_stride = v->page_stride;
+    o->token_stride = v->token_stride;
+    o->head_stride = v->head_stride;
+    o->first_token = m->first_token;
+    o->page_size = v->page_size;
+    o->map = map;
+}
+
+kvw_status_t kvw__cuda_plan_in_make(const struct kvw_plan *plan, unsigned uses,
+                                    kvwc_map_in_t *maps, kvwc_plan_in_t *in_p)
+{
+    bool need_src = uses & (KVWC_USE_DIRECT | KVWC_USE_GATHER);
+    bool need_dst = uses & (KVWC_USE_DIRECT | KVWC_USE_SCATTER);
+    if (plan == NULL || maps == NULL || in_p == NULL || uses == 0 ||
+        (uses & ~(unsigned)(KVWC_USE_DIRECT | KVWC_USE_GATHER | KVWC_USE_SCATTER)))
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "CUDA plan: NULL argument or bad uses mask 0x%x", uses);
+    kvwc_seg_in_t *segs = calloc(plan->num_segs ? plan->num_segs : 1, sizeof(*segs));
+    if (segs == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory flattening a plan for the GPU");
+    for (uint32_t p = 0; p < KVW_NUM_POOLS; p++) {
+        maps[p] = (kvwc_map_in_t){plan->src_maps[p].pages, plan->src_maps[p].num_pages};
+        maps[KVW_NUM_POOLS + p] =
+            (kvwc_map_in_t){plan->dst_maps[p].pages, plan->dst_maps[p].num_pages};
+    }
+    for (uint32_t i = 0; i < plan->num_segs; i++) {
+        const kvw_seg_t *s = &plan->segs[i];
+        const kvw_buffer_desc_t *sb = kvw_rank_buffer(plan->src, s->src_buf);
+        const kvw_buffer_desc_t *db = kvw_rank_buffer(plan->dst, s->dst_buf);
+        kvw_status_t st = KVW_OK;
+        if (sb == NULL || db == NULL)
+            st = kvw__error(KVW_ERR_INVALID_PARAM, "CUDA plan: segment %u names buffer %u/%u "
+                            "that its rank does not have", i, s->src_buf, s->dst_buf);
+        if (st == KVW_OK && need_src)
+            st = kvw_cuda_check_buf(sb, "source", s->src_buf);
+        if (st == KVW_OK && need_dst)
+            st = kvw_cuda_check_buf(db, "destination", s->dst_buf);
+        if (st != KVW_OK) {
+            free(segs);
+            return st;
+        }
+        kvwc_seg_in_t *o = &segs[i];
+        kvw_cuda_side(&o->src, &s->src, &plan->src_maps[s->pool], sb, need_src, s->src_head,
+                      s->pool);
+        kvw_cuda_side(&o->dst, &s->dst, &plan->dst_maps[s->pool], db, need_dst, s->dst_head,
+                      KVW_NUM_POOLS + s->pool);
+        o->tok_begin = s->tok_begin;
+        o->tok_end = s->tok_end;
+        o->head_bytes = s->head_bytes;
+        o->num_heads = s->num_heads;
+    }
+    *in_p = (kvwc_plan_in_t){.num_segs = plan->num_segs, .segs = segs,
+                             .num_maps = 2 * KVW_NUM_POOLS, .maps = maps,
+                             .bytes = plan->bytes, .uses = uses};
+    return KVW_OK;
+}
+
+void kvw__cuda_plan_in_free(kvwc_plan_in_t *in)
+{
+    if (in == NULL)
+        return;
+    free((void *)in->segs);
+    in->segs = NULL;
+}
+
+struct kvw_cuda_plan {
+    const kvwc_ops_t *ops;
+    kvwc_plan_h mod;
+    uint64_t bytes;
+};
+
+kvw_status_t kvw_cuda_plan_upload(kvw_plan_h plan, unsigned uses, kvw_cuda_plan_h *cplan_p)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st != KVW_OK)
+        return st;
+    if (cplan_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_plan_upload: NULL argument");
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    if ((st = kvw__cuda_plan_in_make(plan, uses, maps, &in)) != KVW_OK)
+        return st;
+    struct kvw_cuda_plan *cp = calloc(1, sizeof(*cp));
+    if (cp == NULL) {
+        st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA plan");
+        goto out;
+    }
+    st = kvw_cuda_ret(ops, ops->plan_upload(&in, &cp->mod));
+    if (st != KVW_OK) {
+        free(cp);
+        goto out;
+    }
+    cp->ops = ops;
+    cp->bytes = plan->bytes;
+    *cplan_p = cp;
+out:
+    kvw__cuda_plan_in_free(&in);
+    return st;
+}
+
+void kvw_cuda_plan_destroy(kvw_cuda_plan_h cplan)
+{
+    if (cplan == NULL)
+        return;
+    cplan->ops->plan_free(cplan->mod);
+    free(cplan);
+}
+
+uint64_t kvw_cuda_plan_bytes(kvw_cuda_plan_h cplan)
+{
+    return cplan ? cplan->bytes : 0;
+}
+
+kvw_status_t kvw_cuda_plan_exec(kvw_cuda_plan_h cplan, void *stream)
+{
+    if (cplan == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_plan_exec: NULL plan");
+    return kvw_cuda_ret(cplan->ops, cplan->ops->plan_exec(cplan->mod, stream));
+}
+
+kvw_status_t kvw_cuda_plan_gather(kvw_cuda_plan_h cplan, void *staging, uint64_t size,
+                                  void *stream)
+{
+    if (cplan == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_plan_gather: NULL plan");
+    return kvw_cuda_ret(cplan->ops, cplan->ops->plan_gather(cplan->mod, staging, size, stream));
+}
+
+kvw_status_t kvw_cuda_plan_scatter(kvw_cuda_plan_h cplan, const void *staging, uint64_t size,
+                                   void *stream)
+{
+    if (cplan == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_plan_scatter: NULL plan");
+    return kvw_cuda_ret(cplan->ops, cplan->ops->plan_scatter(cplan->mod, staging, size, stream));
+}
+
+kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st != KVW_OK)
+        return st;
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    if ((st = kvw__cuda_plan_in_make(plan, KVWC_USE_DIRECT, maps, &in)) != KVW_OK)
+        return st;
+    st = kvw_cuda_ret(ops, ops->plan_exec_once(&in, stream));
+    kvw__cuda_plan_in_free(&in);
+    return st;
+}
