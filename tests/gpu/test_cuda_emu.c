@@ -1,0 +1,327 @@
+/*
+ * The CUDA kernels' address arithmetic, run on the CPU.
+ *
+ * src/cuda/copy_core.h holds every index computation the copy kernels make (segment
+ * lookup, job ranges, per-token page lookups, unit addresses, the staging order); the
+ * kernels and kvwc_emulate() call the same functions. For every case of gpu_common.c
+ * this test lays the plans out exactly as the module uploads them (through the core's
+ * own flattening, kvw__cuda_plan_in_make), then:
+ *
+ *   - direct: runs the emulated kernel from source to destination arenas and compares
+ *     every destination byte with kvw_plan_exec_cpu (itself checked against testkit's
+ *     naive reference), and every guard byte around every buffer;
+ *   - staged: gathers each plan into a staging buffer, compares it byte for byte with a
+ *     CPU gather in kvw_plan_expand order (the documented staging layout), scatters it
+ *     and compares the destination again.
+ *
+ * It needs no GPU and runs wherever the CUDA module is built. Exit 0 when every check
+ * passed, 1 otherwise.
+ */
+#include <kvwire/cuda.h>
+#include <kvwire/kvwire.h>
+
+#include "cuda/copy_core.h"
+#include "gpu_common.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int failures, checks;
+static const char *cur_case = "";
+
+#define CHECK(cond, ...)                                                                 \
+    do {                                                                                 \
+        checks++;                                                                        \
+        if (!(cond)) {                                                                   \
+            failures++;                                                                  \
+            fprintf(stderr, "%s:%d: [%s] CHECK(%s) failed: ", __FILE__, __LINE__,        \
+                    cur_case, #cond);                                                    \
+            fprintf(stderr, __VA_ARGS__);                                                \
+            fputc('\n', stderr);                                                         \
+        }                                                                                \
+    } while (0)
+
+/* A plan laid out as the module would upload it, in host memory. */
+typedef struct emu_plan {
+    void *blob;
+    uint32_t num_segs;
+    uint64_t num_jobs;
+    uint64_t bytes;
+    uint32_t widths[17]; /* units used, by width */
+} emu_plan_t;
+
+static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
+{
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    memset(e, 0, sizeof(*e));
+    kvw_status_t st = kvw__cuda_plan_in_make(plan, KVW_CUDA_DIRECT | KVW_CUDA_GATHER |
+                                                       KVW_CUDA_SCATTER, maps, &in);
+    CHECK(st == KVW_OK, "kvw__cuda_plan_in_make: %s (%s)", kvw_status_string(st),
+          kvw_last_error());
+    if (st != KVW_OK)
+        return -1;
+    uint64_t size = kvwc_blob_size(&in);
+    e->blob = malloc(size ? size : 1);
+    const char *why = NULL;
+    int rc = e->blob ? kvwc_blob_fill(&in, e->blob, (uint64_t)(uintptr_t)e->blob, &e->num_segs,
+                                      &e->num_jobs, &why)
+                     : -1;
+    CHECK(rc == 0, "layout: %s", why ? why : "out of memory");
+    e->bytes = in.bytes;
+    kvw__cuda_plan_in_free(&in);
+    if (rc == 0) {
+        const kvwc_dseg_t *segs = e->blob;
+        uint64_t sum = 0;
+        for (uint32_t i = 0; i < e->num_segs; i++) {
+            for (int m = 0; m < KVWC_NUM_MODES; m++)
+                e->widths[segs[i].w[m]]++;
+            sum += segs[i].bytes;
+            CHECK(i == 0 || segs[i].job_begin > segs[i - 1].job_begin,
+                  "empty job range for segment %u", i);
+        }
+        CHECK(sum == e->bytes, "laid-out segments hold %llu bytes, the plan %llu",
+              (unsigned long long)sum, (unsigned long long)e->bytes);
+    }
+    return rc;
+}
+
+static void emu_run(emu_plan_t *e, int mode, uint8_t *stage)
+{
+    static kvwc_tokens_t tt;
+    kvwc_emulate(e->blob, e->num_segs, e->num_jobs, mode, stage, &tt);
+}
+
+/* Source and destination arenas in host memory, laid out like the GPU check's. */
+typedef struct arena {
+    uint64_t *offs;
+    uint64_t total;
+    uint8_t *img, *init;
+    kvw_rank_h *h;
+} arena_t;
+
+static int arena_make(arena_t *a, const gc_inst_t *in, uint32_t misalign)
+{
+    memset(a, 0, sizeof(*a));
+    a->offs = calloc(gc_total_bufs(in) + 1, sizeof(uint64_t));
+    a->h = calloc(in->n, sizeof(kvw_rank_h));
+    if (!a->offs || !a->h)
+        return -1;
+    a->total = gc_arena_layout(in, misalign, a->offs);
+    a->img = malloc(a->total);
+    a->init = malloc(a->total);
+    if (!a->img || !a->init)
+        return -1;
+    gc_arena_image(in, a->offs, a->total, a->init);
+    memcpy(a->img, a->init, a->total);
+    for (uint32_t r = 0; r < in->n; r++) {
+        uint8_t **addrs = calloc(in->r[r].num_bufs + 1, sizeof(uint8_t *));
+        if (!addrs)
+            return -1;
+        for (uint32_t b = 0; b < in->r[r].num_bufs; b++)
+            addrs[b] = a->img + a->offs[gc_buf_index(in, r, b)];
+        /* CUDA memory kind over host memory: the emulator dereferences the addresses on
+         * the CPU, and the flattening insists on KVW_MEM_CUDA. */
+        kvw_status_t st = gc_rank_clone(&in->r[r], KVW_MEM_CUDA, 0, addrs, &a->h[r]);
+        free(addrs);
+        CHECK(st == KVW_OK, "rank clone: %s (%s)", kvw_status_string(st), kvw_last_error());
+        if (st != KVW_OK)
+            return -1;
+    }
+    return 0;
+}
+
+static void arena_free(arena_t *a, const gc_inst_t *in)
+{
+    if (a->h)
+        for (uint32_t r = 0; r < in->n; r++)
+            kvw_rank_destroy(a->h[r]);
+    free(a->h);
+    free(a->offs);
+    free(a->img);
+    free(a->init);
+}
+
+static void compare_dst(const gc_inst_t *D, arena_t *da, kvt_copy_t *exp, const char *what)
+{
+    char msg[512];
+    CHECK(gc_arena_check_poison(D, da->offs, da->total, da->img, msg, sizeof(msg)) == 0,
+          "%s: %s", what, msg);
+    for (uint32_t d = 0; d < D->n; d++) {
+        kvt_copy_t view;
+        if (gc_arena_view(D, d, da->offs, da->img, &view)) {
+            CHECK(0, "out of memory");
+            return;
+        }
+        char w[96];
+        snprintf(w, sizeof(w), "%s, dst rank %u", what, d);
+        CHECK(kvt_copy_compare2(&D->r[d], &view, &exp[d], w, msg, sizeof(msg)) == 0, "%s", msg);
+        gc_view_free(&view);
+    }
+}
+
+static void run_case(const gc_case_t *c)
+{
+    kvt_model_t model;
+    gc_inst_t S, D;
+    arena_t sa, da;
+    char msg[512];
+    uint64_t bytes = 0, staged = 0;
+    uint32_t widths[17] = {0};
+    kvw_chunk_t ch = gc_chunk(c);
+    kvt_copy_t *exp = NULL;
+    cur_case = c->name;
+    memset(&S, 0, sizeof(S));
+    memset(&D, 0, sizeof(D));
+    memset(&sa, 0, sizeof(sa));
+    memset(&da, 0, sizeof(da));
+
+    if (gc_model(c, &model)) {
+        CHECK(0, "unknown model %s", c->model);
+        return;
+    }
+    uint64_t seed = gc_seed(c);
+    if (gc_inst_build(&S, &model, c, 0, seed, msg, sizeof(msg)) ||
+        gc_inst_build(&D, &model, c, 1, seed + 1, msg, sizeof(msg))) {
+        CHECK(0, "%s", msg);
+        goto out;
+    }
+    exp = calloc(D.n, sizeof(*exp));
+    if (!exp)
+        goto out;
+    for (uint32_t d = 0; d < D.n; d++)
+        if (kvt_copy_make(&D.r[d], &exp[d]) != KVW_OK)
+            goto out;
+    if (gc_expected(&model, c, &S, &D, exp, &bytes, msg, sizeof(msg))) {
+        CHECK(0, "%s", msg);
+        goto out;
+    }
+    if (arena_make(&sa, &S, c->misalign) || arena_make(&da, &D, c->misalign)) {
+        CHECK(0, "arenas");
+        goto out;
+    }
+
+    /* Direct. */
+    for (uint32_t d = 0; d < D.n; d++)
+        for (uint32_t s = 0; s < S.n; s++) {
+            kvw_plan_h plan = NULL;
+            kvw_status_t st = kvw_plan_create(sa.h[s], da.h[d], &ch, &S.pg[s].side,
+                                              &D.pg[d].side, &plan);
+            CHECK(st == KVW_OK, "src %u dst %u: kvw_plan_create: %s (%s)", s, d,
+                  kvw_status_string(st), kvw_last_error());
+            if (st != KVW_OK)
+                continue;
+            emu_plan_t e;
+            if (emu_prepare(plan, &e) == 0) {
+                emu_run(&e, KVWC_MODE_DIRECT, NULL);
+                for (int w = 0; w <= 16; w++)
+                    widths[w] += e.widths[w];
+            }
+            free(e.blob);
+            kvw_plan_destroy(plan);
+        }
+    compare_dst(&D, &da, exp, "direct");
+
+    /* Staged: gather, check the staging order, scatter. */
+    memcpy(da.img, da.init, da.total);
+    for (uint32_t d = 0; d < D.n; d++)
+        for (uint32_t s = 0; s < S.n; s++) {
+            kvw_plan_h plan = NULL;
+            kvw_status_t st = kvw_plan_create(sa.h[s], da.h[d], &ch, &S.pg[s].side,
+                                              &D.pg[d].side, &plan);
+            if (st != KVW_OK)
+                continue;
+            emu_plan_t e;
+            if (emu_prepare(plan, &e) == 0) {
+                uint64_t n = (e.bytes + 15) / 16 * 16 + 16;
+                uint8_t *stage = aligned_alloc(16, n), *ref = malloc(n);
+                if (stage && ref) {
+                    memset(stage, 0xEE, n);
+                    memset(ref, 0xEE, n);
+                    emu_run(&e, KVWC_MODE_GATHER, stage);
+                    st = gc_expand_gather(plan, &S.r[s], ref);
+                    CHECK(st == KVW_OK, "kvw_plan_expand: %s", kvw_status_string(st));
+                    uint64_t bad = n;
+                    for (uint64_t i = 0; i < n && bad == n; i++)
+                        if (stage[i] != ref[i])
+                            bad = i;
+                    CHECK(bad == n,
+                          "src %u dst %u: staging differs from kvw_plan_expand order at byte "
+                          "%llu of %llu (0x%02x, expected 0x%02x)", s, d,
+                          (unsigned long long)bad, (unsigned long long)e.bytes,
+                          bad < n ? stage[bad] : 0, bad < n ? ref[bad] : 0);
+                    emu_run(&e, KVWC_MODE_SCATTER, stage);
+                    staged += e.bytes;
+                } else {
+                    CHECK(0, "out of memory");
+                }
+                free(stage);
+                free(ref);
+            }
+            free(e.blob);
+            kvw_plan_destroy(plan);
+        }
+    compare_dst(&D, &da, exp, "gather+scatter");
+    CHECK(memcmp(sa.img, sa.init, sa.total) == 0, "the source arena changed");
+    CHECK(staged == bytes, "staged %llu bytes, the plans %llu", (unsigned long long)staged,
+          (unsigned long long)bytes);
+    printf("  %-36s %2u -> %-2u %10llu bytes  widths (segments x modes) 16:%u 8:%u 4:%u "
+           "2:%u 1:%u\n", c->name, S.n, D.n, (unsigned long long)bytes, widths[16], widths[8],
+           widths[4], widths[2], widths[1]);
+out:
+    if (exp)
+        for (uint32_t d = 0; d < D.n; d++)
+            kvt_copy_free(&exp[d]);
+    free(exp);
+    arena_free(&sa, &S);
+    arena_free(&da, &D);
+    gc_inst_free(&S);
+    gc_inst_free(&D);
+}
+
+/* The flattening refuses buffers the GPU cannot address, with a message. */
+static void check_host_refused(void)
+{
+    cur_case = "host buffers refused";
+    const gc_case_t *c = &gc_cases[0];
+    kvt_model_t model;
+    gc_inst_t S, D;
+    char msg[256];
+    if (gc_model(c, &model) || gc_inst_build(&S, &model, c, 0, 1, msg, sizeof(msg)))
+        return;
+    if (gc_inst_build(&D, &model, c, 1, 2, msg, sizeof(msg))) {
+        gc_inst_free(&S);
+        return;
+    }
+    kvw_chunk_t ch = gc_chunk(c);
+    kvw_plan_h plan = NULL;
+    kvw_status_t st = kvw_plan_create(S.r[0].h, D.r[0].h, &ch, &S.pg[0].side, &D.pg[0].side,
+                                      &plan);
+    CHECK(st == KVW_OK, "kvw_plan_create: %s", kvw_last_error());
+    if (st == KVW_OK) {
+        kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+        kvwc_plan_in_t in;
+        st = kvw__cuda_plan_in_make(plan, KVW_CUDA_DIRECT, maps, &in);
+        CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), "KVW_MEM_CUDA"),
+              "host buffers: got %s (%s)", kvw_status_string(st), kvw_last_error());
+        if (st == KVW_OK)
+            kvw__cuda_plan_in_free(&in);
+        kvw_plan_destroy(plan);
+    }
+    gc_inst_free(&S);
+    gc_inst_free(&D);
+}
+
+int main(void)
+{
+    printf("CUDA kernel address arithmetic on the CPU (%u cases)\n", gc_num_cases);
+    for (uint32_t i = 0; i < gc_num_cases; i++)
+        run_case(&gc_cases[i]);
+    check_host_refused();
+    kvw_status_t st = kvw_cuda_available();
+    printf("kvw_cuda_available: %s%s%s\n", kvw_status_string(st), st ? ": " : "",
+           st ? kvw_last_error() : "");
+    printf("%d checks, %d failures\n", checks, failures);
+    return failures ? 1 : 0;
+}
