@@ -138,6 +138,24 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     pthread_cond_broadcast(&ctx->cv);
 }
 
+/* What a prefill room still waits for, for its timeout message. */
+static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size_t cap)
+{
+    if (r->dst_dp < 0) {
+        snprintf(buf, cap, " (no decode rank posted the room)");
+        return;
+    }
+    uint32_t group = 0, connected = 0, needed = 0;
+    for (uint32_t i = 0; i < ctx->num_peers; i++)
+        if (ctx->peers[i]->dp == (uint32_t)r->dst_dp) {
+            group = ctx->peers[i]->remote_group_size;
+            connected++;
+            needed += ctx->peers[i]->needed;
+        }
+    snprintf(buf, cap, " (decode DP group %d: %u of %u ranks registered, %u of %u that need this "
+             "rank posted)", r->dst_dp, connected, group, r->num_dsts, needed);
+}
+
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
 {
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
@@ -145,11 +163,15 @@ void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
         while (*pp) {
             kvw_room_t *r = *pp;
             bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;
-            if (!terminal && now > r->deadline_ns)
+            if (!terminal && now > r->deadline_ns) {
+                char why[160] = "";
+                if (r->is_sender && r->state == KVW_ROOM_BOOTSTRAPPING)
+                    kvw_room_waiting(ctx, r, why, sizeof(why));
                 kvw__room_fail(ctx, r, KVW_ERR_TIMEOUT, true,
-                               "room %llu timed out after %u ms in state %s",
+                               "room %llu timed out after %u ms in state %s%s",
                                (unsigned long long)r->id, ctx->wait_timeout_ms,
-                               kvw_room_state_string(r->state));
+                               kvw_room_state_string(r->state), why);
+            }
             /* Rooms no handle owns (a REQ or ABORT for a room the engine never opened)
              * are dropped once terminal and idle. */
             if (!r->engine_owned && r->inflight == 0 &&
@@ -270,6 +292,15 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
         return;
     }
     r->dsts = nd;
+    if (!peer->needed) {
+        /* A decode rank this rank sends nothing to still names the room's DP group,
+         * so that a rank with nothing to send can finish. */
+        free(d.store);
+        if (r->dst_dp < 0)
+            r->dst_dp = (int32_t)dp;
+        kvw_sender_update(ctx, r);
+        return;
+    }
     r->dsts[r->num_dsts++] = d;
     if (r->state == KVW_ROOM_FAILED) {
         kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, r->status, r->reason);
@@ -283,11 +314,10 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
         }
     if (r->dst_dp < 0)
         r->dst_dp = (int32_t)dp;
-    if ((uint32_t)r->dst_dp != dp || !peer->needed) {
+    if ((uint32_t)r->dst_dp != dp) {
         kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
                        "room %llu: %s posted for decode DP group %u, but the room belongs to "
-                       "group %d%s", (unsigned long long)id, peer->desc, dp, r->dst_dp,
-                       peer->needed ? "" : " (and this rank sends it nothing)");
+                       "group %d", (unsigned long long)id, peer->desc, dp, r->dst_dp);
         return;
     }
     if (r->num_tokens && d.num_tokens != r->num_tokens) {
@@ -691,7 +721,11 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
         r->num_granted[KVW_POOL_STATE] = 1;
     }
     r->num_tokens = n;
-    for (uint32_t i = 0; i < r->num_srcs; i++) {
+    /* Every prefill rank of the group hears of the room, even one that sends this rank
+     * nothing: it learns the room's DP group from it. */
+    for (uint32_t i = 0; i < ctx->num_peers; i++) {
+        if (ctx->peers[i]->dp != r->src_dp || ctx->peers[i]->dead)
+            continue;
         kvw_wbuf_t w;
         kvw__wb_init(&w, KVW_MSG_REQ);
         kvw__wb_u64(&w, r->id);
@@ -701,7 +735,7 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
         kvw__wire_put_pages(&w, &post->pages.full);
         kvw__wire_put_pages(&w, &post->pages.swa);
         kvw__wb_u64(&w, (uint64_t)post->pages.state_slot);
-        kvw__peer_send(ctx, ctx->peers[r->srcs[i].peer], &w);
+        kvw__peer_send(ctx, ctx->peers[i], &w);
     }
     r->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
     kvw__room_advance(r, KVW_ROOM_WAITING_FOR_INPUT);

@@ -1,0 +1,595 @@
+/*
+ * kvwire demo: one prefill instance and one decode instance as separate processes on
+ * this host, exchanging real KV caches with different parallelism; every destination
+ * byte (and the guard bytes around every buffer) is checked against the independent
+ * reference in the test kit.
+ *
+ * Both processes derive the same request list and page tables from one seed, so the
+ * decode process can rebuild the prefill ranks' bytes and compute what it must hold.
+ * Requests run in waves of concurrent rooms; each wave uses disjoint pages.
+ */
+#include "cmd.h"
+#include "testkit.h"
+
+#include <kvwire/xfer.h>
+
+#include <getopt.h>
+#include <stdbool.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define KVW_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define KVW_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define KVW_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+typedef struct demo_cfg {
+    char model[48];
+    uint32_t layers;
+    uint32_t ptp, dtp, ppp, dpp;
+    char transport[16];
+    uint32_t requests, concurrency;
+    uint32_t ppage, dpage; /* full-pool page sizes */
+    uint32_t swa_page;
+    uint32_t max_tokens;
+    uint64_t seed;
+    uint32_t timeout_ms;
+    kvw_layout_t playout, dlayout;
+    int quiet;
+} demo_cfg_t;
+
+typedef struct demo_req {
+    uint64_t room;
+    uint64_t n, prefix;
+    uint32_t nchunks;
+    uint64_t bounds[5];
+} demo_req_t;
+
+typedef struct demo_pages {
+    kvw_side_pages_t side;
+    uint32_t *full, *swa;
+} demo_pages_t;
+
+/* Per process: the instance's ranks (prefill or decode). */
+typedef struct demo_inst {
+    uint32_t tp, pp, n;
+    kvt_rank_t *ranks;
+    uint32_t full_pages, swa_pages, slots;
+} demo_inst_t;
+
+static const uint64_t demo_lengths[] = {1, 63, 64, 65, 127, 128, 129, 200, 513, 1000, 2048};
+
+static void demo_gen(const demo_cfg_t *c, demo_req_t *reqs)
+{
+    kvt_rng_t rng = {c->seed};
+    for (uint32_t i = 0; i < c->requests; i++) {
+        demo_req_t *r = &reqs[i];
+        memset(r, 0, sizeof(*r));
+        r->room = 1000 + i;
+        r->n = demo_lengths[i % KVW_ARRAY_SIZE(demo_lengths)];
+        if (r->n > c->max_tokens)
+            r->n = c->max_tokens;
+        /* Every third request reuses a cached decode prefix (not page aligned). */
+        r->prefix = (i % 3 == 2 && r->n > 10) ? kvt_rng_below(&rng, r->n - 1) + 1 : 0;
+        /* Every fourth long request is chunked in up to three pieces. */
+        r->nchunks = (i % 4 == 1 && r->n >= 3) ? 1 + (uint32_t)kvt_rng_below(&rng, 3) : 1;
+        r->bounds[0] = 0;
+        for (uint32_t k = 1; k < r->nchunks; k++)
+            r->bounds[k] = r->n * k / r->nchunks;
+        r->bounds[r->nchunks] = r->n;
+    }
+}
+
+static uint32_t demo_pages_needed(uint64_t b, uint64_t e, uint32_t ps)
+{
+    if (b >= e)
+        return 0;
+    return (uint32_t)((e + ps - 1) / ps - b / ps);
+}
+
+static uint64_t demo_swa_window(const kvt_model_t *m)
+{
+    uint64_t w = 0;
+    for (uint32_t l = 0; l < m->m.num_layers; l++)
+        if (m->layers[l].kind == KVW_LAYER_SWA)
+            w = KVW_MAX(w, m->layers[l].window);
+    return w;
+}
+
+/*
+ * Page lists for one wave on one instance: a random permutation of each pool, sliced
+ * so that concurrent rooms never share a page. Returns 0 or -1 (pool too small).
+ */
+static int demo_assign(const demo_cfg_t *c, const kvt_model_t *m, const demo_inst_t *inst,
+                       uint32_t ps, const demo_req_t *reqs, uint32_t nreq, uint64_t seed,
+                       demo_pages_t *out)
+{
+    kvt_rng_t rng = {seed};
+    uint32_t *pf = malloc(sizeof(uint32_t) * inst->full_pages);
+    uint32_t *psw = malloc(sizeof(uint32_t) * KVW_MAX(inst->swa_pages, 1));
+    if (!pf || !psw)
+        return -1;
+    kvt_pages_random(&rng, inst->full_pages, inst->full_pages, pf);
+    if (inst->swa_pages)
+        kvt_pages_random(&rng, inst->swa_pages, inst->swa_pages, psw);
+    uint32_t uf = 0, us = 0;
+    uint64_t window = demo_swa_window(m);
+    int rc = 0;
+    for (uint32_t i = 0; i < nreq && rc == 0; i++) {
+        const demo_req_t *r = &reqs[i];
+        demo_pages_t *p = &out[i];
+        memset(p, 0, sizeof(*p));
+        uint32_t nf = demo_pages_needed(0, r->n, ps);
+        uint64_t ws = window && r->n > window ? r->n - window : 0;
+        uint64_t swb = ws / c->swa_page * c->swa_page;
+        uint32_t ns = window ? demo_pages_needed(swb, r->n, c->swa_page) : 0;
+        if (uf + nf > inst->full_pages || us + ns > inst->swa_pages) {
+            rc = -1;
+            break;
+        }
+        p->full = malloc(sizeof(uint32_t) * (nf + 1));
+        p->swa = malloc(sizeof(uint32_t) * (ns + 1));
+        memcpy(p->full, pf + uf, sizeof(uint32_t) * nf);
+        memcpy(p->swa, psw + us, sizeof(uint32_t) * ns);
+        uf += nf, us += ns;
+        p->side.full = (kvw_pages_t){p->full, nf, 0};
+        p->side.swa = (kvw_pages_t){p->swa, ns, swb};
+        p->side.state_slot = inst->slots ? (int64_t)(i % inst->slots) : -1;
+    }
+    (void)c;
+    free(pf);
+    free(psw);
+    return rc;
+}
+
+static void demo_pages_free(demo_pages_t *p, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        free(p[i].full);
+        free(p[i].swa);
+    }
+}
+
+static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, demo_inst_t *inst,
+                      uint64_t fill_seed)
+{
+    inst->tp = prefill ? c->ptp : c->dtp;
+    inst->pp = prefill ? c->ppp : c->dpp;
+    inst->n = inst->tp * inst->pp;
+    uint32_t ps = prefill ? c->ppage : c->dpage;
+    uint64_t window = demo_swa_window(m);
+    inst->full_pages = c->concurrency * (demo_pages_needed(0, c->max_tokens, ps) + 1) + 7;
+    inst->swa_pages =
+        window ? c->concurrency * (demo_pages_needed(0, window, c->swa_page) + 2) + 3 : 0;
+    inst->slots = c->concurrency;
+    inst->ranks = calloc(inst->n, sizeof(kvt_rank_t));
+    for (uint32_t p = 0; p < inst->pp; p++)
+        for (uint32_t t = 0; t < inst->tp; t++) {
+            kvt_rank_spec_t s = {.model = m, .layout = prefill ? c->playout : c->dlayout,
+                                 .page_size = {ps, c->swa_page},
+                                 .num_pages = {inst->full_pages, KVW_MAX(inst->swa_pages, 1)},
+                                 .num_slots = inst->slots};
+            s.par = (kvw_parallel_t){.tp_size = inst->tp, .tp_rank = t, .pp_size = inst->pp,
+                                     .pp_rank = p, .dp_size = 1, .dp_rank = 0};
+            kvt_pp_range(m->m.num_layers, inst->pp, NULL, p, &s.par.layer_begin, &s.par.layer_end);
+            kvt_rank_t *r = &inst->ranks[p * inst->tp + t];
+            if (kvt_rank_build(&s, r) != KVW_OK) {
+                fprintf(stderr, "demo: cannot build %s rank tp%u/pp%u: %s\n",
+                        prefill ? "prefill" : "decode", t, p, kvw_last_error());
+                return -1;
+            }
+            kvt_rank_fill(r, fill_seed + p * 1000 + t);
+        }
+    return 0;
+}
+
+static void demo_free_inst(demo_inst_t *inst)
+{
+    for (uint32_t i = 0; i < inst->n; i++)
+        kvt_rank_free(&inst->ranks[i]);
+    free(inst->ranks);
+}
+
+static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool prefill,
+                                const char *bs_addr, char *bs_out, size_t bs_cap)
+{
+    kvw_ctx_h *ctx = calloc(inst->n, sizeof(*ctx));
+    for (uint32_t i = 0; i < inst->n; i++) {
+        kvw_ctx_params_t p = {
+            .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
+                          KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
+                          KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
+            .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
+            .rank = inst->ranks[i].h,
+            .transport = c->transport,
+            .bootstrap_addr = bs_addr,
+            .host_bootstrap = prefill && i == 0,
+            .wait_timeout_ms = c->timeout_ms,
+            .bootstrap_timeout_ms = c->timeout_ms,
+            .prefill_tp = c->ptp,
+            .prefill_pp = c->ppp,
+            .prefill_dp = 1};
+        kvw_status_t st = kvw_ctx_create(&p, &ctx[i]);
+        if (st != KVW_OK) {
+            fprintf(stderr, "demo: %s rank %u: %s: %s\n", prefill ? "prefill" : "decode", i,
+                    kvw_status_string(st), kvw_last_error());
+            for (uint32_t j = 0; j < i; j++)
+                kvw_ctx_destroy(ctx[j]);
+            free(ctx);
+            return NULL;
+        }
+        if (prefill && i == 0) {
+            snprintf(bs_out, bs_cap, "%s", kvw_ctx_bootstrap_addr(ctx[0]));
+            bs_addr = bs_out;
+        }
+    }
+    return ctx;
+}
+
+static bool demo_terminal(kvw_room_state_t s)
+{
+    return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
+}
+
+/* ------------------------------------------------------------ prefill process */
+
+static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, int go_fd)
+{
+    demo_inst_t inst = {0};
+    if (demo_build(c, m, true, &inst, c->seed * 7 + 1))
+        return 1;
+    char bs[160];
+    kvw_ctx_h *ctx = demo_contexts(c, &inst, true, "127.0.0.1:0", bs, sizeof(bs));
+    if (ctx == NULL)
+        return 1;
+    if (write(bs_pipe, bs, strlen(bs) + 1) < 0)
+        return 1;
+    close(bs_pipe);
+    /* Requests start once the decode instance is up, as in a serving deployment where
+     * decode instances join before traffic is routed to them. */
+    char go;
+    if (read(go_fd, &go, 1) != 1) {
+        fprintf(stderr, "demo: the decode process never came up\n");
+        return 1;
+    }
+    demo_req_t *reqs = calloc(c->requests, sizeof(*reqs));
+    demo_gen(c, reqs);
+    int rc = 0;
+    for (uint32_t w0 = 0; w0 < c->requests && rc == 0; w0 += c->concurrency) {
+        uint32_t nw = KVW_MIN(c->concurrency, c->requests - w0);
+        demo_pages_t *pg = calloc(nw, sizeof(*pg));
+        if (demo_assign(c, m, &inst, c->ppage, reqs + w0, nw, c->seed * 31 + w0, pg)) {
+            fprintf(stderr, "demo: prefill pools too small\n");
+            rc = 1;
+        }
+        kvw_sender_h *snd = calloc((size_t)nw * inst.n, sizeof(*snd));
+        for (uint32_t i = 0; i < nw && rc == 0; i++)
+            for (uint32_t k = 0; k < inst.n; k++)
+                if (kvw_sender_create(ctx[k], reqs[w0 + i].room, &snd[i * inst.n + k]) != KVW_OK) {
+                    fprintf(stderr, "demo: sender: %s\n", kvw_last_error());
+                    rc = 1;
+                }
+        /* Chunks go out as "prefill proceeds": chunk k of every room, then k + 1. */
+        for (uint32_t ch = 0; ch < 3 && rc == 0; ch++)
+            for (uint32_t i = 0; i < nw; i++) {
+                const demo_req_t *r = &reqs[w0 + i];
+                if (ch >= r->nchunks)
+                    continue;
+                kvw_send_chunk_t sc = {.num_tokens = r->n, .chunk_begin = r->bounds[ch],
+                                       .chunk_end = r->bounds[ch + 1],
+                                       .last_chunk = ch + 1 == r->nchunks, .pages = pg[i].side};
+                for (uint32_t k = 0; k < inst.n; k++)
+                    if (kvw_sender_send(snd[i * inst.n + k], &sc) != KVW_OK) {
+                        fprintf(stderr, "demo: send room %llu: %s\n",
+                                (unsigned long long)r->room, kvw_last_error());
+                        rc = 1;
+                    }
+            }
+        for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
+            while (!demo_terminal(kvw_sender_poll(snd[i])))
+                usleep(200);
+            if (kvw_sender_poll(snd[i]) != KVW_ROOM_SUCCESS) {
+                fprintf(stderr, "demo: prefill room failed: %s\n", kvw_sender_failure(snd[i]));
+                rc = 1;
+            }
+        }
+        for (uint32_t i = 0; i < nw * inst.n; i++)
+            kvw_sender_destroy(snd[i]);
+        free(snd);
+        demo_pages_free(pg, nw);
+        free(pg);
+    }
+    /* Stay up until the decode side has verified and left. */
+    char b;
+    if (read(STDIN_FILENO, &b, 1) < 0) {
+    }
+    for (uint32_t i = 0; i < inst.n; i++)
+        kvw_ctx_destroy(ctx[i]);
+    free(ctx);
+    free(reqs);
+    demo_free_inst(&inst);
+    return rc;
+}
+
+/* ------------------------------------------------------------ decode process */
+
+typedef struct demo_result {
+    uint64_t bytes, ns;
+    uint32_t rooms_ok, rooms_failed, rooms_verified;
+} demo_result_t;
+
+static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs, int go_fd,
+                       demo_result_t *res)
+{
+    demo_inst_t inst = {0}, src = {0};
+    if (demo_build(c, m, false, &inst, c->seed * 13 + 5))
+        return 1;
+    /* The prefill ranks' bytes, rebuilt here for the reference. */
+    if (demo_build(c, m, true, &src, c->seed * 7 + 1))
+        return 1;
+    kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0);
+    if (ctx == NULL)
+        return 1;
+    if (write(go_fd, "g", 1) != 1)
+        return 1;
+    demo_req_t *reqs = calloc(c->requests, sizeof(*reqs));
+    demo_gen(c, reqs);
+    int rc = 0;
+    for (uint32_t w0 = 0; w0 < c->requests && rc == 0; w0 += c->concurrency) {
+        uint32_t nw = KVW_MIN(c->concurrency, c->requests - w0);
+        demo_pages_t *pg = calloc(nw, sizeof(*pg)), *spg = calloc(nw, sizeof(*spg));
+        if (demo_assign(c, m, &inst, c->dpage, reqs + w0, nw, c->seed * 37 + w0, pg) ||
+            demo_assign(c, m, &src, c->ppage, reqs + w0, nw, c->seed * 31 + w0, spg)) {
+            fprintf(stderr, "demo: decode pools too small\n");
+            rc = 1;
+            break;
+        }
+        kvt_copy_t *expect = calloc(inst.n, sizeof(*expect));
+        for (uint32_t k = 0; k < inst.n; k++)
+            kvt_copy_make(&inst.ranks[k], &expect[k]);
+        kvw_receiver_h *rcv = calloc((size_t)nw * inst.n, sizeof(*rcv));
+        uint64_t t0 = kvt_now_ns();
+        for (uint32_t i = 0; i < nw && rc == 0; i++)
+            for (uint32_t k = 0; k < inst.n; k++) {
+                kvw_recv_post_t post = {.num_tokens = reqs[w0 + i].n,
+                                        .prefix_len = reqs[w0 + i].prefix, .pages = pg[i].side};
+                if (kvw_receiver_create(ctx[k], reqs[w0 + i].room, 0, &rcv[i * inst.n + k]) != KVW_OK ||
+                    kvw_receiver_post(rcv[i * inst.n + k], &post) != KVW_OK) {
+                    fprintf(stderr, "demo: receiver room %llu: %s\n",
+                            (unsigned long long)reqs[w0 + i].room, kvw_last_error());
+                    rc = 1;
+                }
+            }
+        for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
+            while (!demo_terminal(kvw_receiver_poll(rcv[i])))
+                usleep(100);
+            kvw_room_metrics_t mt;
+            kvw_receiver_metrics(rcv[i], &mt);
+            res->bytes += mt.bytes;
+            if (kvw_receiver_poll(rcv[i]) == KVW_ROOM_SUCCESS) {
+                res->rooms_ok++;
+            } else {
+                res->rooms_failed++;
+                fprintf(stderr, "demo: room %llu failed on decode rank %u: %s\n",
+                        (unsigned long long)reqs[w0 + i / inst.n].room, i % inst.n,
+                        kvw_receiver_failure(rcv[i]));
+                rc = 1;
+            }
+        }
+        res->ns += kvt_now_ns() - t0;
+        /* Verify: the reference applied to the snapshot must equal the buffers. */
+        for (uint32_t k = 0; k < inst.n && rc == 0; k++) {
+            kvt_ref_side_t *ss = calloc(src.n, sizeof(*ss));
+            for (uint32_t i = 0; i < nw && rc == 0; i++) {
+                const demo_req_t *r = &reqs[w0 + i];
+                for (uint32_t s = 0; s < src.n; s++) {
+                    uint8_t **d = calloc(src.ranks[s].num_bufs, sizeof(uint8_t *));
+                    for (uint32_t b = 0; b < src.ranks[s].num_bufs; b++)
+                        d[b] = kvt_rank_data(&src.ranks[s], b);
+                    ss[s] = kvt_ref_side(&src.ranks[s], &spg[i].side, d);
+                }
+                kvt_ref_side_t ds = kvt_ref_side(&inst.ranks[k], &pg[i].side, expect[k].data);
+                char msg[512];
+                for (uint32_t ch = 0; ch < r->nchunks && rc == 0; ch++) {
+                    kvw_chunk_t chunk = {.num_tokens = r->n, .chunk_begin = r->bounds[ch],
+                                         .chunk_end = r->bounds[ch + 1], .prefix_len = r->prefix,
+                                         .last_chunk = ch + 1 == r->nchunks};
+                    if (kvt_ref_transfer(&m->m, ss, src.n, &ds, &chunk, NULL, NULL, msg,
+                                         sizeof(msg))) {
+                        fprintf(stderr, "demo: reference: %s\n", msg);
+                        rc = 1;
+                    }
+                }
+                for (uint32_t s = 0; s < src.n; s++)
+                    free((void *)ss[s].data);
+            }
+            free(ss);
+            char msg[512];
+            if (rc == 0 && kvt_copy_compare(&inst.ranks[k], &expect[k], "decode buffers", msg,
+                                            sizeof(msg))) {
+                fprintf(stderr, "demo: decode rank %u: WRONG BYTES: %s\n", k, msg);
+                rc = 1;
+            }
+            if (rc == 0 && kvt_rank_check_guards(&inst.ranks[k], msg, sizeof(msg))) {
+                fprintf(stderr, "demo: decode rank %u: guard bytes changed: %s\n", k, msg);
+                rc = 1;
+            }
+        }
+        if (rc == 0)
+            res->rooms_verified += nw;
+        for (uint32_t i = 0; i < nw * inst.n; i++)
+            kvw_receiver_destroy(rcv[i]);
+        free(rcv);
+        for (uint32_t k = 0; k < inst.n; k++)
+            kvt_copy_free(&expect[k]);
+        free(expect);
+        demo_pages_free(pg, nw);
+        demo_pages_free(spg, nw);
+        free(pg);
+        free(spg);
+    }
+    for (uint32_t i = 0; i < inst.n; i++)
+        kvw_ctx_destroy(ctx[i]);
+    free(ctx);
+    free(reqs);
+    demo_free_inst(&inst);
+    demo_free_inst(&src);
+    return rc;
+}
+
+/* ------------------------------------------------------------ driver */
+
+static void demo_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvwire demo [options]\n"
+            "  --model NAME          model preset (default gpt-oss-120b; kvwire plan --help lists them)\n"
+            "  --layers N            keep the first N layers (default 12; 0 = all)\n"
+            "  --prefill-tp N        prefill TP size (default 1)\n"
+            "  --decode-tp N         decode TP size (default 4)\n"
+            "  --prefill-pp N        prefill PP size (default 1)\n"
+            "  --decode-pp N         decode PP size (default 1)\n"
+            "  --transport NAME      shm (default) or tcp\n"
+            "  --requests N          requests (default 24)\n"
+            "  --concurrency N       rooms in flight per wave (default 8)\n"
+            "  --page-size N         prefill full-pool page size (default 64)\n"
+            "  --decode-page-size N  decode full-pool page size (default: same)\n"
+            "  --max-tokens N        longest request (default 2048)\n"
+            "  --decode-layout L     nhd (default) or hnd\n"
+            "  --seed N              seed of requests, pages and bytes (default 1)\n"
+            "  --timeout-ms N        per-room timeout (default 30000)\n"
+            "Exits 0 only if every destination byte and guard byte verified.\n");
+}
+
+static int cmd_demo(int argc, char **argv)
+{
+    demo_cfg_t c = {.model = "gpt-oss-120b", .layers = 12, .ptp = 1, .dtp = 4, .ppp = 1,
+                    .dpp = 1, .transport = "shm", .requests = 24, .concurrency = 8,
+                    .ppage = 64, .dpage = 0, .swa_page = 64, .max_tokens = 2048, .seed = 1,
+                    .timeout_ms = 30000, .playout = KVW_LAYOUT_NHD, .dlayout = KVW_LAYOUT_NHD};
+    static const struct option opts[] = {
+        {"model", 1, 0, 'm'},         {"layers", 1, 0, 'L'},      {"prefill-tp", 1, 0, 'p'},
+        {"decode-tp", 1, 0, 'd'},     {"prefill-pp", 1, 0, 'P'},  {"decode-pp", 1, 0, 'D'},
+        {"transport", 1, 0, 't'},     {"requests", 1, 0, 'r'},    {"concurrency", 1, 0, 'c'},
+        {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
+        {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
+        {"decode-layout", 1, 0, 'l'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        unsigned long v = optarg ? strtoul(optarg, NULL, 10) : 0;
+        switch (o) {
+        case 'm': snprintf(c.model, sizeof(c.model), "%s", optarg); break;
+        case 'L': c.layers = (uint32_t)v; break;
+        case 'p': c.ptp = (uint32_t)v; break;
+        case 'd': c.dtp = (uint32_t)v; break;
+        case 'P': c.ppp = (uint32_t)v; break;
+        case 'D': c.dpp = (uint32_t)v; break;
+        case 't': snprintf(c.transport, sizeof(c.transport), "%s", optarg); break;
+        case 'r': c.requests = (uint32_t)v; break;
+        case 'c': c.concurrency = (uint32_t)v; break;
+        case 's': c.ppage = (uint32_t)v; break;
+        case 'S': c.dpage = (uint32_t)v; break;
+        case 'x': c.max_tokens = (uint32_t)v; break;
+        case 'e': c.seed = v; break;
+        case 'T': c.timeout_ms = (uint32_t)v; break;
+        case 'l': c.dlayout = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD; break;
+        case 'q': c.quiet = 1; break;
+        case 'h': demo_usage(stdout); return 0;
+        default: demo_usage(stderr); return 2;
+        }
+    }
+    if (!c.dpage)
+        c.dpage = c.ppage;
+    if (!c.ptp || !c.dtp || !c.ppp || !c.dpp || !c.requests || !c.concurrency || !c.ppage ||
+        !c.max_tokens) {
+        demo_usage(stderr);
+        return 2;
+    }
+    kvt_model_t m;
+    if (kvt_model_preset(c.model, &m)) {
+        fprintf(stderr, "demo: unknown model '%s'\n", c.model);
+        return 2;
+    }
+    if (c.layers && c.layers < m.m.num_layers && kvt_model_truncate(&m, c.layers)) {
+        fprintf(stderr, "demo: cannot keep %u layers\n", c.layers);
+        return 2;
+    }
+    /* A model whose heads do not split over the requested TP fails at the handshake;
+     * say so here first, with the numbers. */
+    uint32_t f, n;
+    if (m.m.num_kv_heads && (kvw_topo_heads(c.ptp, 0, m.m.num_kv_heads, &f, &n) != KVW_OK ||
+                             kvw_topo_heads(c.dtp, 0, m.m.num_kv_heads, &f, &n) != KVW_OK)) {
+        fprintf(stderr, "demo: %s\n", kvw_last_error());
+        return 1;
+    }
+
+    int bs_pipe[2], hold[2], go[2];
+    if (pipe(bs_pipe) || pipe(hold) || pipe(go))
+        return 1;
+    fflush(stdout);
+    pid_t pf = fork();
+    if (pf == 0) {
+        close(bs_pipe[0]);
+        close(hold[1]);
+        dup2(hold[0], STDIN_FILENO);
+        close(go[1]);
+        _exit(demo_prefill(&c, &m, bs_pipe[1], go[0]));
+    }
+    close(bs_pipe[1]);
+    close(hold[0]);
+    close(go[0]);
+    char bs[160] = "";
+    ssize_t got = read(bs_pipe[0], bs, sizeof(bs) - 1);
+    close(bs_pipe[0]);
+    if (got <= 0) {
+        fprintf(stderr, "demo: the prefill process did not start\n");
+        close(hold[1]);
+        waitpid(pf, NULL, 0);
+        return 1;
+    }
+    int res_pipe[2];
+    if (pipe(res_pipe))
+        return 1;
+    pid_t pd = fork();
+    if (pd == 0) {
+        close(res_pipe[0]);
+        demo_result_t res = {0};
+        int rc = demo_decode(&c, &m, bs, go[1], &res);
+        if (write(res_pipe[1], &res, sizeof(res)) < 0)
+            rc = 1;
+        _exit(rc);
+    }
+    close(res_pipe[1]);
+    close(go[1]);
+    demo_result_t res = {0};
+    ssize_t rn = read(res_pipe[0], &res, sizeof(res));
+    close(res_pipe[0]);
+    int sd = 0, sp = 0;
+    waitpid(pd, &sd, 0);
+    close(hold[1]); /* releases the prefill process */
+    waitpid(pf, &sp, 0);
+    bool ok = rn == (ssize_t)sizeof(res) && WIFEXITED(sd) && WEXITSTATUS(sd) == 0 &&
+              WIFEXITED(sp) && WEXITSTATUS(sp) == 0 && res.rooms_verified == c.requests;
+    double secs = res.ns / 1e9;
+    printf("\nkvwire demo: %s (%u layers), prefill TP%u/PP%u -> decode TP%u/PP%u over %s\n",
+           c.model, m.m.num_layers, c.ptp, c.ppp, c.dtp, c.dpp, c.transport);
+    printf("%-22s %-9s %-9s %-12s %-9s %-8s %s\n", "topology", "requests", "rooms ok",
+           "bytes", "time s", "GB/s", "verified");
+    char topo[64];
+    snprintf(topo, sizeof(topo), "TP%u/PP%u->TP%u/PP%u", c.ptp, c.ppp, c.dtp, c.dpp);
+    printf("%-22s %-9u %-9u %-12llu %-9.3f %-8.2f %s\n", topo, c.requests, res.rooms_ok,
+           (unsigned long long)res.bytes, secs, secs > 0 ? res.bytes / secs / 1e9 : 0.0,
+           ok ? "yes: every byte and guard" : "NO");
+    if (!ok)
+        fprintf(stderr, "demo: FAILED (decode exit %d, prefill exit %d, %u of %u requests "
+                "verified)\n", WIFEXITED(sd) ? WEXITSTATUS(sd) : -1,
+                WIFEXITED(sp) ? WEXITSTATUS(sp) : -1, res.rooms_verified, c.requests);
+    return ok ? 0 : 1;
+}
+
+KVW_CMD("demo", cmd_demo, "prefill and decode processes exchange verified KV caches")
