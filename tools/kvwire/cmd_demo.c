@@ -35,6 +35,7 @@ typedef struct demo_cfg {
     uint32_t ppage, dpage; /* full-pool page sizes */
     uint32_t swa_page;
     uint32_t max_tokens;
+    uint32_t kv_heads; /* 0: the preset's */
     uint64_t seed;
     uint32_t timeout_ms;
     kvw_layout_t playout, dlayout;
@@ -458,6 +459,7 @@ static void demo_usage(FILE *f)
             "  --page-size N         prefill full-pool page size (default 64)\n"
             "  --decode-page-size N  decode full-pool page size (default: same)\n"
             "  --max-tokens N        longest request (default 2048)\n"
+            "  --kv-heads N          override the preset's KV head count (e.g. 6 for TP 3)\n"
             "  --decode-layout L     nhd (default) or hnd\n"
             "  --seed N              seed of requests, pages and bytes (default 1)\n"
             "  --timeout-ms N        per-room timeout (default 30000)\n"
@@ -476,7 +478,7 @@ static int cmd_demo(int argc, char **argv)
         {"transport", 1, 0, 't'},     {"requests", 1, 0, 'r'},    {"concurrency", 1, 0, 'c'},
         {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
-        {"decode-layout", 1, 0, 'l'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
+        {"decode-layout", 1, 0, 'l'}, {"kv-heads", 1, 0, 'H'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int o;
     optind = 1;
@@ -499,6 +501,7 @@ static int cmd_demo(int argc, char **argv)
         case 'T': c.timeout_ms = (uint32_t)v; break;
         case 'l': c.dlayout = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD; break;
         case 'q': c.quiet = 1; break;
+        case 'H': c.kv_heads = (uint32_t)v; break;
         case 'h': demo_usage(stdout); return 0;
         default: demo_usage(stderr); return 2;
         }
@@ -519,6 +522,8 @@ static int cmd_demo(int argc, char **argv)
         fprintf(stderr, "demo: cannot keep %u layers\n", c.layers);
         return 2;
     }
+    if (c.kv_heads)
+        m.m.num_kv_heads = c.kv_heads;
     /* A model whose heads do not split over the requested TP fails at the handshake;
      * say so here first, with the numbers. */
     uint32_t f, n;
