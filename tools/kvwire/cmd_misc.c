@@ -1,0 +1,83 @@
+/* kvwire info and kvwire bootstrap. */
+#include "cmd.h"
+
+#include <kvwire/xfer.h>
+
+#include "proto/proto.h"
+
+#include <signal.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+
+/* Environment variables kvwire reads, in one table (name, default, help). */
+static const struct {
+    const char *name, *def, *help;
+} kvw_env_table[] = {
+    {"KVW_CUDA_MODULE", "libkvwire_cuda.so next to libkvwire",
+     "path of the CUDA module loaded at run time"},
+    {"KVW_UCX_TIMEOUT_MS", "10000", "deadline of every UCX wait (flush, put, notify)"},
+    {"UCX_TLS", "(UCX default)", "UCX transports to use; set tcp across network namespaces"},
+};
+
+static int cmd_info(int argc, char **argv)
+{
+    (void)argc;
+    (void)argv;
+    printf("kvwire %d.%d\n\ntransports compiled in:\n", KVW_VERSION_MAJOR, KVW_VERSION_MINOR);
+    for (const char *const *n = kvw__tl_names(); *n; n++)
+        printf("  %s\n", *n);
+    printf("\nenvironment:\n");
+    for (size_t i = 0; i < sizeof(kvw_env_table) / sizeof(kvw_env_table[0]); i++)
+        printf("  %-20s default %-36s %s\n", kvw_env_table[i].name, kvw_env_table[i].def,
+               kvw_env_table[i].help);
+#ifdef KVW_HAVE_UCX
+    printf("\nUCX devices and transports on this machine (ucx_info -d):\n");
+    fflush(stdout);
+    if (system("ucx_info -d 2>/dev/null | grep -E '^#\\s+(Transport|Device):' | paste - - "
+               "| sed 's/#//g;s/  */ /g;s/^/  /' | sort -u") != 0)
+        printf("  (ucx_info not available: install ucx-utils)\n");
+#endif
+    return 0;
+}
+
+static volatile sig_atomic_t kvw_stop;
+static void kvw_on_signal(int sig)
+{
+    (void)sig;
+    kvw_stop = 1;
+}
+
+static int cmd_bootstrap(int argc, char **argv)
+{
+    const char *addr = "0.0.0.0:17000";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--listen") && i + 1 < argc)
+            addr = argv[++i];
+        else {
+            fprintf(stderr, "usage: kvwire bootstrap [--listen host:port]   (default %s)\n"
+                            "Runs the bootstrap endpoint where prefill ranks register and decode "
+                            "ranks look them up, until interrupted.\n", addr);
+            return strcmp(argv[i], "--help") ? 2 : 0;
+        }
+    }
+    char host[128];
+    uint16_t port;
+    kvw_bootstrap_t *bs;
+    if (kvw__parse_hostport(addr, host, sizeof(host), &port) != KVW_OK ||
+        kvw__bootstrap_start(host, port, &bs) != KVW_OK) {
+        fprintf(stderr, "kvwire bootstrap: %s\n", kvw_last_error());
+        return 1;
+    }
+    printf("kvwire bootstrap listening on %s\n", kvw__bootstrap_addr(bs));
+    fflush(stdout);
+    signal(SIGINT, kvw_on_signal);
+    signal(SIGTERM, kvw_on_signal);
+    while (!kvw_stop)
+        pause();
+    kvw__bootstrap_stop(bs);
+    return 0;
+}
+
+KVW_CMD("info", cmd_info, "transports, environment variables and UCX devices")
+KVW_CMD("bootstrap", cmd_bootstrap, "run a standalone bootstrap endpoint")
