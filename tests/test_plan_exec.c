@@ -64,6 +64,8 @@ typedef struct case_cfg {
     uint32_t layers;   /* keep the first N layers (0: all) */
     uint32_t kv_heads; /* override the preset's KV heads (0: keep) */
     int mxfp8;
+    uint32_t k_dim, v_dim; /* override head dims (0: keep) */
+    uint32_t window2;      /* override the window of SWA layer 2 (0: keep) */
     side_cfg_t src, dst;
     uint64_t tokens, prefix;
     uint64_t chunk_ends[4]; /* ends of the chunks before the last (0-terminated) */
@@ -229,6 +231,12 @@ static int make_model(const case_cfg_t *cc, kvt_model_t *m)
         return -1;
     if (cc->kv_heads)
         m->m.num_kv_heads = cc->kv_heads;
+    if (cc->k_dim)
+        m->m.k_head_dim = cc->k_dim;
+    if (cc->v_dim)
+        m->m.v_head_dim = cc->v_dim;
+    if (cc->window2)
+        m->layers[2].window = cc->window2;
     if (cc->mxfp8)
         kvt_model_set_block_scale(m, 32, 1);
     return 0;
@@ -512,6 +520,20 @@ static const case_cfg_t cases[] = {
      .src = {.tp = 1, .layout = HND, .ps_full = 16, .ps_swa = 16, .fused = 1},
      .dst = SIDE(2, NHD, 16, 16), .tokens = 300},
 
+    {.name = "fused KV, K dim 96 / V dim 32, TP4->1", .model = "gpt-oss-120b", .layers = 4,
+     .k_dim = 96, .v_dim = 32,
+     .src = {.tp = 4, .layout = HND, .ps_full = 16, .ps_swa = 8, .fused = 1},
+     .dst = {.tp = 1, .layout = NHD, .ps_full = 32, .ps_swa = 16, .fused = 1}, .tokens = 300},
+    {.name = "split K dim 96 / V dim 32 -> fused, TP2->4", .model = "gpt-oss-120b", .layers = 4,
+     .k_dim = 96, .v_dim = 32, .src = SIDE(2, NHD, 16, 16),
+     .dst = {.tp = 4, .layout = NHD, .ps_full = 16, .ps_swa = 16, .fused = 1}, .tokens = 300},
+
+    /* ---- SWA layers with different windows ---- */
+    {.name = "windows 128 and 37, TP2->4", .model = "gpt-oss-120b", .layers = 4, .window2 = 37,
+     .src = SIDE(2, NHD, 16, 16), .dst = SIDE(4, HND, 8, 8), .tokens = 501},
+    {.name = "windows 128 and 700 (> tokens), TP1->2", .model = "gpt-oss-120b", .layers = 4,
+     .window2 = 700, .src = SIDE(1, NHD, 16, 16), .dst = SIDE(2, NHD, 16, 32), .tokens = 501},
+
     /* ---- pipeline parallel, uneven ---- */
     {.name = "PP2 10/26 -> PP3 12/12/12, TP1->2", .model = "gpt-oss-120b",
      .src = {.tp = 1, .pp = 2, .splits = {10, 26}, .layout = NHD, .ps_full = 16, .ps_swa = 16},
@@ -530,6 +552,9 @@ static const case_cfg_t cases[] = {
     {.name = "3 chunks, SWA on the last, TP1->4", .model = "gpt-oss-120b", .layers = 4,
      .src = SIDE(1, NHD, 16, 16), .dst = SIDE(4, NHD, 16, 16), .tokens = 1000,
      .chunk_ends = {300, 650}},
+    {.name = "4 chunks, one empty, TP2->2 HND", .model = "gpt-oss-120b", .layers = 4,
+     .src = SIDE(2, HND, 16, 16), .dst = SIDE(2, HND, 16, 16), .tokens = 700,
+     .chunk_ends = {300, 300, 650}},
     {.name = "3 chunks with prefix, TP4->2, pages 64/16", .model = "gpt-oss-120b", .layers = 4,
      .src = SIDE(4, HND, 64, 64), .dst = SIDE(2, NHD, 16, 16), .tokens = 1000, .prefix = 100,
      .chunk_ends = {250, 700}},
@@ -540,6 +565,148 @@ static const case_cfg_t cases[] = {
      .src = SIDE(2, NHD, 16, 16), .dst = SIDE(1, NHD, 64, 64), .tokens = 300, .prefix = 10,
      .chunk_ends = {64, 65}},
 };
+
+/* ---------------------------------------------------------------- the reference itself */
+
+/*
+ * The reference is only worth something if it is right on its own, so it is checked
+ * against data written out by hand: the worked examples of DESIGN.md section 3
+ * (which source rank and offsets serve each destination head), a tiny transfer whose
+ * every destination byte is listed literally, and the guard check catching a write.
+ */
+typedef struct rule_row {
+    uint32_t S, D, H;
+    /* per destination rank, per owned head: source rank and source-local head */
+    uint32_t src[8][8], src_off[8][8];
+} rule_row_t;
+
+static const rule_row_t rule_rows[] = {
+    /* 1 -> 4, H=2: d0,d1 own head 0; d2,d3 own head 1; all from s0. */
+    {1, 4, 2, {{0}, {0}, {0}, {0}}, {{0}, {0}, {1}, {1}}},
+    /* 4 -> 2, H=8: d0 heads 0-3 from s0 (0,1) and s1 (2,3). */
+    {4, 2, 8, {{0, 0, 1, 1}, {2, 2, 3, 3}}, {{0, 1, 0, 1}, {0, 1, 0, 1}}},
+    /* 2 -> 4, H=8. */
+    {2, 4, 8, {{0, 0}, {0, 0}, {1, 1}, {1, 1}}, {{0, 1}, {2, 3}, {0, 1}, {2, 3}}},
+    /* 8 -> 2, H=8: d0 <- s0..s3, d1 <- s4..s7, one head each. */
+    {8, 2, 8, {{0, 1, 2, 3}, {4, 5, 6, 7}}, {{0, 0, 0, 0}, {0, 0, 0, 0}}},
+    /* 8 -> 4, H=2: d0 <- s0, d1 <- s1 (head 0); d2 <- s4, d3 <- s5 (head 1). */
+    {8, 4, 2, {{0}, {1}, {4}, {5}}, {{0}, {0}, {0}, {0}}},
+    /* 3 -> 2, H=6: d0 heads 0,1,2 <- s0,s0,s1; d1 heads 3,4,5 <- s1,s2,s2. */
+    {3, 2, 6, {{0, 0, 1}, {1, 2, 2}}, {{0, 1, 0}, {1, 0, 1}}},
+    /* MLA as one head: destination d reads from source d mod S. */
+    {2, 4, 1, {{0}, {1}, {0}, {1}}, {{0}, {0}, {0}, {0}}},
+    {4, 3, 1, {{0}, {1}, {2}}, {{0}, {0}, {0}}},
+};
+
+static void test_reference_rules(void)
+{
+    cur_case = "reference rules";
+    for (size_t i = 0; i < sizeof(rule_rows) / sizeof(rule_rows[0]); i++) {
+        const rule_row_t *r = &rule_rows[i];
+        for (uint32_t d = 0; d < r->D; d++) {
+            uint32_t df, dc;
+            CHECK(kvt_heads_owned(r->D, d, r->H, &df, &dc) == 0, "ownership");
+            for (uint32_t k = 0; k < dc; k++) {
+                uint32_t s = kvt_source_rank(r->S, r->D, r->H, d, df + k), sf, sc;
+                CHECK(kvt_heads_owned(r->S, s, r->H, &sf, &sc) == 0, "ownership");
+                CHECK(s == r->src[d][k] && df + k - sf == r->src_off[d][k],
+                      "%u->%u H=%u: dst %u head %u from src %u offset %u, table says %u/%u",
+                      r->S, r->D, r->H, d, df + k, s, df + k - sf, r->src[d][k],
+                      r->src_off[d][k]);
+            }
+        }
+    }
+}
+
+static void test_reference_literal(void)
+{
+    cur_case = "reference literal";
+    /* One full-attention layer, 2 KV heads of 1 bf16 element: 2 bytes per head. */
+    kvt_model_t m;
+    memset(&m, 0, sizeof(m));
+    m.m.num_layers = 1;
+    m.layers[0].kind = KVW_LAYER_FULL;
+    m.m.num_kv_heads = 2;
+    m.m.k_head_dim = m.m.v_head_dim = 1;
+    m.m.elem_size = 2;
+    kvt_model_relink(&m);
+    kvt_rank_t s, d;
+    kvt_rank_spec_t spec = {.model = &m,
+                            .par = {.tp_size = 1, .pp_size = 1, .layer_end = 1, .dp_size = 1},
+                            .layout = NHD,
+                            .page_size = {2, 2},
+                            .num_pages = {2, 2}};
+    memset(&s, 0, sizeof(s));
+    memset(&d, 0, sizeof(d));
+    CHECK(kvt_rank_build(&spec, &s) == KVW_OK, "src: %s", kvw_last_error());
+    spec.layout = HND;
+    CHECK(kvt_rank_build(&spec, &d) == KVW_OK, "dst: %s", kvw_last_error());
+    if (!s.h || !d.h || s.num_bufs != 2 || d.num_bufs != 2 || s.bufs[0].length != 16) {
+        CHECK(0, "unexpected tiny ranks");
+        kvt_rank_free(&s);
+        kvt_rank_free(&d);
+        return;
+    }
+    /* Source byte at offset o of K is o, of V is 100 + o. NHD offset of (page p, slot i,
+     * head h) = p*8 + i*4 + h*2. Source pages [1, 0]: token 0 -> page 1 slot 0, token 1
+     * -> page 1 slot 1, token 2 -> page 0 slot 0. */
+    for (uint32_t o = 0; o < 16; o++) {
+        kvt_rank_data(&s, 0)[o] = (uint8_t)o;
+        kvt_rank_data(&s, 1)[o] = (uint8_t)(100 + o);
+    }
+    kvt_rank_clear(&d, 0xEE);
+    /* Destination HND offset of (page p, head h, slot i) = p*8 + h*4 + i*2, pages [0, 1]:
+     *   t0 (page 0 slot 0): h0 -> 0..1 <- {8,9},   h1 -> 4..5   <- {10,11}
+     *   t1 (page 0 slot 1): h0 -> 2..3 <- {12,13}, h1 -> 6..7   <- {14,15}
+     *   t2 (page 1 slot 0): h0 -> 8..9 <- {0,1},   h1 -> 12..13 <- {2,3}
+     * and bytes 10, 11, 14, 15 (slot 1 of page 1) stay 0xEE. */
+    static const uint8_t want_k[16] = {8, 9, 12, 13, 10, 11, 14, 15,
+                                       0, 1, 0xEE, 0xEE, 2, 3, 0xEE, 0xEE};
+    uint8_t want_v[16];
+    for (int i = 0; i < 16; i++)
+        want_v[i] = want_k[i] == 0xEE ? 0xEE : (uint8_t)(want_k[i] + 100);
+
+    uint32_t sp_pages[2] = {1, 0}, dp_pages[2] = {0, 1};
+    kvw_side_pages_t sp = {.full = {sp_pages, 2, 0}, .state_slot = -1};
+    kvw_side_pages_t dp = {.full = {dp_pages, 2, 0}, .state_slot = -1};
+    kvw_chunk_t ch = {.num_tokens = 3, .chunk_end = 3, .last_chunk = 1};
+
+    kvt_copy_t exp;
+    char msg[256];
+    CHECK(kvt_copy_make(&d, &exp) == KVW_OK, "copy");
+    uint8_t *sdata[2] = {kvt_rank_data(&s, 0), kvt_rank_data(&s, 1)};
+    kvt_ref_side_t sr = kvt_ref_side(&s, &sp, sdata), dr = kvt_ref_side(&d, &dp, exp.data);
+    uint64_t bytes = 0;
+    CHECK(kvt_ref_transfer(&m.m, &sr, 1, &dr, &ch, NULL, &bytes, msg, sizeof(msg)) == 0, "%s",
+          msg);
+    CHECK(bytes == 24, "reference moved %llu bytes, expected 3 tokens x 2 heads x 2 B x K,V",
+          (unsigned long long)bytes);
+    CHECK(!memcmp(exp.data[0], want_k, 16) && !memcmp(exp.data[1], want_v, 16),
+          "reference disagrees with the hand-written bytes");
+
+    kvw_plan_h plan = NULL;
+    CHECK(kvw_plan_create(s.h, d.h, &ch, &sp, &dp, &plan) == KVW_OK, "%s", kvw_last_error());
+    if (plan) {
+        CHECK(kvw_plan_exec_cpu(plan) == KVW_OK, "%s", kvw_last_error());
+        CHECK(!memcmp(kvt_rank_data(&d, 0), want_k, 16) &&
+                  !memcmp(kvt_rank_data(&d, 1), want_v, 16),
+              "library disagrees with the hand-written bytes");
+        kvw_plan_destroy(plan);
+    }
+    CHECK(kvt_rank_check_guards(&d, msg, sizeof(msg)) == 0, "%s", msg);
+    /* The guard check must see a stray byte on either side of a buffer. */
+    uint8_t *k = kvt_rank_data(&d, 0);
+    k[-1] ^= 1;
+    CHECK(kvt_rank_check_guards(&d, msg, sizeof(msg)) != 0, "guard before K not noticed");
+    k[-1] ^= 1;
+    k[16] ^= 0x80;
+    CHECK(kvt_rank_check_guards(&d, msg, sizeof(msg)) != 0, "guard after K not noticed");
+    k[16] ^= 0x80;
+    CHECK(kvt_rank_check_guards(&d, msg, sizeof(msg)) == 0, "%s", msg);
+    kvt_copy_free(&exp);
+    kvt_rank_free(&s);
+    kvt_rank_free(&d);
+}
 
 /* ---------------------------------------------------------------- validation errors */
 
@@ -904,6 +1071,8 @@ static void test_compactness(void)
 
 int main(void)
 {
+    test_reference_rules();
+    test_reference_literal();
     printf("plan/exec cases:\n");
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         run_case(&cases[i]);
