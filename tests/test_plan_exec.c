@@ -247,6 +247,7 @@ static void run_case(const case_cfg_t *cc)
     kvt_model_t model;
     inst_t S, D;
     char msg[512];
+    uint64_t t_start = kvt_now_ns();
     cur_case = cc->name;
     memset(&S, 0, sizeof(S));
     memset(&D, 0, sizeof(D));
@@ -373,10 +374,11 @@ static void run_case(const case_cfg_t *cc)
     if (cc->expect_whole_pages)
         CHECK(runs_co * 50 <= runs_raw, "whole pages expected: %llu coalesced runs for %llu raw",
               (unsigned long long)runs_co, (unsigned long long)runs_raw);
-    printf("  %-44s %2ux%u -> %2ux%u  %9llu bytes  runs raw %8llu coalesced %7llu\n", cc->name,
-           cc->src.tp, cc->src.pp ? cc->src.pp : 1, cc->dst.tp, cc->dst.pp ? cc->dst.pp : 1,
-           (unsigned long long)total_bytes, (unsigned long long)runs_raw,
-           (unsigned long long)runs_co);
+    printf("  %-44s %2ux%u -> %2ux%u  %9llu bytes  runs raw %7llu merged %6llu  %5.0f ms\n",
+           cc->name, cc->src.tp, cc->src.pp ? cc->src.pp : 1, cc->dst.tp,
+           cc->dst.pp ? cc->dst.pp : 1, (unsigned long long)total_bytes,
+           (unsigned long long)runs_raw, (unsigned long long)runs_co,
+           (kvt_now_ns() - t_start) / 1e6);
 
 out:
     for (uint32_t d = 0; d < D.n; d++) {
