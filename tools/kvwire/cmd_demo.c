@@ -543,7 +543,7 @@ static int cmd_demo(int argc, char **argv)
         close(hold[1]);
         dup2(hold[0], STDIN_FILENO);
         close(go[1]);
-        _exit(demo_prefill(&c, &m, bs_pipe[1], go[0]));
+        exit(demo_prefill(&c, &m, bs_pipe[1], go[0]));
     }
     close(bs_pipe[1]);
     close(hold[0]);
@@ -567,7 +567,7 @@ static int cmd_demo(int argc, char **argv)
         int rc = demo_decode(&c, &m, bs, go[1], &res);
         if (write(res_pipe[1], &res, sizeof(res)) < 0)
             rc = 1;
-        _exit(rc);
+        exit(rc);
     }
     close(res_pipe[1]);
     close(go[1]);
