@@ -6,6 +6,8 @@
  */
 #include "proto/proto.h"
 
+#include <kvwire/mem.h>
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -109,6 +111,8 @@ static void kvw_peer_free(struct kvw_ctx *ctx, kvw_peer_t *p)
         if (p->rkeys[i])
             ctx->tl_ops->rkey_release(p->rkeys[i]);
     free(p->rkeys);
+    if (p->staging_rkey)
+        ctx->tl_ops->rkey_release(p->staging_rkey);
     if (p->ep)
         ctx->tl_ops->ep_close(p->ep);
     kvw_rank_destroy(p->remote);
@@ -134,6 +138,7 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
                           const uint8_t *rkeys, const size_t *rkey_lens, const void *addr,
                           size_t addr_len)
 {
+    /* rkeys holds num_buffers keys, then the staging area's key (index num_buffers). */
     kvw__wb_u32(w, peer_id);
     kvw__wb_str(w, ctx->tl_ops->name);
     kvw__wb_bytes(w, addr, addr_len);
@@ -141,6 +146,9 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
     uint32_t nb = kvw_rank_num_buffers(ctx->rank);
     for (uint32_t i = 0; i < nb; i++)
         kvw__wb_bytes(w, rkeys + (size_t)i * KVW_TL_MAX_RKEY, rkey_lens[i]);
+    kvw__wb_u64(w, ctx->staging_len);
+    if (ctx->staging_len)
+        kvw__wb_bytes(w, rkeys + (size_t)nb * KVW_TL_MAX_RKEY, rkey_lens[nb]);
 }
 
 /* Prefill side of the registration, on a fresh connection (control thread). */
@@ -215,7 +223,21 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             goto reply;
         }
     }
+    uint64_t staging_len = kvw__rb_u64(&r);
+    kvw_tl_rkey_h staging_rkey = NULL;
+    if (staging_len) {
+        size_t kl = 0;
+        const void *k = kvw__rb_bytes(&r, KVW_TL_MAX_RKEY, &kl);
+        if (k == NULL || ctx->tl_ops->rkey_unpack(ep, k, kl, &staging_rkey) != KVW_OK) {
+            st = KVW_ERR_MALFORMED;
+            snprintf(reason, sizeof(reason), "bad staging key in the registration");
+            goto reply;
+        }
+    }
     if (kvw__rb_done(&r, "registration") != KVW_OK) {
+        if (staging_rkey)
+            ctx->tl_ops->rkey_release(staging_rkey);
+        staging_rkey = NULL;
         st = KVW_ERR_MALFORMED;
         snprintf(reason, sizeof(reason), "%s", kvw_last_error());
     }
@@ -249,6 +271,8 @@ reply:
     kvw_peer_t *peer = kvw_peer_add(ctx, fd);
     if (peer == NULL) {
         pthread_mutex_unlock(&ctx->mu);
+        if (staging_rkey)
+            ctx->tl_ops->rkey_release(staging_rkey);
         for (uint32_t i = 0; i < nb; i++)
             ctx->tl_ops->rkey_release(rkeys[i]);
         free(rkeys);
@@ -262,6 +286,8 @@ reply:
     peer->rkeys = rkeys;
     peer->num_rkeys = nb;
     peer->id_at_remote = id_at_remote;
+    peer->staging_rkey = staging_rkey;
+    peer->staging_len = staging_len;
     peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
     peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
     peer->needed = kvw_pair_needed(ctx->rank, remote);
@@ -541,6 +567,10 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     ctx->peer_timeout_ms = t && params->peer_timeout_ms ? params->peer_timeout_ms : 3000;
     ctx->bootstrap_timeout_ms = t && params->bootstrap_timeout_ms ? params->bootstrap_timeout_ms : 10000;
     ctx->wait_timeout_ms = t && params->wait_timeout_ms ? params->wait_timeout_ms : 30000;
+    const char *path = getenv("KVW_PATH");
+    ctx->path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT
+                     : path && !strcmp(path, "staged") ? KVW_PATH_STAGED
+                                                       : KVW_PATH_AUTO;
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
@@ -596,9 +626,9 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     } else {
         /* Register every buffer, then register with every prefill rank. */
         uint32_t nb = kvw_rank_num_buffers(ctx->rank);
-        uint8_t *rkeys = calloc(nb ? nb : 1, KVW_TL_MAX_RKEY);
-        size_t *rkey_lens = calloc(nb ? nb : 1, sizeof(size_t));
-        ctx->mems = calloc(nb ? nb : 1, sizeof(*ctx->mems));
+        uint8_t *rkeys = calloc(nb + 1, KVW_TL_MAX_RKEY);
+        size_t *rkey_lens = calloc(nb + 1, sizeof(size_t));
+        ctx->mems = calloc(nb + 1, sizeof(*ctx->mems));
         uint8_t addr[KVW_TL_MAX_ADDR];
         size_t addr_len = sizeof(addr);
         kvw_bs_entry_t *entries = NULL;
@@ -614,6 +644,26 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                                            &rkey_lens[i])) != KVW_OK)
                 goto err_decode;
             ctx->num_mems = i + 1;
+        }
+        /* The staging area receives gathered head slices in one bulk write each. */
+        const char *smb = getenv("KVW_STAGING_MB");
+        ctx->staging_len = (uint64_t)(smb ? strtoull(smb, NULL, 10) : 64) << 20;
+        if (ctx->staging_len) {
+            void *sa = NULL;
+            if (kvw_mem_alloc_shared(ctx->staging_len, &sa) == KVW_OK) {
+                ctx->staging_shared = true;
+            } else if (posix_memalign(&sa, 4096, ctx->staging_len) != 0) {
+                st = kvw__error(KVW_ERR_NO_MEMORY, "cannot allocate %llu bytes of staging",
+                                (unsigned long long)ctx->staging_len);
+                goto err_decode;
+            }
+            ctx->staging = sa;
+            if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->staging, ctx->staging_len, KVW_MEM_HOST,
+                                           nb, &ctx->mems[nb],
+                                           rkeys + (size_t)nb * KVW_TL_MAX_RKEY,
+                                           &rkey_lens[nb])) != KVW_OK)
+                goto err_decode;
+            ctx->num_mems = nb + 1;
         }
         if ((st = ctx->tl_ops->address(ctx->tl, addr, &addr_len)) != KVW_OK)
             goto err_decode;
@@ -684,6 +734,14 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     free(ctx->mems);
     if (ctx->tl)
         ctx->tl_ops->fini(ctx->tl);
+    if (ctx->staging) {
+        if (ctx->staging_shared)
+            kvw_mem_free_shared(ctx->staging);
+        else
+            free(ctx->staging);
+    }
+    free(ctx->spans);
+    free(ctx->waits);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
         kvw_room_t *r = ctx->rooms[b];

@@ -69,6 +69,8 @@ typedef struct kvw_peer {
     uint32_t num_rkeys;
     uint32_t id_at_remote; /* id the decode side gave us; carried in DONE */
     uint32_t remote_group_size; /* decode tp x pp */
+    kvw_tl_rkey_h staging_rkey; /* the decode rank's staging area, or NULL */
+    uint64_t staging_len;
 } kvw_peer_t;
 
 /* One chunk queued by the prefill engine. */
@@ -86,6 +88,8 @@ typedef struct kvw_room_dst {
     uint32_t *store;
     uint32_t next_chunk; /* chunks sent so far */
     bool last_sent;
+    int64_t grant_off;   /* staging grant from the decode rank, -1 while waiting */
+    uint64_t grant_len;
 } kvw_room_dst_t;
 
 /* Decode: one prefill rank's half of a room. */
@@ -123,7 +127,23 @@ typedef struct kvw_room {
     uint32_t num_srcs;
     uint32_t *granted[KVW_NUM_POOLS]; /* sorted pages the room may write */
     uint32_t num_granted[KVW_NUM_POOLS];
+    uint64_t prefix_len;
+    kvw_side_pages_t post_pages; /* the decode's pages, for scattering staged data */
+    uint32_t *post_store;
+    const char *path;            /* "direct" or "staged" (what the last chunk used) */
 } kvw_room_t;
+
+/* A span of a decode rank's staging area granted to one room. */
+typedef struct kvw_stage_span {
+    uint64_t off, len;
+    uint64_t room;
+} kvw_stage_span_t;
+
+/* A prefill rank waiting for staging space (decode side). */
+typedef struct kvw_stage_wait {
+    uint32_t peer;
+    uint64_t room, len;
+} kvw_stage_wait_t;
 
 #define KVW_ROOM_BUCKETS 1024
 
@@ -154,7 +174,26 @@ struct kvw_ctx {
 
     pthread_t ctrl_thread, worker_thread;
     bool ctrl_started, worker_started;
+
+    /* Staged path. Decode: the registered staging area and its allocations, kept sorted
+     * by offset (first fit); requests that did not fit wait in FIFO order. */
+    uint8_t *staging;
+    uint64_t staging_len;
+    bool staging_shared;
+    kvw_stage_span_t *spans;
+    uint32_t num_spans, cap_spans;
+    kvw_stage_wait_t *waits;
+    uint32_t num_waits, cap_waits;
+    int path_mode; /* 0 auto, 1 always direct, 2 always staged */
 };
+
+#define KVW_PATH_AUTO 0
+#define KVW_PATH_DIRECT 1
+#define KVW_PATH_STAGED 2
+
+/* Decode: grant or queue staging space (mu held); frees a span and serves waiters. */
+void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len);
+void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off);
 
 /* Room table (ctx->mu held). */
 kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id);
