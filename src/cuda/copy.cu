@@ -14,6 +14,7 @@ struct kvwc_plan {
     int device;
     void *dmem; /* the laid-out segments and page lists */
     const kvwc_dseg_t *dsegs;
+    const uint32_t *job_seg;
     uint32_t num_segs;
     uint64_t num_jobs;
     uint64_t bytes;
@@ -30,20 +31,23 @@ template <> struct kvwc_vec<1> { typedef uint8_t type; };
 
 /*
  * One job: token bases into shared memory, then W-byte units, KVWC_UNROLL loads in
- * flight per thread before the first store. The segment is passed by value so that the
- * compiler keeps its fields in registers instead of reloading them after every store.
+ * flight per thread before the first store. The segment is read where it lies (every
+ * thread the same words, served by L1); the unit loop only needs the few scalars of
+ * kvwc_jobgeo_t, kept in registers.
  */
 template <int W, int MODE>
-__device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t &s, uint64_t b0, uint64_t b1,
-                                             uint64_t stage, kvwc_tokens_t *tt)
+__device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t *__restrict__ s, uint64_t b0,
+                                             uint64_t b1, uint64_t stage, kvwc_tokens_t *tt)
 {
     typedef typename kvwc_vec<W>::type vec;
     kvwc_jobgeo_t g;
-    kvwc_job_geo(&s, b0, b1, W, &g);
+    kvwc_job_geo(s, b0, b1, W, &g);
+#pragma unroll 1
     for (uint32_t i = threadIdx.x; i < g.ntok; i += blockDim.x)
-        kvwc_token_bases(&s, MODE, s.tok_begin + g.t0 + i, tt, i);
+        kvwc_token_bases(s, MODE, s->tok_begin + g.t0 + i, tt, i);
     __syncthreads();
     const uint32_t stride = blockDim.x;
+#pragma unroll 1
     for (uint32_t u = g.ub + threadIdx.x; u < g.ue; u += KVWC_UNROLL * stride) {
         vec v[KVWC_UNROLL];
         uint64_t dst[KVWC_UNROLL];
@@ -52,7 +56,7 @@ __device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t &s, uint64_t b0, 
             uint32_t uk = u + k * stride;
             if (uk < g.ue) {
                 uint64_t src;
-                kvwc_unit_addrs(&s, MODE, W, &g, tt, uk, stage, &src, &dst[k]);
+                kvwc_unit_addrs(MODE, W, &g, tt, uk, stage, &src, &dst[k]);
                 v[k] = *(const vec *)(uintptr_t)src;
             }
         }
@@ -62,26 +66,26 @@ __device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t &s, uint64_t b0, 
                 *(vec *)(uintptr_t)dst[k] = v[k];
         }
     }
-    __syncthreads(); /* the next job reuses the token table */
 }
 
 template <int MODE>
-__global__ void __launch_bounds__(KVWC_THREADS)
-    kvwc_copy_kernel(const kvwc_dseg_t *__restrict__ segs, uint32_t num_segs, uint64_t num_jobs,
-                     uint64_t stage)
+__global__ void __launch_bounds__(KVWC_THREADS, KVWC_MIN_BLOCKS)
+    kvwc_copy_kernel(const kvwc_dseg_t *__restrict__ segs, const uint32_t *__restrict__ job_seg,
+                     uint64_t num_jobs, uint64_t stage)
 {
     __shared__ kvwc_tokens_t tt;
     for (uint64_t job = blockIdx.x; job < num_jobs; job += gridDim.x) {
-        const kvwc_dseg_t s = segs[kvwc_find_seg(segs, num_segs, job)];
+        const kvwc_dseg_t *s = &segs[job_seg[job]];
         uint64_t b0, b1;
-        kvwc_job_range(&s, job, &b0, &b1);
-        switch (s.w[MODE]) {
+        kvwc_job_range(s, job, &b0, &b1);
+        switch (s->w[MODE]) {
         case 16: kvwc_run_job<16, MODE>(s, b0, b1, stage, &tt); break;
         case 8: kvwc_run_job<8, MODE>(s, b0, b1, stage, &tt); break;
         case 4: kvwc_run_job<4, MODE>(s, b0, b1, stage, &tt); break;
         case 2: kvwc_run_job<2, MODE>(s, b0, b1, stage, &tt); break;
         default: kvwc_run_job<1, MODE>(s, b0, b1, stage, &tt); break;
         }
+        __syncthreads(); /* the next job reuses the token table */
     }
 }
 
@@ -102,15 +106,15 @@ static kvw_status_t kvwc_launch(const kvwc_plan *p, int mode, uint64_t stage, vo
     switch (mode) {
     case KVWC_MODE_DIRECT:
         kvwc_copy_kernel<KVWC_MODE_DIRECT>
-            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->num_segs, p->num_jobs, stage);
+            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->job_seg, p->num_jobs, stage);
         break;
     case KVWC_MODE_GATHER:
         kvwc_copy_kernel<KVWC_MODE_GATHER>
-            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->num_segs, p->num_jobs, stage);
+            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->job_seg, p->num_jobs, stage);
         break;
     default:
         kvwc_copy_kernel<KVWC_MODE_SCATTER>
-            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->num_segs, p->num_jobs, stage);
+            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->job_seg, p->num_jobs, stage);
         break;
     }
     e = cudaGetLastError();
@@ -119,24 +123,30 @@ static kvw_status_t kvwc_launch(const kvwc_plan *p, int mode, uint64_t stage, vo
     return KVW_OK;
 }
 
-/* Lays the plan out in host memory for device address `dev_base`. */
-static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, uint64_t dev_base, void **host_p,
-                                 uint64_t *size_p, kvwc_plan *p)
+/* Sizes the device plan; fails for plans the kernels cannot run. */
+static kvw_status_t kvwc_layout_of(const kvwc_plan_in_t *in, kvwc_layout_t *L)
 {
-    uint64_t size = kvwc_blob_size(in);
-    void *host = malloc(size ? size : 1);
+    const char *why = NULL;
+    if (kvwc_blob_layout(in, L, &why) != 0)
+        return kvwc_error(KVW_ERR_UNSUPPORTED, "the CUDA executor cannot run this plan: %s", why);
+    return KVW_OK;
+}
+
+/* Writes the host image of the device plan for device address `dev_base`. */
+static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, const kvwc_layout_t *L,
+                                 uint64_t dev_base, void **host_p, kvwc_plan *p)
+{
+    void *host = malloc(L->size ? L->size : 1);
     if (host == NULL)
         return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory laying out a device plan");
-    const char *why = NULL;
-    if (kvwc_blob_fill(in, host, dev_base, &p->num_segs, &p->num_jobs, &why) != 0) {
-        free(host);
-        return kvwc_error(KVW_ERR_UNSUPPORTED, "the CUDA executor cannot run this plan: %s", why);
-    }
+    kvwc_blob_fill(in, L, host, dev_base);
     p->dsegs = (const kvwc_dseg_t *)(uintptr_t)dev_base;
+    p->job_seg = (const uint32_t *)(uintptr_t)(dev_base + L->jobs_off);
+    p->num_segs = L->num_segs;
+    p->num_jobs = L->num_jobs;
     p->bytes = in->bytes;
     p->uses = in->uses;
     *host_p = host;
-    *size_p = size;
     return KVW_OK;
 }
 
@@ -149,47 +159,41 @@ static kvw_status_t kvwc_plan_device(kvwc_plan *p)
     e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p->device);
     if (e != cudaSuccess)
         return kvwc_cuda_error(e, "cudaDeviceGetAttribute(multiprocessor count)");
-    /* Enough resident blocks to keep every multiprocessor's memory pipes busy; the
-     * kernel loops over jobs, so more jobs than blocks costs nothing. */
-    p->grid = sms * 8;
+    /* By default every job gets its own block and the hardware scheduler balances
+     * them; a fixed grid that loops over jobs is kept for experiments. */
+    p->grid = KVWC_BLOCKS_PER_SM ? sms * KVWC_BLOCKS_PER_SM : 0x7fffffff;
     return KVW_OK;
 }
 
 kvw_status_t kvwc_plan_upload(const kvwc_plan_in_t *in, kvwc_plan_h *plan_p)
 {
+    kvwc_layout_t L;
+    kvw_status_t st = kvwc_layout_of(in, &L);
+    if (st != KVW_OK)
+        return st;
     kvwc_plan *p = (kvwc_plan *)calloc(1, sizeof(*p));
     if (p == NULL)
         return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory creating a device plan");
-    kvw_status_t st = kvwc_plan_device(p);
-    if (st != KVW_OK)
+    void *host = NULL;
+    cudaError_t e;
+    if ((st = kvwc_plan_device(p)) != KVW_OK)
         goto err_free_plan;
-    {
-        uint64_t size = kvwc_blob_size(in);
-        if (size) {
-            cudaError_t e = cudaMalloc(&p->dmem, size);
-            if (e != cudaSuccess) {
-                st = kvwc_cuda_error(e, "cudaMalloc for a device plan");
-                goto err_free_plan;
-            }
-        }
-        void *host;
-        st = kvwc_prepare(in, (uint64_t)(uintptr_t)p->dmem, &host, &size, p);
-        if (st != KVW_OK)
-            goto err_free_dev;
-        if (size) {
-            cudaError_t e = cudaMemcpy(p->dmem, host, size, cudaMemcpyHostToDevice);
-            free(host);
-            if (e != cudaSuccess) {
-                st = kvwc_cuda_error(e, "cudaMemcpy uploading a device plan");
-                goto err_free_dev;
-            }
-        } else {
-            free(host);
-        }
+    if (L.size && (e = cudaMalloc(&p->dmem, L.size)) != cudaSuccess) {
+        st = kvwc_cuda_error(e, "cudaMalloc for a device plan");
+        goto err_free_plan;
     }
+    if ((st = kvwc_prepare(in, &L, (uint64_t)(uintptr_t)p->dmem, &host, p)) != KVW_OK)
+        goto err_free_dev;
+    if (L.size && (e = cudaMemcpy(p->dmem, host, L.size, cudaMemcpyHostToDevice)) != cudaSuccess) {
+        st = kvwc_cuda_error(e, "cudaMemcpy uploading a device plan");
+        goto err_free_host;
+    }
+    free(host);
     *plan_p = p;
     return KVW_OK;
 
+err_free_host:
+    free(host);
 err_free_dev:
     cudaFree(p->dmem);
 err_free_plan:
@@ -250,25 +254,25 @@ kvw_status_t kvwc_plan_scatter(kvwc_plan_h p, const void *staging, uint64_t size
 
 kvw_status_t kvwc_plan_exec_once(const kvwc_plan_in_t *in, void *stream)
 {
+    kvwc_layout_t L;
     kvwc_plan p = {};
-    kvw_status_t st = kvwc_plan_device(&p);
-    if (st != KVW_OK)
+    kvw_status_t st = kvwc_layout_of(in, &L);
+    if (st != KVW_OK || L.num_jobs == 0)
+        return st;
+    if ((st = kvwc_plan_device(&p)) != KVW_OK)
         return st;
     cudaStream_t s = (cudaStream_t)stream;
-    uint64_t size = kvwc_blob_size(in);
-    if (size == 0)
-        return KVW_OK;
     /* Stream-ordered allocation keeps the whole call asynchronous. */
-    cudaError_t e = cudaMallocAsync(&p.dmem, size, s);
+    cudaError_t e = cudaMallocAsync(&p.dmem, L.size, s);
     if (e != cudaSuccess)
         return kvwc_cuda_error(e, "cudaMallocAsync for a device plan");
     void *host;
-    st = kvwc_prepare(in, (uint64_t)(uintptr_t)p.dmem, &host, &size, &p);
+    st = kvwc_prepare(in, &L, (uint64_t)(uintptr_t)p.dmem, &host, &p);
     if (st != KVW_OK)
         goto err_free_dev;
     /* From pageable memory the copy is staged before the call returns, so the host
      * image can be freed at once. */
-    e = cudaMemcpyAsync(p.dmem, host, size, cudaMemcpyHostToDevice, s);
+    e = cudaMemcpyAsync(p.dmem, host, L.size, cudaMemcpyHostToDevice, s);
     free(host);
     if (e != cudaSuccess) {
         st = kvwc_cuda_error(e, "cudaMemcpyAsync uploading a device plan");

@@ -6,10 +6,9 @@
  *
  * Work decomposition. Each segment's bytes are numbered in token-major order (token,
  * then head, then byte); that numbering is cut into
- * jobs of at most KVWC_JOB_BYTES bytes and at most KVWC_MAX_TOK tokens; a prefix sum of
- * job counts over the segments lets a block find its segment by binary search, so the
- * number of segments, pages or runs never changes the launch: one launch per plan,
- * blocks proportional to bytes. Inside a job, the block first computes each token's
+ * jobs of at most KVWC_JOB_BYTES bytes and at most KVWC_MAX_TOK tokens, and a table
+ * gives each job its segment, so the number of segments, pages or runs never changes
+ * the launch: one launch per plan, blocks proportional to bytes. Inside a job, the block first computes each token's
  * base address on both sides (one page-table lookup per token and side, kept in shared
  * memory), then every thread moves W-byte units, W the widest power of two up to 16
  * that every address of the segment is aligned to.
@@ -28,11 +27,31 @@
 #define KVWC_HD static inline
 #endif
 
-#define KVWC_JOB_BYTES 65536u
+/*
+ * Tunables (overridable with -D for experiments; the defaults are what
+ * bench/gpu/NOTES.md measured best). A job is one block's unit of work.
+ */
+#ifndef KVWC_JOB_BYTES
+#define KVWC_JOB_BYTES 32768u
+#endif
+#ifndef KVWC_MAX_TOK
 #define KVWC_MAX_TOK 256u
+#endif
 #define KVWC_TOK_CAP (KVWC_MAX_TOK + 2u) /* a byte range may straddle two extra tokens */
-#define KVWC_THREADS 256
-#define KVWC_UNROLL 4
+#ifndef KVWC_THREADS
+#define KVWC_THREADS 128
+#endif
+#ifndef KVWC_UNROLL
+#define KVWC_UNROLL 4 /* loads in flight per thread */
+#endif
+/* Resident blocks per multiprocessor the compiler must allow (caps registers). */
+#ifndef KVWC_MIN_BLOCKS
+#define KVWC_MIN_BLOCKS 4
+#endif
+/* Blocks per multiprocessor of a grid that loops over jobs; 0: one block per job. */
+#ifndef KVWC_BLOCKS_PER_SM
+#define KVWC_BLOCKS_PER_SM 0
+#endif
 
 enum { KVWC_MODE_DIRECT = 0, KVWC_MODE_GATHER = 1, KVWC_MODE_SCATTER = 2, KVWC_NUM_MODES = 3 };
 
@@ -69,20 +88,6 @@ typedef struct kvwc_tokens {
 #define KVWC_MODE_SRC(mode) ((mode) != KVWC_MODE_SCATTER)
 #define KVWC_MODE_DST(mode) ((mode) != KVWC_MODE_GATHER)
 
-/* Index of the segment holding job `job`: the last i with job_begin[i] <= job. */
-KVWC_HD uint32_t kvwc_find_seg(const kvwc_dseg_t *segs, uint32_t num_segs, uint64_t job)
-{
-    uint32_t lo = 0, hi = num_segs - 1;
-    while (lo < hi) {
-        uint32_t mid = (lo + hi + 1) / 2;
-        if (segs[mid].job_begin <= job)
-            lo = mid;
-        else
-            hi = mid - 1;
-    }
-    return lo;
-}
-
 /* Byte range [*b0, *b1) of the segment that job `job` covers. */
 KVWC_HD void kvwc_job_range(const kvwc_dseg_t *s, uint64_t job, uint64_t *b0, uint64_t *b1)
 {
@@ -96,11 +101,12 @@ KVWC_HD void kvwc_job_range(const kvwc_dseg_t *s, uint64_t job, uint64_t *b0, ui
  * and the token's index inside its page. */
 KVWC_HD uint64_t kvwc_side_token(const kvwc_dside_t *d, uint64_t t, uint64_t *in_page_p)
 {
-    uint64_t rel = t - d->first_token;
-    uint64_t idx = rel / d->page_size;
-    uint64_t in = rel - idx * d->page_size;
+    /* 32-bit arithmetic: the layout rejects maps spanning 2^32 tokens. */
+    uint32_t rel = (uint32_t)(t - d->first_token);
+    uint32_t idx = rel / d->page_size;
+    uint32_t in = rel - idx * d->page_size;
     *in_page_p = in;
-    return d->base + (uint64_t)d->pages[idx] * d->page_stride + in * d->token_stride;
+    return d->base + (uint64_t)d->pages[idx] * d->page_stride + (uint64_t)in * d->token_stride;
 }
 
 /*
@@ -136,11 +142,11 @@ KVWC_HD void kvwc_token_bases(const kvwc_dseg_t *s, int mode, uint64_t t, kvwc_t
     if (KVWC_MODE_SRC(mode))
         tt->src[i] = kvwc_side_token(&s->src, t, &in_s);
     else
-        in_s = (t - s->src.first_token) % s->src.page_size;
+        in_s = (uint32_t)(t - s->src.first_token) % s->src.page_size;
     if (KVWC_MODE_DST(mode))
         tt->dst[i] = kvwc_side_token(&s->dst, t, &in_d);
     else
-        in_d = (t - s->dst.first_token) % s->dst.page_size;
+        in_d = (uint32_t)(t - s->dst.first_token) % s->dst.page_size;
     if (mode == KVWC_MODE_DIRECT)
         return;
     /* The run of kvw_plan_expand holding t: tokens inside one page on both sides. */
@@ -161,13 +167,16 @@ KVWC_HD void kvwc_token_bases(const kvwc_dseg_t *s, int mode, uint64_t t, kvwc_t
     }
 }
 
-/* Geometry of one job, shared by all its units. */
+/* Geometry of one job, shared by all its units; small enough to live in registers
+ * while the units move. */
 typedef struct kvwc_jobgeo {
     uint64_t t0;        /* first token, relative to tok_begin */
+    uint64_t src_hs, dst_hs; /* head strides */
     uint32_t ntok;      /* tokens in the table */
     uint32_t ub, ue;    /* units [ub, ue), counted from the start of token t0 */
     uint32_t row_units; /* units per token */
     uint32_t head_units;
+    uint32_t src_contig, dst_contig;
 } kvwc_jobgeo_t;
 
 KVWC_HD void kvwc_job_geo(const kvwc_dseg_t *s, uint64_t b0, uint64_t b1, uint32_t w,
@@ -180,11 +189,15 @@ KVWC_HD void kvwc_job_geo(const kvwc_dseg_t *s, uint64_t b0, uint64_t b1, uint32
     g->ue = (uint32_t)((b1 - g->t0 * row) / w);
     g->row_units = (uint32_t)(row / w);
     g->head_units = s->head_bytes / w;
+    g->src_hs = s->src.head_stride;
+    g->dst_hs = s->dst.head_stride;
+    g->src_contig = s->src.contig;
+    g->dst_contig = s->dst.contig;
 }
 
 /* Source and destination byte addresses of unit u of a job (the staging buffer is
  * `stage` in the modes that use one). */
-KVWC_HD void kvwc_unit_addrs(const kvwc_dseg_t *s, int mode, uint32_t w, const kvwc_jobgeo_t *g,
+KVWC_HD void kvwc_unit_addrs(int mode, uint32_t w, const kvwc_jobgeo_t *g,
                              const kvwc_tokens_t *tt, uint32_t u, uint64_t stage,
                              uint64_t *src_p, uint64_t *dst_p)
 {
@@ -197,11 +210,11 @@ KVWC_HD void kvwc_unit_addrs(const kvwc_dseg_t *s, int mode, uint32_t w, const k
     if (mode == KVWC_MODE_SCATTER)
         src = stage + tt->stage[tl] + h * tt->stage_hs[tl] + in_head;
     else
-        src = tt->src[tl] + (s->src.contig ? lin : h * s->src.head_stride + in_head);
+        src = tt->src[tl] + (g->src_contig ? lin : h * g->src_hs + in_head);
     if (mode == KVWC_MODE_GATHER)
         dst = stage + tt->stage[tl] + h * tt->stage_hs[tl] + in_head;
     else
-        dst = tt->dst[tl] + (s->dst.contig ? lin : h * s->dst.head_stride + in_head);
+        dst = tt->dst[tl] + (g->dst_contig ? lin : h * g->dst_hs + in_head);
     *src_p = src;
     *dst_p = dst;
 }
@@ -210,11 +223,11 @@ KVWC_HD void kvwc_unit_addrs(const kvwc_dseg_t *s, int mode, uint32_t w, const k
  * The CPU twin of one launch: moves every byte of every job of a laid-out plan with
  * exactly the address computations the kernel uses. For tests without a GPU.
  */
-static inline void kvwc_emulate(const kvwc_dseg_t *segs, uint32_t num_segs, uint64_t num_jobs,
-                                int mode, uint8_t *stage, kvwc_tokens_t *tt)
+static inline void kvwc_emulate(const kvwc_dseg_t *segs, const uint32_t *job_seg,
+                                uint64_t num_jobs, int mode, uint8_t *stage, kvwc_tokens_t *tt)
 {
     for (uint64_t job = 0; job < num_jobs; job++) {
-        const kvwc_dseg_t *s = &segs[kvwc_find_seg(segs, num_segs, job)];
+        const kvwc_dseg_t *s = &segs[job_seg[job]];
         uint64_t b0, b1;
         kvwc_job_range(s, job, &b0, &b1);
         uint32_t w = s->w[mode];
@@ -224,7 +237,7 @@ static inline void kvwc_emulate(const kvwc_dseg_t *segs, uint32_t num_segs, uint
             kvwc_token_bases(s, mode, s->tok_begin + g.t0 + i, tt, i);
         for (uint32_t u = g.ub; u < g.ue; u++) {
             uint64_t src, dst;
-            kvwc_unit_addrs(s, mode, w, &g, tt, u, (uint64_t)(uintptr_t)stage, &src, &dst);
+            kvwc_unit_addrs(mode, w, &g, tt, u, (uint64_t)(uintptr_t)stage, &src, &dst);
             memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, w);
         }
     }
@@ -247,28 +260,73 @@ static inline uint64_t kvwc_side_bits(const kvwc_side_t *s, uint32_t num_heads)
 }
 
 /*
- * A device plan is one allocation: the laid-out segments, then every page list. These
- * two functions size it and fill a host image of it whose pointers are valid once the
- * image is copied to `dev_base` (the emulator passes the image itself). Empty segments
- * are dropped. Returns 0, or -1 with a reason in err for a plan the kernels cannot run.
+ * A device plan is one allocation: the laid-out segments, then a table giving each job
+ * its segment (one load instead of a search on the kernel's critical path), then every
+ * page list. kvwc_blob_layout sizes it (dropping empty segments) and validates what the
+ * kernels assume; kvwc_blob_fill writes a host image whose pointers are valid once the
+ * image is copied to `dev_base` (the emulator passes the image itself). Returns 0, or -1
+ * with a reason in err for a plan the kernels cannot run.
  */
-static inline uint64_t kvwc_blob_size(const kvwc_plan_in_t *in)
+typedef struct kvwc_layout {
+    uint64_t jobs_off, pages_off, size;
+    uint32_t num_segs;
+    uint64_t num_jobs;
+} kvwc_layout_t;
+
+static inline uint64_t kvwc_seg_job_bytes(uint64_t row_bytes)
 {
-    uint64_t n = (uint64_t)in->num_segs * sizeof(kvwc_dseg_t);
-    for (uint32_t m = 0; m < in->num_maps; m++)
-        n += (uint64_t)in->maps[m].num_pages * sizeof(uint32_t);
-    return n;
+    return row_bytes * KVWC_MAX_TOK < KVWC_JOB_BYTES ? row_bytes * KVWC_MAX_TOK : KVWC_JOB_BYTES;
 }
 
-static inline int kvwc_blob_fill(const kvwc_plan_in_t *in, void *blob, uint64_t dev_base,
-                                 uint32_t *num_segs_p, uint64_t *num_jobs_p, const char **err)
+static inline int kvwc_blob_layout(const kvwc_plan_in_t *in, kvwc_layout_t *L, const char **err)
 {
     if (in->num_maps > KVWC_MAX_MAPS) {
         *err = "too many page maps";
         return -1;
     }
+    uint32_t n = 0;
+    uint64_t jobs = 0;
+    for (uint32_t i = 0; i < in->num_segs; i++) {
+        const kvwc_seg_in_t *g = &in->segs[i];
+        if (g->tok_end <= g->tok_begin || g->num_heads == 0)
+            continue;
+        if (g->head_bytes == 0 || g->src.page_size == 0 || g->dst.page_size == 0 ||
+            g->src.map >= in->num_maps || g->dst.map >= in->num_maps) {
+            *err = "malformed segment (zero head bytes or page size, or bad page map)";
+            return -1;
+        }
+        uint64_t row = (uint64_t)g->num_heads * g->head_bytes;
+        if (row >= (1ull << 31)) {
+            *err = "a token row of 2 GiB or more";
+            return -1;
+        }
+        if (g->tok_end - g->src.first_token >= (1ull << 32) ||
+            g->tok_end - g->dst.first_token >= (1ull << 32) || g->tok_begin < g->src.first_token ||
+            g->tok_begin < g->dst.first_token) {
+            *err = "a page map spanning 2^32 tokens or more, or not covering its segment";
+            return -1;
+        }
+        uint64_t bytes = (g->tok_end - g->tok_begin) * row;
+        uint64_t jb = kvwc_seg_job_bytes(row);
+        jobs += (bytes + jb - 1) / jb;
+        n++;
+    }
+    L->num_segs = n;
+    L->num_jobs = jobs;
+    L->jobs_off = (uint64_t)n * sizeof(kvwc_dseg_t);
+    L->pages_off = L->jobs_off + jobs * sizeof(uint32_t);
+    L->size = L->pages_off;
+    for (uint32_t m = 0; m < in->num_maps; m++)
+        L->size += (uint64_t)in->maps[m].num_pages * sizeof(uint32_t);
+    return 0;
+}
+
+static inline void kvwc_blob_fill(const kvwc_plan_in_t *in, const kvwc_layout_t *L, void *blob,
+                                  uint64_t dev_base)
+{
     kvwc_dseg_t *out = (kvwc_dseg_t *)blob;
-    uint64_t pages_off = (uint64_t)in->num_segs * sizeof(kvwc_dseg_t);
+    uint32_t *job_seg = (uint32_t *)((uint8_t *)blob + L->jobs_off);
+    uint64_t pages_off = L->pages_off;
     uint64_t map_dev[KVWC_MAX_MAPS];
     for (uint32_t m = 0; m < in->num_maps; m++) {
         map_dev[m] = dev_base + pages_off;
@@ -283,12 +341,7 @@ static inline int kvwc_blob_fill(const kvwc_plan_in_t *in, void *blob, uint64_t 
         const kvwc_seg_in_t *g = &in->segs[i];
         if (g->tok_end <= g->tok_begin || g->num_heads == 0)
             continue;
-        if (g->head_bytes == 0 || g->src.page_size == 0 || g->dst.page_size == 0 ||
-            g->src.map >= in->num_maps || g->dst.map >= in->num_maps) {
-            *err = "malformed segment (zero head bytes or page size, or bad page map)";
-            return -1;
-        }
-        kvwc_dseg_t *d = &out[n++];
+        kvwc_dseg_t *d = &out[n];
         memset(d, 0, sizeof(*d));
         const kvwc_side_t *sides[2] = {&g->src, &g->dst};
         kvwc_dside_t *dsides[2] = {&d->src, &d->dst};
@@ -315,20 +368,15 @@ static inline int kvwc_blob_fill(const kvwc_plan_in_t *in, void *blob, uint64_t 
         d->w[KVWC_MODE_DIRECT] = kvwc_align_of(sb | db);
         d->w[KVWC_MODE_GATHER] = kvwc_align_of(sb | tb);
         d->w[KVWC_MODE_SCATTER] = kvwc_align_of(tb | db);
-        if (d->row_bytes >= (1ull << 31)) {
-            *err = "a token row of 2 GiB or more";
-            return -1;
-        }
-        d->job_bytes = d->row_bytes * KVWC_MAX_TOK < KVWC_JOB_BYTES ? d->row_bytes * KVWC_MAX_TOK
-                                                                    : KVWC_JOB_BYTES;
+        d->job_bytes = kvwc_seg_job_bytes(d->row_bytes);
         d->job_begin = jobs;
-        jobs += (d->bytes + d->job_bytes - 1) / d->job_bytes;
+        uint64_t nj = (d->bytes + d->job_bytes - 1) / d->job_bytes;
+        for (uint64_t j = 0; j < nj; j++)
+            job_seg[jobs + j] = n;
+        jobs += nj;
         stage += d->bytes;
+        n++;
     }
-    *num_segs_p = n;
-    *num_jobs_p = jobs;
-    return 0;
 }
-
 
 #endif

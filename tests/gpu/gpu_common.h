@@ -15,6 +15,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 typedef struct gc_side {
     uint32_t tp, pp;
     kvw_layout_t layout;
@@ -92,5 +96,9 @@ int gc_arena_check_poison(const gc_inst_t *in, const uint64_t *offs, uint64_t to
 int gc_arena_view(const gc_inst_t *in, uint32_t rank, const uint64_t *offs, uint8_t *img,
                   kvt_copy_t *view);
 void gc_view_free(kvt_copy_t *view);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -45,10 +45,11 @@ static const char *cur_case = "";
 /* A plan laid out as the module would upload it, in host memory. */
 typedef struct emu_plan {
     void *blob;
+    const uint32_t *job_seg;
     uint32_t num_segs;
     uint64_t num_jobs;
     uint64_t bytes;
-    uint32_t widths[17]; /* units used, by width */
+    uint32_t widths[17]; /* segments x modes, by unit width */
 } emu_plan_t;
 
 static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
@@ -62,13 +63,19 @@ static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
           kvw_last_error());
     if (st != KVW_OK)
         return -1;
-    uint64_t size = kvwc_blob_size(&in);
-    e->blob = malloc(size ? size : 1);
+    kvwc_layout_t L;
     const char *why = NULL;
-    int rc = e->blob ? kvwc_blob_fill(&in, e->blob, (uint64_t)(uintptr_t)e->blob, &e->num_segs,
-                                      &e->num_jobs, &why)
-                     : -1;
-    CHECK(rc == 0, "layout: %s", why ? why : "out of memory");
+    int rc = kvwc_blob_layout(&in, &L, &why);
+    CHECK(rc == 0, "layout: %s", why);
+    e->blob = rc == 0 ? malloc(L.size ? L.size : 1) : NULL;
+    if (rc == 0 && e->blob) {
+        kvwc_blob_fill(&in, &L, e->blob, (uint64_t)(uintptr_t)e->blob);
+        e->num_segs = L.num_segs;
+        e->num_jobs = L.num_jobs;
+        e->job_seg = (const uint32_t *)((uint8_t *)e->blob + L.jobs_off);
+    } else {
+        rc = -1;
+    }
     e->bytes = in.bytes;
     kvw__cuda_plan_in_free(&in);
     if (rc == 0) {
@@ -81,6 +88,12 @@ static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
             CHECK(i == 0 || segs[i].job_begin > segs[i - 1].job_begin,
                   "empty job range for segment %u", i);
         }
+        for (uint64_t j = 0; j < e->num_jobs; j++) {
+            const kvwc_dseg_t *sg = &segs[e->job_seg[j]];
+            CHECK(j >= sg->job_begin && (j - sg->job_begin) * sg->job_bytes < sg->bytes,
+                  "job %llu maps to segment %u, which does not hold it", (unsigned long long)j,
+                  e->job_seg[j]);
+        }
         CHECK(sum == e->bytes, "laid-out segments hold %llu bytes, the plan %llu",
               (unsigned long long)sum, (unsigned long long)e->bytes);
     }
@@ -90,7 +103,7 @@ static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
 static void emu_run(emu_plan_t *e, int mode, uint8_t *stage)
 {
     static kvwc_tokens_t tt;
-    kvwc_emulate(e->blob, e->num_segs, e->num_jobs, mode, stage, &tt);
+    kvwc_emulate(e->blob, e->job_seg, e->num_jobs, mode, stage, &tt);
 }
 
 /* Source and destination arenas in host memory, laid out like the GPU check's. */
