@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# GPU throughput of the CUDA executor against cudaMemcpyPeer, per-run cudaMemcpyAsync,
+# cudaMemcpyBatchAsync and same-GPU device-to-device copies, measured in one run
+# (kvw_gpu_bench, see bench/gpu/gpu_bench.cu). Without nvcc or a GPU it prints
+# "skipped: ..." and exits 0.
+#
+#   scripts/gpu-bench.sh [--tokens N] [--reps N] [--quick]     BUILD=dir, JOBS=n
+#
+# KVW_BENCH_VARIANTS="name:NVCC FLAGS;name2:FLAGS" also builds the module with each set
+# of -D flags (the tunables of src/cuda/copy_core.h) and runs the bench (--quick) on each
+# through KVW_CUDA_MODULE, before the full run on the default build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD:-build}
+JOBS=${JOBS:-$(nproc)}
+
+NVCC=$(command -v nvcc 2>/dev/null || true)
+[ -z "$NVCC" ] && [ -x /usr/local/cuda/bin/nvcc ] && NVCC=/usr/local/cuda/bin/nvcc
+if [ -z "$NVCC" ]; then
+    echo "gpu-bench: skipped: no GPU toolchain (nvcc not found)"
+    exit 0
+fi
+if [ ! -f "$BUILD/CMakeCache.txt" ]; then
+    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+fi
+if ! grep -q "/kvw_gpu_bench.dir" "$BUILD/CMakeFiles/TargetDirectories.txt" 2>/dev/null; then
+    echo "gpu-bench: skipped: $BUILD is configured without the CUDA module"
+    exit 0
+fi
+if ! cmake --build "$BUILD" -j "$JOBS" --target kvwire_cuda kvw_gpu_bench >"$BUILD/gpu-build.log" 2>&1; then
+    tail -n 40 "$BUILD/gpu-build.log"
+    echo "${0##*/}: FAILED to build (log: $BUILD/gpu-build.log)"
+    exit 1
+fi
+
+run() {
+    set +e
+    "$@"
+    local rc=$?
+    set -e
+    [ "$rc" -eq 77 ] && exit 0 # printed "skipped: no GPU (reason)"
+    return "$rc"
+}
+
+if [ -n "${KVW_BENCH_VARIANTS:-}" ]; then
+    IFS=';' read -r -a variants <<<"$KVW_BENCH_VARIANTS"
+    for v in "${variants[@]}"; do
+        name=${v%%:*}
+        flags=${v#*:}
+        dir="$BUILD/variants/$name"
+        mkdir -p "$dir"
+        # shellcheck disable=SC2086
+        "$NVCC" -O3 -arch=sm_90 -std=c++17 -shared -cudart shared -Xcompiler -fPIC,-fvisibility=hidden \
+            -Iinclude -Isrc $flags src/cuda/module.cu src/cuda/copy.cu -o "$dir/libkvwire_cuda.so"
+        echo "=== variant $name: $flags"
+        KVW_CUDA_MODULE="$dir/libkvwire_cuda.so" run "$BUILD/kvw_gpu_bench" --quick --reps 10
+    done
+    echo "=== default build"
+fi
+run "$BUILD/kvw_gpu_bench" "$@"
