@@ -8,6 +8,8 @@
 
 #include <kvwire/mem.h>
 
+#include "core/sha256.h"
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -134,6 +136,36 @@ static bool kvw_pair_needed(kvw_rank_h src, kvw_rank_h dst)
 
 /* ------------------------------------------------------------ handshake */
 
+/*
+ * Shared secret: the prefill rank opens every registration with a random challenge;
+ * the decode rank answers with HMAC-SHA-256(secret, "kvwire-hello" | challenge) and a
+ * challenge of its own, which the prefill rank answers in ACCEPT with
+ * HMAC(secret, "kvwire-accept" | that challenge). The secret never crosses the wire.
+ */
+#define KVW_NONCE 32
+
+static void kvw_auth_mac(const struct kvw_ctx *ctx, const char *label, const uint8_t *nonce,
+                         uint8_t out[32])
+{
+    uint8_t msg[16 + KVW_NONCE];
+    size_t ll = strlen(label);
+    memcpy(msg, label, ll);
+    memcpy(msg + ll, nonce, KVW_NONCE);
+    kvw__hmac_sha256(ctx->secret, strlen(ctx->secret), msg, ll + KVW_NONCE, out);
+}
+
+static void kvw_wb_raw(kvw_wbuf_t *w, const uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        kvw__wb_u8(w, p[i]);
+}
+
+static void kvw_rb_raw(kvw_rbuf_t *r, uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = kvw__rb_u8(r);
+}
+
 static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
                           const uint8_t *rkeys, const size_t *rkey_lens, const void *addr,
                           size_t addr_len)
@@ -162,7 +194,19 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     uint32_t nb = 0;
     char reason[400] = "";
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
-    kvw_status_t st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
+    uint8_t nonce[KVW_NONCE];
+    kvw_wbuf_t cw;
+    if (kvw__random_bytes(nonce, sizeof(nonce)) != 0)
+        return kvw__error(KVW_ERR_IO, "no random bytes for the handshake challenge");
+    kvw__wb_init(&cw, KVW_MSG_CHALLENGE);
+    kvw_wb_raw(&cw, nonce, KVW_NONCE);
+    kvw_status_t st = kvw__wb_finish(&cw);
+    if (st == KVW_OK)
+        st = kvw__sock_send_all(fd, cw.p, cw.len, deadline);
+    kvw__wb_free(&cw);
+    if (st != KVW_OK)
+        return st;
+    st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
     if (st != KVW_OK)
         return st;
     if (type != KVW_MSG_HELLO) {
@@ -171,6 +215,10 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     }
     kvw_rbuf_t r;
     kvw__rb_init(&r, p, len);
+    uint8_t has_mac = kvw__rb_u8(&r);
+    uint8_t mac[32], dnonce[KVW_NONCE];
+    kvw_rb_raw(&r, mac, sizeof(mac));
+    kvw_rb_raw(&r, dnonce, sizeof(dnonce));
     uint32_t id_at_remote = kvw__rb_u32(&r);
     char tl_name[32];
     kvw__rb_str(&r, tl_name, sizeof(tl_name));
@@ -179,6 +227,17 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     if (r.bad) {
         free(p);
         return kvw__error(KVW_ERR_MALFORMED, "truncated registration");
+    }
+    if (ctx->secret[0]) {
+        uint8_t want[32];
+        kvw_auth_mac(ctx, "kvwire-hello", nonce, want);
+        if (!has_mac || !kvw__ct_equal(mac, want, 32)) {
+            st = KVW_ERR_AUTH;
+            snprintf(reason, sizeof(reason), has_mac ? "authentication failed: the shared secret "
+                     "does not match" : "authentication failed: this prefill rank requires a "
+                     "shared secret and the decode rank proved none");
+            goto reply;
+        }
     }
     st = kvw__wire_get_rank(&r, &remote);
     if (st != KVW_OK) {
@@ -245,8 +304,14 @@ reply:
     free(p);
     kvw_wbuf_t w;
     kvw__wb_init(&w, st == KVW_OK ? KVW_MSG_ACCEPT : KVW_MSG_REJECT);
-    if (st == KVW_OK)
+    if (st == KVW_OK) {
+        uint8_t proof[32] = {0};
+        if (ctx->secret[0])
+            kvw_auth_mac(ctx, "kvwire-accept", dnonce, proof);
+        kvw__wb_u8(&w, ctx->secret[0] != 0);
+        kvw_wb_raw(&w, proof, sizeof(proof));
         kvw__wire_put_rank(&w, ctx->rank);
+    }
     else {
         kvw__wb_u32(&w, (uint32_t)(int32_t)st);
         kvw__wb_str(&w, reason);
@@ -313,8 +378,28 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         return st;
     if ((st = kvw__tcp_connect(host, port, deadline, &fd)) != KVW_OK)
         return st;
+    uint8_t nonce[KVW_NONCE], dnonce[KVW_NONCE], mac[32] = {0};
+    if ((st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len)) != KVW_OK ||
+        type != KVW_MSG_CHALLENGE || len != KVW_NONCE) {
+        free(p);
+        close(fd);
+        return kvw__error(st ? st : KVW_ERR_MALFORMED, "prefill rank at %s did not open the "
+                          "handshake with a challenge", e->addr);
+    }
+    memcpy(nonce, p, KVW_NONCE);
+    free(p);
+    p = NULL;
+    if (kvw__random_bytes(dnonce, sizeof(dnonce)) != 0) {
+        close(fd);
+        return kvw__error(KVW_ERR_IO, "no random bytes for the handshake challenge");
+    }
+    if (ctx->secret[0])
+        kvw_auth_mac(ctx, "kvwire-hello", nonce, mac);
     kvw_wbuf_t w;
     kvw__wb_init(&w, KVW_MSG_HELLO);
+    kvw__wb_u8(&w, ctx->secret[0] != 0);
+    kvw_wb_raw(&w, mac, sizeof(mac));
+    kvw_wb_raw(&w, dnonce, sizeof(dnonce));
     kvw_put_hello(ctx, &w, ctx->num_peers, rkeys, rkey_lens, addr, addr_len);
     if ((st = kvw__wb_finish(&w)) == KVW_OK)
         st = kvw__sock_send_all(fd, w.p, w.len, deadline);
@@ -334,11 +419,23 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         kvw__rb_str(&r, reason, sizeof(reason));
         free(p);
         close(fd);
-        (void)why;
-        return kvw__error(KVW_ERR_REJECTED, "prefill rank dp%u/tp%u/pp%u rejected this decode "
-                          "rank: %s", e->dp, e->tp, e->pp, reason);
+        return kvw__error(why == KVW_ERR_AUTH ? KVW_ERR_AUTH : KVW_ERR_REJECTED,
+                          "prefill rank dp%u/tp%u/pp%u rejected this decode rank: %s", e->dp,
+                          e->tp, e->pp, reason);
     }
     kvw_rank_h remote = NULL;
+    uint8_t has_proof = kvw__rb_u8(&r), proof[32];
+    kvw_rb_raw(&r, proof, sizeof(proof));
+    if (type == KVW_MSG_ACCEPT && !r.bad && ctx->secret[0]) {
+        uint8_t want[32];
+        kvw_auth_mac(ctx, "kvwire-accept", dnonce, want);
+        if (!has_proof || !kvw__ct_equal(proof, want, 32)) {
+            free(p);
+            close(fd);
+            return kvw__error(KVW_ERR_AUTH, "prefill rank dp%u/tp%u/pp%u at %s did not prove the "
+                              "shared secret", e->dp, e->tp, e->pp, e->addr);
+        }
+    }
     if (type != KVW_MSG_ACCEPT || (st = kvw__wire_get_rank(&r, &remote)) != KVW_OK ||
         (st = kvw__rb_done(&r, "accept")) != KVW_OK) {
         free(p);
@@ -548,14 +645,15 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         return kvw__error(KVW_ERR_INVALID_PARAM,
                           "context params need a side, a rank and a bootstrap address");
     uint64_t fm = params->field_mask;
-    if ((fm & KVW_CTX_FIELD_SECRET) && params->secret && params->secret[0])
-        return kvw__error(KVW_ERR_UNSUPPORTED, "shared-secret authentication is not built in "
-                          "this version");
+    if ((fm & KVW_CTX_FIELD_SECRET) && params->secret && strlen(params->secret) >= 256)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "the shared secret is longer than 255 bytes");
     struct kvw_ctx *ctx = calloc(1, sizeof(*ctx));
     if (ctx == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a context");
     ctx->side = params->side;
     ctx->rank = params->rank;
+    if ((fm & KVW_CTX_FIELD_SECRET) && params->secret)
+        snprintf(ctx->secret, sizeof(ctx->secret), "%s", params->secret);
     ctx->listen_fd = -1;
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",

@@ -185,6 +185,7 @@ struct kvw_ctx {
     kvw_stage_wait_t *waits;
     uint32_t num_waits, cap_waits;
     int path_mode; /* 0 auto, 1 always direct, 2 always staged */
+    char secret[256]; /* shared secret, "" when none */
 };
 
 #define KVW_PATH_AUTO 0

@@ -1,0 +1,24 @@
+/* SHA-256 and HMAC-SHA-256 (FIPS 180-4, RFC 2104), for the shared-secret handshake. */
+#ifndef KVW_CORE_SHA256_H
+#define KVW_CORE_SHA256_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kvw_sha256 {
+    uint32_t h[8];
+    uint64_t len;
+    uint8_t buf[64];
+    size_t fill;
+} kvw_sha256_t;
+
+void kvw__sha256_init(kvw_sha256_t *c);
+void kvw__sha256_update(kvw_sha256_t *c, const void *p, size_t n);
+void kvw__sha256_final(kvw_sha256_t *c, uint8_t out[32]);
+void kvw__hmac_sha256(const void *key, size_t klen, const void *msg, size_t mlen, uint8_t out[32]);
+/* Constant-time comparison: 1 if equal. */
+int kvw__ct_equal(const uint8_t *a, const uint8_t *b, size_t n);
+/* Fills buf with bytes from the kernel's random source; 0 on success. */
+int kvw__random_bytes(void *buf, size_t n);
+
+#endif
