@@ -40,6 +40,9 @@ typedef struct demo_cfg {
     uint32_t timeout_ms;
     kvw_layout_t playout, dlayout;
     int quiet;
+    char role[16];       /* both (default), prefill or decode */
+    char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
+    char listen_host[64];
 } demo_cfg_t;
 
 typedef struct demo_req {
@@ -213,6 +216,10 @@ static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool pre
             .prefill_tp = c->ptp,
             .prefill_pp = c->ppp,
             .prefill_dp = 1};
+        if (c->listen_host[0]) {
+            p.field_mask |= KVW_CTX_FIELD_LISTEN_HOST;
+            p.listen_host = c->listen_host;
+        }
         kvw_status_t st = kvw_ctx_create(&p, &ctx[i]);
         if (st != KVW_OK) {
             fprintf(stderr, "demo: %s rank %u: %s: %s\n", prefill ? "prefill" : "decode", i,
@@ -243,16 +250,23 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
     if (demo_build(c, m, true, &inst, c->seed * 7 + 1))
         return 1;
     char bs[160];
-    kvw_ctx_h *ctx = demo_contexts(c, &inst, true, "127.0.0.1:0", bs, sizeof(bs));
+    kvw_ctx_h *ctx = demo_contexts(c, &inst, true, c->bootstrap[0] ? c->bootstrap : "127.0.0.1:0",
+                                   bs, sizeof(bs));
     if (ctx == NULL)
         return 1;
-    if (write(bs_pipe, bs, strlen(bs) + 1) < 0)
-        return 1;
-    close(bs_pipe);
+    if (bs_pipe < 0) {
+        printf("demo: prefill instance up, bootstrap at %s\n", bs);
+        fflush(stdout);
+    } else {
+        if (write(bs_pipe, bs, strlen(bs) + 1) < 0)
+            return 1;
+        close(bs_pipe);
+    }
     /* Requests start once the decode instance is up, as in a serving deployment where
-     * decode instances join before traffic is routed to them. */
+     * decode instances join before traffic is routed to them. Alone, the prefill side
+     * relies on its rooms waiting for the decode side's half. */
     char go;
-    if (read(go_fd, &go, 1) != 1) {
+    if (go_fd >= 0 && read(go_fd, &go, 1) != 1) {
         fprintf(stderr, "demo: the decode process never came up\n");
         return 1;
     }
@@ -305,7 +319,7 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
     }
     /* Stay up until the decode side has verified and left. */
     char b;
-    if (read(STDIN_FILENO, &b, 1) < 0) {
+    if (bs_pipe >= 0 && read(STDIN_FILENO, &b, 1) < 0) {
     }
     for (uint32_t i = 0; i < inst.n; i++)
         kvw_ctx_destroy(ctx[i]);
@@ -334,7 +348,7 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
     kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0);
     if (ctx == NULL)
         return 1;
-    if (write(go_fd, "g", 1) != 1)
+    if (go_fd >= 0 && write(go_fd, "g", 1) != 1)
         return 1;
     demo_req_t *reqs = calloc(c->requests, sizeof(*reqs));
     demo_gen(c, reqs);
@@ -463,6 +477,9 @@ static void demo_usage(FILE *f)
             "  --decode-layout L     nhd (default) or hnd\n"
             "  --seed N              seed of requests, pages and bytes (default 1)\n"
             "  --timeout-ms N        per-room timeout (default 30000)\n"
+            "  --role R              both (default), or prefill / decode alone (other hosts)\n"
+            "  --bootstrap H:P       prefill: bootstrap to host; decode: bootstrap to use\n"
+            "  --listen-host H       address the control and data listeners bind\n"
             "Exits 0 only if every destination byte and guard byte verified.\n");
 }
 
@@ -478,7 +495,8 @@ static int cmd_demo(int argc, char **argv)
         {"transport", 1, 0, 't'},     {"requests", 1, 0, 'r'},    {"concurrency", 1, 0, 'c'},
         {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
-        {"decode-layout", 1, 0, 'l'}, {"kv-heads", 1, 0, 'H'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
+        {"decode-layout", 1, 0, 'l'}, {"kv-heads", 1, 0, 'H'},
+        {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int o;
     optind = 1;
@@ -502,6 +520,9 @@ static int cmd_demo(int argc, char **argv)
         case 'l': c.dlayout = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD; break;
         case 'q': c.quiet = 1; break;
         case 'H': c.kv_heads = (uint32_t)v; break;
+        case 'R': snprintf(c.role, sizeof(c.role), "%s", optarg); break;
+        case 'B': snprintf(c.bootstrap, sizeof(c.bootstrap), "%s", optarg); break;
+        case 'I': snprintf(c.listen_host, sizeof(c.listen_host), "%s", optarg); break;
         case 'h': demo_usage(stdout); return 0;
         default: demo_usage(stderr); return 2;
         }
@@ -533,6 +554,25 @@ static int cmd_demo(int argc, char **argv)
         return 1;
     }
 
+    if (!strcmp(c.role, "prefill"))
+        return demo_prefill(&c, &m, -1, -1);
+    if (!strcmp(c.role, "decode")) {
+        if (!c.bootstrap[0]) {
+            fprintf(stderr, "demo: --role decode needs --bootstrap host:port\n");
+            return 2;
+        }
+        demo_result_t res = {0};
+        int rc = demo_decode(&c, &m, c.bootstrap, -1, &res);
+        bool ok = rc == 0 && res.rooms_verified == c.requests;
+        printf("kvwire demo (decode side): %u requests, %u rooms ok, %llu bytes in %.3f s, "
+               "verified: %s\n", c.requests, res.rooms_ok, (unsigned long long)res.bytes,
+               res.ns / 1e9, ok ? "yes: every byte and guard" : "NO");
+        return ok ? 0 : 1;
+    }
+    if (c.role[0] && strcmp(c.role, "both")) {
+        demo_usage(stderr);
+        return 2;
+    }
     int bs_pipe[2], hold[2], go[2];
     if (pipe(bs_pipe) || pipe(hold) || pipe(go))
         return 1;
