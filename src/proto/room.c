@@ -248,7 +248,7 @@ static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size
     }
     uint32_t group = 0, connected = 0, needed = 0;
     for (uint32_t i = 0; i < ctx->num_peers; i++)
-        if (ctx->peers[i]->dp == (uint32_t)r->dst_dp) {
+        if (ctx->peers[i]->dp == (uint32_t)r->dst_dp && !ctx->peers[i]->dead) {
             group = ctx->peers[i]->remote_group_size;
             connected++;
             needed += ctx->peers[i]->needed;
@@ -313,7 +313,8 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
     uint32_t group = 0, connected = 0, needed = 0;
     for (uint32_t i = 0; i < ctx->num_peers; i++) {
         kvw_peer_t *p = ctx->peers[i];
-        if (p->dp != (uint32_t)r->dst_dp)
+        /* A decode rank that died and registered again counts once, as its new peer. */
+        if (p->dp != (uint32_t)r->dst_dp || p->dead)
             continue;
         group = p->remote_group_size;
         connected++;
