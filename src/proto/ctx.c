@@ -553,6 +553,7 @@ static void *kvw_ctrl_main(void *arg)
     struct pollfd *pfd = NULL;
     uint32_t *pidx = NULL;
     uint32_t cap = 0;
+    uint64_t last_timeout_scan = 0;
     for (;;) {
         pthread_mutex_lock(&ctx->mu);
         if (ctx->stopping) {
@@ -623,7 +624,12 @@ static void *kvw_ctrl_main(void *arg)
                 kvw__peer_send(ctx, p, &w);
             }
         }
-        kvw__check_timeouts(ctx, now);
+        /* Timeouts have millisecond granularity; scanning every room on every event
+         * would cost more than the events themselves at high request rates. */
+        if (now - last_timeout_scan > 10000000ull) {
+            kvw__check_timeouts(ctx, now);
+            last_timeout_scan = now;
+        }
         uint32_t np = ctx->num_peers;
         pthread_mutex_unlock(&ctx->mu);
         for (uint32_t i = 0; i < np; i++)
