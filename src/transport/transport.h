@@ -15,6 +15,22 @@
  * Threads: a transport may run its own threads (tcp and shm run one receive thread).
  * Callbacks run on those threads; they must not block for long and must not call
  * close/stop/fini. Every other slot is safe to call from any thread.
+ *
+ * Endpoints. A connected endpoint (from `connect`) belongs to the caller until it calls
+ * ep_close, even after on_ep_error reported it; put/notify on a failed endpoint return
+ * CONN_CLOSED. An accepted endpoint (first seen in a callback) belongs to the
+ * transport: it is freed once on_ep_error for it has returned, or after ep_close. Call
+ * ep_close on an accepted endpoint only while it is known to be alive (e.g. under the
+ * lock that your on_ep_error also takes). Every accepted connection that ends, for any
+ * reason other than ep_close, reports on_ep_error exactly once. Accepted endpoints only
+ * receive: put/notify on them return UNSUPPORTED. When put or notify fails for any
+ * reason other than its arguments (INVALID_PARAM, OUT_OF_RANGE, UNSUPPORTED), e.g.
+ * CONN_CLOSED, IO or TIMEOUT, the endpoint is failed for good: later calls return
+ * CONN_CLOSED (some of its earlier writes may or may not have landed).
+ *
+ * Sizes. A put of length 0 is valid when dst_off <= the region length; it moves
+ * nothing and is not reported to check_write. A notification is 0..KVW_TL_MAX_NOTIFY
+ * bytes.
  */
 #ifndef KVW_TRANSPORT_TRANSPORT_H
 #define KVW_TRANSPORT_TRANSPORT_H
@@ -53,7 +69,25 @@ typedef struct kvw_tl_params {
     const char *listen_host; /* NULL: 127.0.0.1; receivers listen, senders may not */
     uint16_t listen_port;    /* 0: any free port */
     kvw_tl_callbacks_t cb;
+    /* Added after the first draft; 0 keeps the default. Bound, in milliseconds, on
+     * every blocking step: connect, a send that makes no progress, an rkey fetch, and
+     * (receive side) a peer that stalls in the middle of a frame. */
+    uint32_t timeout_ms;
 } kvw_tl_params_t;
+
+#define KVW_TL_DEFAULT_TIMEOUT_MS 30000
+
+/* Capability bits of kvw_tl_ops_t.caps. */
+enum {
+    /* The receiver mediates every write: check_write runs before any byte lands, and
+     * writes outside registered regions are refused by the receiver itself (tcp).
+     * Without it, the sending library confines writes to the remote region (shm). */
+    KVW_TL_CAP_MEDIATED = 1u << 0,
+    /* Both sides must be processes on one host (shm). */
+    KVW_TL_CAP_SAME_HOST = 1u << 1,
+    /* The instance runs its own receive thread; progress() is a no-op returning 0. */
+    KVW_TL_CAP_OWN_THREAD = 1u << 2
+};
 
 /* One one-sided write. */
 typedef struct kvw_tl_put {
@@ -107,7 +141,12 @@ typedef struct kvw_tl_ops {
 
     void (*close)(kvw_tl_h tl); /* non-blocking: stop accepting, fail pending */
     void (*stop)(kvw_tl_h tl);  /* waits until no thread or callback runs */
-    void (*fini)(kvw_tl_h tl);  /* frees everything */
+    /* Frees everything, including endpoints, registrations and rkeys not yet released;
+     * every handle of the instance is invalid afterwards. */
+    void (*fini)(kvw_tl_h tl);
+
+    /* Added after the first draft: KVW_TL_CAP_* bits (0 when a table leaves it out). */
+    uint64_t caps;
 } kvw_tl_ops_t;
 
 /* Transports compiled into this library, looked up by name ("tcp", "shm", "ucx"). */

@@ -1,0 +1,84 @@
+/*
+ * Helpers shared by the socket-based transports (tcp, shm): fixed-width little-endian
+ * field access for wire formats, and socket I/O loops in which every wait is bounded.
+ */
+#ifndef KVW_TRANSPORT_TL_UTIL_H
+#define KVW_TRANSPORT_TL_UTIL_H
+
+#include "transport/transport.h"
+
+#include <stdint.h>
+#include <string.h>
+#include <sys/uio.h>
+
+static inline void kvw__le16_put(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void kvw__le32_put(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void kvw__le64_put(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t kvw__le16_get(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static inline uint32_t kvw__le32_get(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+static inline uint64_t kvw__le64_get(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* The effective timeout of an instance: params->timeout_ms, or the default. */
+static inline uint32_t kvw__tl_timeout_ms(const kvw_tl_params_t *params)
+{
+    return params->timeout_ms ? params->timeout_ms : KVW_TL_DEFAULT_TIMEOUT_MS;
+}
+
+/* Waits until `fd` reports one of `events` (or an error/hang-up, which the caller then
+ * discovers by using the socket). Returns TIMEOUT after timeout_ms without any event;
+ * `what` names the step in the message. */
+kvw_status_t kvw__tl_wait_fd(int fd, short events, uint32_t timeout_ms, const char *what);
+
+/*
+ * Sends every byte of iov[0..iovcnt) on a non-blocking socket (MSG_NOSIGNAL), waiting
+ * for room when the socket is full. Consumes (modifies) iov. Gives up with TIMEOUT when
+ * the socket stays full for timeout_ms. Errors: CONN_CLOSED (peer gone), IO, TIMEOUT.
+ * iovcnt may exceed IOV_MAX; the loop splits it.
+ */
+kvw_status_t kvw__tl_send_iov(int fd, struct iovec *iov, size_t iovcnt, uint32_t timeout_ms,
+                              const char *what);
+
+/* Receives exactly len bytes from a non-blocking stream socket within timeout_ms of
+ * inactivity. Errors: CONN_CLOSED (EOF), IO, TIMEOUT. */
+kvw_status_t kvw__tl_recv_exact(int fd, void *buf, size_t len, uint32_t timeout_ms,
+                                const char *what);
+
+/* Sets O_NONBLOCK; returns 0 or -1 with errno set. */
+int kvw__tl_set_nonblock(int fd);
+
+/* A wake-up channel for a receive thread (an eventfd). */
+int kvw__tl_wake_open(void);
+void kvw__tl_wake(int wake_fd);
+void kvw__tl_wake_drain(int wake_fd);
+
+/* Fills buf with random bytes (getrandom, with a clock-based fallback). */
+void kvw__tl_random(void *buf, size_t len);
+
+#endif
