@@ -1,0 +1,56 @@
+/* The table of transports compiled into this library. */
+#include "transport/transport.h"
+
+#include <string.h>
+
+extern const kvw_tl_ops_t kvw_tl_tcp_ops;
+extern const kvw_tl_ops_t kvw_tl_shm_ops;
+#ifdef KVW_HAVE_UCX
+extern const kvw_tl_ops_t kvw_tl_ucx_ops;
+#endif
+
+/* Same order in both tables; the names are spelled out so kvw__tl_names() can hand
+ * out a static NULL-terminated array. */
+static const kvw_tl_ops_t *const tl_table[] = {
+    &kvw_tl_tcp_ops,
+    &kvw_tl_shm_ops,
+#ifdef KVW_HAVE_UCX
+    &kvw_tl_ucx_ops,
+#endif
+};
+
+static const char *const tl_names[] = {
+    "tcp",
+    "shm",
+#ifdef KVW_HAVE_UCX
+    "ucx",
+#endif
+    NULL,
+};
+
+_Static_assert(KVW_ARRAY_SIZE(tl_names) == KVW_ARRAY_SIZE(tl_table) + 1,
+               "tl_names and tl_table must list the same transports");
+
+const kvw_tl_ops_t *kvw__tl_find(const char *name)
+{
+    if (name == NULL) {
+        kvw__error(KVW_ERR_INVALID_PARAM, "transport name is NULL");
+        return NULL;
+    }
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(tl_table); i++) {
+        if (strcmp(tl_table[i]->name, name) == 0)
+            return tl_table[i];
+    }
+    kvw__error(KVW_ERR_NOT_FOUND, "transport '%s' is not compiled into this library", name);
+    return NULL;
+}
+
+const char *const *kvw__tl_names(void)
+{
+    return tl_names;
+}
+
+kvw_status_t kvw__tl_unsupported(void)
+{
+    return kvw__error(KVW_ERR_UNSUPPORTED, "operation not supported by this transport");
+}
