@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# End to end: `kvwire demo` runs a prefill and a decode instance as separate processes
+# and verifies every destination byte (and the guard bytes around every buffer)
+# against the test kit's independent reference. This script runs it over shm and tcp
+# for the topologies, models and layouts below and fails if any run fails.
+#
+# Env: KVW_CLI = path of the kvwire binary (set by CTest); KVW_E2E_ONLY = a substring
+# that selects cases by name (for debugging).
+set -u
+
+CLI="${KVW_CLI:-}"
+if [[ -z "$CLI" && -n "${KVW_BUILD_DIR:-}" ]]; then
+    CLI="$KVW_BUILD_DIR/kvwire"
+fi
+if [[ -z "$CLI" || ! -x "$CLI" ]]; then
+    echo "test_e2e: KVW_CLI is not set to the kvwire binary" >&2
+    exit 1
+fi
+if ! "$CLI" demo --help >/dev/null 2>&1; then
+    echo "test_e2e: $CLI has no demo command" >&2
+    exit 1
+fi
+
+# Each run is a few seconds; a stuck run is killed rather than hanging CTest.
+PER_RUN_TIMEOUT=60
+COMMON=(--layers 4 --requests 12 --max-tokens 512 --timeout-ms 20000 --quiet)
+
+# name | demo arguments
+CASES=(
+    "1->4 gpt-oss-120b|--prefill-tp 1 --decode-tp 4"
+    "4->1 gpt-oss-120b|--prefill-tp 4 --decode-tp 1"
+    "2->4 gpt-oss-120b|--prefill-tp 2 --decode-tp 4"
+    "4->2 gpt-oss-120b|--prefill-tp 4 --decode-tp 2"
+    "8->2 gpt-oss-120b|--prefill-tp 8 --decode-tp 2"
+    "1->4 qwen3-next (2 heads, GDN)|--model qwen3-next --prefill-tp 1 --decode-tp 4"
+    "3->2 6 heads|--kv-heads 6 --prefill-tp 3 --decode-tp 2"
+    "4->2 deepseek-v3 (MLA)|--model deepseek-v3 --prefill-tp 4 --decode-tp 2"
+    "2->4 deepseek-v3 (MLA)|--model deepseek-v3 --prefill-tp 2 --decode-tp 4"
+    "PP2 TP1 -> PP1 TP2|--prefill-tp 1 --prefill-pp 2 --decode-tp 2 --decode-pp 1"
+    "page 16 -> page 64|--prefill-tp 1 --decode-tp 4 --page-size 16 --decode-page-size 64"
+    "NHD -> HND 2->4|--prefill-tp 2 --decode-tp 4 --decode-layout hnd"
+)
+TRANSPORTS=(shm tcp)
+
+# With 4 layers, qwen3-next keeps three Gated DeltaNet (state) layers and one
+# full-attention layer (layer 3), so both kinds take part.
+
+logdir="$(mktemp -d "${TMPDIR:-/tmp}/kvw_e2e.XXXXXX")"
+trap 'rm -rf "$logdir"' EXIT
+
+declare -a rows=()
+failed=0
+total=0
+start_all=$SECONDS
+for c in "${CASES[@]}"; do
+    name="${c%%|*}"
+    args="${c#*|}"
+    if [[ -n "${KVW_E2E_ONLY:-}" && "$name" != *"$KVW_E2E_ONLY"* ]]; then
+        continue
+    fi
+    for t in "${TRANSPORTS[@]}"; do
+        total=$((total + 1))
+        log="$logdir/run$total.log"
+        # shellcheck disable=SC2086
+        cmd=("$CLI" demo "${COMMON[@]}" $args --transport "$t")
+        t0=$(date +%s.%N)
+        timeout -k 5 "$PER_RUN_TIMEOUT" "${cmd[@]}" >"$log" 2>&1
+        rc=$?
+        t1=$(date +%s.%N)
+        secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+        if [[ $rc -eq 0 ]]; then
+            verdict="ok"
+        else
+            failed=$((failed + 1))
+            if [[ $rc -eq 124 || $rc -eq 137 ]]; then
+                verdict="TIMEOUT"
+            else
+                verdict="FAIL($rc)"
+            fi
+            echo "---- FAILED: $name over $t (exit $rc)" >&2
+            echo "     ${cmd[*]}" >&2
+            sed 's/^/     | /' "$log" | tail -n 30 >&2
+        fi
+        rows+=("$(printf '%-34s %-5s %-10s %6ss' "$name" "$t" "$verdict" "$secs")")
+    done
+done
+
+echo
+printf '%-34s %-5s %-10s %7s\n' "case" "tl" "result" "time"
+printf '%s\n' "${rows[@]}"
+echo
+echo "test_e2e: $((total - failed)) of $total runs verified in $((SECONDS - start_all)) s"
+if [[ $total -eq 0 ]]; then
+    echo "test_e2e: no case selected" >&2
+    exit 1
+fi
+[[ $failed -eq 0 ]] || exit 1
+exit 0
