@@ -88,6 +88,7 @@ typedef struct kvw_room_dst {
     uint32_t *store;
     uint32_t next_chunk; /* chunks sent so far */
     bool last_sent;
+    bool acked;          /* the decode rank confirmed every byte landed */
     int64_t grant_off;   /* staging grant from the decode rank, -1 while waiting */
     uint64_t grant_len;
 } kvw_room_dst_t;

@@ -333,9 +333,11 @@ static void kvw_sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
     if (complete && r->num_chunks)
         kvw__room_advance(r, KVW_ROOM_TRANSFERRING);
     if (complete && r->have_last) {
+        /* Success only once every decode rank confirmed its bytes: the engine may reuse
+         * this rank's pages right after, whatever the transport still had in flight. */
         bool all = true;
         for (uint32_t i = 0; i < r->num_dsts; i++)
-            all &= r->dsts[i].last_sent;
+            all &= r->dsts[i].last_sent && r->dsts[i].acked;
         if (all)
             kvw__room_advance(r, KVW_ROOM_SUCCESS);
     }
@@ -1136,6 +1138,8 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     r->bytes += bytes;
     if (final)
         s->done = c.last_chunk;
+    if (s->done && s->got == s->expected)
+        kvw_send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, id, KVW_OK, "");
     kvw_receiver_done(ctx, r);
 out:
     pthread_mutex_unlock(&ctx->mu);
@@ -1259,6 +1263,21 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                 r->dsts[i].grant_len = glen;
             }
         pthread_cond_broadcast(&ctx->cv);
+        return;
+    }
+    case KVW_MSG_ROOM_DONE: {
+        uint64_t id = kvw__rb_u64(&rb);
+        (void)kvw__rb_u32(&rb);
+        char unused[8];
+        kvw__rb_str(&rb, unused, sizeof(unused));
+        if (ctx->side != KVW_SIDE_PREFILL || kvw__rb_done(&rb, "room done") != KVW_OK)
+            break;
+        kvw_room_t *r = kvw__room_find(ctx, id);
+        for (uint32_t i = 0; r && i < r->num_dsts; i++)
+            if (r->dsts[i].peer == peer->id)
+                r->dsts[i].acked = true;
+        if (r)
+            kvw_sender_update(ctx, r);
         return;
     }
     case KVW_MSG_ABORT:
