@@ -4,6 +4,8 @@ SANBUILD ?= build-asan
 TSANBUILD ?= build-tsan
 JOBS     ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# Tests that run threads of the library (contexts, transports).
+TSAN_TESTS ?= test_auth|test_proto_fail|test_transport
 
 .PHONY: all deps build demo check check-fast check-asan check-tsan bench gpu-check gpu-bench clean
 
@@ -21,10 +23,12 @@ build: deps $(BUILD)/CMakeCache.txt
 demo: build
 	$(BUILD)/kvwire demo
 
-# All tests: a release build, then the same tests under ASan + UBSan.
+# All tests: a release build, then the same tests under ASan + UBSan, then the threaded
+# tests under TSan.
 check: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 	$(MAKE) check-asan
+	$(MAKE) check-tsan
 
 check-fast: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
@@ -37,7 +41,8 @@ check-asan: deps
 check-tsan: deps
 	cmake -S . -B $(TSANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=thread -DKVW_WITH_CUDA=OFF $(CMAKE_FLAGS)
 	cmake --build $(TSANBUILD) -j $(JOBS)
-	cd $(TSANBUILD) && UCX_MEM_EVENTS=no KVW_SANITIZED=1 ctest --output-on-failure -j $(JOBS)
+	cd $(TSANBUILD) && UCX_MEM_EVENTS=no KVW_SANITIZED=1 TSAN_OPTIONS=halt_on_error=1 \
+		ctest --output-on-failure -j $(JOBS) -R '$(TSAN_TESTS)'
 
 bench: build
 	$(BUILD)/bench_plan
