@@ -785,9 +785,13 @@ class Context:
         return self._given_addr
 
     def sender(self, room):
+        """Opens the sender of `room` on this (prefill) rank. Keep the handle: dropping
+        it destroys the room, aborting it if it has not finished."""
         return Sender(self, room)
 
     def receiver(self, room, prefill_dp_rank=0):
+        """Opens the receiver of `room` on this (decode) rank, fed by the prefill DP
+        group `prefill_dp_rank`. Keep the handle (see sender())."""
         return Receiver(self, room, prefill_dp_rank)
 
     def close(self):
