@@ -101,6 +101,7 @@ class CtxField(enum.IntFlag):
     TIMEOUTS = 1 << 6
     SECRET = 1 << 7
     PREFILL_SIZE = 1 << 8
+    INSTANCE = 1 << 9
 
 
 class RoomState(enum.IntEnum):
@@ -726,11 +727,14 @@ class Context:
     Decode contexts wait for the prefill ranks at the bootstrap (prefill_tp/pp/dp: the
     instance size; 0 means the size the bootstrap table announces) and register with
     each prefill rank they need; a prefill rank's refusal raises KvwireError with
-    status ERR_REJECTED and the reason. Timeouts in ms; 0 keeps the library default."""
+    status ERR_REJECTED and the reason. instance_id (decode): the same value on every
+    rank of one decode instance, distinct per decode instance sharing a prefill
+    instance (library default 0). Timeouts in ms; 0 keeps the library default."""
 
     def __init__(self, rank, side, bootstrap_addr, *, transport=None, host_bootstrap=False,
                  listen_host=None, heartbeat_ms=0, peer_timeout_ms=0, bootstrap_timeout_ms=0,
-                 wait_timeout_ms=0, secret=None, prefill_tp=0, prefill_pp=0, prefill_dp=0):
+                 wait_timeout_ms=0, secret=None, prefill_tp=0, prefill_pp=0, prefill_dp=0,
+                 instance_id=None):
         lib = N.load()
         self.rank = rank
         self.side = _enum(Side, side, "side")
@@ -763,6 +767,9 @@ class Context:
             mask |= CtxField.PREFILL_SIZE
             p.prefill_tp, p.prefill_pp = int(prefill_tp), int(prefill_pp)
             p.prefill_dp = int(prefill_dp)
+        if instance_id is not None:
+            mask |= CtxField.INSTANCE
+            p.instance_id = int(instance_id)
         p.field_mask = int(mask)
         h = ctypes.c_void_p()
         _check(lib.kvw_ctx_create(ctypes.byref(p), ctypes.byref(h)))
