@@ -48,7 +48,8 @@ enum {
     KVW_CTX_FIELD_LISTEN_HOST = 1u << 5,
     KVW_CTX_FIELD_TIMEOUTS = 1u << 6,
     KVW_CTX_FIELD_SECRET = 1u << 7,
-    KVW_CTX_FIELD_PREFILL_SIZE = 1u << 8
+    KVW_CTX_FIELD_PREFILL_SIZE = 1u << 8,
+    KVW_CTX_FIELD_INSTANCE = 1u << 9
 };
 
 typedef struct kvw_ctx_params {
@@ -69,6 +70,10 @@ typedef struct kvw_ctx_params {
     const char *secret;       /* optional shared secret proven at the handshake */
     /* Decode only: prefill instance size (ranks it waits for at the bootstrap). */
     uint32_t prefill_tp, prefill_pp, prefill_dp;
+    /* Decode only: identifies the decode instance this rank belongs to. Every rank of
+     * one decode instance passes the same value; when several decode instances share a
+     * prefill instance, each needs its own (default 0). */
+    uint64_t instance_id;
 } kvw_ctx_params_t;
 
 /*

@@ -172,6 +172,7 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
 {
     /* rkeys holds num_buffers keys, then the staging area's key (index num_buffers). */
     kvw__wb_u32(w, peer_id);
+    kvw__wb_u64(w, ctx->instance_id);
     kvw__wb_str(w, ctx->tl_ops->name);
     kvw__wb_bytes(w, addr, addr_len);
     kvw__wire_put_rank(w, ctx->rank);
@@ -220,6 +221,7 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     kvw_rb_raw(&r, mac, sizeof(mac));
     kvw_rb_raw(&r, dnonce, sizeof(dnonce));
     uint32_t id_at_remote = kvw__rb_u32(&r);
+    uint64_t instance = kvw__rb_u64(&r);
     char tl_name[32];
     kvw__rb_str(&r, tl_name, sizeof(tl_name));
     size_t addr_len = 0;
@@ -351,13 +353,18 @@ reply:
     peer->rkeys = rkeys;
     peer->num_rkeys = nb;
     peer->id_at_remote = id_at_remote;
+    peer->instance = instance;
     peer->staging_rkey = staging_rkey;
     peer->staging_len = staging_len;
     peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
     peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
     peer->needed = kvw_pair_needed(ctx->rank, remote);
-    snprintf(peer->desc, sizeof(peer->desc), "decode rank dp%u/tp%u/pp%u", peer->dp, peer->tp,
-             peer->pp);
+    if (instance)
+        snprintf(peer->desc, sizeof(peer->desc), "decode instance %llu rank dp%u/tp%u/pp%u",
+                 (unsigned long long)instance, peer->dp, peer->tp, peer->pp);
+    else
+        snprintf(peer->desc, sizeof(peer->desc), "decode rank dp%u/tp%u/pp%u", peer->dp, peer->tp,
+                 peer->pp);
     pthread_mutex_unlock(&ctx->mu);
     *peer_p = peer;
     return KVW_OK;
@@ -547,11 +554,67 @@ static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer)
     }
 }
 
+/* Registrations run on their own short-lived threads: a silent or slow connection to
+ * the control port must not stop heartbeats and reads for everyone else. */
+typedef struct kvw_hs_arg {
+    struct kvw_ctx *ctx;
+    int fd;
+} kvw_hs_arg_t;
+
+static void *kvw_handshake_main(void *arg)
+{
+    kvw_hs_arg_t *a = arg;
+    struct kvw_ctx *ctx = a->ctx;
+    kvw_peer_t *peer;
+    /* A bad or refused registration only closes this connection. */
+    if (kvw__prefill_handshake(ctx, a->fd, &peer) != KVW_OK)
+        close(a->fd);
+    else
+        fcntl(a->fd, F_SETFL, fcntl(a->fd, F_GETFL) | O_NONBLOCK);
+    free(a);
+    pthread_mutex_lock(&ctx->mu);
+    ctx->handshakes--;
+    pthread_cond_broadcast(&ctx->cv);
+    pthread_mutex_unlock(&ctx->mu);
+    kvw__ctx_wake(ctx); /* poll the new peer's socket */
+    return NULL;
+}
+
+static void kvw_start_handshake(struct kvw_ctx *ctx, int fd)
+{
+    kvw_hs_arg_t *a = malloc(sizeof(*a));
+    pthread_attr_t attr;
+    pthread_t t;
+    pthread_mutex_lock(&ctx->mu);
+    bool refuse = ctx->stopping || ctx->handshakes >= 64 || a == NULL;
+    if (!refuse)
+        ctx->handshakes++;
+    pthread_mutex_unlock(&ctx->mu);
+    if (refuse) {
+        free(a);
+        close(fd);
+        return;
+    }
+    a->ctx = ctx;
+    a->fd = fd;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, kvw_handshake_main, a) != 0) {
+        free(a);
+        close(fd);
+        pthread_mutex_lock(&ctx->mu);
+        ctx->handshakes--;
+        pthread_mutex_unlock(&ctx->mu);
+    }
+    pthread_attr_destroy(&attr);
+}
+
 static void *kvw_ctrl_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
     struct pollfd *pfd = NULL;
     uint32_t *pidx = NULL;
+    kvw_peer_t **flush = NULL;
     uint32_t cap = 0;
     uint64_t last_timeout_scan = 0;
     for (;;) {
@@ -565,7 +628,8 @@ static void *kvw_ctrl_main(void *arg)
             cap = need * 2;
             pfd = realloc(pfd, sizeof(*pfd) * cap);
             pidx = realloc(pidx, sizeof(*pidx) * cap);
-            if (pfd == NULL || pidx == NULL) {
+            flush = realloc(flush, sizeof(*flush) * cap);
+            if (pfd == NULL || pidx == NULL || flush == NULL) {
                 pthread_mutex_unlock(&ctx->mu);
                 break; /* cannot happen in practice; rooms then time out */
             }
@@ -593,14 +657,8 @@ static void *kvw_ctrl_main(void *arg)
         }
         if (ctx->listen_fd >= 0 && pfd[1].revents) {
             int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC);
-            if (fd >= 0) {
-                kvw_peer_t *peer;
-                /* A bad or refused registration only closes this connection. */
-                if (kvw__prefill_handshake(ctx, fd, &peer) != KVW_OK)
-                    close(fd);
-                else
-                    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-            }
+            if (fd >= 0)
+                kvw_start_handshake(ctx, fd);
         }
         pthread_mutex_lock(&ctx->mu);
         for (nfds_t i = first_peer; i < n; i++)
@@ -630,13 +688,19 @@ static void *kvw_ctrl_main(void *arg)
             kvw__check_timeouts(ctx, now);
             last_timeout_scan = now;
         }
-        uint32_t np = ctx->num_peers;
+        /* Peers with queued frames, copied under the lock: registration threads may
+         * grow the peer table meanwhile. Peers are never freed before the context. */
+        uint32_t nf = 0;
+        for (uint32_t i = 0; i < ctx->num_peers && nf < cap; i++)
+            if (ctx->peers[i]->out_head && !ctx->peers[i]->dead)
+                flush[nf++] = ctx->peers[i];
         pthread_mutex_unlock(&ctx->mu);
-        for (uint32_t i = 0; i < np; i++)
-            kvw_peer_flush(ctx, ctx->peers[i]);
+        for (uint32_t i = 0; i < nf; i++)
+            kvw_peer_flush(ctx, flush[i]);
     }
     free(pfd);
     free(pidx);
+    free(flush);
     return NULL;
 }
 
@@ -660,6 +724,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     ctx->rank = params->rank;
     if ((fm & KVW_CTX_FIELD_SECRET) && params->secret)
         snprintf(ctx->secret, sizeof(ctx->secret), "%s", params->secret);
+    if (fm & KVW_CTX_FIELD_INSTANCE)
+        ctx->instance_id = params->instance_id;
     ctx->listen_fd = -1;
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
@@ -824,6 +890,11 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         kvw__ctx_wake(ctx);
     if (ctx->ctrl_started)
         pthread_join(ctx->ctrl_thread, NULL);
+    /* Registration threads end within the peer timeout; wait for them. */
+    pthread_mutex_lock(&ctx->mu);
+    while (ctx->handshakes)
+        pthread_cond_wait(&ctx->cv, &ctx->mu);
+    pthread_mutex_unlock(&ctx->mu);
     if (ctx->worker_started)
         pthread_join(ctx->worker_thread, NULL);
     if (ctx->tl) {

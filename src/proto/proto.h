@@ -55,6 +55,7 @@ typedef struct kvw_peer {
     char desc[160];
     kvw_rank_h remote;
     uint32_t dp, tp, pp;
+    uint64_t instance; /* decode instance id (prefill side) */
     bool needed;   /* the topology makes this peer and us exchange bytes */
     uint64_t last_rx_ns, last_tx_ns;
     kvw_outmsg_t *out_head, *out_tail;
@@ -116,6 +117,7 @@ typedef struct kvw_room {
     struct kvw_room *qnext;
     /* prefill */
     int32_t dst_dp; /* -1 until the first REQ */
+    uint64_t dst_instance;
     kvw_room_dst_t *dsts;
     uint32_t num_dsts;
     kvw_qchunk_t *chunks;
@@ -187,6 +189,8 @@ struct kvw_ctx {
     uint32_t num_waits, cap_waits;
     int path_mode; /* 0 auto, 1 always direct, 2 always staged */
     char secret[256]; /* shared secret, "" when none */
+    uint64_t instance_id;
+    uint32_t handshakes; /* registration threads still running (prefill) */
 };
 
 #define KVW_PATH_AUTO 0
@@ -196,6 +200,10 @@ struct kvw_ctx {
 /* Decode: grant or queue staging space (mu held); frees a span and serves waiters. */
 void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len);
 void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off);
+
+/* Pushes a room's inactivity deadline forward (mu held): rooms fail after
+ * wait_timeout_ms without progress, not after wait_timeout_ms in total. */
+void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room);
 
 /* Room table (ctx->mu held). */
 kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id);

@@ -185,6 +185,11 @@ static void kvw_stage_release_room(struct kvw_ctx *ctx, uint64_t room)
     }
 }
 
+void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room)
+{
+    room->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
+}
+
 void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
 {
     /* Monotonic: never back, never out of a terminal state. */
@@ -248,7 +253,8 @@ static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size
     }
     uint32_t group = 0, connected = 0, needed = 0;
     for (uint32_t i = 0; i < ctx->num_peers; i++)
-        if (ctx->peers[i]->dp == (uint32_t)r->dst_dp && !ctx->peers[i]->dead) {
+        if (ctx->peers[i]->dp == (uint32_t)r->dst_dp && !ctx->peers[i]->dead &&
+            ctx->peers[i]->instance == r->dst_instance) {
             group = ctx->peers[i]->remote_group_size;
             connected++;
             needed += ctx->peers[i]->needed;
@@ -314,7 +320,7 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
     for (uint32_t i = 0; i < ctx->num_peers; i++) {
         kvw_peer_t *p = ctx->peers[i];
         /* A decode rank that died and registered again counts once, as its new peer. */
-        if (p->dp != (uint32_t)r->dst_dp || p->dead)
+        if (p->dp != (uint32_t)r->dst_dp || p->dead || p->instance != r->dst_instance)
             continue;
         group = p->remote_group_size;
         connected++;
@@ -400,8 +406,10 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
         /* A decode rank this rank sends nothing to still names the room's DP group,
          * so that a rank with nothing to send can finish. */
         free(d.store);
-        if (r->dst_dp < 0)
+        if (r->dst_dp < 0) {
             r->dst_dp = (int32_t)dp;
+            r->dst_instance = peer->instance;
+        }
         kvw_sender_update(ctx, r);
         return;
     }
@@ -416,14 +424,19 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
                            "%s posted room %llu twice", peer->desc, (unsigned long long)id);
             return;
         }
-    if (r->dst_dp < 0)
+    if (r->dst_dp < 0) {
         r->dst_dp = (int32_t)dp;
-    if ((uint32_t)r->dst_dp != dp) {
+        r->dst_instance = peer->instance;
+    }
+    if ((uint32_t)r->dst_dp != dp || r->dst_instance != peer->instance) {
         kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
-                       "room %llu: %s posted for decode DP group %u, but the room belongs to "
-                       "group %d", (unsigned long long)id, peer->desc, dp, r->dst_dp);
+                       "room %llu: %s (decode instance %llu) posted for DP group %u, but the "
+                       "room belongs to instance %llu group %d", (unsigned long long)id,
+                       peer->desc, (unsigned long long)peer->instance, dp,
+                       (unsigned long long)r->dst_instance, r->dst_dp);
         return;
     }
+    kvw__room_touch(ctx, r);
     if (r->num_tokens && d.num_tokens != r->num_tokens) {
         kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
                        "room %llu: decode expects %llu tokens, prefill sends %llu",
@@ -702,6 +715,7 @@ void *kvw__worker_main(void *arg)
                 r->bytes += bytes;
                 r->runs += runs;
                 r->path = staged ? "staged" : "direct";
+                kvw__room_touch(ctx, r);
                 if (q.c.last_chunk)
                     d->last_sent = true;
                 d->next_chunk++;
@@ -811,6 +825,7 @@ kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
         }
     r->chunks[r->num_chunks++] = q;
     r->have_last |= chunk->last_chunk != 0;
+    kvw__room_touch(ctx, r);
     kvw_sender_update(ctx, r);
     pthread_mutex_unlock(&ctx->mu);
     return KVW_OK;
@@ -931,21 +946,21 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
         goto out;
     }
     /* Grants: the pages the transfer may write, so stray writes are refused. */
-    uint64_t min_window = UINT64_MAX;
+    uint64_t max_window = 0; /* the widest window starts earliest */
     const kvw_model_t *m = kvw_rank_model(me);
     const kvw_parallel_t *par = kvw_rank_parallel(me);
     bool state = false;
     for (uint32_t l = par->layer_begin; l < par->layer_end; l++) {
         if (m->layers[l].kind == KVW_LAYER_SWA)
-            min_window = KVW_MIN(min_window, m->layers[l].window);
+            max_window = KVW_MAX(max_window, m->layers[l].window);
         state |= m->layers[l].kind == KVW_LAYER_STATE;
     }
     uint64_t n = post->num_tokens;
     if ((st = kvw_grant(r, KVW_POOL_FULL, &post->pages.full, me->pool_page_size[KVW_POOL_FULL],
                         post->prefix_len, n)) != KVW_OK)
         goto out;
-    if (min_window != UINT64_MAX) {
-        uint64_t ws = n > min_window ? n - min_window : 0;
+    if (max_window) {
+        uint64_t ws = n > max_window ? n - max_window : 0;
         if ((st = kvw_grant(r, KVW_POOL_SWA, &post->pages.swa, me->pool_page_size[KVW_POOL_SWA],
                             KVW_MAX(ws, post->prefix_len), n)) != KVW_OK)
             goto out;
@@ -1098,6 +1113,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         goto out;
     }
     kvw__room_advance(r, KVW_ROOM_TRANSFERRING);
+    kvw__room_touch(ctx, r);
     if (staged) {
         /* The window must be exactly a span this room was granted. */
         bool ok = false;
@@ -1297,8 +1313,9 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
         if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
             if (r == NULL)
                 r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
+            /* The room's other decode ranks hear of it too (FAILED). */
             if (r)
-                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, false, "aborted by %s: %s", peer->desc,
+                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "aborted by %s: %s", peer->desc,
                                reason);
             kvw_send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "acknowledged");
         } else if (type == KVW_MSG_FAILED && ctx->side == KVW_SIDE_DECODE && r) {
