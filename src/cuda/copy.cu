@@ -29,6 +29,26 @@ template <> struct kvwc_vec<4> { typedef uint32_t type; };
 template <> struct kvwc_vec<2> { typedef uint16_t type; };
 template <> struct kvwc_vec<1> { typedef uint8_t type; };
 
+template <typename V> __device__ __forceinline__ V kvwc_load(const V *p)
+{
+#if KVWC_LOAD_HINT == 1
+    return __ldcs(p);
+#elif KVWC_LOAD_HINT == 2
+    return __ldg(p);
+#else
+    return *p;
+#endif
+}
+
+template <typename V> __device__ __forceinline__ void kvwc_store(V *p, V v)
+{
+#if KVWC_STORE_HINT == 1
+    __stcs(p, v);
+#else
+    *p = v;
+#endif
+}
+
 /*
  * One job: token bases into shared memory, then W-byte units, KVWC_UNROLL loads in
  * flight per thread before the first store. The segment is read where it lies (every
@@ -57,13 +77,13 @@ __device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t *__restrict__ s, 
             if (uk < g.ue) {
                 uint64_t src;
                 kvwc_unit_addrs(MODE, W, &g, tt, uk, stage, &src, &dst[k]);
-                v[k] = *(const vec *)(uintptr_t)src;
+                v[k] = kvwc_load((const vec *)(uintptr_t)src);
             }
         }
 #pragma unroll
         for (int k = 0; k < KVWC_UNROLL; k++) {
             if (u + k * stride < g.ue)
-                *(vec *)(uintptr_t)dst[k] = v[k];
+                kvwc_store((vec *)(uintptr_t)dst[k], v[k]);
         }
     }
 }

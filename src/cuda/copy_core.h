@@ -32,21 +32,29 @@
  * bench/gpu/NOTES.md measured best). A job is one block's unit of work.
  */
 #ifndef KVWC_JOB_BYTES
-#define KVWC_JOB_BYTES 32768u
+#define KVWC_JOB_BYTES 16384u
 #endif
 #ifndef KVWC_MAX_TOK
 #define KVWC_MAX_TOK 256u
 #endif
 #define KVWC_TOK_CAP (KVWC_MAX_TOK + 2u) /* a byte range may straddle two extra tokens */
 #ifndef KVWC_THREADS
-#define KVWC_THREADS 128
+#define KVWC_THREADS 32
 #endif
 #ifndef KVWC_UNROLL
 #define KVWC_UNROLL 4 /* loads in flight per thread */
 #endif
 /* Resident blocks per multiprocessor the compiler must allow (caps registers). */
 #ifndef KVWC_MIN_BLOCKS
-#define KVWC_MIN_BLOCKS 4
+#define KVWC_MIN_BLOCKS 16
+#endif
+/* Cache hints: loads 0 plain, 1 streaming (ld.cs), 2 read-only path (ld.global.nc);
+ * stores 0 plain, 1 streaming (st.cs). */
+#ifndef KVWC_LOAD_HINT
+#define KVWC_LOAD_HINT 0
+#endif
+#ifndef KVWC_STORE_HINT
+#define KVWC_STORE_HINT 0
 #endif
 /* Blocks per multiprocessor of a grid that loops over jobs; 0: one block per job. */
 #ifndef KVWC_BLOCKS_PER_SM
