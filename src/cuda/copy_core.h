@@ -5,13 +5,15 @@
  * GPU still checks every index computation the kernels make.
  *
  * Work decomposition. Each segment's bytes are numbered in token-major order (token,
- * then head, then byte); that numbering is cut into
- * jobs of at most KVWC_JOB_BYTES bytes and at most KVWC_MAX_TOK tokens, and a table
- * gives each job its segment, so the number of segments, pages or runs never changes
- * the launch: one launch per plan, blocks proportional to bytes. Inside a job, the block first computes each token's
+ * then head, then byte); that numbering is cut into jobs of at most KVWC_JOB_BYTES
+ * bytes and at most KVWC_MAX_TOK tokens, and a table gives each job its segment, so the
+ * number of segments, pages or runs never changes the launch: one launch per plan,
+ * blocks proportional to bytes. Inside a job, the block first computes each token's
  * base address on both sides (one page-table lookup per token and side, kept in shared
  * memory), then every thread moves W-byte units, W the widest power of two up to 16
- * that every address of the segment is aligned to.
+ * that every address of the segment is aligned to. Blocks are small (one warp by
+ * default) so that many jobs per multiprocessor overlap their lookups with each
+ * other's copies.
  */
 #ifndef KVW_CUDA_COPY_CORE_H
 #define KVW_CUDA_COPY_CORE_H
