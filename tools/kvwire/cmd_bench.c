@@ -35,6 +35,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -46,11 +47,12 @@
 #define B_MAX_TOPO 2      /* topologies */
 #define B_MAX_RATE 20000  /* rooms in the control-plane run */
 #define B_MAX_NOTES 16
+#define B_MAX_BASE (B_MAX_TL * B_MAX_LEN * B_MAX_TOPO)
 /* Control-plane loops sleep this long after a pass over the rooms in flight that found
  * nothing to do. Shorter sleeps cost more CPU than they save latency on a 2-core VM,
  * where every nanosleep is an expensive exit (perf shows it); the library's threads
  * need that CPU. */
-#define B_RATE_POLL_NS 50000
+#define B_RATE_POLL_NS 200000
 
 #define B_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define B_MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -189,6 +191,27 @@ static void b_free_touched(void *p, size_t len)
 static double b_gbps(uint64_t bytes, uint64_t ns)
 {
     return ns ? (double)bytes / (double)ns : 0.0; /* bytes per ns == GB/s */
+}
+
+/* CPU time (user + system) of this process (every thread) and of the calling thread
+ * alone, and the process's context switches. */
+typedef struct b_cpu {
+    uint64_t ns, self_ns, csw;
+} b_cpu_t;
+
+static b_cpu_t b_cpu_now(void)
+{
+    struct rusage ru;
+    struct timespec ts;
+    b_cpu_t c = {0, 0, 0};
+    if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0)
+        c.self_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+    if (getrusage(RUSAGE_SELF, &ru) == 0) {
+        c.ns = (uint64_t)ru.ru_utime.tv_sec * 1000000000ull + (uint64_t)ru.ru_utime.tv_usec * 1000 +
+               (uint64_t)ru.ru_stime.tv_sec * 1000000000ull + (uint64_t)ru.ru_stime.tv_usec * 1000;
+        c.csw = (uint64_t)ru.ru_nvcsw + (uint64_t)ru.ru_nivcsw;
+    }
+    return c;
 }
 
 static uint64_t b_swa_window(const kvt_model_t *m)
@@ -458,6 +481,7 @@ typedef struct b_result {
     uint32_t rate_rooms, rate_inflight;
     uint64_t rate_ns;
     uint64_t rate_lat_p50, rate_lat_p99;
+    b_cpu_t rate_cpu_decode, rate_cpu_prefill;
     uint32_t num_mem;
     b_mem_result_t mem[2];
     uint64_t phase_ns[4]; /* decode process: setup, memory, sweep, control plane */
@@ -622,10 +646,15 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             char a = 'k';
             if (b_write_full(ack_fd, &a, 1))
                 rc = 1;
+            b_cpu_t c0 = b_cpu_now();
             if (rc == 0 && b_prefill_rate(c, m, &in, &cmd, err, sizeof(err))) {
                 fprintf(stderr, "bench: %s\n", err);
                 rc = 1;
             }
+            /* This process's CPU time and context switches over the run, for the report. */
+            b_cpu_t c1 = b_cpu_now(), d = {c1.ns - c0.ns, c1.self_ns - c0.self_ns, c1.csw - c0.csw};
+            if (b_write_full(ack_fd, &d, sizeof(d)))
+                rc = 1;
         }
     }
     free(snd);
@@ -747,6 +776,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
             rc = -1;
         }
     }
+    b_cpu_t c0 = b_cpu_now();
     uint64_t t0 = b_now(), next = 0, done = 0;
     while (rc == 0 && done < total) {
         bool progress = false;
@@ -796,7 +826,14 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
         if (busy[s])
             for (uint32_t k = 0; k < n; k++)
                 kvw_receiver_destroy(rcv[s * n + k]);
+    b_cpu_t c1 = b_cpu_now(), pc = {0, 0, 0};
+    if (rc == 0 && b_read_full(ack_fd, &pc, sizeof(pc))) {
+        snprintf(err, errcap, "rate: the prefill process did not report");
+        rc = -1;
+    }
     if (rc == 0) {
+        res->rate_cpu_decode = (b_cpu_t){c1.ns - c0.ns, c1.self_ns - c0.self_ns, c1.csw - c0.csw};
+        res->rate_cpu_prefill = pc;
         res->rate_done = 1;
         res->rate_rooms = total;
         res->rate_inflight = w;
@@ -902,8 +939,13 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
                              (unsigned long long)id, kvw_last_error());
                     rc = -1;
                 }
-            if (rc)
+            if (rc) {
+                for (uint32_t k = 0; k < in.n; k++) {
+                    kvw_receiver_destroy(rcv[k]);
+                    rcv[k] = NULL;
+                }
                 break;
+            }
             kvw_recv_post_t post = {.num_tokens = n, .prefix_len = 0, .pages = pg.side};
             uint64_t t0 = b_now();
             for (uint32_t k = 0; k < in.n && rc == 0; k++)
@@ -1278,6 +1320,10 @@ typedef struct b_rate_row {
     char topo[32];
     uint32_t rooms, inflight;
     double seconds, rooms_per_s, p50_us, p99_us;
+    /* per room: CPU of the library's threads (process minus the bench's own thread, which
+     * calls the API and polls) and of the bench's thread; context switches */
+    double cpu_us_decode, cpu_us_prefill, main_us_decode, main_us_prefill;
+    double csw_decode, csw_prefill;
 } b_rate_row_t;
 
 typedef struct b_report {
@@ -1293,13 +1339,14 @@ typedef struct b_report {
     uint32_t num_plan;
     char notes[B_MAX_NOTES][320];
     uint32_t num_notes;
-    /* baselines per transport and length */
+    /* baselines per transport and byte count */
     struct {
         char transport[16];
+        char topo[32]; /* the topology whose byte count it matches first */
         const char *name;
         uint64_t tokens, bytes;
         double gbps;
-    } base[B_MAX_TL * B_MAX_LEN];
+    } base[B_MAX_BASE];
     uint32_t num_base;
 } b_report_t;
 
@@ -1367,19 +1414,28 @@ static int b_write_json(const char *path, const bench_cfg_t *c, const kvt_model_
     }
     fprintf(f, "  ],\n  \"baselines\": [\n");
     for (uint32_t i = 0; i < r->num_base; i++)
-        fprintf(f, "    {\"transport\": \"%s\", \"name\": \"%s\", \"tokens\": %llu, "
-                   "\"bytes\": %llu, \"gbps\": %.4f}%s\n",
-                r->base[i].transport, r->base[i].name, (unsigned long long)r->base[i].tokens,
+        fprintf(f, "    {\"transport\": \"%s\", \"name\": \"%s\", \"bytes_of\": \"%s\", "
+                   "\"tokens\": %llu, \"bytes\": %llu, \"gbps\": %.4f}%s\n",
+                r->base[i].transport, r->base[i].name, r->base[i].topo,
+                (unsigned long long)r->base[i].tokens,
                 (unsigned long long)r->base[i].bytes, r->base[i].gbps,
                 i + 1 < r->num_base ? "," : "");
     fprintf(f, "  ],\n  \"control_plane\": [\n");
     for (uint32_t i = 0; i < r->num_rate; i++)
         fprintf(f, "    {\"transport\": \"%s\", \"topology\": \"%s\", \"rooms\": %u, "
                    "\"in_flight\": %u, \"tokens_per_room\": 1, \"seconds\": %.4f, "
-                   "\"rooms_per_s\": %.1f, \"latency_p50_us\": %.1f, \"latency_p99_us\": %.1f}%s\n",
+                   "\"rooms_per_s\": %.1f, \"latency_p50_us\": %.1f, \"latency_p99_us\": %.1f, "
+                   "\"library_threads_cpu_us_per_room_decode\": %.1f, "
+                   "\"library_threads_cpu_us_per_room_prefill\": %.1f, "
+                   "\"bench_thread_cpu_us_per_room_decode\": %.1f, "
+                   "\"bench_thread_cpu_us_per_room_prefill\": %.1f, "
+                   "\"context_switches_per_room_decode\": %.2f, "
+                   "\"context_switches_per_room_prefill\": %.2f}%s\n",
                 r->rate[i].transport, r->rate[i].topo, r->rate[i].rooms, r->rate[i].inflight,
                 r->rate[i].seconds, r->rate[i].rooms_per_s, r->rate[i].p50_us, r->rate[i].p99_us,
-                i + 1 < r->num_rate ? "," : "");
+                r->rate[i].cpu_us_decode, r->rate[i].cpu_us_prefill, r->rate[i].main_us_decode,
+                r->rate[i].main_us_prefill, r->rate[i].csw_decode,
+                r->rate[i].csw_prefill, i + 1 < r->num_rate ? "," : "");
     fprintf(f, "  ],\n  \"plan_memory\": [\n");
     for (uint32_t i = 0; i < r->num_plan; i++) {
         const b_plan_row_t *p = &r->plan[i];
@@ -1416,67 +1472,73 @@ static bool b_have_gnuplot(void)
     return system("command -v gnuplot >/dev/null 2>&1") == 0;
 }
 
-/* Throughput vs request length: one line per transport/topology, baselines dashed. */
-static int b_chart(const char *png, const b_report_t *r, const char *title)
+/*
+ * Throughput vs request length, log-log: one colour per transport; its topologies as
+ * solid lines with different points, its baseline dashed in the same colour.
+ */
+static int b_chart(const char *png, const b_report_t *r, const char *title,
+                   const bench_cfg_t *c, const bench_topo_t *topos, uint32_t num_topo)
 {
+    static const char *const colour[B_MAX_TL] = {"#6a3d9a", "#1f78b4", "#e66101", "#33a02c"};
+    static const int point[B_MAX_TOPO] = {7, 5};
     fflush(stdout);
     fflush(stderr);
     FILE *g = popen("gnuplot", "w");
     if (!g)
         return -1;
-    fprintf(g, "set terminal pngcairo size 1100,650 font 'sans,10'\n");
+    fprintf(g, "set terminal pngcairo size 1250,650 font 'sans,10'\n");
     fprintf(g, "set output '%s'\n", png);
     fprintf(g, "set title '%s'\nset termoption noenhanced\n", title);
-    fprintf(g, "set logscale x 2\nset xlabel 'request length (tokens)'\n"
-               "set ylabel 'GB/s (payload / time from post to SUCCESS)'\n"
-               "set logscale y 10\nset key outside right top\nset grid\n");
-    /* Series: every (transport, topology), then every (transport, baseline). */
-    char names[32][64];
-    uint32_t ns = 0;
-    for (uint32_t i = 0; i < r->num_rows && ns < 16; i++) {
-        char nm[64];
-        snprintf(nm, sizeof(nm), "%s %s", r->rows[i].transport, r->rows[i].topo);
-        bool seen = false;
-        for (uint32_t k = 0; k < ns; k++)
-            seen |= !strcmp(names[k], nm);
-        if (!seen)
-            snprintf(names[ns++], sizeof(names[0]), "%s", nm);
-    }
-    uint32_t nk = ns;
-    for (uint32_t i = 0; i < r->num_base && ns < 32; i++) {
-        char nm[64];
-        snprintf(nm, sizeof(nm), "%s", r->base[i].name);
-        bool seen = false;
-        for (uint32_t k = nk; k < ns; k++)
-            seen |= !strcmp(names[k], nm);
-        if (!seen)
-            snprintf(names[ns++], sizeof(names[0]), "%s", nm);
-    }
-    for (uint32_t s = 0; s < ns; s++) {
-        fprintf(g, "$d%u << EOD\n", s);
-        if (s < nk) {
-            for (uint32_t i = 0; i < r->num_rows; i++) {
-                char nm[64];
-                snprintf(nm, sizeof(nm), "%s %s", r->rows[i].transport, r->rows[i].topo);
-                if (!strcmp(nm, names[s]) && r->rows[i].reps)
-                    fprintf(g, "%llu %.4f\n", (unsigned long long)r->rows[i].tokens,
-                            r->rows[i].gbps);
+    fprintf(g, "set logscale x 2\nset logscale y 10\nset xlabel 'request length (tokens)'\n"
+               "set ylabel 'GB/s: payload / (decode post -> SUCCESS), median'\n"
+               "set key outside right top vertical\nset grid\n");
+    /* Data blocks: $s<t>_<k> for transport t, topology k; $b<t> for its baseline. */
+    char plot[4096] = "";
+    size_t pl = 0;
+    for (uint32_t t = 0; t < c->num_tl; t++) {
+        for (uint32_t k = 0; k <= num_topo; k++) {
+            bool base = k == num_topo;
+            uint32_t n = 0;
+            const char *bname = NULL;
+            fprintf(g, "$s%u_%u << EOD\n", t, k);
+            if (!base) {
+                for (uint32_t i = 0; i < r->num_rows; i++)
+                    if (!strcmp(r->rows[i].transport, c->transports[t]) &&
+                        !strcmp(r->rows[i].topo, topos[k].name) && r->rows[i].reps) {
+                        fprintf(g, "%llu %.4f\n", (unsigned long long)r->rows[i].tokens,
+                                r->rows[i].gbps);
+                        n++;
+                    }
+            } else {
+                for (uint32_t i = 0; i < r->num_base; i++)
+                    if (!strcmp(r->base[i].transport, c->transports[t]) &&
+                        !strcmp(r->base[i].topo, topos[0].name)) {
+                        fprintf(g, "%llu %.4f\n", (unsigned long long)r->base[i].tokens,
+                                r->base[i].gbps);
+                        bname = r->base[i].name;
+                        n++;
+                    }
             }
-        } else {
-            for (uint32_t i = 0; i < r->num_base; i++)
-                if (!strcmp(r->base[i].name, names[s]))
-                    fprintf(g, "%llu %.4f\n", (unsigned long long)r->base[i].tokens,
-                            r->base[i].gbps);
+            fprintf(g, "EOD\n");
+            if (n == 0 || pl >= sizeof(plot) - 256)
+                continue;
+            if (!base)
+                pl += (size_t)snprintf(plot + pl, sizeof(plot) - pl,
+                                       "%s$s%u_%u using 1:2 with linespoints lw 2 pt %d ps 1.2 "
+                                       "lc rgb '%s' title '%s %s (%s)'",
+                                       pl ? ", " : "", t, k, point[k], colour[t],
+                                       c->transports[t], topos[k].name, topos[k].kind);
+            else
+                pl += (size_t)snprintf(plot + pl, sizeof(plot) - pl,
+                                       "%s$s%u_%u using 1:2 with linespoints lw 1.5 dt 2 pt 6 "
+                                       "lc rgb '%s' title '%s baseline: %s'",
+                                       pl ? ", " : "", t, k, colour[t], c->transports[t], bname);
         }
-        fprintf(g, "EOD\n");
     }
-    fprintf(g, "plot ");
-    for (uint32_t s = 0; s < ns; s++)
-        fprintf(g, "%s$d%u using 1:2 with linespoints lw 2 %s title '%s%s'", s ? ", " : "", s,
-                s < nk ? "pt 7" : "dt 2 pt 6", names[s], s < nk ? "" : " (baseline)");
-    fprintf(g, "\n");
+    if (pl)
+        fprintf(g, "plot %s\n", plot);
     int st = pclose(g);
-    return st == 0 ? 0 : -1;
+    return pl && st == 0 ? 0 : -1;
 }
 
 /*
@@ -1657,6 +1719,8 @@ static int cmd_bench(int argc, char **argv)
             c.budget_ns = 1000000000ull;
     }
     qsort(c.lengths, c.num_lengths, sizeof(c.lengths[0]), b_cmp_u64);
+    /* A process that dies early must show up as an error on the pipes, not kill us. */
+    signal(SIGPIPE, SIG_IGN);
     if (!c.ptp || !c.dtp || !c.reps || c.reps > B_MAX_REPS || !c.page || !c.rate_inflight ||
         c.rate_rooms > B_MAX_RATE) {
         fprintf(stderr, "bench: need TP sizes > 0, 1..%d reps, a page size, 1+ rooms in flight "
@@ -1738,7 +1802,12 @@ static int cmd_bench(int argc, char **argv)
     snprintf(topos[num_topo].name, 32, "TP%u->TP%u", c.ptp, c.ptp);
     num_topo++;
     if (c.dtp != c.ptp) {
-        topos[num_topo] = (bench_topo_t){c.ptp, c.dtp, "", "head slices"};
+        /* What moves per destination rank: a slice of each row's heads, or whole rows
+         * copied to several ranks (MLA's one latent head; more ranks than KV heads). */
+        const char *kind = m.m.num_kv_heads <= 1 ? "replicated rows"
+                           : c.dtp > m.m.num_kv_heads ? "head replicas"
+                                                       : "head slices";
+        topos[num_topo] = (bench_topo_t){c.ptp, c.dtp, "", kind};
         snprintf(topos[num_topo].name, 32, "TP%u->TP%u", c.ptp, c.dtp);
         num_topo++;
     }
@@ -1787,11 +1856,12 @@ static int cmd_bench(int argc, char **argv)
 
     for (uint32_t ti = 0; ti < c.num_tl && rc == 0; ti++) {
         const char *tl = c.transports[ti];
-        uint64_t base_bytes[B_MAX_LEN] = {0};
-        double base_gbps[B_MAX_LEN];
+        /* Baselines by byte count: TP1->TP4 moves the same bytes as TP1->TP1 for GQA, but
+         * more for replicated heads (MLA, fewer KV heads than decode ranks). */
+        uint64_t base_bytes[B_MAX_LEN * B_MAX_TOPO] = {0};
+        double base_gbps[B_MAX_LEN * B_MAX_TOPO];
+        uint32_t num_bb = 0;
         const char *base_name = NULL;
-        for (uint32_t i = 0; i < B_MAX_LEN; i++)
-            base_gbps[i] = -1;
         for (uint32_t t = 0; t < num_topo && rc == 0; t++) {
             b_job_t job = {.c = &c, .m = &m, .transport = tl, .topo = topos[t],
                            .do_rate = t == 0, .do_mem = t == 0 && ti == 0};
@@ -1820,26 +1890,32 @@ static int cmd_bench(int argc, char **argv)
                    (b_now() - t_pair) / 1e9, res->phase_ns[0] / 1e9, res->phase_ns[1] / 1e9,
                    res->phase_ns[2] / 1e9, res->phase_ns[3] / 1e9);
             fflush(stdout);
-            /* Baselines for the byte counts measured here and not yet baselined (every
-             * topology moves the same bytes per length). */
+            /* Baselines for the byte counts measured here and not yet baselined. */
             uint32_t todo[B_MAX_LEN], ntodo = 0;
-            for (uint32_t i = 0; i < res->num_lengths; i++)
-                if (res->len[i].bytes && !base_bytes[i])
+            for (uint32_t i = 0; i < res->num_lengths; i++) {
+                bool known = !res->len[i].bytes;
+                for (uint32_t k = 0; k < num_bb; k++)
+                    known |= base_bytes[k] == res->len[i].bytes;
+                if (!known)
                     todo[ntodo++] = i;
+            }
             if (rc == 0 && ntodo) {
                 uint64_t t_base = b_now(), tb[B_MAX_LEN];
                 double g[B_MAX_LEN];
                 for (uint32_t k = 0; k < ntodo; k++) {
-                    tb[k] = base_bytes[todo[k]] = res->len[todo[k]].bytes;
+                    tb[k] = res->len[todo[k]].bytes;
                     g[k] = -1;
                 }
-                base_name = b_baseline(tl, tb, ntodo, c.reps, c.quick, &ucx_port, g, rep);
+                const char *bn = b_baseline(tl, tb, ntodo, c.reps, c.quick, &ucx_port, g, rep);
+                base_name = bn ? bn : base_name;
                 printf(", baseline %.1f s", (b_now() - t_base) / 1e9);
-                for (uint32_t k = 0; k < ntodo && base_name; k++) {
-                    base_gbps[todo[k]] = g[k];
-                    if (g[k] > 0 && rep->num_base < B_MAX_TL * B_MAX_LEN) {
-                        rep->base[rep->num_base].name = base_name;
+                for (uint32_t k = 0; k < ntodo; k++) {
+                    base_bytes[num_bb] = tb[k];
+                    base_gbps[num_bb++] = bn ? g[k] : -1;
+                    if (bn && g[k] > 0 && rep->num_base < B_MAX_BASE) {
+                        rep->base[rep->num_base].name = bn;
                         snprintf(rep->base[rep->num_base].transport, 16, "%s", tl);
+                        snprintf(rep->base[rep->num_base].topo, 32, "%s", topos[t].name);
                         rep->base[rep->num_base].tokens = res->len[todo[k]].tokens;
                         rep->base[rep->num_base].bytes = tb[k];
                         rep->base[rep->num_base].gbps = g[k];
@@ -1874,7 +1950,7 @@ static int cmd_bench(int argc, char **argv)
                 w->baseline = base_name;
                 w->base_gbps = -1;
                 /* Same byte count as the baseline was measured with. */
-                for (uint32_t k = 0; k < B_MAX_LEN; k++)
+                for (uint32_t k = 0; k < num_bb; k++)
                     if (base_bytes[k] == lr->bytes && base_gbps[k] > 0)
                         w->base_gbps = base_gbps[k];
             }
@@ -1888,6 +1964,15 @@ static int cmd_bench(int argc, char **argv)
                 rr->rooms_per_s = res->rate_ns ? res->rate_rooms / (res->rate_ns / 1e9) : 0;
                 rr->p50_us = res->rate_lat_p50 / 1e3;
                 rr->p99_us = res->rate_lat_p99 / 1e3;
+                const b_cpu_t *cd = &res->rate_cpu_decode, *cp = &res->rate_cpu_prefill;
+                rr->main_us_decode = cd->self_ns / 1e3 / res->rate_rooms;
+                rr->main_us_prefill = cp->self_ns / 1e3 / res->rate_rooms;
+                rr->cpu_us_decode =
+                    (cd->ns > cd->self_ns ? cd->ns - cd->self_ns : 0) / 1e3 / res->rate_rooms;
+                rr->cpu_us_prefill =
+                    (cp->ns > cp->self_ns ? cp->ns - cp->self_ns : 0) / 1e3 / res->rate_rooms;
+                rr->csw_decode = (double)res->rate_cpu_decode.csw / res->rate_rooms;
+                rr->csw_prefill = (double)res->rate_cpu_prefill.csw / res->rate_rooms;
             }
             if (res->num_mem) {
                 rep->num_mem = res->num_mem;
@@ -1930,14 +2015,19 @@ static int cmd_bench(int argc, char **argv)
                    w->baseline ? w->baseline : "(none)", "-", "-");
     }
     if (rep->num_rate) {
-        printf("\ncontrol plane (1-token rooms, end to end, decode side)\n");
-        printf("%-5s %-10s %7s %9s %9s %10s %10s %10s\n", "tl", "topology", "rooms", "in flight",
-               "seconds", "rooms/s", "p50 us", "p99 us");
+        printf("\ncontrol plane (1-token rooms, end to end, timed on the decode side)\n"
+               "CPU per room, user + system: lib = the library's threads, api = the bench's "
+               "thread (API calls and polling); D decode, P prefill\n");
+        printf("%-5s %-10s %6s %6s %7s %8s %8s %8s %8s %8s %8s %8s\n", "tl", "topology",
+               "rooms", "flight", "seconds", "rooms/s", "p50 us", "p99 us", "lib D us",
+               "api D us", "lib P us", "api P us");
         for (uint32_t i = 0; i < rep->num_rate; i++) {
             const b_rate_row_t *rr = &rep->rate[i];
-            printf("%-5s %-10s %7u %9u %9.3f %10.0f %10.1f %10.1f%s\n", rr->transport, rr->topo,
-                   rr->rooms, rr->inflight, rr->seconds, rr->rooms_per_s, rr->p50_us, rr->p99_us,
-                   rr->rooms_per_s >= 20000 ? "" : "   (target 20000/s)");
+            printf("%-5s %-10s %6u %6u %7.3f %8.0f %8.0f %8.0f %8.1f %8.1f %8.1f %8.1f%s\n",
+                   rr->transport, rr->topo, rr->rooms, rr->inflight, rr->seconds,
+                   rr->rooms_per_s, rr->p50_us, rr->p99_us, rr->cpu_us_decode,
+                   rr->main_us_decode, rr->cpu_us_prefill, rr->main_us_prefill,
+                   rr->rooms_per_s >= 20000 ? "" : "  (target 20000/s)");
         }
     }
     if (rep->num_plan) {
@@ -1973,7 +2063,7 @@ static int cmd_bench(int argc, char **argv)
     if (rep->num_rows) {
         if (!b_have_gnuplot())
             b_note(rep, "gnuplot is not installed (Debian: gnuplot-nox): no chart");
-        else if (b_chart(c.png, rep, title))
+        else if (b_chart(c.png, rep, title, &c, topos, num_topo))
             b_note(rep, "gnuplot failed: no chart written to %s", c.png);
     }
     for (uint32_t i = 0; i < rep->num_notes; i++)
