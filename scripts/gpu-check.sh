@@ -41,4 +41,43 @@ rc=$?
 set -e
 # 77: no GPU; kvw_gpu_check has printed "skipped: no GPU (reason)".
 [ "$rc" -eq 77 ] && exit 0
-exit "$rc"
+[ "$rc" -ne 0 ] && exit "$rc"
+
+# The whole protocol on GPUs: prefill and decode processes (GPU 0 and GPU 1), KV caches
+# in GPU memory, moved by the cuda_ipc transport (fused kernel into IPC-mapped decode
+# buffers); every destination byte and guard byte verified on the host.
+if ! cmake --build "$BUILD" -j "$JOBS" --target kvwire_cli >>"$BUILD/gpu-build.log" 2>&1; then
+    tail -n 40 "$BUILD/gpu-build.log"
+    echo "gpu-check: FAILED to build the kvwire CLI"
+    exit 1
+fi
+demo_fail=0
+table=""
+run_demo() {
+    local name=$1
+    shift
+    local out
+    if out=$(timeout 300 "$BUILD/kvwire" demo --gpu --layers 6 --requests 16 --max-tokens 1024 "$@" 2>&1); then
+        table+=$(printf '%-34s %s' "$name" "PASS: $(grep -o '[0-9.]* GB/s\|yes: every byte and guard' <<<"$out" | tr '\n' ' ')")$'\n'
+    else
+        table+=$(printf '%-34s %s' "$name" "FAIL")$'\n'
+        echo "$out" | tail -n 20
+        demo_fail=1
+    fi
+}
+run_demo "protocol TP1->TP4 (8 heads)" --prefill-tp 1 --decode-tp 4
+run_demo "protocol TP4->TP1" --prefill-tp 4 --decode-tp 1
+run_demo "protocol TP2->TP4 HND" --prefill-tp 2 --decode-tp 4 --decode-layout hnd
+run_demo "protocol TP3->TP2 (6 heads)" --prefill-tp 3 --decode-tp 2 --kv-heads 6
+run_demo "protocol MLA TP4->TP2" --model deepseek-v3 --prefill-tp 4 --decode-tp 2
+run_demo "protocol GDN hybrid TP1->TP4" --model qwen3-next --layers 8
+run_demo "protocol pages 16->64, PP2->PP1" --prefill-pp 2 --page-size 16 --decode-page-size 64
+echo
+echo "gpu-check: the protocol over cuda_ipc (separate processes, GPU 0 -> GPU 1)"
+printf '%s' "$table"
+if command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null; then
+    echo "gpu-check: PyTorch test (CUDA tensors, TP1->TP2 over cuda_ipc)"
+    KVWIRE_LIB="$PWD/$BUILD/libkvwire.so" PYTHONPATH=python \
+        python3 -m unittest -v python/tests/test_torch_gpu.py || demo_fail=1
+fi
+exit "$demo_fail"

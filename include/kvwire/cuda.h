@@ -82,6 +82,9 @@ KVW_API kvw_status_t kvw_cuda_ipc_export(void *base, kvw_cuda_ipc_handle_t *hand
  * as needed). The pointer is valid until kvw_cuda_ipc_close. */
 KVW_API kvw_status_t kvw_cuda_ipc_open(const kvw_cuda_ipc_handle_t *handle, void **ptr_p);
 KVW_API kvw_status_t kvw_cuda_ipc_close(void *ptr);
+/* The start of the device allocation that holds `ptr` (export that, and send the
+ * offset alongside). */
+KVW_API kvw_status_t kvw_cuda_mem_base(void *ptr, void **base_p);
 
 /* ---------------------------------------------------------------- plans on the GPU */
 

@@ -5,7 +5,9 @@
  */
 #include "cuda/internal.h"
 
+#include <dlfcn.h>
 #include <stdarg.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -169,6 +171,36 @@ static kvw_status_t kvwc_ipc_export(void *base, void *handle64)
     return KVW_OK;
 }
 
+/* The driver API's cuMemGetAddressRange, looked up in the driver the runtime already
+ * loaded: an IPC handle exports a whole allocation, and buffers (e.g. tensors from a
+ * caching allocator) often start inside one. */
+typedef int (*kvwc_getrange_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
+
+static kvw_status_t kvwc_mem_base(void *ptr, void **base_p)
+{
+    static kvwc_getrange_fn fn;
+    if (fn == NULL) {
+        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+        if (lib == NULL)
+            lib = dlopen("libcuda.so.1", RTLD_NOW);
+        if (lib != NULL)
+            fn = (kvwc_getrange_fn)dlsym(lib, "cuMemGetAddressRange_v2");
+        if (fn == NULL)
+            return kvwc_error(KVW_ERR_UNSUPPORTED, "cannot find cuMemGetAddressRange_v2 in "
+                             "libcuda.so.1");
+    }
+    /* The driver needs a current context: make the runtime create the primary one. */
+    cudaFree(0);
+    unsigned long long base = 0;
+    size_t size = 0;
+    int rc = fn(&base, &size, (unsigned long long)(uintptr_t)ptr);
+    if (rc != 0)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "cuMemGetAddressRange(%p) failed with driver "
+                         "error %d: not device memory?", ptr, rc);
+    *base_p = (void *)(uintptr_t)base;
+    return KVW_OK;
+}
+
 static kvw_status_t kvwc_ipc_open(const void *handle64, void **ptr_p)
 {
     cudaIpcMemHandle_t h;
@@ -207,6 +239,7 @@ static const kvwc_ops_t kvwc_ops = {
     .ipc_export = kvwc_ipc_export,
     .ipc_open = kvwc_ipc_open,
     .ipc_close = kvwc_ipc_close,
+    .mem_base = kvwc_mem_base,
     .plan_upload = kvwc_plan_upload,
     .plan_free = kvwc_plan_free,
     .plan_exec = kvwc_plan_exec,

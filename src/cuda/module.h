@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 1
+#define KVWC_ABI_VERSION 2
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -95,6 +95,8 @@ typedef struct kvwc_ops {
     kvw_status_t (*ipc_export)(void *base, void *handle64);
     kvw_status_t (*ipc_open)(const void *handle64, void **ptr_p);
     kvw_status_t (*ipc_close)(void *ptr);
+    /* Start of the allocation holding ptr (what an IPC handle exports). */
+    kvw_status_t (*mem_base)(void *ptr, void **base_p);
 
     kvw_status_t (*plan_upload)(const kvwc_plan_in_t *in, kvwc_plan_h *plan_p);
     void (*plan_free)(kvwc_plan_h plan);

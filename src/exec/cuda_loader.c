@@ -204,6 +204,13 @@ kvw_status_t kvw_cuda_ipc_open(const kvw_cuda_ipc_handle_t *handle, void **ptr_p
     KVW_CUDA_FORWARD(ipc_open(handle->bytes, ptr_p));
 }
 
+kvw_status_t kvw_cuda_mem_base(void *ptr, void **base_p)
+{
+    if (ptr == NULL || base_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_mem_base: NULL argument");
+    KVW_CUDA_FORWARD(mem_base(ptr, base_p));
+}
+
 kvw_status_t kvw_cuda_ipc_close(void *ptr)
 {
     KVW_CUDA_FORWARD(ipc_close(ptr));

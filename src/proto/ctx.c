@@ -10,6 +10,8 @@
 
 #include "core/sha256.h"
 
+#include <kvwire/cuda.h>
+
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -118,8 +120,45 @@ static void kvw_peer_free(struct kvw_ctx *ctx, kvw_peer_t *p)
     if (p->ep)
         ctx->tl_ops->ep_close(p->ep);
     kvw_rank_destroy(p->remote);
+    kvw_rank_destroy(p->mapped);
     free(p->payload);
     free(p);
+}
+
+int kvw__rank_cuda_device(kvw_rank_h rank)
+{
+    for (uint32_t i = 0; i < kvw_rank_num_buffers(rank); i++)
+        if (kvw_rank_buffer(rank, i)->mem_kind == KVW_MEM_CUDA)
+            return kvw_rank_buffer(rank, i)->device;
+    return -1;
+}
+
+/* The remote rank's description with its buffers at the addresses this process maps
+ * them to, or NULL when the transport maps none. */
+static kvw_rank_h kvw_mapped_rank(struct kvw_ctx *ctx, kvw_rank_h remote, kvw_tl_rkey_h *rkeys)
+{
+    uint32_t nb = kvw_rank_num_buffers(remote);
+    if (ctx->tl_ops->rkey_ptr == NULL || nb == 0)
+        return NULL;
+    kvw_buffer_desc_t *bufs = malloc(sizeof(*bufs) * nb);
+    kvw_rank_h mapped = NULL;
+    if (bufs == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < nb; i++) {
+        bufs[i] = *kvw_rank_buffer(remote, i);
+        bufs[i].addr = ctx->tl_ops->rkey_ptr(rkeys[i]);
+        if (bufs[i].addr == NULL)
+            goto out;
+    }
+    kvw_rank_params_t rp = {.field_mask = KVW_RANK_FIELD_MODEL | KVW_RANK_FIELD_PARALLEL |
+                                          KVW_RANK_FIELD_BUFFERS,
+                            .model = kvw_rank_model(remote), .parallel = *kvw_rank_parallel(remote),
+                            .buffers = bufs, .num_buffers = nb};
+    if (kvw_rank_create(&rp, &mapped) != KVW_OK)
+        mapped = NULL;
+out:
+    free(bufs);
+    return mapped;
 }
 
 /* Whether src and dst exchange any bytes (the topology alone decides). */
@@ -193,6 +232,7 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     kvw_tl_ep_h ep = NULL;
     kvw_tl_rkey_h *rkeys = NULL;
     uint32_t nb = 0;
+    kvw_rank_h mapped = NULL;
     char reason[400] = "";
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
     uint8_t nonce[KVW_NONCE];
@@ -258,14 +298,35 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
         snprintf(reason, sizeof(reason), "%s", kvw_last_error());
         goto reply;
     }
-    for (uint32_t i = 0; i < nb; i++)
-        if (kvw_rank_buffer(remote, i)->mem_kind != KVW_MEM_HOST &&
-            strcmp(ctx->tl_ops->name, "cuda_ipc") != 0) {
+    /* Memory kinds: cuda_ipc moves GPU memory to GPU memory; the other transports read
+     * and write host memory. Anything else is refused here, not at the first request. */
+    bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
+    int local_dev = kvw__rank_cuda_device(ctx->rank);
+    for (uint32_t i = 0; i < nb; i++) {
+        kvw_mem_kind_t k = kvw_rank_buffer(remote, i)->mem_kind;
+        if ((k == KVW_MEM_CUDA) != gpu_tl) {
             st = KVW_ERR_UNSUPPORTED;
-            snprintf(reason, sizeof(reason), "decode buffer %u is GPU memory, which transport "
-                     "'%s' cannot write", i, ctx->tl_ops->name);
+            snprintf(reason, sizeof(reason), "decode buffer %u is %s memory, which transport "
+                     "'%s' cannot write%s", i, k == KVW_MEM_CUDA ? "GPU" : "host",
+                     ctx->tl_ops->name, gpu_tl ? " (cuda_ipc needs GPU buffers on both sides)"
+                                               : " (use cuda_ipc between GPUs of one host)");
             goto reply;
         }
+    }
+    for (uint32_t i = 0; i < kvw_rank_num_buffers(ctx->rank); i++) {
+        kvw_mem_kind_t k = kvw_rank_buffer(ctx->rank, i)->mem_kind;
+        if ((k == KVW_MEM_CUDA) != gpu_tl) {
+            st = KVW_ERR_UNSUPPORTED;
+            snprintf(reason, sizeof(reason), "prefill buffer %u is %s memory, which transport "
+                     "'%s' cannot read", i, k == KVW_MEM_CUDA ? "GPU" : "host", ctx->tl_ops->name);
+            goto reply;
+        }
+    }
+    /* GPU handles open in the current device's context: the one holding our buffers. */
+    if (local_dev >= 0 && (st = kvw_cuda_set_device(local_dev)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "cannot select GPU %d: %s", local_dev, kvw_last_error());
+        goto reply;
+    }
     if ((st = ctx->tl_ops->connect(ctx->tl, addr, addr_len, &ep)) != KVW_OK) {
         snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
         goto reply;
@@ -294,6 +355,11 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             snprintf(reason, sizeof(reason), "bad staging key in the registration");
             goto reply;
         }
+    }
+    if (st == KVW_OK && gpu_tl && (mapped = kvw_mapped_rank(ctx, remote, rkeys)) == NULL) {
+        st = KVW_ERR_UNSUPPORTED;
+        snprintf(reason, sizeof(reason), "cannot map the decode rank's GPU buffers here");
+        goto reply;
     }
     if (kvw__rb_done(&r, "registration") != KVW_OK) {
         if (staging_rkey)
@@ -331,6 +397,7 @@ reply:
         free(rkeys);
         if (ep)
             ctx->tl_ops->ep_close(ep);
+        kvw_rank_destroy(mapped);
         kvw_rank_destroy(remote);
         return reason[0] ? kvw__error(st, "%s", reason) : st;
     }
@@ -344,6 +411,7 @@ reply:
             ctx->tl_ops->rkey_release(rkeys[i]);
         free(rkeys);
         ctx->tl_ops->ep_close(ep);
+        kvw_rank_destroy(mapped);
         kvw_rank_destroy(remote);
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
     }
@@ -353,6 +421,7 @@ reply:
     peer->rkeys = rkeys;
     peer->num_rkeys = nb;
     peer->id_at_remote = id_at_remote;
+    peer->mapped = mapped;
     peer->instance = instance;
     peer->staging_rkey = staging_rkey;
     peer->staging_len = staging_len;

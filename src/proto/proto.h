@@ -70,6 +70,7 @@ typedef struct kvw_peer {
     uint32_t num_rkeys;
     uint32_t id_at_remote; /* id the decode side gave us; carried in DONE */
     uint32_t remote_group_size; /* decode tp x pp */
+    kvw_rank_h mapped; /* prefill: the decode rank's buffers as mapped here (rkey_ptr) */
     kvw_tl_rkey_h staging_rkey; /* the decode rank's staging area, or NULL */
     uint64_t staging_len;
 } kvw_peer_t;
@@ -200,6 +201,9 @@ struct kvw_ctx {
 /* Decode: grant or queue staging space (mu held); frees a span and serves waiters. */
 void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len);
 void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off);
+
+/* CUDA device of a rank's buffers, or -1 when they are host memory. */
+int kvw__rank_cuda_device(kvw_rank_h rank);
 
 /* Pushes a room's inactivity deadline forward (mu held): rooms fail after
  * wait_timeout_ms without progress, not after wait_timeout_ms in total. */

@@ -5,6 +5,8 @@
 #include "plan/walk.h"
 #include "proto/proto.h"
 
+#include <kvwire/cuda.h>
+
 #include <stdio.h>
 #include <string.h>
 
@@ -638,7 +640,34 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         return kvw__error(KVW_ERR_INVALID_PARAM, "decode prefix %llu exceeds %llu tokens",
                           (unsigned long long)c.prefix_len, (unsigned long long)c.num_tokens);
     kvw_plan_h plan;
-    kvw_status_t st = kvw_plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
+    kvw_status_t st;
+    if (peer->mapped) {
+        /* The decode buffers are mapped here (CUDA IPC): one fused kernel writes them
+         * directly, and the notification goes out only after it completed. */
+        if ((st = kvw_plan_create(ctx->rank, peer->mapped, &c, &q->pages, &d->pages, &plan)) !=
+            KVW_OK)
+            return st;
+        *bytes_p = plan->bytes;
+        int dev = kvw__rank_cuda_device(ctx->rank);
+        if (dev >= 0) {
+            if ((st = kvw_cuda_set_device(dev)) == KVW_OK &&
+                (st = kvw_plan_exec_cuda(plan, NULL)) == KVW_OK)
+                st = kvw_cuda_stream_sync(NULL);
+        } else {
+            st = kvw_plan_exec_cpu(plan);
+        }
+        if (st == KVW_OK) {
+            kvw_wbuf_t w;
+            kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true);
+            if ((st = kvw__wb_finish(&w)) == KVW_OK)
+                st = ctx->tl_ops->notify(peer->ep, w.p, w.len);
+            kvw__wb_free(&w);
+        }
+        *runs_p = plan->num_segs;
+        kvw_plan_destroy(plan);
+        return st;
+    }
+    st = kvw_plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
     if (st != KVW_OK)
         return st;
     *bytes_p = plan->bytes;

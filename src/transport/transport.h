@@ -147,6 +147,12 @@ typedef struct kvw_tl_ops {
 
     /* Added after the first draft: KVW_TL_CAP_* bits (0 when a table leaves it out). */
     uint64_t caps;
+
+    /* Optional (NULL when absent): a pointer through which this process can write the
+     * remote region directly (an opened CUDA IPC handle), or NULL for this key. The
+     * protocol then runs its plan executor straight into the peer's memory instead of
+     * posting runs, and must complete those writes before it notifies. */
+    void *(*rkey_ptr)(kvw_tl_rkey_h rkey);
 } kvw_tl_ops_t;
 
 /* Transports compiled into this library, looked up by name ("tcp", "shm", "ucx"). */

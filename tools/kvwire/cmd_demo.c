@@ -11,6 +11,7 @@
 #include "cmd.h"
 #include "testkit.h"
 
+#include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
 
 #include <getopt.h>
@@ -43,6 +44,7 @@ typedef struct demo_cfg {
     char role[16];       /* both (default), prefill or decode */
     char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
     char listen_host[64];
+    int gpu; /* KV caches in GPU memory: prefill on GPU 0, decode on GPU 1 (or 0) */
 } demo_cfg_t;
 
 typedef struct demo_req {
@@ -61,6 +63,7 @@ typedef struct demo_pages {
 typedef struct demo_inst {
     uint32_t tp, pp, n;
     kvt_rank_t *ranks;
+    uint8_t ***dev; /* per rank, per buffer: guarded device copy (GPU mode) */
     uint32_t full_pages, swa_pages, slots;
 } demo_inst_t;
 
@@ -190,11 +193,75 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
     return 0;
 }
 
+/*
+ * GPU mode: every buffer (with its guard bytes) gets a device copy, and the ranks are
+ * described again with the device addresses. The host copies stay for the reference and
+ * for checking: demo_gpu_pull brings the device bytes (guards included) back.
+ */
+static int demo_gpu_attach(demo_inst_t *inst, int device)
+{
+    if (kvw_cuda_set_device(device) != KVW_OK)
+        goto err;
+    inst->dev = calloc(inst->n, sizeof(*inst->dev));
+    for (uint32_t k = 0; k < inst->n; k++) {
+        kvt_rank_t *r = &inst->ranks[k];
+        inst->dev[k] = calloc(r->num_bufs, sizeof(uint8_t *));
+        for (uint32_t i = 0; i < r->num_bufs; i++) {
+            uint64_t total = r->alloc_len[i] + 2ull * r->guard;
+            void *d;
+            if (kvw_cuda_malloc(total, &d) != KVW_OK ||
+                kvw_cuda_memcpy(d, r->mem[i], total, NULL) != KVW_OK)
+                goto err;
+            inst->dev[k][i] = d;
+            r->bufs[i].addr = (uint8_t *)d + r->guard;
+            r->bufs[i].mem_kind = KVW_MEM_CUDA;
+            r->bufs[i].device = device;
+        }
+        kvw_rank_destroy(r->h);
+        r->h = NULL;
+        if (kvt_rank_open(r) != KVW_OK)
+            goto err;
+    }
+    return 0;
+err:
+    fprintf(stderr, "demo: GPU %d: %s\n", device, kvw_last_error());
+    return -1;
+}
+
+static int demo_gpu_pull(demo_inst_t *inst)
+{
+    for (uint32_t k = 0; inst->dev && k < inst->n; k++) {
+        kvt_rank_t *r = &inst->ranks[k];
+        for (uint32_t i = 0; i < r->num_bufs; i++)
+            if (kvw_cuda_memcpy(r->mem[i], inst->dev[k][i], r->alloc_len[i] + 2ull * r->guard,
+                                NULL) != KVW_OK) {
+                fprintf(stderr, "demo: copying GPU buffers back: %s\n", kvw_last_error());
+                return -1;
+            }
+    }
+    return 0;
+}
+
 static void demo_free_inst(demo_inst_t *inst)
 {
+    for (uint32_t k = 0; inst->dev && k < inst->n; k++) {
+        for (uint32_t i = 0; i < inst->ranks[k].num_bufs; i++)
+            if (inst->dev[k][i])
+                kvw_cuda_free(inst->dev[k][i]);
+        free(inst->dev[k]);
+    }
+    free(inst->dev);
     for (uint32_t i = 0; i < inst->n; i++)
         kvt_rank_free(&inst->ranks[i]);
     free(inst->ranks);
+}
+
+static int demo_gpu_device(bool prefill)
+{
+    int n = 0;
+    if (kvw_cuda_device_count(&n) != KVW_OK || n < 1)
+        return -1;
+    return prefill || n < 2 ? 0 : 1;
 }
 
 static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool prefill,
@@ -248,6 +315,8 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
 {
     demo_inst_t inst = {0};
     if (demo_build(c, m, true, &inst, c->seed * 7 + 1))
+        return 1;
+    if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(true)))
         return 1;
     char bs[160];
     kvw_ctx_h *ctx = demo_contexts(c, &inst, true, c->bootstrap[0] ? c->bootstrap : "127.0.0.1:0",
@@ -342,6 +411,8 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
     demo_inst_t inst = {0}, src = {0};
     if (demo_build(c, m, false, &inst, c->seed * 13 + 5))
         return 1;
+    if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(false)))
+        return 1;
     /* The prefill ranks' bytes, rebuilt here for the reference. */
     if (demo_build(c, m, true, &src, c->seed * 7 + 1))
         return 1;
@@ -395,6 +466,8 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
             }
         }
         res->ns += kvt_now_ns() - t0;
+        if (rc == 0 && c->gpu && demo_gpu_pull(&inst))
+            rc = 1;
         /* Verify: the reference applied to the snapshot must equal the buffers. */
         for (uint32_t k = 0; k < inst.n && rc == 0; k++) {
             kvt_ref_side_t *ss = calloc(src.n, sizeof(*ss));
@@ -477,6 +550,8 @@ static void demo_usage(FILE *f)
             "  --decode-layout L     nhd (default) or hnd\n"
             "  --seed N              seed of requests, pages and bytes (default 1)\n"
             "  --timeout-ms N        per-room timeout (default 30000)\n"
+            "  --gpu                 KV caches in GPU memory (prefill GPU 0, decode GPU 1),\n"
+            "                        moved by the fused kernel over cuda_ipc\n"
             "  --role R              both (default), or prefill / decode alone (other hosts)\n"
             "  --bootstrap H:P       prefill: bootstrap to host; decode: bootstrap to use\n"
             "  --listen-host H       address the control and data listeners bind\n"
@@ -496,7 +571,7 @@ static int cmd_demo(int argc, char **argv)
         {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
         {"decode-layout", 1, 0, 'l'}, {"kv-heads", 1, 0, 'H'},
-        {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
+        {"gpu", 0, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int o;
     optind = 1;
@@ -520,6 +595,7 @@ static int cmd_demo(int argc, char **argv)
         case 'l': c.dlayout = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD; break;
         case 'q': c.quiet = 1; break;
         case 'H': c.kv_heads = (uint32_t)v; break;
+        case 'G': c.gpu = 1; break;
         case 'R': snprintf(c.role, sizeof(c.role), "%s", optarg); break;
         case 'B': snprintf(c.bootstrap, sizeof(c.bootstrap), "%s", optarg); break;
         case 'I': snprintf(c.listen_host, sizeof(c.listen_host), "%s", optarg); break;
@@ -529,6 +605,19 @@ static int cmd_demo(int argc, char **argv)
     }
     if (!c.dpage)
         c.dpage = c.ppage;
+    if (c.gpu) {
+        /* Checked in a child: CUDA state must not exist before the fork. */
+        pid_t probe = fork();
+        if (probe == 0)
+            exit(kvw_cuda_available() == KVW_OK ? 0 : 3);
+        int ps = 0;
+        waitpid(probe, &ps, 0);
+        if (!WIFEXITED(ps) || WEXITSTATUS(ps) != 0) {
+            fprintf(stderr, "demo: --gpu needs a CUDA GPU and the kvwire CUDA module\n");
+            return 77;
+        }
+        snprintf(c.transport, sizeof(c.transport), "cuda_ipc");
+    }
     if (!c.ptp || !c.dtp || !c.ppp || !c.dpp || !c.requests || !c.concurrency || !c.ppage ||
         !c.max_tokens) {
         demo_usage(stderr);

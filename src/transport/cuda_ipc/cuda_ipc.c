@@ -1,0 +1,234 @@
+/*
+ * cuda_ipc: GPUs of one host. The decode side exports each GPU buffer as a CUDA IPC
+ * handle inside its remote key; the prefill side opens the handles (mapping the decode
+ * buffers into its own device context) and the protocol runs the fused copy kernel
+ * straight into them (see rkey_ptr). Notifications, host memory (the staging area) and
+ * the connection itself ride on the tcp transport, which this one wraps slot by slot.
+ *
+ * Writes into GPU memory are one-sided: the receiver cannot mediate them, so, as for
+ * shm, the sending library confines them (plans only address the decode's own pages of
+ * the room, inside registered regions).
+ */
+#include "transport/transport.h"
+
+#include <kvwire/cuda.h>
+
+#include <string.h>
+
+extern const kvw_tl_ops_t kvw_tl_tcp_ops;
+#define TCP (&kvw_tl_tcp_ops)
+
+enum { CIPC_HOST = 0, CIPC_CUDA = 1 };
+
+typedef struct cipc_mem {
+    int kind;
+    kvw_tl_mem_h inner; /* host memory: tcp's registration */
+} cipc_mem_t;
+
+typedef struct cipc_rkey {
+    int kind;
+    kvw_tl_rkey_h inner; /* host: tcp's key */
+    void *base;          /* cuda: the opened allocation */
+    uint8_t *ptr;        /* cuda: base + offset, valid in this process */
+    uint64_t len;
+} cipc_rkey_t;
+
+/* Packed key: kind u8, region u64, len u64, offset u64, handle, then tcp's key. */
+#define CIPC_HDR (1 + 8 + 8 + 8 + KVW_CUDA_IPC_HANDLE_SIZE)
+
+static void put64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static uint64_t get64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 0; i < 8; i++)
+        v |= (uint64_t)p[i] << (8 * i);
+    return v;
+}
+
+static kvw_status_t cipc_mem_reg(kvw_tl_h tl, void *addr, uint64_t len, kvw_mem_kind_t kind,
+                                 uint64_t region_id, kvw_tl_mem_h *mem_p, void *rkey_buf,
+                                 size_t *rkey_len_p)
+{
+    cipc_mem_t *m = calloc(1, sizeof(*m));
+    uint8_t *k = rkey_buf;
+    kvw_status_t st;
+    if (m == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "cuda_ipc: out of memory registering");
+    memset(k, 0, CIPC_HDR);
+    k[0] = kind == KVW_MEM_CUDA ? CIPC_CUDA : CIPC_HOST;
+    put64(k + 1, region_id);
+    put64(k + 9, len);
+    size_t inner_len = KVW_TL_MAX_RKEY - CIPC_HDR;
+    if (kind == KVW_MEM_CUDA) {
+        kvw_cuda_ipc_handle_t h;
+        void *base = NULL;
+        if ((st = kvw_cuda_mem_base(addr, &base)) != KVW_OK ||
+            (st = kvw_cuda_ipc_export(base, &h)) != KVW_OK) {
+            free(m);
+            return st;
+        }
+        put64(k + 17, (uint64_t)((uint8_t *)addr - (uint8_t *)base));
+        memcpy(k + 25, h.bytes, KVW_CUDA_IPC_HANDLE_SIZE);
+        inner_len = 0;
+        m->kind = CIPC_CUDA;
+    } else {
+        /* Host memory (the staging area) goes through tcp, mediated as usual. */
+        if ((st = TCP->mem_reg(tl, addr, len, kind, region_id, &m->inner, k + CIPC_HDR,
+                               &inner_len)) != KVW_OK) {
+            free(m);
+            return st;
+        }
+        m->kind = CIPC_HOST;
+    }
+    *rkey_len_p = CIPC_HDR + inner_len;
+    *mem_p = (kvw_tl_mem_h)(void *)m;
+    return KVW_OK;
+}
+
+static void cipc_mem_dereg(kvw_tl_h tl, kvw_tl_mem_h mem)
+{
+    cipc_mem_t *m = (cipc_mem_t *)(void *)mem;
+    if (m == NULL)
+        return;
+    if (m->kind == CIPC_HOST)
+        TCP->mem_dereg(tl, m->inner);
+    free(m);
+}
+
+static kvw_status_t cipc_rkey_unpack(kvw_tl_ep_h ep, const void *rkey, size_t len,
+                                     kvw_tl_rkey_h *rkey_p)
+{
+    const uint8_t *k = rkey;
+    if (len < CIPC_HDR || k[0] > CIPC_CUDA)
+        return kvw__error(KVW_ERR_MALFORMED, "cuda_ipc: a remote key of %zu bytes is malformed",
+                          len);
+    cipc_rkey_t *r = calloc(1, sizeof(*r));
+    if (r == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "cuda_ipc: out of memory");
+    r->kind = k[0];
+    r->len = get64(k + 9);
+    kvw_status_t st;
+    if (r->kind == CIPC_CUDA) {
+        kvw_cuda_ipc_handle_t h;
+        memcpy(h.bytes, k + 25, KVW_CUDA_IPC_HANDLE_SIZE);
+        if ((st = kvw_cuda_ipc_open(&h, &r->base)) != KVW_OK) {
+            free(r);
+            return kvw__error(st, "cuda_ipc: cannot map the peer's GPU buffer: %s",
+                              kvw_last_error());
+        }
+        r->ptr = (uint8_t *)r->base + get64(k + 17);
+    } else if ((st = TCP->rkey_unpack(ep, k + CIPC_HDR, len - CIPC_HDR, &r->inner)) != KVW_OK) {
+        free(r);
+        return st;
+    }
+    *rkey_p = (kvw_tl_rkey_h)(void *)r;
+    return KVW_OK;
+}
+
+static void cipc_rkey_release(kvw_tl_rkey_h rkey)
+{
+    cipc_rkey_t *r = (cipc_rkey_t *)(void *)rkey;
+    if (r == NULL)
+        return;
+    if (r->kind == CIPC_CUDA)
+        kvw_cuda_ipc_close(r->base);
+    else
+        TCP->rkey_release(r->inner);
+    free(r);
+}
+
+static void *cipc_rkey_ptr(kvw_tl_rkey_h rkey)
+{
+    cipc_rkey_t *r = (cipc_rkey_t *)(void *)rkey;
+    return r && r->kind == CIPC_CUDA ? r->ptr : NULL;
+}
+
+static kvw_status_t cipc_put(kvw_tl_ep_h ep, uint64_t room, const kvw_tl_put_t *puts, size_t n)
+{
+    /* Host regions go through tcp; GPU regions take a copy into the mapped pointer
+     * (the protocol normally runs the fused kernel instead of putting runs). */
+    for (size_t i = 0; i < n; i++) {
+        cipc_rkey_t *r = (cipc_rkey_t *)(void *)puts[i].rkey;
+        kvw_status_t st;
+        if (puts[i].dst_off > r->len || puts[i].len > r->len - puts[i].dst_off)
+            return kvw__error(KVW_ERR_OUT_OF_RANGE, "cuda_ipc: put [%llu, +%llu) outside a "
+                              "%llu-byte region", (unsigned long long)puts[i].dst_off,
+                              (unsigned long long)puts[i].len, (unsigned long long)r->len);
+        if (r->kind == CIPC_CUDA) {
+            st = kvw_cuda_memcpy(r->ptr + puts[i].dst_off, puts[i].src, puts[i].len, NULL);
+        } else {
+            kvw_tl_put_t p = puts[i];
+            p.rkey = r->inner;
+            st = TCP->put(ep, room, &p, 1);
+        }
+        if (st != KVW_OK)
+            return st;
+    }
+    return KVW_OK;
+}
+
+static kvw_status_t cipc_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
+{
+    /* Fail early, with the reason, where there is no GPU. */
+    kvw_status_t st = kvw_cuda_available();
+    if (st != KVW_OK)
+        return kvw__error(st, "cuda_ipc: %s", kvw_last_error());
+    return TCP->init(params, tl_p);
+}
+
+static kvw_status_t cipc_address(kvw_tl_h tl, void *buf, size_t *len_p)
+{
+    return TCP->address(tl, buf, len_p);
+}
+static kvw_status_t cipc_connect(kvw_tl_h tl, const void *addr, size_t len, kvw_tl_ep_h *ep_p)
+{
+    return TCP->connect(tl, addr, len, ep_p);
+}
+static kvw_status_t cipc_notify(kvw_tl_ep_h ep, const void *msg, size_t len)
+{
+    return TCP->notify(ep, msg, len);
+}
+static int cipc_progress(kvw_tl_h tl)
+{
+    return TCP->progress(tl);
+}
+static void cipc_ep_close(kvw_tl_ep_h ep)
+{
+    TCP->ep_close(ep);
+}
+static void cipc_close(kvw_tl_h tl)
+{
+    TCP->close(tl);
+}
+static void cipc_stop(kvw_tl_h tl)
+{
+    TCP->stop(tl);
+}
+static void cipc_fini(kvw_tl_h tl)
+{
+    TCP->fini(tl);
+}
+
+const kvw_tl_ops_t kvw_tl_cuda_ipc_ops = {
+    .name = "cuda_ipc",
+    .init = cipc_init,
+    .address = cipc_address,
+    .mem_reg = cipc_mem_reg,
+    .mem_dereg = cipc_mem_dereg,
+    .connect = cipc_connect,
+    .rkey_unpack = cipc_rkey_unpack,
+    .rkey_release = cipc_rkey_release,
+    .put = cipc_put,
+    .notify = cipc_notify,
+    .progress = cipc_progress,
+    .ep_close = cipc_ep_close,
+    .close = cipc_close,
+    .stop = cipc_stop,
+    .fini = cipc_fini,
+    .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
+    .rkey_ptr = cipc_rkey_ptr,
+};
