@@ -24,6 +24,10 @@
  * rkey fetches, reads notifications and reports failures; the same thread watches the
  * sender's connections for the receiver going away.
  *
+ * Threads. put() takes no lock: each write is a synchronous memcpy or
+ * process_vm_writev into a disjoint or caller-ordered range, so concurrent callers on
+ * one endpoint are safe; notify() serializes on a per-endpoint mutex.
+ *
  * Limits. A deregistered region is no longer handed out, but a sender that already
  * holds its rkey can still write until it releases it (as with any one-sided
  * transport): the protocol must stop granting pages of a region before deregistering

@@ -21,6 +21,10 @@
  * after HELLO_ACK, so readability there means the receiver went away, which is
  * reported through on_ep_error and makes later puts fail with CONN_CLOSED.
  *
+ * Addresses carry the bound IP and port: listen on a concrete address that peers can
+ * reach; a wildcard listen (0.0.0.0) publishes the wildcard, usable from the same
+ * host only. listen_host may be a name; resolving it in init may block on DNS.
+ *
  * Deregistration is safe against in-flight payloads: payload bytes are received with
  * the region table's lock held (one bounded, non-blocking recv at a time), so once
  * mem_dereg returns no byte lands in that region any more; the rest of such a payload
