@@ -56,3 +56,10 @@ gpu-check:
 
 gpu-bench:
 	scripts/gpu-bench.sh
+
+# Fuzzing: builds fuzz/ with clang -fsanitize=fuzzer,address,undefined and runs each
+# target for FUZZ_SECONDS (scripts/fuzz.sh; non-zero exit on any crash or report).
+FUZZ_SECONDS ?= 60
+.PHONY: fuzz
+fuzz:
+	scripts/fuzz.sh $(FUZZ_SECONDS)
