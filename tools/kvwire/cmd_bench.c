@@ -11,7 +11,10 @@
  * Per (transport, topology) one prefill and one decode process run, wired as in the
  * demo (bootstrap address over a pipe). The decode process drives: for each request it
  * asks the prefill process to arm the room (sender created, its one chunk sent), then
- * times from its own post to SUCCESS on every decode rank.
+ * times from its own post to SUCCESS on every decode rank. Right after each request it
+ * times the transport's baseline for the same byte count (shm: memcpy; tcp: a plain
+ * socket stream from the prefill process), so both see the same load on a shared host.
+ * ucx gets ucx_perftest as a reference, run after the pair.
  */
 #include "cmd.h"
 #include "testkit.h"
@@ -445,7 +448,13 @@ static int b_contexts(const bench_cfg_t *c, const char *transport, b_inst_t *in,
 
 /* ------------------------------------------------------------ process protocol */
 
-enum { B_OP_ARM = 1, B_OP_RATE = 2, B_OP_QUIT = 3 };
+enum {
+    B_OP_ARM = 1,         /* arm room `room` with `tokens` tokens; ack */
+    B_OP_RATE = 2,        /* run the control-plane loop; ack, then CPU figures */
+    B_OP_QUIT = 3,        /* every room is finished; ack 'q' */
+    B_OP_TCP_CONNECT = 4, /* connect the baseline socket to 127.0.0.1:`room`; ack */
+    B_OP_TCP_SEND = 5     /* make `tokens` bytes ready; ack; serve one request on the socket */
+};
 
 /* decode -> prefill */
 typedef struct b_cmd {
@@ -460,6 +469,8 @@ typedef struct b_len_result {
     uint64_t bytes;   /* payload confirmed by every decode rank, per request */
     uint32_t reps;
     uint64_t ns[B_MAX_REPS];     /* decode: post -> SUCCESS on every rank */
+    uint32_t base_reps;
+    uint64_t base_ns[B_MAX_REPS]; /* the transport's baseline, same bytes, right after */
     uint64_t skipped_pred_ns;    /* not run: one request was predicted to take this long */
 } b_len_result_t;
 
@@ -610,10 +621,48 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
     b_sizes_t sz = b_pool_sizes(c, m);
     int rc = b_pages_init(&pg, sz.full_pages, sz.swa_pages) ? 1 : 0;
     kvw_sender_h *snd = calloc(in.n, sizeof(*snd));
+    int tcp_fd = -1;
+    uint8_t *tcp_src = NULL;
+    uint64_t tcp_cap = 0;
     for (;;) {
         b_cmd_t cmd;
         if (rc || b_read_full(cmd_fd, &cmd, sizeof(cmd)))
             break;
+        if (cmd.op == B_OP_TCP_CONNECT) {
+            struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cmd.room)};
+            sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+            tcp_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+            char a = tcp_fd >= 0 && connect(tcp_fd, (struct sockaddr *)&sa, sizeof(sa)) == 0
+                         ? 'k' : 'x';
+            if (b_write_full(ack_fd, &a, 1) || a != 'k')
+                rc = 1;
+            continue;
+        }
+        if (cmd.op == B_OP_TCP_SEND) {
+            /* A plain stream: 4 MiB writes from a pre-faulted buffer, default options. */
+            if (cmd.tokens > tcp_cap) {
+                b_free_touched(tcp_src, tcp_cap);
+                tcp_src = b_alloc_touched(cmd.tokens, 0x33);
+                tcp_cap = tcp_src ? cmd.tokens : 0;
+            }
+            char a = tcp_src && tcp_fd >= 0 ? 'k' : 'x';
+            uint64_t want = 0;
+            if (b_write_full(ack_fd, &a, 1) || a != 'k' ||
+                b_read_full(tcp_fd, &want, sizeof(want)) || want > tcp_cap) {
+                rc = 1;
+                continue;
+            }
+            for (uint64_t off = 0; off < want && rc == 0;) {
+                ssize_t n = write(tcp_fd, tcp_src + off, (size_t)B_MIN(want - off, 4ull << 20));
+                if (n < 0 && errno == EINTR)
+                    continue;
+                if (n <= 0)
+                    rc = 1;
+                else
+                    off += (uint64_t)n;
+            }
+            continue;
+        }
         if (cmd.op == B_OP_QUIT) {
             /* Every room here is finished: the decode side may close its connections. */
             char a = 'q';
@@ -658,6 +707,9 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
         }
     }
     free(snd);
+    if (tcp_fd >= 0)
+        close(tcp_fd);
+    b_free_touched(tcp_src, tcp_cap);
     b_pages_free(&pg);
     b_inst_free(&in);
     return rc;
@@ -851,6 +903,115 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
     return rc;
 }
 
+/*
+ * The transport's own baseline, measured in the decode process right after each kvwire
+ * request of the same byte count, so that both see the same load on a shared host:
+ *  shm: one memcpy between two pre-faulted buffers (one thread);
+ *  tcp: a plain socket stream over 127.0.0.1 from the prefill process (4 MiB writes from
+ *       a pre-faulted buffer, default socket options), read into a pre-faulted buffer,
+ *       timed from the 8-byte request to the last byte.
+ * Buffers grow (and are faulted in) outside the timed part; lengths run in ascending
+ * order so that happens once per length.
+ */
+typedef struct b_base {
+    int kind; /* 0 none, 1 memcpy, 2 tcp */
+    uint8_t *src, *dst;
+    uint64_t cap;
+    int fd;
+} b_base_t;
+
+static int b_base_open(const char *tl, int cmd_fd, int ack_fd, b_base_t *b, char *err,
+                       size_t errcap)
+{
+    memset(b, 0, sizeof(*b));
+    b->fd = -1;
+    if (!strcmp(tl, "shm")) {
+        b->kind = 1;
+        return 0;
+    }
+    if (strcmp(tl, "tcp"))
+        return 0;
+    b->kind = 2;
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = 0};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof(sa);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) || listen(lfd, 1) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
+        snprintf(err, errcap, "tcp baseline: listen: %s", strerror(errno));
+        if (lfd >= 0)
+            close(lfd);
+        return -1;
+    }
+    b_cmd_t cmd = {.op = B_OP_TCP_CONNECT, .room = ntohs(sa.sin_port)};
+    char a = 0;
+    if (b_write_full(cmd_fd, &cmd, sizeof(cmd)) || b_read_full(ack_fd, &a, 1) || a != 'k' ||
+        (b->fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC)) < 0) {
+        snprintf(err, errcap, "tcp baseline: the prefill process could not connect");
+        close(lfd);
+        return -1;
+    }
+    close(lfd);
+    return 0;
+}
+
+static void b_base_close(b_base_t *b)
+{
+    if (b->fd >= 0)
+        close(b->fd);
+    b_free_touched(b->src, b->cap);
+    b_free_touched(b->dst, b->cap);
+    memset(b, 0, sizeof(*b));
+}
+
+/* One baseline request of `bytes`; *ns_p gets its time. */
+static int b_base_rep(b_base_t *b, uint64_t bytes, int cmd_fd, int ack_fd, uint64_t *ns_p,
+                      char *err, size_t errcap)
+{
+    if (bytes > b->cap) {
+        b_free_touched(b->src, b->cap);
+        b_free_touched(b->dst, b->cap);
+        b->src = b->kind == 1 ? b_alloc_touched(bytes, 0x11) : NULL;
+        b->dst = b_alloc_touched(bytes, 0x22);
+        b->cap = bytes;
+        if (!b->dst || (b->kind == 1 && !b->src)) {
+            snprintf(err, errcap, "baseline: cannot allocate %llu bytes",
+                     (unsigned long long)bytes);
+            return -1;
+        }
+    }
+    if (b->kind == 1) {
+        uint64_t t0 = b_now();
+        memcpy(b->dst, b->src, bytes);
+        *ns_p = b_now() - t0;
+        __asm__ __volatile__("" ::"r"(b->dst) : "memory");
+        return 0;
+    }
+    b_cmd_t cmd = {.op = B_OP_TCP_SEND, .tokens = bytes};
+    char a = 0;
+    if (b_write_full(cmd_fd, &cmd, sizeof(cmd)) || b_read_full(ack_fd, &a, 1) || a != 'k') {
+        snprintf(err, errcap, "tcp baseline: the prefill process failed");
+        return -1;
+    }
+    uint64_t t0 = b_now();
+    if (b_write_full(b->fd, &bytes, sizeof(bytes))) {
+        snprintf(err, errcap, "tcp baseline: send: %s", strerror(errno));
+        return -1;
+    }
+    for (uint64_t off = 0; off < bytes;) {
+        ssize_t n = read(b->fd, b->dst + off, (size_t)(bytes - off));
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0) {
+            snprintf(err, errcap, "tcp baseline: the stream ended");
+            return -1;
+        }
+        off += (uint64_t)n;
+    }
+    *ns_p = b_now() - t0;
+    return 0;
+}
+
 static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_fd, b_result_t *res)
 {
     const bench_cfg_t *c = j->c;
@@ -894,6 +1055,9 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
         rc = -1;
     }
     kvw_receiver_h *rcv = calloc(in.n, sizeof(*rcv));
+    b_base_t base;
+    if (b_base_open(j->transport, cmd_fd, ack_fd, &base, res->err, sizeof(res->err)))
+        rc = -1;
     /* Lengths run in ascending order; the previous length's rate predicts this one's. */
     double last_gbps = 0;
     uint64_t last_bytes = 0, last_tokens = 0;
@@ -971,6 +1135,15 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
                 lr->ns[rep] = t1 - t0;
                 lr->reps = (uint32_t)rep + 1;
             }
+            /* The baseline of the same bytes, right after (the warm-up too). */
+            uint64_t bns = 0;
+            if (rc == 0 && base.kind &&
+                (rc = b_base_rep(&base, bytes, cmd_fd, ack_fd, &bns, res->err,
+                                 sizeof(res->err))) == 0 &&
+                rep >= 0) {
+                lr->base_ns[rep] = bns;
+                lr->base_reps = (uint32_t)rep + 1;
+            }
         }
         if (lr->reps) {
             last_bytes = lr->bytes;
@@ -979,6 +1152,7 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
         }
     }
     free(rcv);
+    b_base_close(&base);
     res->phase_ns[2] = b_now() - tp;
     tp = b_now();
     if (rc == 0 && j->do_rate && c->rate_rooms)
@@ -1078,110 +1252,6 @@ static int b_run_pair(const b_job_t *j, b_result_t *res)
 }
 
 /* ------------------------------------------------------------ baselines */
-
-/* Single-thread memcpy between two pre-faulted buffers of `bytes`, median of reps. */
-static uint64_t b_memcpy_ns(uint8_t *dst, const uint8_t *src, uint64_t bytes, uint32_t reps)
-{
-    uint64_t t[B_MAX_REPS];
-    memcpy(dst, src, bytes); /* warm-up */
-    for (uint32_t r = 0; r < reps; r++) {
-        uint64_t t0 = b_now();
-        memcpy(dst, src, bytes);
-        t[r] = b_now() - t0;
-        __asm__ __volatile__("" ::"r"(dst) : "memory");
-    }
-    return b_median(t, reps);
-}
-
-/*
- * TCP over 127.0.0.1 between two processes: per request the receiver (this process)
- * sends an 8-byte size, the sender (a child) writes that many bytes from a pre-faulted
- * buffer in 4 MiB writes, and the receiver reads them into its own pre-faulted buffer.
- * Timed on the receiver from the request to the last byte. ns[i] gets the median.
- */
-static int b_tcp_baseline(const uint64_t *bytes, uint32_t count, uint32_t reps, uint64_t *ns,
-                          char *err, size_t errcap)
-{
-    uint64_t maxb = 0;
-    for (uint32_t i = 0; i < count; i++)
-        maxb = B_MAX(maxb, bytes[i]);
-    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = 0};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t sl = sizeof(sa);
-    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) || listen(lfd, 1) ||
-        getsockname(lfd, (struct sockaddr *)&sa, &sl)) {
-        snprintf(err, errcap, "tcp baseline: listen: %s", strerror(errno));
-        if (lfd >= 0)
-            close(lfd);
-        return -1;
-    }
-    fflush(stdout);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(lfd);
-        int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof(sa)))
-            _exit(1);
-        uint8_t *src = b_alloc_touched(maxb, 0x33);
-        if (!src)
-            _exit(1);
-        uint64_t want;
-        while (b_read_full(fd, &want, sizeof(want)) == 0 && want) {
-            for (uint64_t off = 0; off < want;) {
-                size_t chunk = (size_t)B_MIN(want - off, (uint64_t)4 << 20);
-                ssize_t n = write(fd, src + off, chunk);
-                if (n < 0 && errno == EINTR)
-                    continue;
-                if (n <= 0)
-                    _exit(1);
-                off += (uint64_t)n;
-            }
-        }
-        close(fd);
-        _exit(0);
-    }
-    int fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
-    close(lfd);
-    uint8_t *dst = b_alloc_touched(maxb, 0x44);
-    int rc = fd >= 0 && dst ? 0 : -1;
-    if (rc)
-        snprintf(err, errcap, "tcp baseline: accept or allocation failed");
-    for (uint32_t i = 0; i < count && rc == 0; i++) {
-        uint64_t t[B_MAX_REPS];
-        for (int r = -1; r < (int)reps && rc == 0; r++) {
-            uint64_t t0 = b_now();
-            if (b_write_full(fd, &bytes[i], sizeof(bytes[i]))) {
-                rc = -1;
-                break;
-            }
-            for (uint64_t off = 0; off < bytes[i];) {
-                ssize_t n = read(fd, dst + off, (size_t)(bytes[i] - off));
-                if (n < 0 && errno == EINTR)
-                    continue;
-                if (n <= 0) {
-                    rc = -1;
-                    break;
-                }
-                off += (uint64_t)n;
-            }
-            if (r >= 0)
-                t[r] = b_now() - t0;
-        }
-        if (rc == 0)
-            ns[i] = b_median(t, reps);
-        else
-            snprintf(err, errcap, "tcp baseline: connection failed");
-    }
-    uint64_t zero = 0;
-    if (fd >= 0) {
-        (void)b_write_full(fd, &zero, sizeof(zero));
-        close(fd);
-    }
-    waitpid(pid, NULL, 0);
-    b_free_touched(dst, maxb);
-    return rc;
-}
 
 /* ucx_perftest ucp_put_bw between a server and a client on this host: GB/s, or < 0. */
 static double b_ucx_perftest(uint64_t bytes, uint16_t port)
@@ -1542,51 +1612,26 @@ static int b_chart(const char *png, const b_report_t *r, const char *title,
 }
 
 /*
- * The baseline of transport `tl` for each byte count: fills gbps[i] (< 0: none) and
- * returns the baseline's name, or NULL when the transport has none.
+ * The ucx reference for each byte count (shm and tcp baselines run inside the pair):
+ * fills gbps[i] (< 0: none) and returns its name, or NULL.
  */
-static const char *b_baseline(const char *tl, const uint64_t *bytes, uint32_t n, uint32_t reps,
-                              bool quick, uint16_t *ucx_port, double *gbps, b_report_t *rep)
+static const char *b_ucx_reference(const uint64_t *bytes, uint32_t n, bool quick,
+                                   uint16_t *ucx_port, double *gbps, b_report_t *rep)
 {
-    char err[256] = "";
-    if (!strcmp(tl, "shm")) {
-        uint64_t need = 0;
-        for (uint32_t i = 0; i < n; i++)
-            need = B_MAX(need, bytes[i]);
-        uint8_t *src = b_alloc_touched(need, 0x11), *dst = b_alloc_touched(need, 0x22);
-        for (uint32_t i = 0; i < n && src && dst; i++)
-            gbps[i] = b_gbps(bytes[i], b_memcpy_ns(dst, src, bytes[i], reps));
-        b_free_touched(src, need);
-        b_free_touched(dst, need);
-        return "memcpy 1 thread";
+    if (system("command -v ucx_perftest >/dev/null 2>&1") != 0) {
+        b_note(rep, "ucx: ucx_perftest not installed (Debian ucx-utils); no reference");
+        return NULL;
     }
-    if (!strcmp(tl, "tcp")) {
-        uint64_t ns[B_MAX_LEN] = {0};
-        if (b_tcp_baseline(bytes, n, reps, ns, err, sizeof(err)))
-            b_note(rep, "%s", err);
+    /* ucx_perftest spends seconds setting up buffers of 100 MB. */
+    for (uint32_t i = 0; i < n; i++)
+        if (!quick || bytes[i] <= (16u << 20))
+            gbps[i] = b_ucx_perftest(bytes[i], (*ucx_port)++);
         else
-            for (uint32_t i = 0; i < n; i++)
-                gbps[i] = b_gbps(bytes[i], ns[i]);
-        return "TCP socket 127.0.0.1";
-    }
-    if (!strcmp(tl, "ucx")) {
-        if (system("command -v ucx_perftest >/dev/null 2>&1") != 0) {
-            b_note(rep, "ucx: ucx_perftest not installed (Debian ucx-utils); no baseline");
-            return NULL;
-        }
-        /* ucx_perftest spends seconds setting up buffers of 100 MB. */
-        for (uint32_t i = 0; i < n; i++)
-            if (!quick || bytes[i] <= (16u << 20))
-                gbps[i] = b_ucx_perftest(bytes[i], (*ucx_port)++);
-            else
-                b_note(rep, "ucx baseline of %llu bytes skipped with --quick (ucx_perftest "
-                            "takes seconds to set up that much memory)",
-                       (unsigned long long)bytes[i]);
-        b_note(rep, "ucx baseline: ucx_perftest -t ucp_put_bw on localhost (its own, cache-hot "
-                    "buffers): a reference, not a like-for-like baseline");
-        return "ucx_perftest ucp_put_bw";
-    }
-    return NULL;
+            b_note(rep, "ucx reference of %llu bytes skipped with --quick (ucx_perftest takes "
+                        "seconds to set up that much memory)", (unsigned long long)bytes[i]);
+    b_note(rep, "ucx reference: ucx_perftest -t ucp_put_bw on localhost (its own, cache-hot "
+                "buffers, measured after the pair): a reference, not a like-for-like baseline");
+    return "ucx_perftest ucp_put_bw";
 }
 
 /* ------------------------------------------------------------ driver */
@@ -1618,7 +1663,11 @@ static void b_usage(FILE *f)
             "                        rooms, 1 s budget (about 20 s on an idle 2-core host)\n"
             "Each request runs alone: decode posts, prefill sends one chunk, decode polls until\n"
             "SUCCESS; GB/s = payload bytes confirmed by the decode ranks / (post -> SUCCESS),\n"
-            "median of the reps. Exits 0 when the benchmark ran, whatever the figures.\n");
+            "median of the reps. After each request, the same bytes through the transport's\n"
+            "baseline: shm = one memcpy between pre-faulted buffers, tcp = a plain socket\n"
+            "stream over 127.0.0.1 between the two processes (4 MiB writes); ucx: ucx_perftest\n"
+            "ucp_put_bw, run afterwards, as a reference. Exits 0 when the benchmark ran,\n"
+            "whatever the figures; 1 on errors; 2 on bad options.\n");
 }
 
 static int b_parse_lengths(const char *s, bench_cfg_t *c)
@@ -1891,25 +1940,43 @@ static int cmd_bench(int argc, char **argv)
                    (b_now() - t_pair) / 1e9, res->phase_ns[0] / 1e9, res->phase_ns[1] / 1e9,
                    res->phase_ns[2] / 1e9, res->phase_ns[3] / 1e9);
             fflush(stdout);
-            /* Baselines for the byte counts measured here and not yet baselined. */
+            /* shm and tcp: the baseline ran inside the pair, after each request. ucx: a
+             * reference run afterwards, once per byte count. */
+            bool inpair = !strcmp(tl, "shm") || !strcmp(tl, "tcp");
+            if (inpair) {
+                base_name = !strcmp(tl, "shm") ? "memcpy 1 thread" : "TCP socket 127.0.0.1";
+                for (uint32_t i = 0; i < res->num_lengths; i++) {
+                    const b_len_result_t *lr = &res->len[i];
+                    if (!lr->base_reps || rep->num_base >= B_MAX_BASE)
+                        continue;
+                    rep->base[rep->num_base].name = base_name;
+                    snprintf(rep->base[rep->num_base].transport, 16, "%s", tl);
+                    snprintf(rep->base[rep->num_base].topo, 32, "%s", topos[t].name);
+                    rep->base[rep->num_base].tokens = lr->tokens;
+                    rep->base[rep->num_base].bytes = lr->bytes;
+                    rep->base[rep->num_base].gbps =
+                        b_gbps(lr->bytes, b_median(lr->base_ns, lr->base_reps));
+                    rep->num_base++;
+                }
+            }
             uint32_t todo[B_MAX_LEN], ntodo = 0;
-            for (uint32_t i = 0; i < res->num_lengths; i++) {
+            for (uint32_t i = 0; i < res->num_lengths && !inpair; i++) {
                 bool known = !res->len[i].bytes;
                 for (uint32_t k = 0; k < num_bb; k++)
                     known |= base_bytes[k] == res->len[i].bytes;
                 if (!known)
                     todo[ntodo++] = i;
             }
-            if (rc == 0 && ntodo) {
+            if (rc == 0 && ntodo && !strcmp(tl, "ucx")) {
                 uint64_t t_base = b_now(), tb[B_MAX_LEN];
                 double g[B_MAX_LEN];
                 for (uint32_t k = 0; k < ntodo; k++) {
                     tb[k] = res->len[todo[k]].bytes;
                     g[k] = -1;
                 }
-                const char *bn = b_baseline(tl, tb, ntodo, c.reps, c.quick, &ucx_port, g, rep);
+                const char *bn = b_ucx_reference(tb, ntodo, c.quick, &ucx_port, g, rep);
                 base_name = bn ? bn : base_name;
-                printf(", baseline %.1f s", (b_now() - t_base) / 1e9);
+                printf(", ucx_perftest %.1f s", (b_now() - t_base) / 1e9);
                 for (uint32_t k = 0; k < ntodo; k++) {
                     base_bytes[num_bb] = tb[k];
                     base_gbps[num_bb++] = bn ? g[k] : -1;
@@ -1950,8 +2017,10 @@ static int cmd_bench(int argc, char **argv)
                     w->gbps_reps[k] = b_gbps(lr->bytes, lr->ns[k]);
                 w->baseline = base_name;
                 w->base_gbps = -1;
-                /* Same byte count as the baseline was measured with. */
-                for (uint32_t k = 0; k < num_bb; k++)
+                if (inpair && lr->base_reps)
+                    w->base_gbps = b_gbps(lr->bytes, b_median(lr->base_ns, lr->base_reps));
+                /* Same byte count as the reference was measured with. */
+                for (uint32_t k = 0; k < num_bb && !inpair; k++)
                     if (base_bytes[k] == lr->bytes && base_gbps[k] > 0)
                         w->base_gbps = base_gbps[k];
             }
