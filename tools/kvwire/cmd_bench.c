@@ -1484,7 +1484,7 @@ static int b_write_json(const char *path, const bench_cfg_t *c, const kvt_model_
     }
     fprintf(f, "  ],\n  \"baselines\": [\n");
     for (uint32_t i = 0; i < r->num_base; i++)
-        fprintf(f, "    {\"transport\": \"%s\", \"name\": \"%s\", \"bytes_of\": \"%s\", "
+        fprintf(f, "    {\"transport\": \"%s\", \"name\": \"%s\", \"topology\": \"%s\", "
                    "\"tokens\": %llu, \"bytes\": %llu, \"gbps\": %.4f}%s\n",
                 r->base[i].transport, r->base[i].name, r->base[i].topo,
                 (unsigned long long)r->base[i].tokens,
@@ -1601,8 +1601,10 @@ static int b_chart(const char *png, const b_report_t *r, const char *title,
             else
                 pl += (size_t)snprintf(plot + pl, sizeof(plot) - pl,
                                        "%s$s%u_%u using 1:2 with linespoints lw 1.5 dt 2 pt 6 "
-                                       "lc rgb '%s' title '%s baseline: %s'",
-                                       pl ? ", " : "", t, k, colour[t], c->transports[t], bname);
+                                       "lc rgb '%s' title '%s %s: %s'",
+                                       pl ? ", " : "", t, k, colour[t], c->transports[t],
+                                       strcmp(c->transports[t], "ucx") ? "baseline" : "reference",
+                                       bname);
         }
     }
     if (pl)
