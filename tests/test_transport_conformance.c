@@ -1567,6 +1567,61 @@ out:
     return rc;
 }
 
+/* rkey_ptr (optional slot): where a transport hands out a pointer, bytes written
+ * through it before a notify are in place when the notification arrives, inside the
+ * region only. shm: memfd-backed regions have one, malloc'd (cma) ones do not. */
+static int inproc_rkey_ptr(void)
+{
+    int rc = 0;
+    receiver_t r;
+    sender_t s;
+    setup_t su;
+    memset(&s, 0, sizeof(s));
+    memset(&r, 0, sizeof(r));
+    if (T->rkey_ptr == NULL) {
+        fprintf(stderr, "  [%s] rkey_ptr: slot not provided, nothing to check\n", T->name);
+        return 0;
+    }
+    if (receiver_open(&r, 0x5eed001a, 0) != 0)
+        FAILF("receiver_open");
+    r.st.snap_regs = r.regs;
+    r.st.snap_n = NREG;
+    setup_from(&r, &su);
+    if (sender_open(&s, &su, 0) != 0)
+        FAILF("sender_open");
+    unsigned mapped = 0;
+    for (int i = 0; i < NREG; i++) {
+        uint8_t *p = T->rkey_ptr(s.rkeys[i]);
+        if (strcmp(T->name, "shm") == 0)
+            CHECK((p != NULL) == r.regs[i].shared, "region %d: rkey_ptr %p", i, (void *)p);
+        if (p == NULL)
+            continue;
+        mapped++;
+        uint64_t L = r.regs[i].len;
+        fill_bytes(p, 1000, 11 + (uint64_t)i); /* first and last bytes of the region */
+        fill_bytes(p + L - 1000, 1000, 12 + (uint64_t)i);
+        fill_bytes(r.regs[i].shadow, 1000, 11 + (uint64_t)i);
+        fill_bytes(r.regs[i].shadow + L - 1000, 1000, 12 + (uint64_t)i);
+    }
+    CHECK_OK(T->notify(s.ep, "mapped", 6));
+    CHECK(wait_notes(&r.st, 1, 20000), "no notification");
+    pthread_mutex_lock(&r.st.mu);
+    const uint8_t *snap = r.st.notes[0].snap;
+    pthread_mutex_unlock(&r.st.mu);
+    char why[256];
+    size_t off = 0;
+    for (int i = 0; i < NREG; i++) {
+        CHECK(check_image(&r.regs[i], snap + off, why, sizeof(why)) == 0, "%s", why);
+        off += r.regs[i].total;
+    }
+    fprintf(stderr, "  [%s] rkey_ptr mapped %u of %d regions\n", T->name, mapped, NREG);
+out:
+    sender_close(&s);
+    if (r.tl)
+        receiver_close(&r);
+    return rc;
+}
+
 /* fini without closing anything first must still free everything (ASan checks). */
 static int inproc_fini_leaks(void)
 {
@@ -1615,7 +1670,7 @@ static const test_case_t inproc_cases[] = {
     {"threads", inproc_threads},       {"bounds", inproc_bounds},
     {"check_write", inproc_check_write}, {"dereg", inproc_dereg},
     {"ep_close", inproc_ep_close},     {"receiver_close", inproc_receiver_close},
-    {"fini_leaks", inproc_fini_leaks},
+    {"rkey_ptr", inproc_rkey_ptr},     {"fini_leaks", inproc_fini_leaks},
 };
 
 int main(int argc, char **argv)
