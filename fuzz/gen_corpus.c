@@ -329,6 +329,29 @@ static void gen_frame(void)
     gen_room_msg(&b, KVW_MSG_FAILED, 8, "prefill ran out of memory");
     gen_write("fuzz_frame", "decode-staged-two-windows", b.p, b.n);
 
+    /* A staging grant, then mediated write checks inside it and on a decode page. */
+    gb_reset(&b);
+    gb_u8(&b, 2);
+    gb_u8(&b, 0);
+    gb_u8(&b, 0);
+    kvw__wb_init(&w, KVW_MSG_STAGE_ASK);
+    kvw__wb_u64(&w, 7);
+    kvw__wb_u64(&w, 4096);
+    gb_frame(&b, &w);
+    gb_u8(&b, 3);
+    gb_u64(&b, 0);
+    gb_u32(&b, kvw_rank_num_buffers(rk->d1->h));
+    gb_u64(&b, 64);
+    gb_u64(&b, 128);
+    gb_u8(&b, 3);
+    gb_u64(&b, 0);
+    gb_u32(&b, 2);
+    const kvw_buffer_desc_t *b2 = kvw_rank_buffer(rk->d1->h, 2);
+    uint64_t stride2 = (uint64_t)b2->page_size * b2->num_heads * (b2->head_bytes + b2->v_head_bytes);
+    gb_u64(&b, 3 * stride2 + 8);
+    gb_u64(&b, 100);
+    gen_write("fuzz_frame", "decode-staging-write-check", b.p, b.n);
+
     /* mode 3: register then look up. */
     gb_reset(&b);
     gb_u8(&b, 3);
