@@ -267,8 +267,11 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     size_t addr_len = 0;
     const void *addr = kvw__rb_bytes(&r, KVW_TL_MAX_ADDR, &addr_len);
     if (r.bad) {
-        free(p);
-        return kvw__error(KVW_ERR_MALFORMED, "truncated registration");
+        /* Answer with the reason: a peer speaking another version learns why. */
+        st = KVW_ERR_MALFORMED;
+        snprintf(reason, sizeof(reason), "the registration frame is truncated (a different "
+                 "kvwire version?)");
+        goto reply;
     }
     if (ctx->secret[0]) {
         uint8_t want[32];
@@ -689,7 +692,17 @@ static void *kvw_ctrl_main(void *arg)
     for (;;) {
         pthread_mutex_lock(&ctx->mu);
         if (ctx->stopping) {
+            /* Send what is queued (a room's completion, an abort) before leaving: the
+             * peer must not learn of it only through the closed connection. */
             pthread_mutex_unlock(&ctx->mu);
+            for (uint32_t i = 0;; i++) {
+                pthread_mutex_lock(&ctx->mu);
+                kvw_peer_t *p = i < ctx->num_peers ? ctx->peers[i] : NULL;
+                pthread_mutex_unlock(&ctx->mu);
+                if (p == NULL)
+                    break;
+                kvw_peer_flush(ctx, p);
+            }
             break;
         }
         uint32_t need = ctx->num_peers + 2;
