@@ -1865,7 +1865,7 @@ static int cmd_bench(int argc, char **argv)
     }
 
     /* The command that reproduces this run, every option spelled out. */
-    char cmdline[1024];
+    char cmdline[2048]; /* room for both 512-byte paths */
     {
         char tls[80] = "", lens[160] = "";
         for (uint32_t i = 0; i < c.num_tl; i++)
@@ -1881,7 +1881,8 @@ static int cmd_bench(int argc, char **argv)
                  "--png %s",
                  c.num_tl ? tls : "none", c.model, m.m.num_layers, c.ptp, c.dtp, lens, c.reps,
                  c.page, c.rate_rooms, c.rate_inflight, c.mem_rooms,
-                 (unsigned long long)(c.budget_ns / 1000000), c.decode_anon ? "anon" : "shared", c.json, c.png);
+                 (unsigned long long)(c.budget_ns / 1000000),
+                 c.decode_anon ? "anon" : "shared", c.json, c.png);
     }
     uint64_t t_start = b_now();
     printf("kvwire bench: %s, %u of %u layers%s, %u KV heads, page %u, NHD, median of up to %u "
