@@ -185,6 +185,8 @@ typedef struct ucx_ep {
     kvw_status_t err_status;
     char err_reason[224];
     uint64_t last_rx_ns;   /* accepted: last message from the sender */
+    unsigned inflight;     /* accepted: rendezvous receives writing for it */
+    uint64_t failed_ns;    /* accepted: when the failure was found */
     uint64_t peer_token;
     uint64_t remote_id;    /* connected: our id at the receiver; accepted: sender's ep id */
     char peer[64];
@@ -253,6 +255,7 @@ struct ucx_iface {
     uint64_t next_id;
     unsigned num_accepted;
     unsigned num_err_pending;
+    bool err_deferred; /* progress thread: a report waits for receives to end */
 
     pthread_mutex_t reg_mu; /* regions */
     ucx_region_t *regions[UCX_REGION_BUCKETS];
@@ -471,7 +474,8 @@ static void ep_fail_locked(ucx_ep_t *ep, kvw_status_t st, bool report, const cha
 static void ep_fail_locked(ucx_ep_t *ep, kvw_status_t st, bool report, const char *fmt, ...)
 {
     int zero = 0;
-    atomic_compare_exchange_strong(&ep->failed, &zero, (int)st);
+    if (atomic_compare_exchange_strong(&ep->failed, &zero, (int)st))
+        ep->failed_ns = kvw__now_ns();
     if (ep->err_reason[0] == '\0') {
         int n = snprintf(ep->err_reason, sizeof(ep->err_reason), "ucx %s %s: ",
                          ep->accepted ? "connection from" : "connection to", ep->peer);
@@ -668,7 +672,8 @@ static void on_sender_msg(ucx_iface_t *tl, const msg_hdr_t *h, const void *data,
     bool closed = atomic_load(&tl->closed);
     pthread_mutex_lock(&tl->mu);
     ucx_ep_t *ep = closed ? NULL : ep_find(tl, h->a, true, h->from);
-    bool alive = ep && ep->remote_id == h->b && !ep->reported && !atomic_load(&ep->closing);
+    bool alive = ep && ep->remote_id == h->b && !ep->reported && !atomic_load(&ep->closing) &&
+                 atomic_load(&ep->failed) == 0;
     if (alive)
         ep->last_rx_ns = kvw__now_ns();
     pthread_mutex_unlock(&tl->mu);
@@ -718,78 +723,73 @@ static void on_sender_msg(ucx_iface_t *tl, const msg_hdr_t *h, const void *data,
     kvw__tl_wake(tl->wake_fd);
 }
 
-/* Receiver side: fails an accepted connection from inside a UCX callback. */
-static void acc_fail(ucx_iface_t *tl, const msg_hdr_t *h, uint64_t acc_id, kvw_status_t st,
-                     const char *fmt, ...) KVW_PRINTF(5, 6);
-static void acc_fail(ucx_iface_t *tl, const msg_hdr_t *h, uint64_t acc_id, kvw_status_t st,
-                     const char *fmt, ...)
-{
-    char msg[160];
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof(msg), fmt, ap);
-    va_end(ap);
-    pthread_mutex_lock(&tl->mu);
-    ucx_ep_t *ep = NULL;
-    for (ep = tl->eps; ep && !(ep->accepted && ep->id == acc_id); ep = ep->next)
-        ;
-    if (ep && (h == NULL || ep->peer_token == h->from))
-        ep_fail_locked(ep, st, true, "%s", msg);
-    pthread_mutex_unlock(&tl->mu);
-    kvw__tl_wake(tl->wake_fd);
-}
-
 static void recv_done(void *request, ucs_status_t status, size_t length, void *user_data)
 {
     ucx_recv_t *rc = user_data;
     ucx_iface_t *tl = rc->tl;
     (void)length;
+    pthread_mutex_lock(&tl->mu);
+    ucx_ep_t *ep;
+    for (ep = tl->eps; ep && !(ep->accepted && ep->id == rc->acc_id); ep = ep->next)
+        ;
+    if (ep) {
+        ep->inflight--;
+        if (status != UCS_OK)
+            ep_fail_locked(ep, KVW_ERR_CONN_CLOSED, true,
+                           "receiving %zu bytes into region %llu failed: %s", rc->len,
+                           (unsigned long long)rc->region->id, ucs_status_string(status));
+    }
+    pthread_mutex_unlock(&tl->mu);
     pthread_mutex_lock(&tl->reg_mu);
     rc->region->inflight--;
     pthread_mutex_unlock(&tl->reg_mu);
-    if (status != UCS_OK)
-        acc_fail(tl, NULL, rc->acc_id, KVW_ERR_CONN_CLOSED,
-                 "receiving %zu bytes into region %llu failed: %s", rc->len,
-                 (unsigned long long)rc->region->id, ucs_status_string(status));
+    if (status != UCS_OK || ep)
+        kvw__tl_wake(tl->wake_fd); /* a deferred report may be due */
     free(rc);
-    ucp_request_free(request);
+    if (request)
+        ucp_request_free(request);
 }
 
 /*
  * Receiver side: one write (put() in the default "am" mode). The receiver checks the
  * connection, the region and the bounds, then copies an eager message into place, or
  * receives a rendezvous message straight into the destination. Bad writes land
- * nowhere and fail the connection. The region cannot go away meanwhile: eager copies
- * run under reg_mu, and mem_dereg waits for the rendezvous receives of the region.
+ * nowhere and fail the connection. Once a connection has failed, its writes are
+ * dropped, and its failure is reported only after its rendezvous receives ended (see
+ * dispatch_errors), so that nothing of it lands after on_ep_error. The region cannot
+ * go away meanwhile: eager copies run under reg_mu, and mem_dereg waits for the
+ * region's rendezvous receives. Locks: tl->mu, then reg_mu.
  */
 static ucs_status_t on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t len,
                             bool rndv)
 {
     bool closed = atomic_load(&tl->closed);
+    uint64_t end;
     pthread_mutex_lock(&tl->mu);
     ucx_ep_t *ep = closed ? NULL : ep_find(tl, h->a, true, h->from);
-    bool alive = ep && ep->remote_id == h->b && !ep->reported && !atomic_load(&ep->closing);
-    if (alive)
-        ep->last_rx_ns = kvw__now_ns();
-    pthread_mutex_unlock(&tl->mu);
-    if (!alive)
+    if (ep == NULL || ep->remote_id != h->b || ep->reported || atomic_load(&ep->closing) ||
+        atomic_load(&ep->failed) != 0) {
+        pthread_mutex_unlock(&tl->mu);
         return rndv ? UCS_ERR_NOT_CONNECTED : UCS_OK; /* dropped */
-    uint64_t end;
+    }
+    ep->last_rx_ns = kvw__now_ns();
     pthread_mutex_lock(&tl->reg_mu);
     ucx_region_t *r = *region_slot(tl, h->c);
     if (r == NULL || !kvw__add_u64(h->d, len, &end) || end > r->len) {
-        uint64_t rlen = r ? r->len : 0;
-        pthread_mutex_unlock(&tl->reg_mu);
         if (r)
-            acc_fail(tl, h, h->a, KVW_ERR_OUT_OF_RANGE,
-                     "write of %zu bytes at offset %llu is outside region %llu of %llu bytes",
-                     len, (unsigned long long)h->d, (unsigned long long)h->c,
-                     (unsigned long long)rlen);
+            ep_fail_locked(ep, KVW_ERR_OUT_OF_RANGE, true,
+                           "write of %zu bytes at offset %llu is outside region %llu of %llu "
+                           "bytes",
+                           len, (unsigned long long)h->d, (unsigned long long)h->c,
+                           (unsigned long long)r->len);
         else
-            acc_fail(tl, h, h->a, KVW_ERR_OUT_OF_RANGE,
-                     "write of %zu bytes into region %llu, which is not registered "
-                     "(deregistered?)",
-                     len, (unsigned long long)h->c);
+            ep_fail_locked(ep, KVW_ERR_OUT_OF_RANGE, true,
+                           "write of %zu bytes into region %llu, which is not registered "
+                           "(deregistered?)",
+                           len, (unsigned long long)h->c);
+        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->mu);
+        kvw__tl_wake(tl->wake_fd);
         return rndv ? UCS_ERR_REJECTED : UCS_OK;
     }
     uint8_t *dst = (uint8_t *)(uintptr_t)r->base + h->d;
@@ -797,30 +797,32 @@ static ucs_status_t on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, siz
         if (len)
             memcpy(dst, data, len);
         pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->mu);
         return UCS_OK;
     }
-    r->inflight++;
-    pthread_mutex_unlock(&tl->reg_mu);
     ucx_recv_t *rc = malloc(sizeof(*rc));
-    void *req = UCS_STATUS_PTR(UCS_ERR_NO_MEMORY);
-    if (rc) {
-        *rc = (ucx_recv_t){.tl = tl, .region = r, .acc_id = h->a, .len = len};
-        ucp_request_param_t prm = {
-            .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
-                            UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
-            .cb.recv_am = recv_done,
-            .user_data = rc,
-            .memory_type = UCS_MEMORY_TYPE_HOST};
-        req = ucp_am_recv_data_nbx(tl->worker, data, dst, len, &prm);
+    if (rc == NULL) {
+        ep_fail_locked(ep, KVW_ERR_NO_MEMORY, true, "no memory to receive %zu bytes", len);
+        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->mu);
+        kvw__tl_wake(tl->wake_fd);
+        return UCS_ERR_NO_MEMORY;
     }
+    r->inflight++;
+    ep->inflight++;
+    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->mu);
+    *rc = (ucx_recv_t){.tl = tl, .region = r, .acc_id = h->a, .len = len};
+    ucp_request_param_t prm = {
+        .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                        UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
+        .cb.recv_am = recv_done,
+        .user_data = rc,
+        .memory_type = UCS_MEMORY_TYPE_HOST};
+    void *req = ucp_am_recv_data_nbx(tl->worker, data, dst, len, &prm);
     if (!UCS_PTR_IS_ERR(req))
         return UCS_INPROGRESS; /* recv_done finishes it */
-    free(rc);
-    pthread_mutex_lock(&tl->reg_mu);
-    r->inflight--;
-    pthread_mutex_unlock(&tl->reg_mu);
-    acc_fail(tl, h, h->a, KVW_ERR_IO, "cannot receive %zu bytes: %s", len,
-             ucs_status_string(UCS_PTR_STATUS(req)));
+    recv_done(NULL, UCS_PTR_STATUS(req), 0, rc); /* counts down and fails the connection */
     return UCS_PTR_STATUS(req);
 }
 
@@ -907,43 +909,63 @@ static void dispatch_events(ucx_iface_t *tl)
         ucx_ep_t *ep;
         for (ep = tl->eps; ep && !(ep->accepted && ep->id == ev->acc_id); ep = ep->next)
             ;
-        if (ep && (ep->reported || atomic_load(&ep->closing)))
+        /* Nothing is delivered from a connection that failed, even before its
+         * failure is reported. */
+        if (ep && (ep->reported || atomic_load(&ep->closing) || atomic_load(&ep->failed)))
             ep = NULL;
+        bool deliver = false;
+        if (ep && ev->type == MSG_BYE)
+            ep_fail_locked(ep, KVW_ERR_CONN_CLOSED, true, "the sender closed the connection");
+        else if (ep && ev->oversized)
+            ep_fail_locked(ep, KVW_ERR_MALFORMED, true, "notification of %zu bytes (limit %u)",
+                           ev->len, KVW_TL_MAX_NOTIFY);
+        else
+            deliver = ep != NULL;
         pthread_mutex_unlock(&tl->mu);
-        if (ep && !atomic_load(&tl->closed)) {
-            char reason[192];
-            if (ev->type == MSG_BYE) {
-                snprintf(reason, sizeof(reason),
-                         "ucx connection from %s: the sender closed the connection", ep->peer);
-                report(tl, ep, KVW_ERR_CONN_CLOSED, reason);
-            } else if (ev->oversized) {
-                snprintf(reason, sizeof(reason),
-                         "ucx connection from %s: notification of %zu bytes (limit %u)",
-                         ep->peer, ev->len, KVW_TL_MAX_NOTIFY);
-                report(tl, ep, KVW_ERR_MALFORMED, reason);
-            } else {
-                tl->cb.on_notify(tl->cb.arg, (kvw_tl_ep_h)(void *)ep,
-                                 ev->len ? ev->data : (const void *)"", ev->len);
-            }
-        }
+        if (deliver && !atomic_load(&tl->closed))
+            tl->cb.on_notify(tl->cb.arg, (kvw_tl_ep_h)(void *)ep,
+                             ev->len ? ev->data : (const void *)"", ev->len);
         free(ev);
         ev = next;
     }
 }
 
+/*
+ * Progress thread: reports pending failures. An accepted connection is reported only
+ * once its rendezvous receives have ended (failed or landed), so that nothing of it
+ * lands after on_ep_error; a receive that neither lands nor fails within the timeout
+ * (a sender that stopped mid-transfer) no longer holds the report back, and the reason
+ * says so.
+ */
 static void dispatch_errors(ucx_iface_t *tl)
 {
+    uint64_t now = kvw__now_ns(), limit = (uint64_t)tl->timeout_ms * 1000000ull;
+    tl->err_deferred = false;
     for (;;) {
-        char reason[sizeof(((ucx_ep_t *)NULL)->err_reason)];
+        char reason[sizeof(((ucx_ep_t *)NULL)->err_reason) + 64];
         kvw_status_t st = KVW_ERR_CONN_CLOSED;
         pthread_mutex_lock(&tl->mu);
         ucx_ep_t *ep = NULL;
-        if (tl->num_err_pending > 0)
-            for (ep = tl->eps; ep && !ep->err_pending; ep = ep->next)
-                ;
+        if (tl->num_err_pending > 0) {
+            for (ep = tl->eps; ep; ep = ep->next) {
+                if (!ep->err_pending)
+                    continue;
+                if (ep->accepted && ep->inflight > 0 && now - ep->failed_ns < limit) {
+                    tl->err_deferred = true;
+                    continue;
+                }
+                break;
+            }
+        }
         if (ep) {
-            memcpy(reason, ep->err_reason, sizeof(reason));
+            if (ep->accepted && ep->inflight > 0)
+                snprintf(reason, sizeof(reason), "%s (%u receives still in flight)",
+                         ep->err_reason, ep->inflight);
+            else
+                snprintf(reason, sizeof(reason), "%s", ep->err_reason);
             st = ep->err_status;
+            ep->err_pending = false;
+            tl->num_err_pending--;
         }
         pthread_mutex_unlock(&tl->mu);
         if (ep == NULL)
@@ -1135,13 +1157,13 @@ static void *progress_thread(void *arg)
         pthread_mutex_lock(&tl->mu);
         bool ops = tl->ops != NULL;
         bool pending = tl->ev_head != NULL || tl->closing != NULL ||
-                       (tl->num_err_pending > 0 && !closed);
+                       (tl->num_err_pending > 0 && !closed && !tl->err_deferred);
         pthread_mutex_unlock(&tl->mu);
         if (closed && (!ops || kvw__now_ns() >= shutdown_deadline))
             break;
         if (busy == 64 || pending)
             continue;
-        int ms = ops || closed ? 1 : UCX_POLL_MS;
+        int ms = ops || closed || tl->err_deferred ? 1 : UCX_POLL_MS;
         struct pollfd pfd[2] = {{.fd = tl->wake_fd, .events = POLLIN},
                                 {.fd = tl->efd, .events = POLLIN}};
         nfds_t nfds = 1;
