@@ -240,6 +240,7 @@ struct ucx_iface {
     size_t waddr_len;
     int efd;     /* the worker's event fd, or -1 (then the thread polls) */
     int wake_fd; /* our eventfd */
+    atomic_int waiters; /* user threads progressing the worker right now */
     pthread_t thread;
     bool thread_started;
     atomic_bool closed;
@@ -378,16 +379,20 @@ static ucs_status_t req_wait(ucx_iface_t *tl, void *req, uint64_t deadline)
     if (UCS_PTR_IS_ERR(req))
         return UCS_PTR_STATUS(req);
     ucs_status_t s;
+    atomic_fetch_add(&tl->waiters, 1);
     while ((s = ucp_request_check_status(req)) == UCS_INPROGRESS) {
         if (ucp_worker_progress(tl->worker) == 0) {
             if (kvw__now_ns() >= deadline) {
                 ucp_request_free(req);
-                return UCS_ERR_TIMED_OUT;
+                s = UCS_ERR_TIMED_OUT;
+                break;
             }
             sched_yield();
         }
     }
-    ucp_request_free(req);
+    atomic_fetch_sub(&tl->waiters, 1);
+    if (s != UCS_ERR_TIMED_OUT)
+        ucp_request_free(req);
     return s;
 }
 
@@ -1137,8 +1142,12 @@ static void *progress_thread(void *arg)
     uint64_t shutdown_deadline = 0;
     tl->last_loop_ns = tl->last_hb_ns = kvw__now_ns();
     for (;;) {
+        /* While a user thread waits on a request it progresses the worker itself;
+         * progressing here as well would only fight over the worker's lock. Whatever
+         * its progress hands over wakes this thread through wake_fd. */
+        bool backoff = atomic_load(&tl->waiters) > 0;
         unsigned busy = 0;
-        while (busy < 64 && ucp_worker_progress(tl->worker) != 0)
+        while (!backoff && busy < 64 && ucp_worker_progress(tl->worker) != 0)
             busy++;
         bool closed = atomic_load(&tl->closed);
         if (closed && shutdown_deadline == 0) {
@@ -1163,11 +1172,11 @@ static void *progress_thread(void *arg)
             break;
         if (busy == 64 || pending)
             continue;
-        int ms = ops || closed || tl->err_deferred ? 1 : UCX_POLL_MS;
+        int ms = ops || closed || tl->err_deferred || backoff ? 1 : UCX_POLL_MS;
         struct pollfd pfd[2] = {{.fd = tl->wake_fd, .events = POLLIN},
                                 {.fd = tl->efd, .events = POLLIN}};
         nfds_t nfds = 1;
-        if (tl->efd >= 0) {
+        if (tl->efd >= 0 && !backoff) {
             ucs_status_t s = ucp_worker_arm(tl->worker);
             if (s == UCS_ERR_BUSY)
                 continue;
@@ -1286,6 +1295,7 @@ static kvw_status_t ucx_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
     tl->rma = put && strcmp(put, "rma") == 0;
     tl->efd = -1;
     atomic_init(&tl->closed, false);
+    atomic_init(&tl->waiters, 0);
     pthread_mutex_init(&tl->mu, NULL);
     pthread_mutex_init(&tl->reg_mu, NULL);
     pthread_condattr_t ca;
@@ -1857,6 +1867,7 @@ static ucs_status_t wait_all(ucx_iface_t *tl, void **reqs, size_t n)
     ucs_status_t first = UCS_OK;
     size_t i = 0;
     uint64_t deadline = deadline_in(tl->timeout_ms);
+    atomic_fetch_add(&tl->waiters, 1);
     while (i < n) {
         ucs_status_t s = ucp_request_check_status(reqs[i]);
         if (s != UCS_INPROGRESS) {
@@ -1870,11 +1881,14 @@ static ucs_status_t wait_all(ucx_iface_t *tl, void **reqs, size_t n)
             /* Give up: the rest go back to UCX (the caller force-closes). */
             while (i < n)
                 ucp_request_free(reqs[i++]);
-            return first != UCS_OK ? first : UCS_ERR_TIMED_OUT;
+            if (first == UCS_OK)
+                first = UCS_ERR_TIMED_OUT;
+            break;
         }
         if (ucp_worker_progress(tl->worker) == 0)
             sched_yield();
     }
+    atomic_fetch_sub(&tl->waiters, 1);
     return first;
 }
 
