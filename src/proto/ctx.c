@@ -405,6 +405,17 @@ reply:
         return reason[0] ? kvw__error(st, "%s", reason) : st;
     }
     pthread_mutex_lock(&ctx->mu);
+    const kvw_parallel_t *rpar = kvw_rank_parallel(remote);
+    /* The same rank of the same decode instance registering again replaces the old
+     * registration (a restarted process whose death was not noticed yet). */
+    for (uint32_t i = 0; i < ctx->num_peers; i++) {
+        kvw_peer_t *o = ctx->peers[i];
+        if (!o->dead && o->instance == instance && o->dp == rpar->dp_rank &&
+            o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
+            kvw__peer_dead(ctx, o, KVW_ERR_PEER_DEAD,
+                           "replaced by a new registration of the same rank (two decode "
+                           "instances need distinct instance ids)");
+    }
     kvw_peer_t *peer = kvw_peer_add(ctx, fd);
     if (peer == NULL) {
         pthread_mutex_unlock(&ctx->mu);

@@ -870,7 +870,7 @@ static int kvw_u32_cmp(const void *a, const void *b)
 
 /* Pages of one pool that a room may have written: those covering [tb, te). */
 static kvw_status_t kvw_grant(kvw_room_t *r, int pool, const kvw_pages_t *pl, uint32_t ps,
-                              uint64_t tb, uint64_t te)
+                              uint64_t capacity, uint64_t tb, uint64_t te)
 {
     r->num_granted[pool] = 0;
     if (tb >= te || ps == 0)
@@ -890,6 +890,18 @@ static kvw_status_t kvw_grant(kvw_room_t *r, int pool, const kvw_pages_t *pl, ui
     memcpy(r->granted[pool], pl->pages + i0, sizeof(uint32_t) * (i1 - i0));
     qsort(r->granted[pool], i1 - i0, sizeof(uint32_t), kvw_u32_cmp);
     r->num_granted[pool] = (uint32_t)(i1 - i0);
+    /* Checked here, at post, so the decode engine hears of its own mistake at once. */
+    const char *name = pool == KVW_POOL_FULL ? "full-attention" : "sliding-window";
+    for (uint32_t i = 0; i < r->num_granted[pool]; i++) {
+        uint32_t pg = r->granted[pool][i];
+        if (pg >= capacity)
+            return kvw__error(KVW_ERR_OUT_OF_RANGE, "room %llu: %s page %u is outside the pool's "
+                              "%llu pages", (unsigned long long)r->id, name, pg,
+                              (unsigned long long)capacity);
+        if (i && pg == r->granted[pool][i - 1])
+            return kvw__error(KVW_ERR_INVALID_PARAM, "room %llu: %s page %u is listed twice",
+                              (unsigned long long)r->id, name, pg);
+    }
     return KVW_OK;
 }
 
@@ -986,12 +998,13 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
     }
     uint64_t n = post->num_tokens;
     if ((st = kvw_grant(r, KVW_POOL_FULL, &post->pages.full, me->pool_page_size[KVW_POOL_FULL],
-                        post->prefix_len, n)) != KVW_OK)
+                        me->pool_capacity[KVW_POOL_FULL], post->prefix_len, n)) != KVW_OK)
         goto out;
     if (max_window) {
         uint64_t ws = n > max_window ? n - max_window : 0;
         if ((st = kvw_grant(r, KVW_POOL_SWA, &post->pages.swa, me->pool_page_size[KVW_POOL_SWA],
-                            KVW_MAX(ws, post->prefix_len), n)) != KVW_OK)
+                            me->pool_capacity[KVW_POOL_SWA], KVW_MAX(ws, post->prefix_len),
+                            n)) != KVW_OK)
             goto out;
     }
     if (state) {
