@@ -149,7 +149,9 @@ KVW_API void kvw_receiver_metrics(kvw_receiver_h receiver, kvw_room_metrics_t *m
 KVW_API void kvw_sender_abort(kvw_sender_h sender);
 KVW_API void kvw_receiver_abort(kvw_receiver_h receiver);
 
-/* Destroying a room that is not terminal aborts it first. */
+/* Destroying a room that is not terminal aborts it first. A receiver is destroyed only
+ * once no prefill rank can still write its pages (each confirmed it stopped, or was
+ * declared dead, or the peer timeout passed), so the engine may reuse them at once. */
 KVW_API void kvw_sender_destroy(kvw_sender_h sender);
 KVW_API void kvw_receiver_destroy(kvw_receiver_h receiver);
 

@@ -100,6 +100,7 @@ typedef struct kvw_room_src {
     uint32_t peer;
     uint64_t expected, got;
     bool done;
+    bool quiet; /* the prefill rank confirmed it will not write this room any more */
 } kvw_room_src_t;
 
 typedef struct kvw_room {
@@ -114,6 +115,7 @@ typedef struct kvw_room {
     uint64_t created_ns, deadline_ns, start_ns, end_ns;
     uint64_t bytes, runs;
     uint32_t inflight; /* worker jobs running on this room */
+    bool quiesce_sent; /* prefill: told every decode rank it stopped writing */
     bool queued;
     struct kvw_room *qnext;
     /* prefill */

@@ -8,6 +8,7 @@
 #include <kvwire/cuda.h>
 
 #include <stdio.h>
+#include <time.h>
 #include <string.h>
 
 struct kvw_sender {
@@ -215,6 +216,22 @@ static void kvw_send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t typ
     kvw__peer_send(ctx, peer, &w);
 }
 
+/*
+ * A failed prefill room tells its decode ranks, once no worker step runs on it any
+ * more, that it will not write their pages again (ABORT_ACK). A decode rank destroying
+ * a room waits for that before the engine may reuse the pages: one-sided transports
+ * cannot be stopped by the receiver.
+ */
+static void kvw_room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    if (!r->is_sender || r->state != KVW_ROOM_FAILED || r->inflight || r->quiesce_sent)
+        return;
+    r->quiesce_sent = true;
+    for (uint32_t i = 0; i < r->num_dsts; i++)
+        kvw_send_room_msg(ctx, ctx->peers[r->dsts[i].peer], KVW_MSG_ABORT_ACK, r->id,
+                          KVW_ERR_ABORTED, "stopped");
+}
+
 void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
                     const char *fmt, ...)
 {
@@ -230,14 +247,17 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     if (!room->is_sender && ctx->staging)
         kvw_stage_release_room(ctx, room->id);
     pthread_cond_broadcast(&ctx->cv);
-    if (!notify)
+    if (!notify) {
+        kvw_room_quiesce(ctx, room);
         return;
+    }
     /* Tell the other side: prefill reports FAILED to its decode ranks; decode aborts
      * the room on its prefill ranks. */
     if (room->is_sender) {
         for (uint32_t i = 0; i < room->num_dsts; i++)
             kvw_send_room_msg(ctx, ctx->peers[room->dsts[i].peer], KVW_MSG_FAILED, room->id, status,
                               room->reason);
+        kvw_room_quiesce(ctx, room);
     } else {
         for (uint32_t i = 0; i < room->num_srcs; i++)
             kvw_send_room_msg(ctx, ctx->peers[room->srcs[i].peer], KVW_MSG_ABORT, room->id, status,
@@ -417,7 +437,9 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
     }
     r->dsts[r->num_dsts++] = d;
     if (r->state == KVW_ROOM_FAILED) {
+        /* Nothing will be written for a room that already failed. */
         kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, r->status, r->reason);
+        kvw_send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
         return;
     }
     for (uint32_t i = 0; i + 1 < r->num_dsts; i++)
@@ -732,6 +754,7 @@ void *kvw__worker_main(void *arg)
                 snprintf(msg, sizeof(msg), "%s", kvw_last_error());
                 pthread_mutex_lock(&ctx->mu);
                 r->inflight--;
+                kvw_room_quiesce(ctx, r);
                 d = &r->dsts[i];
                 if (st != KVW_OK) {
                     if (r->state != KVW_ROOM_FAILED)
@@ -1359,10 +1382,21 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
             if (r)
                 kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "aborted by %s: %s", peer->desc,
                                reason);
-            kvw_send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "acknowledged");
+            /* A decode rank this room writes gets its ABORT_ACK once the worker is out
+             * of the room (kvw_room_quiesce); any other one can have it now. */
+            bool dst = false;
+            for (uint32_t i = 0; r && i < r->num_dsts; i++)
+                dst |= r->dsts[i].peer == peer->id;
+            if (!dst || (r && r->quiesce_sent))
+                kvw_send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
         } else if (type == KVW_MSG_FAILED && ctx->side == KVW_SIDE_DECODE && r) {
             kvw__room_fail(ctx, r, st == KVW_ERR_ABORTED ? KVW_ERR_ABORTED : KVW_ERR_REMOTE_FAILED,
                            false, "%s failed the room: %s", peer->desc, reason);
+        } else if (type == KVW_MSG_ABORT_ACK && ctx->side == KVW_SIDE_DECODE && r) {
+            for (uint32_t i = 0; i < r->num_srcs; i++)
+                if (r->srcs[i].peer == peer->id)
+                    r->srcs[i].quiet = true;
+            pthread_cond_broadcast(&ctx->cv);
         }
         return;
     }
@@ -1375,6 +1409,32 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
 }
 
 /* ------------------------------------------------------------ handles */
+
+/* Decode: until every prefill rank that may still write the room's pages confirmed it
+ * stopped, died, or the peer timeout passed. mu held. */
+static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    if (r->is_sender)
+        return;
+    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
+    for (;;) {
+        bool busy = false;
+        for (uint32_t i = 0; i < r->num_srcs; i++) {
+            kvw_room_src_t *s = &r->srcs[i];
+            busy |= !s->done && !s->quiet && !ctx->peers[s->peer]->dead;
+        }
+        uint64_t now = kvw__now_ns();
+        if (!busy || now >= deadline || ctx->stopping)
+            return;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t wait = KVW_MIN(deadline - now, 50000000ull);
+        ts.tv_nsec += (long)(wait % 1000000000ull);
+        ts.tv_sec += (time_t)(wait / 1000000000ull) + ts.tv_nsec / 1000000000L;
+        ts.tv_nsec %= 1000000000L;
+        pthread_cond_timedwait(&ctx->cv, &ctx->mu, &ts);
+    }
+}
 
 #define KVW_HANDLE_FNS(kind, T)                                                          \
     kvw_room_state_t kvw_##kind##_poll(T h)                                              \
@@ -1435,6 +1495,7 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                            "the room was destroyed before it finished");                 \
             while (h->room->inflight)                                                    \
                 pthread_cond_wait(&ctx->cv, &ctx->mu);                                   \
+            kvw_room_wait_quiet(ctx, h->room);                                           \
             kvw__room_unlink(ctx, h->room);                                              \
             pthread_mutex_unlock(&ctx->mu);                                              \
         }                                                                                \
