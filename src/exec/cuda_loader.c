@@ -32,8 +32,12 @@ static void *kvw_cuda_try(const char *path)
     if (h == NULL) {
         size_t used = strlen(kvw_cuda_load_msg);
         const char *why = dlerror();
-        snprintf(kvw_cuda_load_msg + used, sizeof(kvw_cuda_load_msg) - used, "%s%s",
-                 used ? "; " : "", why ? why : path);
+        /* Appended by hand: the message may be cut, and the compiler need not warn. */
+        const char *parts[2] = {used ? "; " : "", why ? why : path};
+        for (int k = 0; k < 2; k++)
+            for (const char *c = parts[k]; *c && used + 1 < sizeof(kvw_cuda_load_msg); c++)
+                kvw_cuda_load_msg[used++] = *c;
+        kvw_cuda_load_msg[used] = '\0';
     }
     return h;
 }

@@ -109,7 +109,7 @@ static void *kvw_bs_main(void *arg)
             if (!pfd[2 + i].revents)
                 continue;
             uint8_t type, *payload = NULL;
-            uint32_t len;
+            uint32_t len = 0;
             /* A frame must arrive whole within a second once it starts. */
             bool keep = kvw__sock_recv_frame(conns[i], kvw__now_ns() + 1000000000ull, &type,
                                              &payload, &len) == KVW_OK &&
@@ -197,7 +197,7 @@ static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t dea
         return st;
     if ((st = kvw__tcp_connect(host, port, deadline_ns, &fd)) != KVW_OK)
         return st;
-    uint8_t type;
+    uint8_t type = 0;
     if ((st = kvw__wb_finish(w)) == KVW_OK &&
         (st = kvw__sock_send_all(fd, w->p, w->len, deadline_ns)) == KVW_OK &&
         (st = kvw__sock_recv_frame(fd, deadline_ns, &type, payload_p, len_p)) == KVW_OK &&
@@ -216,7 +216,7 @@ kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *
     do {
         kvw_wbuf_t w;
         uint8_t *p = NULL;
-        uint32_t len;
+        uint32_t len = 0;
         kvw__wb_init(&w, KVW_MSG_BS_REGISTER);
         kvw_bs_put_entry(&w, e);
         st = kvw_bs_call(bs_addr, &w, deadline_ns, KVW_MSG_BS_OK, &p, &len);
@@ -239,7 +239,7 @@ kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp
     do {
         kvw_wbuf_t w;
         uint8_t *p = NULL;
-        uint32_t len;
+        uint32_t len = 0;
         kvw__wb_init(&w, KVW_MSG_BS_LOOKUP);
         kvw_status_t st = kvw_bs_call(bs_addr, &w, deadline_ns, KVW_MSG_BS_TABLE, &p, &len);
         kvw__wb_free(&w);

@@ -227,7 +227,7 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
 kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p)
 {
     uint8_t type, *p = NULL;
-    uint32_t len;
+    uint32_t len = 0;
     kvw_rank_h remote = NULL;
     kvw_tl_ep_h ep = NULL;
     kvw_tl_rkey_h *rkeys = NULL;
@@ -462,7 +462,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     uint16_t port;
     int fd = -1;
     uint8_t type, *p = NULL;
-    uint32_t len;
+    uint32_t len = 0;
     kvw_status_t st = kvw__parse_hostport(e->addr, host, sizeof(host), &port);
     if (st != KVW_OK)
         return st;
@@ -580,8 +580,8 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
             peer->hdr_got += (uint32_t)k;
             if (peer->hdr_got < KVW_WIRE_HDR)
                 continue;
-            uint8_t type;
-            uint32_t len;
+            uint8_t type = 0;
+            uint32_t len = 0;
             if (kvw__wire_header(peer->hdr, &type, &len) != KVW_OK) {
                 kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
                 return;

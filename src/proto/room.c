@@ -1142,7 +1142,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     (void)ep;
     if (len < KVW_WIRE_HDR)
         return;
-    uint8_t type;
+    uint8_t type = 0;
     uint32_t plen;
     if (kvw__wire_header(msg, &type, &plen) != KVW_OK || type != KVW_MSG_DONE ||
         plen != len - KVW_WIRE_HDR)

@@ -254,8 +254,8 @@ kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
                                   uint8_t **payload_p, uint32_t *len_p)
 {
     uint8_t hdr[KVW_WIRE_HDR];
-    uint8_t type;
-    uint32_t len;
+    uint8_t type = 0;
+    uint32_t len = 0;
     kvw_status_t st = kvw__sock_recv_all(fd, hdr, sizeof(hdr), deadline_ns);
     if (st != KVW_OK)
         return st;
