@@ -17,6 +17,8 @@
  *   sender_idle_killed  the same for a sender with nothing in flight (heartbeat).
  *   receiver_killed     the sender's put/notify fail within the timeout, no hang.
  *   receiver_stalled    the receiver is SIGSTOPped: TIMEOUT within the timeout.
+ *   close_while_stalled close() makes a put blocked on a stopped receiver fail at
+ *          once (SHUTDOWN), and stop() does not wait for the timeout.
  * In-process cases (last, once this process may have threads):
  *   accepted_close  the receiver closes an accepted endpoint: the sender learns it.
  *   fini_leaks      fini with everything still open (for ASan's leak check).
@@ -1010,7 +1012,25 @@ out:
 typedef struct trouble_arg {
     uint32_t timeout_ms;
     bool stall;
+    bool close; /* the sender closes its instance while a put is blocked */
 } trouble_arg_t;
+
+typedef struct put_loop {
+    sender_t *s;
+    kvw_tl_put_t *p;
+    kvw_status_t st;
+    uint64_t ended_ms;
+} put_loop_t;
+
+static void *put_loop_thread(void *arg)
+{
+    put_loop_t *pl = arg;
+    do
+        pl->st = T->put(pl->s->ep, 1, pl->p, 2);
+    while (pl->st == KVW_OK);
+    pl->ended_ms = now_ms();
+    return NULL;
+}
 
 /* Proves the path, says READY, waits for GO, then puts and notifies until a call
  * fails; it must fail with the expected status and no call may block for long. */
@@ -1034,6 +1054,27 @@ static int child_tx_until_error(int ctl, void *arg)
     CHECK_OK(T->notify(s.ep, "ok", 2));
     CHECK(ctl_send(ctl, C_READY, 0, 0, NULL) == 0, "ctl");
     CHECK(ctl_recv(ctl, C_GO, &m, 20000) == 0, "no GO");
+    if (ta->close) {
+        /* Fill the pipe until a put blocks, then close the instance under it. */
+        put_loop_t pl = {.s = &s, .p = p, .st = KVW_OK};
+        pthread_t th;
+        CHECK(pthread_create(&th, NULL, put_loop_thread, &pl) == 0, "pthread_create");
+        sleep_ms(500);
+        uint64_t c0 = now_ms();
+        T->close(s.tl);
+        T->stop(s.tl);
+        uint64_t stop_ms = now_ms() - c0;
+        pthread_join(th, NULL);
+        fprintf(stderr, "  put failed %llu ms after close(): %s: %s; stop() took %llu ms\n",
+                (unsigned long long)(pl.ended_ms - c0), kvw_status_string(pl.st),
+                kvw_last_error(), (unsigned long long)stop_ms);
+        CHECK(pl.st == KVW_ERR_SHUTDOWN, "the blocked put returned %s",
+              kvw_status_string(pl.st));
+        CHECK(pl.ended_ms - c0 < 1000 && stop_ms < 2500, "close did not end the blocked put "
+                                                         "promptly");
+        CHECK_ST(T->notify(s.ep, "z", 1), KVW_ERR_SHUTDOWN);
+        goto out;
+    }
     kvw_status_t st = KVW_OK;
     uint64_t t0 = now_ms(), slowest = 0;
     while (st == KVW_OK && now_ms() - t0 < 20000) {
@@ -1060,12 +1101,13 @@ out:
     return rc;
 }
 
-static int receiver_trouble(bool stall)
+static int receiver_trouble(bool stall, bool close_it)
 {
     int rc = 0, rv[2] = {-1, -1}, sv[2] = {-1, -1};
     pid_t rp = -1, sp = -1;
     ctl_t m;
-    trouble_arg_t ta = {.timeout_ms = stall ? 700 : 2000, .stall = stall};
+    trouble_arg_t ta = {.timeout_ms = close_it ? 10000 : stall ? 700 : 2000, .stall = stall,
+                        .close = close_it};
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, rv) == 0, "socketpair");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     rp = spawn(child_rx_idle, rv[1], rv[0], NULL);
@@ -1106,12 +1148,17 @@ out:
 
 static int receiver_killed(void)
 {
-    return receiver_trouble(false);
+    return receiver_trouble(false, false);
 }
 
 static int receiver_stalled(void)
 {
-    return receiver_trouble(true);
+    return receiver_trouble(true, false);
+}
+
+static int close_while_stalled(void)
+{
+    return receiver_trouble(true, true);
 }
 
 /* ---------------------------------------------------------------- in-process */
@@ -1348,6 +1395,7 @@ int main(int argc, char **argv)
         {"dereg_refused", dereg_refused},     {"sender_killed", sender_killed},
         {"sender_idle_killed", sender_idle_killed},
         {"receiver_killed", receiver_killed}, {"receiver_stalled", receiver_stalled},
+        {"close_while_stalled", close_while_stalled},
         {"accepted_close", accepted_close},   {"fini_leaks", fini_leaks},
     };
     const char *only = argc > 1 ? argv[1] : NULL;

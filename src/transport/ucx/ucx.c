@@ -219,11 +219,12 @@ typedef struct ucx_wait {
     int32_t status;
 } ucx_wait_t;
 
-/* A send or endpoint close tracked to completion. */
+/* A send, flush or endpoint close tracked to completion. */
 typedef struct ucx_op {
     struct ucx_op *next;
     void *req;
-    ucx_ep_t *free_ep; /* close: free this endpoint when done */
+    ucp_ep_h close_uep; /* a flush: force-close this endpoint when it ends */
+    ucx_ep_t *free_ep;  /* close: free this endpoint when done */
     uint64_t deadline;
     uint8_t hdr[UCX_MSG_HDR];
 } ucx_op_t;
@@ -369,10 +370,11 @@ static void cond_wait_ms(ucx_iface_t *tl, unsigned ms)
 /*
  * Waits for a UCX request (NULL: done at once; an error pointer) to complete,
  * progressing the worker, until the deadline. Returns the request's status, or
- * UCS_ERR_TIMED_OUT with the request released to UCX (freed when it completes; the
- * caller must force-close the endpoint before its buffers go away).
+ * UCS_ERR_TIMED_OUT (or, when `abortable` and the instance was closed meanwhile,
+ * UCS_ERR_CANCELED) with the request released to UCX: it is freed when it completes,
+ * and the caller must force-close the endpoint before its buffers go away.
  */
-static ucs_status_t req_wait(ucx_iface_t *tl, void *req, uint64_t deadline)
+static ucs_status_t req_wait(ucx_iface_t *tl, void *req, uint64_t deadline, bool abortable)
 {
     if (req == NULL)
         return UCS_OK;
@@ -381,18 +383,20 @@ static ucs_status_t req_wait(ucx_iface_t *tl, void *req, uint64_t deadline)
     ucs_status_t s;
     atomic_fetch_add(&tl->waiters, 1);
     while ((s = ucp_request_check_status(req)) == UCS_INPROGRESS) {
-        if (ucp_worker_progress(tl->worker) == 0) {
-            if (kvw__now_ns() >= deadline) {
-                ucp_request_free(req);
-                s = UCS_ERR_TIMED_OUT;
-                break;
-            }
-            sched_yield();
+        if (ucp_worker_progress(tl->worker) != 0)
+            continue;
+        if (abortable && atomic_load(&tl->closed)) {
+            s = UCS_ERR_CANCELED;
+            break;
         }
+        if (kvw__now_ns() >= deadline) {
+            s = UCS_ERR_TIMED_OUT;
+            break;
+        }
+        sched_yield();
     }
     atomic_fetch_sub(&tl->waiters, 1);
-    if (s != UCS_ERR_TIMED_OUT)
-        ucp_request_free(req);
+    ucp_request_free(req); /* still in flight: released when it completes */
     return s;
 }
 
@@ -409,7 +413,7 @@ static void *uep_close_post(ucx_iface_t *tl, ucp_ep_h uep, bool force)
 static bool uep_close_wait(ucx_iface_t *tl, ucp_ep_h uep, bool force)
 {
     void *req = uep_close_post(tl, uep, force);
-    return req_wait(tl, req, deadline_in(KVW_MIN(tl->timeout_ms, UCX_CLOSE_MS))) !=
+    return req_wait(tl, req, deadline_in(KVW_MIN(tl->timeout_ms, UCX_CLOSE_MS)), false) !=
            UCS_ERR_TIMED_OUT;
 }
 
@@ -523,14 +527,40 @@ static void *am_post(ucp_ep_h uep, const uint8_t *hdr, const void *data, size_t 
     return ucp_am_send_nbx(uep, UCX_AM_ID, hdr, UCX_MSG_HDR, data, len, &prm);
 }
 
-/* Tracks a request to completion (under tl->mu: AM callbacks add to the list from any
- * thread); frees the op, and `free_ep` of close ops, when it completes at once. */
-static void op_track(ucx_iface_t *tl, ucx_op_t *op, void *req, uint32_t ms)
+static void op_track(ucx_iface_t *tl, ucx_op_t *op, void *req, uint32_t ms);
+
+/* Progress thread or fini: an op's request ended, or its deadline passed (then UCX may
+ * still use its header, or call its endpoint's error handler: both live until the
+ * worker is destroyed). A finished flush goes on to force-close its endpoint. */
+static void op_finish(ucx_iface_t *tl, ucx_op_t *op, bool timed_out)
 {
-    if (req == NULL || UCS_PTR_IS_ERR(req)) {
+    if (op->close_uep) {
+        ucp_ep_h uep = op->close_uep;
+        op->close_uep = NULL;
+        op_track(tl, op, uep_close_post(tl, uep, true), KVW_MIN(tl->timeout_ms, UCX_CLOSE_MS));
+        return;
+    }
+    if (!timed_out) {
         if (op->free_ep)
             ep_free(op->free_ep);
         free(op);
+        return;
+    }
+    if (op->free_ep) {
+        op->free_ep->next = tl->zombies;
+        tl->zombies = op->free_ep;
+        op->free_ep = NULL;
+    }
+    op->next = tl->dead_ops;
+    tl->dead_ops = op;
+}
+
+/* Tracks a request to completion (under tl->mu: AM callbacks add to the list from any
+ * thread); a request that is already done finishes the op at once. */
+static void op_track(ucx_iface_t *tl, ucx_op_t *op, void *req, uint32_t ms)
+{
+    if (req == NULL || UCS_PTR_IS_ERR(req)) {
+        op_finish(tl, op, false);
         return;
     }
     op->req = req;
@@ -552,9 +582,40 @@ static void send_msg(ucx_iface_t *tl, ucp_ep_h uep, const msg_hdr_t *h, bool wan
     op_track(tl, op, am_post(uep, op->hdr, NULL, 0, want_reply), tl->timeout_ms);
 }
 
-/* Progress thread or fini: completes tracked requests. Ops past their deadline move to
- * dead_ops: UCX may still use their header (or call their endpoint's error handler),
- * so both live until the worker is destroyed. */
+/*
+ * Progress thread: closes a UCX endpoint without waiting, and frees `free_ep` (if any)
+ * once UCX is done with it. With `bye`: says it, flushes for at most UCX_GOODBYE_MS,
+ * then force-closes. A close that only flushes could leave requests behind for ever
+ * (a stopped peer), and UCX 1.13 asserts when the worker is destroyed with those;
+ * without PEER mode, though, UCX allows only that kind of close.
+ */
+static void close_uep_async(ucx_iface_t *tl, ucp_ep_h uep, ucx_ep_t *free_ep,
+                            const msg_hdr_t *bye)
+{
+    if (bye)
+        send_msg(tl, uep, bye, false);
+    ucx_op_t *op = calloc(1, sizeof(*op));
+    if (op == NULL) {
+        bool done = uep_close_wait(tl, uep, true);
+        if (free_ep && done) {
+            ep_free(free_ep);
+        } else if (free_ep) {
+            free_ep->next = tl->zombies;
+            tl->zombies = free_ep;
+        }
+        return;
+    }
+    op->free_ep = free_ep;
+    if (bye && tl->peer_mode) {
+        ucp_request_param_t prm = {.op_attr_mask = 0};
+        op->close_uep = uep;
+        op_track(tl, op, ucp_ep_flush_nbx(uep, &prm), KVW_MIN(tl->timeout_ms, UCX_GOODBYE_MS));
+    } else {
+        op_track(tl, op, uep_close_post(tl, uep, true), KVW_MIN(tl->timeout_ms, UCX_CLOSE_MS));
+    }
+}
+
+/* Progress thread or fini: completes tracked requests. */
 static void poll_ops(ucx_iface_t *tl)
 {
     pthread_mutex_lock(&tl->mu);
@@ -574,20 +635,9 @@ static void poll_ops(ucx_iface_t *tl)
             tail = &op->next;
             continue;
         }
-        ucp_request_free(op->req);
-        if (s != UCS_INPROGRESS) {
-            if (op->free_ep)
-                ep_free(op->free_ep);
-            free(op);
-            continue;
-        }
-        if (op->free_ep) {
-            op->free_ep->next = tl->zombies;
-            tl->zombies = op->free_ep;
-            op->free_ep = NULL;
-        }
-        op->next = tl->dead_ops;
-        tl->dead_ops = op;
+        ucp_request_free(op->req); /* released to UCX if still in flight */
+        op->req = NULL;
+        op_finish(tl, op, s == UCS_INPROGRESS);
     }
     *tail = NULL;
     if (keep) {
@@ -1004,23 +1054,9 @@ static void reap_closing(ucx_iface_t *tl)
             continue;
         }
         bool alive = atomic_load(&ep->failed) == 0;
-        if (alive && ep->graceful) {
-            msg_hdr_t h = {.type = MSG_BYE, .to = ep->peer_token, .from = tl->token,
-                           .a = ep->remote_id, .b = ep->id};
-            send_msg(tl, uep, &h, false);
-        }
-        ucx_op_t *op = calloc(1, sizeof(*op));
-        void *req = uep_close_post(tl, uep, !(alive && ep->graceful));
-        if (op == NULL) {
-            /* Cannot track it: keep the endpoint until the worker is gone. */
-            if (req && !UCS_PTR_IS_ERR(req))
-                ucp_request_free(req);
-            ep->next = tl->zombies;
-            tl->zombies = ep;
-            continue;
-        }
-        op->free_ep = ep;
-        op_track(tl, op, req, KVW_MIN(tl->timeout_ms, UCX_CLOSE_MS));
+        msg_hdr_t bye = {.type = MSG_BYE, .to = ep->peer_token, .from = tl->token,
+                         .a = ep->remote_id, .b = ep->id};
+        close_uep_async(tl, uep, ep, alive && ep->graceful ? &bye : NULL);
     }
 }
 
@@ -1101,19 +1137,9 @@ static void shutdown_connected(ucx_iface_t *tl, ucx_ep_t *ep)
     pthread_rwlock_unlock(&ep->rw);
     if (uep == NULL)
         return;
-    if (alive) {
-        msg_hdr_t h = {.type = MSG_BYE, .to = ep->peer_token, .from = tl->token,
-                       .a = ep->remote_id, .b = ep->id};
-        send_msg(tl, uep, &h, false);
-    }
-    ucx_op_t *op = calloc(1, sizeof(*op));
-    void *req = uep_close_post(tl, uep, !alive);
-    if (op == NULL) {
-        if (req && !UCS_PTR_IS_ERR(req))
-            ucp_request_free(req);
-        return;
-    }
-    op_track(tl, op, req, KVW_MIN(tl->timeout_ms, UCX_GOODBYE_MS));
+    msg_hdr_t bye = {.type = MSG_BYE, .to = ep->peer_token, .from = tl->token,
+                     .a = ep->remote_id, .b = ep->id};
+    close_uep_async(tl, uep, NULL, alive ? &bye : NULL);
 }
 
 static void begin_shutdown(ucx_iface_t *tl)
@@ -1538,7 +1564,8 @@ static bool wait_reply(ucx_ep_t *ep, wait_pred_t done, void *arg, uint64_t deadl
         unsigned n = ucp_worker_progress(tl->worker);
         pthread_mutex_lock(&tl->mu);
         bool ok = done(ep, arg);
-        bool stop = ok || atomic_load(&ep->failed) != 0 || kvw__now_ns() >= deadline;
+        bool stop = ok || atomic_load(&ep->failed) != 0 || atomic_load(&tl->closed) ||
+                    kvw__now_ns() >= deadline;
         if (!stop && n == 0)
             cond_wait_ms(tl, 1);
         pthread_mutex_unlock(&tl->mu);
@@ -1633,7 +1660,7 @@ static kvw_status_t ucx_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     msg_hdr_t h = {.type = MSG_HELLO, .to = token, .from = tl->token, .b = ep->id,
                    .c = (uint64_t)getpid()};
     hdr_put(hdr, &h);
-    s = req_wait(tl, am_post(ep->uep, hdr, NULL, 0, true), deadline);
+    s = req_wait(tl, am_post(ep->uep, hdr, NULL, 0, true), deadline, true);
     if (s == UCS_OK)
         wait_reply(ep, hello_acked, NULL, deadline);
     pthread_mutex_lock(&tl->mu);
@@ -1647,7 +1674,10 @@ static kvw_status_t ucx_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
         *ep_p = (kvw_tl_ep_h)(void *)ep;
         return KVW_OK;
     }
-    if (failed == 0 && s != UCS_OK && s != UCS_ERR_TIMED_OUT)
+    if (failed == 0 && atomic_load(&tl->closed))
+        st = kvw__error(KVW_ERR_SHUTDOWN, "ucx connect to %s: the transport was closed",
+                        ep->peer);
+    else if (failed == 0 && s != UCS_OK && s != UCS_ERR_TIMED_OUT)
         st = kvw__error(map_ucs(s), "ucx connect to %s: HELLO failed: %s", ep->peer,
                         ucs_status_string(s));
     else if (failed == 0)
@@ -1726,14 +1756,17 @@ static kvw_status_t rkey_check(ucx_ep_t *ep, uint64_t region, uint64_t base, uin
                    .f = rlen};
     hdr_put(hdr, &h);
     uint64_t deadline = deadline_in(tl->timeout_ms);
-    ucs_status_t s = req_wait(tl, am_post(ep->uep, hdr, NULL, 0, true), deadline);
+    ucs_status_t s = req_wait(tl, am_post(ep->uep, hdr, NULL, 0, true), deadline, true);
     bool answered = s == UCS_OK && wait_reply(ep, rkey_answered, &w, deadline);
     wait_link(tl, &w, false);
-    if (s == UCS_ERR_TIMED_OUT) {
-        *kill_p = true;
-        return kvw__error(KVW_ERR_TIMEOUT,
-                          "ucx rkey_unpack: region %llu: request not sent within %u ms",
-                          (unsigned long long)region, tl->timeout_ms);
+    if (s == UCS_ERR_TIMED_OUT || s == UCS_ERR_CANCELED) {
+        *kill_p = true; /* the request may still read `hdr` */
+        if (atomic_load(&tl->closed))
+            return kvw__error(KVW_ERR_SHUTDOWN, "ucx rkey_unpack: the transport was closed");
+        if (s == UCS_ERR_TIMED_OUT)
+            return kvw__error(KVW_ERR_TIMEOUT,
+                              "ucx rkey_unpack: region %llu: request not sent within %u ms",
+                              (unsigned long long)region, tl->timeout_ms);
     }
     if (s != UCS_OK)
         return kvw__error(map_ucs(s), "ucx rkey_unpack: region %llu: request failed: %s",
@@ -1877,6 +1910,8 @@ static ucs_status_t wait_all(ucx_iface_t *tl, void **reqs, size_t n)
             deadline = deadline_in(tl->timeout_ms);
             continue;
         }
+        if (first == UCS_OK && atomic_load(&tl->closed))
+            first = UCS_ERR_CANCELED; /* close(): pending calls fail */
         if (first != UCS_OK || kvw__now_ns() >= deadline) {
             /* Give up: the rest go back to UCX (the caller force-closes). */
             while (i < n)
@@ -1905,6 +1940,8 @@ static kvw_status_t puts_status(ucx_ep_t *ep, ucs_status_t s, bool *kill_p)
     if (s == UCS_OK)
         return KVW_OK;
     *kill_p = true; /* requests may still reference the caller's buffers */
+    if (s == UCS_ERR_CANCELED && atomic_load(&tl->closed))
+        return kvw__error(KVW_ERR_SHUTDOWN, "ucx put: the transport was closed");
     if (s == UCS_ERR_TIMED_OUT)
         return kvw__error(KVW_ERR_TIMEOUT,
                           "ucx put to %s: no put completed within %u ms (receiver stalled?)",
@@ -2098,20 +2135,23 @@ static kvw_status_t ucx_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
         /* Every put posted before this call must have landed before the message. */
         ucp_request_param_t prm = {.op_attr_mask = 0};
         ucs_status_t s = req_wait(tl, ucp_ep_flush_nbx(ep->uep, &prm),
-                                  deadline_in(tl->timeout_ms));
+                                  deadline_in(tl->timeout_ms), true);
         const char *step = "flush";
         if (s == UCS_OK) {
             atomic_store(&ep->dirty, false);
             msg_hdr_t h = {.type = MSG_NOTIFY, .to = ep->peer_token, .from = tl->token,
                            .a = ep->remote_id, .b = ep->id};
             hdr_put(hdr, &h);
-            s = req_wait(tl, am_post(ep->uep, hdr, msg, len, true), deadline_in(tl->timeout_ms));
+            s = req_wait(tl, am_post(ep->uep, hdr, msg, len, true), deadline_in(tl->timeout_ms),
+                         true);
             step = "send";
         }
         if (s != UCS_OK) {
             kill = true; /* `hdr` and `msg` may still be in use */
             pthread_mutex_lock(&tl->mu);
-            if (s == UCS_ERR_TIMED_OUT)
+            if (s == UCS_ERR_CANCELED && atomic_load(&tl->closed))
+                st = kvw__error(KVW_ERR_SHUTDOWN, "ucx notify: the transport was closed");
+            else if (s == UCS_ERR_TIMED_OUT)
                 st = kvw__error(KVW_ERR_TIMEOUT,
                                 "ucx notify to %s: %s did not complete within %u ms (receiver "
                                 "stalled?)",
@@ -2217,11 +2257,19 @@ static void ucx_fini(kvw_tl_h tl_h)
         tl->eps = ep->next;
         fini_ep(tl, ep);
     }
-    /* Anything still in flight goes back to UCX; the worker's end releases it. */
+    /* Anything still in flight goes back to UCX; the worker's end releases it. A flush
+     * still running turns into a forced close now: UCX must not find requests on an
+     * endpoint when the worker goes. */
     while (tl->ops) {
         ucx_op_t *op = tl->ops;
         tl->ops = op->next;
         ucp_request_free(op->req);
+        if (op->close_uep && !uep_close_wait(tl, op->close_uep, true) && op->free_ep) {
+            op->free_ep->next = tl->zombies;
+            tl->zombies = op->free_ep;
+            op->free_ep = NULL;
+        }
+        op->close_uep = NULL;
         if (op->free_ep) {
             op->free_ep->next = tl->zombies;
             tl->zombies = op->free_ep;
