@@ -99,6 +99,8 @@ SUMMARY=""
 for t in $TARGETS; do
     mkdir -p "$OUT/corpus/$t" "$OUT/artifacts/$t"
     LOG="$OUT/logs/$t.log"
+    MARK="$OUT/logs/$t.start"
+    touch "$MARK"
     echo "fuzz.sh: running $t for ${SECS}s (log $LOG)"
     KEEP=""
     [ "${FUZZ_KEEP_GOING:-0}" = 1 ] && KEEP="-fork=1 -ignore_crashes=1 -ignore_timeouts=1 -ignore_ooms=1"
@@ -113,10 +115,11 @@ for t in $TARGETS; do
     cov=$(grep -aoE 'cov: [0-9]+' "$LOG" | tail -1 | awk '{print $2}')
     report=$(grep -aE 'ERROR: (AddressSanitizer|LeakSanitizer|libFuzzer)|runtime error|FUZZ ORACLE|SUMMARY: ' "$LOG" | head -3)
     artifact=$(grep -aoE "Test unit written to [^ ]+" "$LOG" | tail -1 | sed 's/Test unit written to //')
-    ncrash=$(grep -acE "Test unit written to" "$LOG")
-    if [ $rc -ne 0 ] || [ -n "$report" ]; then
+    ncrash=$(find "$OUT/artifacts/$t" -type f -newer "$MARK" | wc -l)
+    [ -z "$artifact" ] && artifact=$(find "$OUT/artifacts/$t" -type f -newer "$MARK" | head -1)
+    if [ $rc -ne 0 ] || [ -n "$report" ] || [ "$ncrash" -gt 0 ]; then
         FAILED=1
-        result="FAILED (exit $rc, $ncrash crashing inputs)${artifact:+, last $artifact}"
+        result="FAILED (exit $rc, $ncrash crash/timeout inputs)${artifact:+, e.g. $artifact}"
     else
         result="ok"
     fi

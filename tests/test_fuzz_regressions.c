@@ -3,7 +3,8 @@
  * included here with KVW_FUZZ_NO_ENTRY): every file under fuzz/regressions/<target>/
  * (inputs that once crashed a target or tripped one of its oracles) and every seed
  * under fuzz/corpus/<target>/. Each input runs in its own child process, so a crash is
- * reported per file; a child that runs longer than 60 s counts as a hang.
+ * reported per file; a child that runs longer than 15 s counts as a hang (the targets
+ * finish any input in milliseconds).
  *
  * Built with the ordinary compiler and flags: without sanitizers an out-of-bounds access
  * may go unnoticed here, but crashes (SIGFPE, SIGSEGV), the targets' oracles (abort with
@@ -76,7 +77,7 @@ static int replay(target_fn fn, const char *path, const char *kind)
         return -1;
     }
     if (pid == 0) {
-        alarm(60);
+        alarm(15);
         size_t len = 0;
         uint8_t *data = read_file(path, &len);
         if (data == NULL) {
@@ -100,7 +101,7 @@ static int replay(target_fn fn, const char *path, const char *kind)
     if (WIFSIGNALED(status))
         printf("  FAIL %-9s %s: killed by signal %d (%s)%s\n", kind, path, WTERMSIG(status),
                strsignal(WTERMSIG(status)),
-               WTERMSIG(status) == SIGALRM ? " - hang: ran past 60 s" : "");
+               WTERMSIG(status) == SIGALRM ? " - hang: ran past 15 s" : "");
     else
         printf("  FAIL %-9s %s: exit status %d\n", kind, path, WEXITSTATUS(status));
     return -1;
