@@ -1,83 +1,92 @@
 /*
- * The ucx transport: one-sided writes through UCX (UCP), between hosts over whatever
- * UCX drives there (tcp here; RDMA where present) and between processes on one host.
+ * The ucx transport: writes through UCX (UCP), between hosts over whatever UCX drives
+ * there (tcp here; RDMA where present) and between processes on one host.
  *
  * One ucp_context and one ucp_worker (UCS_THREAD_MODE_MULTI) per instance, with
- * UCP_FEATURE_RMA for the data, UCP_FEATURE_AM for small control messages and
- * UCP_FEATURE_WAKEUP for the progress thread's event fd.
+ * UCP_FEATURE_RMA and UCP_FEATURE_AM for data and control, and UCP_FEATURE_WAKEUP for
+ * the progress thread's event fd. mem_reg maps the caller's memory with ucp_mem_map
+ * and packs its rkey with the region's base, length and id and the instance token.
  *
- * Data path. mem_reg maps the caller's memory with ucp_mem_map and packs its rkey
- * together with the region's base, length, id and the instance token. put() checks
- * every write against the region of its rkey (OUT_OF_RANGE), posts ucp_put_nbx for each
- * run and waits for local completion of all of them, so that the caller may reuse the
- * source memory when put returns. UCX 1.13 sends the puts to one rkey on one lane, in
- * order; put() also calls ucp_worker_fence at the start of a call and before any write
- * whose offset is not above the writes already posted to the same rkey in the call,
- * so overlapping writes land in the order they were posted (as on tcp and shm) also on
- * UCX versions that spread one rkey over several lanes.
+ * Two data paths; the sender chooses (KVW_UCX_PUT), a receiver takes both.
+ *  - "am" (default): one DATA active message per write. UCX sends small ones eagerly
+ *    and the receiver copies them into place; large ones go by rendezvous and are
+ *    received straight into place (ucp_am_recv_data_nbx: zero-copy, RDMA reads where
+ *    the fabric has them). The receiver checks every write against its registered
+ *    regions itself, drops the writes of a connection that failed, and reports that
+ *    failure only once its rendezvous receives have ended, so nothing of a dead or
+ *    misbehaving sender lands after on_ep_error.
+ *  - "rma": ucp_put_nbx into the rkey, truly one-sided where UCX has RMA lanes for the
+ *    memory (RDMA fabrics). UCX 1.13 emulates such puts in software on every transport
+ *    of this machine, and its emulation aborts the target process (ucs_fatal in
+ *    ucp_progress_rma_cmpl) when the initiator dies with puts in flight; nor can a
+ *    receiver refuse or stop these writes. Hence "am" by default; use "rma" only where
+ *    UCX has native RMA lanes.
+ * On both, put() checks every write against the rkey's region (OUT_OF_RANGE, nothing
+ * moved) and returns once every request completed locally, so the caller may reuse
+ * the source memory. Overlapping writes land in the order they were posted: a write
+ * that may overlap an earlier one of the same call waits for the requests in flight
+ * ("am"; eager messages are applied in the order sent) or is preceded by
+ * ucp_worker_fence ("rma", which also fences at the start of every call). notify()
+ * flushes the endpoint (ucp_ep_flush_nbx) before it sends the NOTIFY message.
  *
- * Progress. UCX 1.13 emulates puts into ordinary memory in software on every
- * transport here: the target must call ucp_worker_progress or nothing lands. Each
- * instance therefore runs one progress thread that progresses the worker and sleeps on
- * the worker's event fd (ucp_worker_arm) and an eventfd of ours, at most UCX_POLL_MS at
- * a time so that timers run. Threads that wait for a UCX request (put, notify,
- * connect) progress the worker themselves.
+ * Progress. The target must call ucp_worker_progress for emulated puts, rendezvous
+ * and control messages, so each instance runs one progress thread. It sleeps on the
+ * worker's event fd (ucp_worker_arm) and an eventfd of ours, at most UCX_POLL_MS at a
+ * time, and stays off the worker while a caller progresses it (put, notify and
+ * connect wait on their requests by progressing the worker themselves).
  *
- * Control messages are UCP active messages on one AM id, always eager (they arrive
- * whole and in order), with a fixed header (see hdr_put) that names the instance token
- * of the destination and of the source; anything else is dropped, and a receiver takes
- * messages for a connection only from the token and endpoint that opened it.
- *   sender -> receiver (with UCP_AM_SEND_FLAG_REPLY):
- *     HELLO     opens a connection; the receiver answers HELLO_ACK with its id for it.
- *     NOTIFY    the notification, sent after ucp_ep_flush_nbx completed, so every put
- *               posted before it has landed (flush waits for the target's
- *               acknowledgement of emulated puts).
- *     RKEY_REQ  rkey_unpack asks whether the region is still registered with that base
- *               and length; RKEY_REP answers (NOT_FOUND after mem_dereg).
- *     PING      every UCX_HB_MS from the sender's progress thread.
- *     BYE       the sender closed the endpoint (no reply).
- *   receiver -> sender, sent on the reply endpoint from inside the AM callback:
- *     HELLO_ACK, RKEY_REP, and CLOSED (answering any message for a connection that the
- *     receiver closed or no longer knows).
- *
- * Why the receiver holds no UCX endpoints: a UCX 1.13 target aborts the process
- * (ucs_fatal in ucp_progress_rma_cmpl) when an emulated put arrives on an endpoint that
- * failed but that the user has not closed yet; an endpoint the receiver created back to
- * its sender gets matched with the sender's connection and becomes exactly that. The
- * endpoints UCX creates internally for incoming connections are destroyed by UCX
- * itself when they fail, and late puts for them are dropped. So the receiver answers
- * only on reply endpoints, within the callback, and learns that a sender died from the
- * missing heartbeat: on_ep_error(CONN_CLOSED) after UCX_HB_DEAD_MS of silence, or at
- * once on BYE.
+ * Control messages are active messages on one AM id, always eager (whole and in
+ * order), with a fixed header (see hdr_put) naming the instance token of destination
+ * and source; anything else is dropped, and a receiver takes messages for a
+ * connection only from the token and endpoint that opened it.
+ *   sender -> receiver: HELLO (opens a connection), DATA, NOTIFY, RKEY_REQ (rkey_unpack
+ *     asks whether the region is still registered with that base and length), PING
+ *     (every UCX_HB_MS from the sender's progress thread), BYE (ep_close).
+ *   receiver -> sender, on the reply endpoint from inside the AM callback: HELLO_ACK,
+ *     RKEY_REP, and CLOSED (the answer to anything for a connection the receiver
+ *     closed or does not know).
+ * The receiver holds no UCX endpoints of its own: an endpoint it created back to a
+ * sender gets matched with that sender's connection, and UCX 1.13 aborts when an
+ * emulated put arrives on a failed endpoint that the user has not closed yet. The
+ * endpoints UCX creates for incoming connections are destroyed by UCX when they fail.
+ * So a receiver learns that a sender died from a failed rendezvous receive, from BYE,
+ * or from UCX_HB_DEAD_MS without any message (heartbeat; a stall of the receiver's own
+ * progress thread does not count).
  *
  * Callbacks. UCX callbacks (AM handlers, endpoint error handlers) may run in any
- * thread that progresses the worker, including a user thread inside put(). They do no
- * more than look up state under tl->mu, queue work, answer on the reply endpoint and
- * wake the progress thread, which alone calls on_notify / on_ep_error, outside any UCX
- * callback; user callbacks may therefore call put/notify/connect. Only the progress
- * thread (and fini) frees endpoints. Lock order: ep->rw, then tl->mu (or tl->reg_mu);
- * neither is held across a UCX call or a user callback, since UCX callbacks take them
- * while UCX holds the worker lock.
+ * thread that progresses the worker, including a caller inside put(). They only look
+ * up state under tl->mu, copy eager data, start receives, queue work, answer on the
+ * reply endpoint and wake the progress thread, which alone calls on_notify and
+ * on_ep_error, outside UCX callbacks, so user callbacks may call put, notify and
+ * connect. Only the progress thread (and fini) frees endpoints. Locks: ep->rw, then
+ * tl->mu, then tl->reg_mu; none is held across a call that progresses the worker.
  *
- * Failures. Endpoints use UCP_ERR_HANDLING_MODE_PEER (default; KVW_UCX_ERR_MODE=none
- * turns it off): UCX reports a dead receiver to the sender's endpoint error handler
- * (on_ep_error, and put/notify fail with CONN_CLOSED). In UCX 1.13 this mode restricts
- * lanes to tcp (the shared-memory transports cannot detect a dead peer), which costs
- * bandwidth on one host; with KVW_UCX_ERR_MODE=none UCX may use shared memory, but a
- * dead receiver is only noticed through timeouts. Both ends must use the same mode.
+ * Failures. Endpoints use UCP_ERR_HANDLING_MODE_PEER (KVW_UCX_ERR_MODE=none turns it
+ * off; both ends must agree): UCX reports a dead receiver to the sender's endpoint
+ * (on_ep_error; put and notify fail with CONN_CLOSED). UCX 1.13 allows only tcp lanes
+ * in this mode (its shared-memory transports cannot detect a dead peer), which costs
+ * bandwidth on one host; with "none" UCX uses shared memory, but a dead receiver is
+ * then only noticed through timeouts, and UCX does not survive some peer failures.
  * Every wait has a deadline (params.timeout_ms, else KVW_UCX_TIMEOUT_MS, else 10 s,
- * counted from the last completion for long put batches); a put or notify that times
- * out closes the UCX endpoint with UCP_EP_CLOSE_FLAG_FORCE before it returns, which
- * completes the requests still in flight, so UCX no longer reads the caller's buffers.
+ * restarted by each completion in long put batches). A put or notify that times out,
+ * or that close() interrupts (SHUTDOWN), force-closes the UCX endpoint before it
+ * returns, which completes the requests in flight, so UCX no longer reads the
+ * caller's buffers. A graceful close says BYE, flushes for at most UCX_GOODBYE_MS and
+ * then force-closes: UCX 1.13 asserts when a worker is destroyed while an endpoint
+ * still has requests.
  *
- * Confinement. UCX puts are one-sided: the receiver neither sees nor mediates them, so
- * check_write is never called (caps lack KVW_TL_CAP_MEDIATED). As for shm, the sending
- * library confines every write to the registered region of its rkey, and the protocol
- * layer of the sending side confines writes to the pages granted to the room. A
- * deregistered region cannot be unpacked by a new endpoint (RKEY_REQ), but a sender
- * that already holds its rkey can still write to it (UCX's emulated puts are not
- * checked against registrations): the protocol must stop granting pages of a region
- * before deregistering it.
+ * Confinement. check_write is never called (caps lack KVW_TL_CAP_MEDIATED). As for
+ * shm, the sending library confines every write to the registered region of its rkey,
+ * and the protocol layer of the sending side confines writes to the pages granted to
+ * the room. On the "am" path the receiver also refuses writes outside its registered
+ * regions (on_ep_error OUT_OF_RANGE); on "rma" it cannot. A deregistered region cannot
+ * be unpacked by a new endpoint; on "rma" a sender that already holds its rkey could
+ * still write to it, so the protocol must stop granting pages of a region before
+ * deregistering it.
+ *
+ * Limits. UCX itself prints warnings and errors to stderr (its own logger,
+ * UCX_LOG_LEVEL). A worker address must fit KVW_TL_MAX_ADDR with our 16-byte header;
+ * when it does not, init retries with UCX's compact address format (v2).
  */
 #include "transport/tl_util.h"
 
@@ -126,7 +135,9 @@ _Static_assert(sizeof(size_t) == sizeof(uint64_t), "lengths are passed to UCX as
  *   (destination token) | u64 from (source token) | u64 a | b | c | d | e | f.
  *   Sender -> receiver: a = the receiver's id for the connection (0 in HELLO), b = the
  *   sender's endpoint id, then HELLO c = sender pid; RKEY_REQ c = request id, d = region,
- *   e = base, f = length. NOTIFY carries the notification as data.
+ *   e = base, f = length; DATA c = region, d = offset, e = room, with the bytes as data
+ *   (eager or rendezvous). NOTIFY carries the notification as data; PING and BYE
+ *   nothing more.
  *   Receiver -> sender: a = the sender's endpoint id, then HELLO_ACK b = the receiver's
  *   id for the connection; RKEY_REP b = request id, c = status (kvw_status_t, i32).
  */
