@@ -20,13 +20,14 @@ static kvw_status_t kvw_pair_routes(kvw_rank_h src, kvw_rank_h dst, uint32_t hea
     kvw_route_t stack[256];
     kvw_route_t *all = stack;
     size_t n = 0;
-    kvw_status_t st = kvw_topo_routes(src->par.tp_size, dst->par.tp_size, heads, stack,
-                                      KVW_ARRAY_SIZE(stack), &n);
+    kvw_status_t st = kvw__topo_routes_to(src->par.tp_size, dst->par.tp_size, heads,
+                                          dst->par.tp_rank, stack, KVW_ARRAY_SIZE(stack), &n);
     if (st == KVW_ERR_BUFFER_TOO_SMALL) {
         all = malloc(n * sizeof(*all));
         if (all == NULL)
             return kvw__error(KVW_ERR_NO_MEMORY, "out of memory computing routes");
-        st = kvw_topo_routes(src->par.tp_size, dst->par.tp_size, heads, all, n, &n);
+        st = kvw__topo_routes_to(src->par.tp_size, dst->par.tp_size, heads, dst->par.tp_rank, all,
+                                 n, &n);
     }
     if (st != KVW_OK)
         goto out;
@@ -82,6 +83,9 @@ static kvw_status_t kvw_map_pages(const char *side, const char *pool_name, const
                           (unsigned long long)pl->first_token, page_size);
     if (pl->num_pages && pl->pages == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s %s pages: NULL page list", side, pool_name);
+    if (pl->first_token > (1ull << 40))
+        return kvw__error(KVW_ERR_OUT_OF_RANGE, "%s %s pages: first token %llu is beyond 2^40",
+                          side, pool_name, (unsigned long long)pl->first_token);
     uint64_t covered_end = pl->first_token + (uint64_t)pl->num_pages * page_size;
     if (pl->first_token > tb || covered_end < te)
         return kvw__error(KVW_ERR_OUT_OF_RANGE,
@@ -185,6 +189,9 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
                           (unsigned long long)chunk->chunk_end,
                           (unsigned long long)chunk->prefix_len,
                           (unsigned long long)chunk->num_tokens);
+    if (chunk->num_tokens > (1ull << 40))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "a request of %llu tokens is beyond kvwire's "
+                          "limit of 2^40", (unsigned long long)chunk->num_tokens);
     if (chunk->last_chunk && chunk->chunk_end != chunk->num_tokens)
         return kvw__error(KVW_ERR_INVALID_PARAM, "the last chunk must end at token %llu, not %llu",
                           (unsigned long long)chunk->num_tokens,
@@ -242,13 +249,16 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
                               (unsigned long long)dst->pool_capacity[KVW_POOL_STATE]);
     }
 
-    /* Page storage: the needed part of each paged list on both sides, plus state slots. */
+    /* Page storage: the needed part of each paged list on both sides, plus state slots.
+     * Bounded by the lists the caller gave (which must cover the range, checked below),
+     * never by the token count alone. */
     uint64_t npages = 2;
-    for (int p = 0; p < KVW_POOL_STATE; p++) {
+    for (int p = 0; p < KVW_POOL_STATE && with_pages; p++) {
         if (need_b[p] >= need_e[p])
             continue;
-        uint32_t sps = src->pool_page_size[p], dps = dst->pool_page_size[p];
-        npages += (need_e[p] - need_b[p]) / sps + 2 + (need_e[p] - need_b[p]) / dps + 2;
+        const kvw_pages_t *spl = p == KVW_POOL_FULL ? &sp->full : &sp->swa;
+        const kvw_pages_t *dpl = p == KVW_POOL_FULL ? &dp->full : &dp->swa;
+        npages += (uint64_t)spl->num_pages + dpl->num_pages;
     }
 
     /* Segments: count first. */

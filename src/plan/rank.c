@@ -56,6 +56,9 @@ static kvw_status_t kvw_model_validate(const kvw_model_t *m)
         return kvw__error(KVW_ERR_INVALID_PARAM, "model has no layers");
     if (m->elem_size == 0)
         return kvw__error(KVW_ERR_INVALID_PARAM, "model element size is 0");
+    if (m->num_kv_heads > 65536 || m->num_layers > 100000)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "%u KV heads / %u layers: above kvwire's limits "
+                          "(65536 / 100000)", m->num_kv_heads, m->num_layers);
     bool attn = false, mla = false;
     for (uint32_t l = 0; l < m->num_layers; l++) {
         kvw_layer_kind_t k = m->layers[l].kind;
@@ -168,6 +171,9 @@ static kvw_status_t kvw_rank_add_buffer(struct kvw_rank *r, uint32_t i, uint32_t
     if (!kvw_role_fits_kind(b->role, kind))
         return kvw__error(KVW_ERR_INCOMPATIBLE, "buffer %u: a %s buffer on %s layer %u", i,
                           kvw_role_name(b->role), kvw_kind_name(kind), b->layer);
+    if ((b->role == KVW_ROLE_K_SCALE || b->role == KVW_ROLE_V_SCALE) && m->scale_block == 0)
+        return kvw__error(KVW_ERR_INCOMPATIBLE, "buffer %u: a %s buffer, but the model has no "
+                          "block scales", i, kvw_role_name(b->role));
     if (b->pool != kvw_kind_pool(kind))
         return kvw__error(KVW_ERR_INCOMPATIBLE,
                           "buffer %u: layer %u (%s) belongs to pool %d, not pool %d", i, b->layer,
@@ -189,6 +195,9 @@ static kvw_status_t kvw_rank_add_buffer(struct kvw_rank *r, uint32_t i, uint32_t
         uint64_t slot = 0;
         for (uint32_t g = 0; g < b->num_groups; g++) {
             uint32_t first, count;
+            if (b->groups[g].total_heads > 65536)
+                return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u group %u: %u units "
+                                  "(at most 65536)", i, g, b->groups[g].total_heads);
             if (b->groups[g].head_bytes == 0)
                 return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u group %u: 0 bytes per unit",
                                   i, g);
@@ -199,6 +208,9 @@ static kvw_status_t kvw_rank_add_buffer(struct kvw_rank *r, uint32_t i, uint32_t
             kvw_topo_heads(r->par.tp_size, r->par.tp_rank, b->groups[g].total_heads, &first,
                            &count);
             slot += (uint64_t)count * b->groups[g].head_bytes;
+            if (slot > (1ull << 48))
+                return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u: a slot of more than "
+                                  "2^48 bytes", i);
         }
         if (b->length % slot)
             return kvw__error(KVW_ERR_INVALID_PARAM,
@@ -240,7 +252,13 @@ static kvw_status_t kvw_rank_add_buffer(struct kvw_rank *r, uint32_t i, uint32_t
                               "buffer %u: page size %u differs from %u used by the pool's other "
                               "buffers", i, b->page_size, r->pool_page_size[b->pool]);
         r->pool_page_size[b->pool] = b->page_size;
-        uint64_t page_stride = (uint64_t)b->page_size * b->num_heads * (hb + vhb);
+        uint64_t page_stride;
+        if (hb == 0 || !kvw__mul_u64((uint64_t)b->page_size * b->num_heads, hb + vhb, &page_stride) ||
+            page_stride > (1ull << 48))
+            return kvw__error(KVW_ERR_INVALID_PARAM,
+                              "buffer %u (layer %u %s): page size %u x %u heads x %llu bytes is "
+                              "not a usable page size", i, b->layer, kvw_role_name(b->role),
+                              b->page_size, b->num_heads, (unsigned long long)(hb + vhb));
         if (b->length % page_stride)
             return kvw__error(KVW_ERR_INVALID_PARAM,
                               "buffer %u (layer %u %s): length %llu is not a whole number of "
@@ -311,6 +329,9 @@ kvw_status_t kvw_rank_create(const kvw_rank_params_t *params, kvw_rank_h *rank_p
     if (st != KVW_OK)
         return st;
     const kvw_parallel_t *p = &params->parallel;
+    if (p->tp_size > 65536 || p->pp_size > 65536 || p->dp_size > 65536)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "TP %u / PP %u / DP %u: sizes above 65536 are "
+                          "not supported", p->tp_size, p->pp_size, p->dp_size);
     if (p->tp_size == 0 || p->tp_rank >= p->tp_size)
         return kvw__error(KVW_ERR_INVALID_PARAM, "TP rank %u outside TP size %u", p->tp_rank,
                           p->tp_size);

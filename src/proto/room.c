@@ -1264,6 +1264,7 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
         /* The staging area: only inside a span granted to this room. */
         for (uint32_t i = 0; i < ctx->num_spans; i++)
             if (ctx->spans[i].room == room && off >= ctx->spans[i].off &&
+                off - ctx->spans[i].off <= ctx->spans[i].len &&
                 len <= ctx->spans[i].len - (off - ctx->spans[i].off))
                 goto out;
         st = KVW_ERR_OUT_OF_RANGE;

@@ -53,6 +53,40 @@ static uint32_t kvw_topo_source_of(uint32_t src_tp, uint32_t dst_tp, uint32_t nu
     return h * rep_s + k % rep_s;
 }
 
+/* Routes into destination rank d, appended at routes[*n] (counted past capacity). */
+static void kvw_topo_routes_into(uint32_t src_tp, uint32_t dst_tp, uint32_t num_heads, uint32_t d,
+                                 kvw_route_t *routes, size_t capacity, size_t *n)
+{
+    uint32_t dfirst, dcount;
+    kvw_topo_heads(dst_tp, d, num_heads, &dfirst, &dcount);
+    kvw_route_t cur = {0};
+    int open = 0;
+    for (uint32_t i = 0; i < dcount; i++) {
+        uint32_t h = dfirst + i;
+        uint32_t s = kvw_topo_source_of(src_tp, dst_tp, num_heads, h, d);
+        uint32_t sfirst, scount;
+        kvw_topo_heads(src_tp, s, num_heads, &sfirst, &scount);
+        uint32_t soff = h - sfirst;
+        if (open && cur.src_rank == s && cur.src_head_start + cur.num_heads == soff) {
+            cur.num_heads++;
+            continue;
+        }
+        if (open) {
+            if (*n < capacity)
+                routes[*n] = cur;
+            (*n)++;
+        }
+        cur = (kvw_route_t){.src_rank = s, .dst_rank = d, .src_head_start = soff,
+                            .dst_head_start = i, .num_heads = 1};
+        open = 1;
+    }
+    if (open) {
+        if (*n < capacity)
+            routes[*n] = cur;
+        (*n)++;
+    }
+}
+
 kvw_status_t kvw_topo_routes(uint32_t src_tp, uint32_t dst_tp, uint32_t num_heads,
                              kvw_route_t *routes, size_t capacity, size_t *count_p)
 {
@@ -66,36 +100,28 @@ kvw_status_t kvw_topo_routes(uint32_t src_tp, uint32_t dst_tp, uint32_t num_head
         return kvw__error(KVW_ERR_INVALID_PARAM, "routes is NULL with capacity %zu", capacity);
 
     size_t n = 0;
-    for (uint32_t d = 0; d < dst_tp; d++) {
-        uint32_t dfirst, dcount;
-        kvw_topo_heads(dst_tp, d, num_heads, &dfirst, &dcount);
-        kvw_route_t cur = {0};
-        int open = 0;
-        for (uint32_t i = 0; i < dcount; i++) {
-            uint32_t h = dfirst + i;
-            uint32_t s = kvw_topo_source_of(src_tp, dst_tp, num_heads, h, d);
-            uint32_t sfirst, scount;
-            kvw_topo_heads(src_tp, s, num_heads, &sfirst, &scount);
-            uint32_t soff = h - sfirst;
-            if (open && cur.src_rank == s && cur.src_head_start + cur.num_heads == soff) {
-                cur.num_heads++;
-                continue;
-            }
-            if (open) {
-                if (n < capacity)
-                    routes[n] = cur;
-                n++;
-            }
-            cur = (kvw_route_t){.src_rank = s, .dst_rank = d, .src_head_start = soff,
-                                .dst_head_start = i, .num_heads = 1};
-            open = 1;
-        }
-        if (open) {
-            if (n < capacity)
-                routes[n] = cur;
-            n++;
-        }
-    }
+    for (uint32_t d = 0; d < dst_tp; d++)
+        kvw_topo_routes_into(src_tp, dst_tp, num_heads, d, routes, capacity, &n);
+    *count_p = n;
+    if (n > capacity)
+        return kvw__error(KVW_ERR_BUFFER_TOO_SMALL, "%zu routes do not fit in capacity %zu", n,
+                          capacity);
+    return KVW_OK;
+}
+
+kvw_status_t kvw__topo_routes_to(uint32_t src_tp, uint32_t dst_tp, uint32_t num_heads,
+                                 uint32_t dst_rank, kvw_route_t *routes, size_t capacity,
+                                 size_t *count_p)
+{
+    kvw_status_t st = kvw__topo_check(src_tp, num_heads, "source topology");
+    if (st == KVW_OK)
+        st = kvw__topo_check(dst_tp, num_heads, "destination topology");
+    if (st != KVW_OK)
+        return st;
+    if (dst_rank >= dst_tp)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "rank %u is outside TP size %u", dst_rank, dst_tp);
+    size_t n = 0;
+    kvw_topo_routes_into(src_tp, dst_tp, num_heads, dst_rank, routes, capacity, &n);
     *count_p = n;
     if (n > capacity)
         return kvw__error(KVW_ERR_BUFFER_TOO_SMALL, "%zu routes do not fit in capacity %zu", n,

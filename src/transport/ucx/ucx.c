@@ -188,7 +188,6 @@ typedef struct ucx_ep {
     atomic_bool dirty;     /* connected: puts posted since the last fence */
     bool close_incomplete; /* a UCX close did not finish: free only after the worker */
     bool graceful;         /* closing: say BYE first */
-    uint64_t last_ping_ns; /* connected: progress thread only */
     /* under tl->mu */
     bool established;      /* connected: HELLO_ACK arrived; accepted: always */
     bool reported;         /* on_ep_error delivered or suppressed */
@@ -1658,30 +1657,34 @@ static kvw_status_t ucx_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
         p.err_handler.cb = ep_err_cb;
         p.err_handler.arg = ep;
     }
+    uint8_t hdr[UCX_MSG_HDR];
+    /* Read-locked like every user of uep: close() may shut the endpoint down. */
+    pthread_rwlock_rdlock(&ep->rw);
     ucs_status_t s = ucp_ep_create(tl->worker, &p, &ep->uep);
     free(waddr);
     if (s != UCS_OK) {
         ep->uep = NULL;
+        pthread_rwlock_unlock(&ep->rw);
         st = kvw__error(s == UCS_ERR_INVALID_PARAM ? KVW_ERR_INVALID_PARAM : map_ucs(s),
                         "ucx connect to %s: ucp_ep_create failed: %s", ep->peer,
                         ucs_status_string(s));
         goto err_unlink;
     }
-    uint8_t hdr[UCX_MSG_HDR];
     msg_hdr_t h = {.type = MSG_HELLO, .to = token, .from = tl->token, .b = ep->id,
                    .c = (uint64_t)getpid()};
     hdr_put(hdr, &h);
     s = req_wait(tl, am_post(ep->uep, hdr, NULL, 0, true), deadline, true);
     if (s == UCS_OK)
         wait_reply(ep, hello_acked, NULL, deadline);
+    pthread_rwlock_unlock(&ep->rw);
     pthread_mutex_lock(&tl->mu);
     bool acked = ep->established;
     int failed = atomic_load(&ep->failed);
     if (failed != 0)
-        st = kvw__error((kvw_status_t)failed, "ucx connect: %s", ep->err_reason);
+        st = kvw__error((kvw_status_t)failed, "ucx connect: %s",
+                        ep->err_reason[0] ? ep->err_reason : kvw_status_string(failed));
     pthread_mutex_unlock(&tl->mu);
     if (acked && failed == 0) {
-        ep->last_ping_ns = kvw__now_ns();
         *ep_p = (kvw_tl_ep_h)(void *)ep;
         return KVW_OK;
     }
@@ -1694,22 +1697,16 @@ static kvw_status_t ucx_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     else if (failed == 0)
         st = kvw__error(KVW_ERR_TIMEOUT, "ucx connect to %s: no answer within %u ms", ep->peer,
                         tl->timeout_ms);
-    if (!uep_close_wait(tl, ep->uep, true))
-        ep->close_incomplete = true;
+    pthread_rwlock_wrlock(&ep->rw);
+    ucp_ep_h uep = ep->uep; /* NULL if close() already shut it down */
     ep->uep = NULL;
+    if (uep && !uep_close_wait(tl, uep, true))
+        ep->close_incomplete = true;
+    pthread_rwlock_unlock(&ep->rw);
 err_unlink:
-    pthread_mutex_lock(&tl->mu);
-    ep_unlink(tl, ep);
-    if (ep->close_incomplete) {
-        /* UCX may still call its error handler: the progress thread keeps it. */
-        atomic_store(&ep->closing, true);
-        ep->next = tl->closing;
-        tl->closing = ep;
-        ep = NULL;
-    }
-    pthread_mutex_unlock(&tl->mu);
-    if (ep)
-        ep_free(ep);
+    /* Only the progress thread (or fini) frees endpoints: it may hold this one. */
+    ep_to_closing(tl, ep, false);
+    kvw__tl_wake(tl->wake_fd);
     return st;
 }
 
