@@ -17,8 +17,8 @@
  *   sender_idle_killed  the same for a sender with nothing in flight (heartbeat).
  *   receiver_killed     the sender's put/notify fail within the timeout, no hang.
  *   receiver_stalled    the receiver is SIGSTOPped: TIMEOUT within the timeout.
- *   close_while_stalled close() makes a put blocked on a stopped receiver fail at
- *          once (SHUTDOWN), and stop() does not wait for the timeout.
+ *   close_while_stalled close() makes a put, and a connect, blocked on a stopped
+ *          receiver fail at once (SHUTDOWN), and stop() does not wait for the timeout.
  * In-process cases (last, once this process may have threads):
  *   accepted_close  the receiver closes an accepted endpoint: the sender learns it.
  *   fini_leaks      fini with everything still open (for ASan's leak check).
@@ -1032,6 +1032,21 @@ static void *put_loop_thread(void *arg)
     return NULL;
 }
 
+typedef struct connect_arg {
+    kvw_tl_h tl;
+    kvw_tl_ep_h ep;
+    kvw_status_t st;
+    uint64_t ended_ms;
+} connect_arg_t;
+
+static void *connect_thread(void *arg)
+{
+    connect_arg_t *ca = arg;
+    ca->st = T->connect(ca->tl, g_setup.addr, g_setup.addr_len, &ca->ep);
+    ca->ended_ms = now_ms();
+    return NULL;
+}
+
 /* Proves the path, says READY, waits for GO, then puts and notifies until a call
  * fails; it must fail with the expected status and no call may block for long. */
 static int child_tx_until_error(int ctl, void *arg)
@@ -1065,14 +1080,35 @@ static int child_tx_until_error(int ctl, void *arg)
         T->stop(s.tl);
         uint64_t stop_ms = now_ms() - c0;
         pthread_join(th, NULL);
-        fprintf(stderr, "  put failed %llu ms after close(): %s: %s; stop() took %llu ms\n",
+        fprintf(stderr, "  put failed %llu ms after close(): %s; stop() took %llu ms\n",
                 (unsigned long long)(pl.ended_ms - c0), kvw_status_string(pl.st),
-                kvw_last_error(), (unsigned long long)stop_ms);
+                (unsigned long long)stop_ms);
         CHECK(pl.st == KVW_ERR_SHUTDOWN, "the blocked put returned %s",
               kvw_status_string(pl.st));
         CHECK(pl.ended_ms - c0 < 1000 && stop_ms < 2500, "close did not end the blocked put "
                                                          "promptly");
         CHECK_ST(T->notify(s.ep, "z", 1), KVW_ERR_SHUTDOWN);
+        /* A second instance whose connect waits for the stopped receiver's answer. */
+        rx_t st2;
+        rx_init(&st2);
+        kvw_tl_params_t p2 = make_params(&st2, 10000);
+        connect_arg_t ca = {.st = KVW_OK};
+        CHECK_OK(T->init(&p2, &ca.tl));
+        CHECK(pthread_create(&th, NULL, connect_thread, &ca) == 0, "pthread_create");
+        sleep_ms(300);
+        c0 = now_ms();
+        T->close(ca.tl);
+        T->stop(ca.tl);
+        stop_ms = now_ms() - c0;
+        pthread_join(th, NULL);
+        fprintf(stderr, "  connect failed %llu ms after close(): %s; stop() took %llu ms\n",
+                (unsigned long long)(ca.ended_ms - c0), kvw_status_string(ca.st),
+                (unsigned long long)stop_ms);
+        T->fini(ca.tl);
+        rx_fini(&st2);
+        CHECK(ca.st == KVW_ERR_SHUTDOWN, "the blocked connect returned %s",
+              kvw_status_string(ca.st));
+        CHECK(ca.ended_ms - c0 < 1000 && stop_ms < 2500, "close did not end the connect");
         goto out;
     }
     kvw_status_t st = KVW_OK;
