@@ -870,11 +870,17 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         }
         if ((st = kvw__tcp_listen(ctx->listen_host, 0, &ctx->listen_fd, &ctx->listen_port)) != KVW_OK)
             goto err;
-        if (pthread_create(&ctx->worker_thread, NULL, kvw__worker_main, ctx) != 0) {
-            st = kvw__error(KVW_ERR_IO, "cannot start the worker thread");
-            goto err;
+        /* Workers send to different decode ranks in parallel (KVW_WORKERS, default 4). */
+        const char *wenv = getenv("KVW_WORKERS");
+        uint32_t nw = wenv ? (uint32_t)strtoul(wenv, NULL, 10) : 4;
+        nw = KVW_MAX(1, KVW_MIN(nw, (uint32_t)KVW_ARRAY_SIZE(ctx->workers)));
+        for (uint32_t i = 0; i < nw; i++) {
+            if (pthread_create(&ctx->workers[i], NULL, kvw__worker_main, ctx) != 0) {
+                st = kvw__error(KVW_ERR_IO, "cannot start worker thread %u", i);
+                goto err;
+            }
+            ctx->num_workers = i + 1;
         }
-        ctx->worker_started = true;
         if (pthread_create(&ctx->ctrl_thread, NULL, kvw_ctrl_main, ctx) != 0) {
             st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
             goto err;
@@ -988,8 +994,8 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     while (ctx->handshakes)
         pthread_cond_wait(&ctx->cv, &ctx->mu);
     pthread_mutex_unlock(&ctx->mu);
-    if (ctx->worker_started)
-        pthread_join(ctx->worker_thread, NULL);
+    for (uint32_t i = 0; i < ctx->num_workers; i++)
+        pthread_join(ctx->workers[i], NULL);
     if (ctx->tl) {
         ctx->tl_ops->close(ctx->tl);
         ctx->tl_ops->stop(ctx->tl);

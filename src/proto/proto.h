@@ -91,6 +91,7 @@ typedef struct kvw_room_dst {
     uint32_t next_chunk; /* chunks sent so far */
     bool last_sent;
     bool acked;          /* the decode rank confirmed every byte landed */
+    bool busy;           /* a worker is sending to this decode rank */
     int64_t grant_off;   /* staging grant from the decode rank, -1 while waiting */
     uint64_t grant_len;
 } kvw_room_dst_t;
@@ -178,8 +179,10 @@ struct kvw_ctx {
     kvw_room_t *rooms[KVW_ROOM_BUCKETS];
     kvw_room_t *q_head, *q_tail; /* prefill rooms with work for the worker */
 
-    pthread_t ctrl_thread, worker_thread;
-    bool ctrl_started, worker_started;
+    pthread_t ctrl_thread;
+    pthread_t workers[16];
+    uint32_t num_workers; /* started */
+    bool ctrl_started;
 
     /* Staged path. Decode: the registered staging area and its allocations, kept sorted
      * by offset (first fit); requests that did not fit wait in FIFO order. */

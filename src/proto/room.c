@@ -351,6 +351,17 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
     return connected >= group && r->num_dsts >= needed;
 }
 
+/* A decode rank of the room with chunks to send that no worker serves yet, or -1. */
+static int kvw_room_next_dst(const kvw_room_t *r)
+{
+    if (r->state == KVW_ROOM_FAILED)
+        return -1;
+    for (uint32_t i = 0; i < r->num_dsts; i++)
+        if (!r->dsts[i].busy && r->dsts[i].next_chunk < r->num_chunks)
+            return (int)i;
+    return -1;
+}
+
 static void kvw_sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
 {
     if (r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
@@ -369,12 +380,10 @@ static void kvw_sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
         if (all)
             kvw__room_advance(r, KVW_ROOM_SUCCESS);
     }
-    /* Work exists when some decode rank has chunks it has not been sent. */
-    for (uint32_t i = 0; i < r->num_dsts; i++)
-        if (r->dsts[i].next_chunk < r->num_chunks) {
-            kvw__queue_room(ctx, r);
-            break;
-        }
+    /* Work exists when some decode rank that no worker serves has chunks it has not been
+     * sent (a busy one's worker sends new chunks itself before it lets go). */
+    if (kvw_room_next_dst(r) >= 0)
+        kvw__queue_room(ctx, r);
 }
 
 static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
@@ -721,6 +730,12 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     return st;
 }
 
+
+/*
+ * Workers take (room, decode rank) jobs: several workers serve the decode ranks of one
+ * room in parallel (a TP1 prefill rank feeding four decode ranks gathers for all four
+ * at once), while the chunks for one decode rank go out in order, from one worker.
+ */
 void *kvw__worker_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
@@ -735,44 +750,50 @@ void *kvw__worker_main(void *arg)
         if (ctx->q_head == NULL)
             ctx->q_tail = NULL;
         r->queued = false;
-        /* Serve every decode rank that has an unsent chunk, one chunk at a time. */
-        for (uint32_t i = 0; i < r->num_dsts && r->state != KVW_ROOM_FAILED; i++) {
-            kvw_room_dst_t *d = &r->dsts[i];
-            while (d->next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
-                kvw_peer_t *peer = ctx->peers[d->peer];
-                kvw_qchunk_t q = r->chunks[d->next_chunk];
-                kvw_room_dst_t dcopy = *d;
-                r->inflight++;
-                if (!r->start_ns)
-                    r->start_ns = kvw__now_ns();
-                pthread_mutex_unlock(&ctx->mu);
-                uint64_t bytes = 0, runs = 0;
-                bool staged = false;
-                kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, peer, &bytes, &runs,
-                                                  &staged);
-                char msg[512];
-                snprintf(msg, sizeof(msg), "%s", kvw_last_error());
-                pthread_mutex_lock(&ctx->mu);
-                r->inflight--;
-                kvw_room_quiesce(ctx, r);
-                d = &r->dsts[i];
-                if (st != KVW_OK) {
-                    if (r->state != KVW_ROOM_FAILED)
-                        kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc,
-                                       msg);
-                    if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
-                        kvw__peer_dead(ctx, peer, st, msg);
-                    break;
-                }
-                r->bytes += bytes;
-                r->runs += runs;
-                r->path = staged ? "staged" : "direct";
-                kvw__room_touch(ctx, r);
-                if (q.c.last_chunk)
-                    d->last_sent = true;
-                d->next_chunk++;
-            }
+        int di = kvw_room_next_dst(r);
+        if (di < 0) {
+            kvw_sender_update(ctx, r);
+            continue;
         }
+        uint32_t i = (uint32_t)di;
+        r->dsts[i].busy = true;
+        r->inflight++;
+        if (!r->start_ns)
+            r->start_ns = kvw__now_ns();
+        if (kvw_room_next_dst(r) >= 0)
+            kvw__queue_room(ctx, r); /* another worker takes the next decode rank */
+        while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
+            kvw_room_dst_t *d = &r->dsts[i];
+            kvw_peer_t *peer = ctx->peers[d->peer];
+            kvw_qchunk_t q = r->chunks[d->next_chunk];
+            kvw_room_dst_t dcopy = *d;
+            pthread_mutex_unlock(&ctx->mu);
+            uint64_t bytes = 0, runs = 0;
+            bool staged = false;
+            kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, peer, &bytes, &runs,
+                                              &staged);
+            char msg[512];
+            snprintf(msg, sizeof(msg), "%s", kvw_last_error());
+            pthread_mutex_lock(&ctx->mu);
+            d = &r->dsts[i];
+            if (st != KVW_OK) {
+                if (r->state != KVW_ROOM_FAILED)
+                    kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc, msg);
+                if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
+                    kvw__peer_dead(ctx, peer, st, msg);
+                break;
+            }
+            r->bytes += bytes;
+            r->runs += runs;
+            r->path = staged ? "staged" : "direct";
+            kvw__room_touch(ctx, r);
+            if (q.c.last_chunk)
+                d->last_sent = true;
+            d->next_chunk++;
+        }
+        r->dsts[i].busy = false;
+        r->inflight--;
+        kvw_room_quiesce(ctx, r);
         kvw_sender_update(ctx, r);
         pthread_cond_broadcast(&ctx->cv);
     }
