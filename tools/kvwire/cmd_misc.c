@@ -17,6 +17,8 @@ static const struct {
     {"KVW_CUDA_MODULE", "libkvwire_cuda.so next to libkvwire",
      "path of the CUDA module loaded at run time"},
     {"KVW_UCX_TIMEOUT_MS", "10000", "deadline of every UCX wait (flush, put, notify)"},
+    {"KVW_UCX_PUT", "am", "am: writes as active messages the receiver applies; rma: ucp_put"},
+    {"KVW_UCX_ERR_MODE", "peer", "peer: detect dead peers (UCX then uses tcp lanes); none"},
     {"KVW_WORKERS", "4", "prefill sender threads per context (decode ranks served in parallel)"},
     {"KVW_STAGING_MB", "64", "decode staging area for gathered head slices, per rank"},
     {"KVW_PATH", "auto", "direct | staged: force the data path of every plan"},
