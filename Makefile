@@ -4,7 +4,10 @@ SANBUILD ?= build-asan
 TSANBUILD ?= build-tsan
 JOBS     ?= $(shell nproc)
 CMAKE_FLAGS ?=
-# Tests that run threads of the library (contexts, transports).
+# Tests that run threads of the library (contexts, transports). The TSan build leaves UCX
+# out: under TSan the cross-process UCX cases slow past their timeouts (UCX 1.13 needs
+# UCX_MEM_EVENTS=no there at all); the UCX transport's tests run in the release and
+# ASan/UBSan builds.
 TSAN_TESTS ?= test_auth|test_proto_fail|test_transport
 
 .PHONY: all deps build demo check check-fast check-asan check-tsan bench gpu-check gpu-bench clean
@@ -39,7 +42,7 @@ check-asan: deps
 	cd $(SANBUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 KVW_SANITIZED=1 ctest --output-on-failure -j $(JOBS)
 
 check-tsan: deps
-	cmake -S . -B $(TSANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=thread -DKVW_WITH_CUDA=OFF $(CMAKE_FLAGS)
+	cmake -S . -B $(TSANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=thread -DKVW_WITH_CUDA=OFF -DKVW_WITH_UCX=OFF $(CMAKE_FLAGS)
 	cmake --build $(TSANBUILD) -j $(JOBS)
 	cd $(TSANBUILD) && UCX_MEM_EVENTS=no KVW_SANITIZED=1 TSAN_OPTIONS=halt_on_error=1 \
 		ctest --output-on-failure -j $(JOBS) -R '$(TSAN_TESTS)'
