@@ -66,3 +66,11 @@ FUZZ_SECONDS ?= 60
 .PHONY: fuzz
 fuzz:
 	scripts/fuzz.sh $(FUZZ_SECONDS)
+
+# Soak: bounded multi-process run on loopback (scripts/soak.sh): fault soakers and
+# prefill/decode demo pairs for SOAK_SECONDS; fails on lost or corrupted rooms or on
+# memory growth. A CI-sized run: make soak SOAK_SECONDS=15
+SOAK_SECONDS ?= 60
+.PHONY: soak
+soak: build
+	SOAK_SECONDS=$(SOAK_SECONDS) BUILD=$(BUILD) scripts/soak.sh

@@ -38,7 +38,7 @@ typedef struct fault_ep {
     uint64_t put_calls, notify_calls;
     bool failed;       /* put/notify return CONN_CLOSED from now on */
     bool inner_closed; /* the inner endpoint was closed by a fault */
-    uint32_t busy;     /* the flusher is using the inner endpoint */
+    uint32_t busy;     /* calls using the inner endpoint now (callers' threads, flusher) */
     uint8_t *held;     /* a notification held back (reorder_notify) */
     size_t held_len;
     uint64_t held_ns;
@@ -246,13 +246,18 @@ static fault_ep_t *fault_ep_find(fault_slot_t *s, kvw_tl_ep_h ep)
     return NULL;
 }
 
-/* Closes the inner endpoint as a fault (slot->mu held; waits for the flusher). */
+/* Closes the inner endpoint as a fault. slot->mu held; the calling thread holds one
+ * `busy` reference (fault_ep_enter). Other threads may be inside put or notify on the
+ * same endpoint (a context runs several workers): the inner endpoint closes once they
+ * are out. A second thread that injects a close meanwhile only marks it failed. */
 static void fault_ep_kill(fault_slot_t *s, fault_ep_t *e)
 {
-    e->failed = true;
-    if (e->inner_closed)
+    if (e->failed || e->inner_closed) {
+        e->failed = true;
         return;
-    while (e->busy)
+    }
+    e->failed = true;
+    while (e->busy > 1)
         pthread_cond_wait(&s->cv, &s->mu);
     free(e->held);
     e->held = NULL;
@@ -285,6 +290,10 @@ static void *fault_flusher_main(void *arg)
         uint8_t *msg = due->held;
         size_t len = due->held_len;
         due->held = NULL;
+        if (due->failed) { /* being closed: the held notification is lost with it */
+            free(msg);
+            continue;
+        }
         due->busy++;
         pthread_mutex_unlock(&s->mu);
         kvw_status_t st = s->inner->notify(due->ep, msg, len);
@@ -425,17 +434,35 @@ static void fault_rkey_release(fault_slot_t *s, kvw_tl_rkey_h rkey)
     s->inner->rkey_release(rkey);
 }
 
-/* Returns the tracked endpoint with `busy` unchanged, or NULL for a pass-through one;
- * *st_p gets CONN_CLOSED for a failed endpoint. */
+/* Returns the tracked endpoint with one more `busy` reference (release it with
+ * fault_ep_leave), or NULL for a pass-through one; a failed endpoint gives NULL too,
+ * with *st_p = CONN_CLOSED. */
 static fault_ep_t *fault_ep_enter(fault_slot_t *s, kvw_tl_ep_h ep, kvw_status_t *st_p)
 {
     *st_p = KVW_OK;
     pthread_mutex_lock(&s->mu);
     fault_ep_t *e = fault_ep_find(s, ep);
-    if (e && e->failed)
+    if (e && e->failed) {
         *st_p = kvw__error(KVW_ERR_CONN_CLOSED, "fault injected: the endpoint was failed");
+        e = NULL;
+    } else if (e) {
+        e->busy++;
+    }
     pthread_mutex_unlock(&s->mu);
     return e;
+}
+
+static kvw_status_t fault_ep_leave(fault_slot_t *s, fault_ep_t *e, kvw_status_t st)
+{
+    pthread_mutex_lock(&s->mu);
+    /* A failure other than bad arguments fails the endpoint for good (transport.h). */
+    if (st != KVW_OK && st != KVW_ERR_INVALID_PARAM && st != KVW_ERR_OUT_OF_RANGE &&
+        st != KVW_ERR_UNSUPPORTED)
+        e->failed = true;
+    e->busy--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    return st;
 }
 
 static kvw_status_t fault_fail_ep(fault_slot_t *s, fault_ep_t *e, kvw_fault_kind_t kind,
@@ -445,7 +472,7 @@ static kvw_status_t fault_fail_ep(fault_slot_t *s, fault_ep_t *e, kvw_fault_kind
     pthread_mutex_lock(&s->mu);
     fault_ep_kill(s, e);
     pthread_mutex_unlock(&s->mu);
-    return kvw__error(st, "fault injected: %s", what);
+    return fault_ep_leave(s, e, kvw__error(st, "fault injected: %s", what));
 }
 
 static kvw_status_t fault_put(fault_slot_t *s, kvw_tl_ep_h ep, uint64_t room,
@@ -453,10 +480,10 @@ static kvw_status_t fault_put(fault_slot_t *s, kvw_tl_ep_h ep, uint64_t room,
 {
     kvw_status_t st;
     fault_ep_t *e = fault_ep_enter(s, ep, &st);
-    if (e == NULL)
-        return s->inner->put(ep, room, puts, n);
     if (st != KVW_OK)
         return st;
+    if (e == NULL)
+        return s->inner->put(ep, room, puts, n);
     fault_tl_t *t = e->tl;
     const fault_cfg_t *c = &t->cfg;
     fault_count(KVW_FAULT_PUT_CALLS, 1);
@@ -473,7 +500,8 @@ static kvw_status_t fault_put(fault_slot_t *s, kvw_tl_ep_h ep, uint64_t room,
     } else {
         kvw_tl_put_t *v = malloc(sizeof(*v) * n);
         if (v == NULL)
-            return kvw__error(KVW_ERR_NO_MEMORY, "out of memory injecting faults");
+            return fault_ep_leave(s, e, kvw__error(KVW_ERR_NO_MEMORY,
+                                                   "out of memory injecting faults"));
         size_t m = 0;
         for (size_t i = 0; i < n; i++) {
             if (fault_hit(t, c->drop_put)) {
@@ -503,23 +531,17 @@ static kvw_status_t fault_put(fault_slot_t *s, kvw_tl_ep_h ep, uint64_t room,
         fault_count(KVW_FAULT_DUP_PUT, 1);
         st = s->inner->put(ep, room, puts, n);
     }
-    if (st != KVW_OK && st != KVW_ERR_INVALID_PARAM && st != KVW_ERR_OUT_OF_RANGE &&
-        st != KVW_ERR_UNSUPPORTED) {
-        pthread_mutex_lock(&s->mu);
-        e->failed = true;
-        pthread_mutex_unlock(&s->mu);
-    }
-    return st;
+    return fault_ep_leave(s, e, st);
 }
 
 static kvw_status_t fault_notify(fault_slot_t *s, kvw_tl_ep_h ep, const void *msg, size_t len)
 {
     kvw_status_t st;
     fault_ep_t *e = fault_ep_enter(s, ep, &st);
-    if (e == NULL)
-        return s->inner->notify(ep, msg, len);
     if (st != KVW_OK)
         return st;
+    if (e == NULL)
+        return s->inner->notify(ep, msg, len);
     fault_tl_t *t = e->tl;
     const fault_cfg_t *c = &t->cfg;
     fault_count(KVW_FAULT_NOTIFY_CALLS, 1);
@@ -532,13 +554,14 @@ static kvw_status_t fault_notify(fault_slot_t *s, kvw_tl_ep_h ep, const void *ms
         return fault_fail_ep(s, e, KVW_FAULT_FAIL_NOTIFY, KVW_ERR_IO, "notify failed");
     if (fault_hit(t, c->drop_notify)) {
         fault_count(KVW_FAULT_DROP_NOTIFY, 1);
-        return KVW_OK;
+        return fault_ep_leave(s, e, KVW_OK);
     }
     uint8_t *copy = NULL;
     if (len && fault_hit(t, c->corrupt_notify)) {
         copy = malloc(len);
         if (copy == NULL)
-            return kvw__error(KVW_ERR_NO_MEMORY, "out of memory injecting faults");
+            return fault_ep_leave(s, e, kvw__error(KVW_ERR_NO_MEMORY,
+                                                   "out of memory injecting faults"));
         memcpy(copy, msg, len);
         size_t at = (size_t)fault_below(t, len);
         copy[at] = (uint8_t)(copy[at] ^ (1u + fault_below(t, 255)));
@@ -572,12 +595,7 @@ static kvw_status_t fault_notify(fault_slot_t *s, kvw_tl_ep_h ep, const void *ms
         st = s->inner->notify(ep, msg, len);
     }
     free(copy);
-    if (st != KVW_OK && st != KVW_ERR_INVALID_PARAM && st != KVW_ERR_UNSUPPORTED) {
-        pthread_mutex_lock(&s->mu);
-        e->failed = true;
-        pthread_mutex_unlock(&s->mu);
-    }
-    return st;
+    return fault_ep_leave(s, e, st);
 }
 
 static int fault_progress(kvw_tl_h tl)
