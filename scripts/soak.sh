@@ -145,7 +145,7 @@ demo_loop() {
         local page=$(( (rng / 23) % 2 == 0 ? 16 : 64 ))
         local seed=$(( rng % 100000 ))
         local tmo=20000
-        [ -n "$faults" ] && tmo=4000
+        [ -n "$faults" ] && tmo=15000
         local args=(demo --transport "$tl" --prefill-tp "${t[0]}" --decode-tp "${t[1]}"
                     --layers "$layers" --requests "$req" --max-tokens "$maxt" --page-size "$page"
                     --seed "$seed" --timeout-ms "$tmo" --concurrency 8)
