@@ -376,6 +376,9 @@ static void fzf_decode(fzc_in_t *in)
             kvw_receiver_failure(rcv));
     pthread_mutex_lock(&ctx->mu);
     kvw__check_timeouts(ctx, kvw__now_ns() + 3600ull * 1000000000ull);
+    /* Destroying a room waits (up to the peer timeout) for its prefill ranks to confirm
+     * that they stopped writing; nobody answers here. */
+    ctx->peer_timeout_ms = 1;
     pthread_mutex_unlock(&ctx->mu);
     kvw_receiver_destroy(rcv);
     kvw_receiver_destroy(idle);

@@ -7,7 +7,7 @@
 # (src/**/*.c except src/cuda and src/transport/ucx) and the test kit are compiled
 # directly with clang -fsanitize=fuzzer,address,undefined (not through CMake) into
 # $FUZZ_OUT (default build-fuzz/). Each target starts from its committed seed corpus
-# fuzz/corpus/<target>/ (read only) and writes what it finds to
+# fuzz/corpus/<target>/ (copied, never written) plus what earlier runs found in
 # $FUZZ_OUT/corpus/<target>/; crashes, leaks, timeouts and sanitizer reports land in
 # $FUZZ_OUT/artifacts/<target>/ and make the script exit non-zero.
 #
@@ -98,6 +98,9 @@ FAILED=0
 SUMMARY=""
 for t in $TARGETS; do
     mkdir -p "$OUT/corpus/$t" "$OUT/artifacts/$t"
+    # The committed seeds are copied into the working corpus: libFuzzer only ever writes
+    # to $OUT (fork mode merges into the directories it is given).
+    cp -n fuzz/corpus/$t/* "$OUT/corpus/$t/" 2>/dev/null
     LOG="$OUT/logs/$t.log"
     MARK="$OUT/logs/$t.start"
     touch "$MARK"
@@ -107,7 +110,7 @@ for t in $TARGETS; do
     # shellcheck disable=SC2086
     "$OUT/$t" -max_total_time="$SECS" -max_len="$MAX_LEN" -timeout=20 -rss_limit_mb=2560 \
         -print_final_stats=1 -artifact_prefix="$OUT/artifacts/$t/" $KEEP \
-        "$OUT/corpus/$t" "fuzz/corpus/$t" >"$LOG" 2>&1
+        "$OUT/corpus/$t" >"$LOG" 2>&1
     rc=$?
     execs=$(grep -a 'stat::number_of_executed_units' "$LOG" | tail -1 | awk '{print $2}')
     # fork mode prints per-job totals: "#N: cov: ... exec/s: ... " lines; take the last count
