@@ -135,6 +135,7 @@ typedef struct kvw_room {
     uint32_t *granted[KVW_NUM_POOLS]; /* sorted pages the room may write */
     uint32_t num_granted[KVW_NUM_POOLS];
     uint64_t prefix_len;
+    uint64_t landed; /* decode: bytes the receiver saw land (mediated transports) */
     kvw_side_pages_t post_pages; /* the decode's pages, for scattering staged data */
     uint32_t *post_store;
     const char *path;            /* "direct" or "staged" (what the last chunk used) */

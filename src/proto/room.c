@@ -513,7 +513,10 @@ static kvw_status_t kvw_put_run(void *arg, const kvw_run_t *run)
     pc->runs++;
     if (pc->n == KVW_PUT_BATCH) {
         /* Stop early when the room was aborted meanwhile. */
-        if (__atomic_load_n(&pc->room->state, __ATOMIC_RELAXED) == KVW_ROOM_FAILED)
+        pthread_mutex_lock(&pc->ctx->mu);
+        bool failed = pc->room->state == KVW_ROOM_FAILED;
+        pthread_mutex_unlock(&pc->ctx->mu);
+        if (failed)
             return kvw__error(KVW_ERR_ABORTED, "room aborted");
         return kvw_put_flush(pc);
     }
@@ -836,7 +839,7 @@ kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sende
 
 kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
 {
-    if (s == NULL || chunk == NULL || s->ctx == NULL)
+    if (s == NULL || chunk == NULL || s->room->ctx == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_sender_send: NULL argument or no context");
     if (chunk->chunk_begin > chunk->chunk_end || chunk->chunk_end > chunk->num_tokens ||
         (chunk->last_chunk && chunk->chunk_end != chunk->num_tokens))
@@ -845,7 +848,7 @@ kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
                           (unsigned long long)chunk->chunk_end,
                           (unsigned long long)chunk->num_tokens,
                           chunk->last_chunk ? " cannot be the last one" : " is out of range");
-    struct kvw_ctx *ctx = s->ctx;
+    struct kvw_ctx *ctx = s->room->ctx;
     kvw_qchunk_t q = {.c = {.num_tokens = chunk->num_tokens, .chunk_begin = chunk->chunk_begin,
                             .chunk_end = chunk->chunk_end, .last_chunk = chunk->last_chunk}};
     q.pages = chunk->pages;
@@ -982,9 +985,9 @@ kvw_status_t kvw_receiver_create(kvw_ctx_h ctx, uint64_t room, uint32_t prefill_
 
 kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
 {
-    if (rv == NULL || post == NULL || rv->ctx == NULL)
+    if (rv == NULL || post == NULL || rv->room->ctx == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_receiver_post: NULL argument or no context");
-    struct kvw_ctx *ctx = rv->ctx;
+    struct kvw_ctx *ctx = rv->room->ctx;
     kvw_room_t *r = rv->room;
     kvw_rank_h me = ctx->rank;
     if (post->prefix_len > post->num_tokens)
@@ -1113,6 +1116,20 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (!r->srcs[i].done)
             return;
+    /* On transports whose receiver sees every write (tcp), the bytes that actually landed
+     * must match too: a sender's own count cannot vouch for writes lost on the way. */
+    if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) {
+        uint64_t want = 0;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            want += r->srcs[i].expected;
+        if (r->landed != want) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: %llu bytes landed, the plans expect %llu",
+                           (unsigned long long)r->id, (unsigned long long)r->landed,
+                           (unsigned long long)want);
+            return;
+        }
+    }
     /* Fail closed: every sender's byte count must be exactly what the plan implies. */
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].got != r->srcs[i].expected) {
@@ -1286,8 +1303,10 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
         for (uint32_t i = 0; i < ctx->num_spans; i++)
             if (ctx->spans[i].room == room && off >= ctx->spans[i].off &&
                 off - ctx->spans[i].off <= ctx->spans[i].len &&
-                len <= ctx->spans[i].len - (off - ctx->spans[i].off))
+                len <= ctx->spans[i].len - (off - ctx->spans[i].off)) {
+                r->landed += len;
                 goto out;
+            }
         st = KVW_ERR_OUT_OF_RANGE;
         kvw__room_fail(ctx, r, st, true, "room %llu: a staged write to [%llu, +%llu) lies outside "
                        "its staging grant", (unsigned long long)room, (unsigned long long)off,
@@ -1315,6 +1334,8 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
                            (unsigned long long)(off + len), (unsigned long long)p);
             break;
         }
+    if (st == KVW_OK)
+        r->landed += len;
 out:
     pthread_mutex_unlock(&ctx->mu);
     return st;
@@ -1463,11 +1484,11 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
     {                                                                                    \
         if (h == NULL)                                                                   \
             return KVW_ROOM_FAILED;                                                      \
-        if (h->ctx == NULL)                                                              \
+        if (h->room->ctx == NULL)                                                              \
             return h->room->state;                                                       \
-        pthread_mutex_lock(&h->ctx->mu);                                                 \
+        pthread_mutex_lock(&h->room->ctx->mu);                                                 \
         kvw_room_state_t s = h->room->state;                                             \
-        pthread_mutex_unlock(&h->ctx->mu);                                               \
+        pthread_mutex_unlock(&h->room->ctx->mu);                                               \
         return s;                                                                        \
     }                                                                                    \
     const char *kvw_##kind##_failure(T h)                                                \
@@ -1487,30 +1508,30 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
     {                                                                                    \
         if (h == NULL || m == NULL)                                                      \
             return;                                                                      \
-        if (h->ctx)                                                                      \
-            pthread_mutex_lock(&h->ctx->mu);                                             \
+        if (h->room->ctx)                                                                      \
+            pthread_mutex_lock(&h->room->ctx->mu);                                             \
         m->bytes = h->room->bytes;                                                       \
         m->runs = h->room->runs;                                                         \
         m->start_ns = h->room->start_ns;                                                 \
         m->end_ns = h->room->end_ns;                                                     \
         m->path = h->room->path ? h->room->path : "none";                                \
-        if (h->ctx)                                                                      \
-            pthread_mutex_unlock(&h->ctx->mu);                                           \
+        if (h->room->ctx)                                                                      \
+            pthread_mutex_unlock(&h->room->ctx->mu);                                           \
     }                                                                                    \
     void kvw_##kind##_abort(T h)                                                         \
     {                                                                                    \
-        if (h == NULL || h->ctx == NULL)                                                 \
+        if (h == NULL || h->room->ctx == NULL)                                                 \
             return;                                                                      \
-        pthread_mutex_lock(&h->ctx->mu);                                                 \
-        kvw__room_fail(h->ctx, h->room, KVW_ERR_ABORTED, true, "aborted by the %s engine", \
+        pthread_mutex_lock(&h->room->ctx->mu);                                                 \
+        kvw__room_fail(h->room->ctx, h->room, KVW_ERR_ABORTED, true, "aborted by the %s engine", \
                        h->room->is_sender ? "prefill" : "decode");                       \
-        pthread_mutex_unlock(&h->ctx->mu);                                               \
+        pthread_mutex_unlock(&h->room->ctx->mu);                                               \
     }                                                                                    \
     void kvw_##kind##_destroy(T h)                                                       \
     {                                                                                    \
         if (h == NULL)                                                                   \
             return;                                                                      \
-        struct kvw_ctx *ctx = h->ctx;                                                    \
+        struct kvw_ctx *ctx = h->room->ctx;                                                    \
         if (ctx) {                                                                       \
             pthread_mutex_lock(&ctx->mu);                                                \
             kvw__room_fail(ctx, h->room, KVW_ERR_ABORTED, true,                          \

@@ -1,5 +1,6 @@
 /* The table of transports compiled into this library. */
 #include "transport/transport.h"
+#include "transport/fault/fault.h"
 
 #include <string.h>
 
@@ -46,6 +47,9 @@ const kvw_tl_ops_t *kvw__tl_find(const char *name)
     }
     if (strcmp(name, kvw_tl_cuda_ipc_ops.name) == 0)
         return &kvw_tl_cuda_ipc_ops;
+    /* "fault:<transport>[@spec]": the fault-injecting wrapper, for tests and soaks. */
+    if (strncmp(name, "fault:", 6) == 0)
+        return kvw__tl_fault_find(name);
     kvw__error(KVW_ERR_NOT_FOUND, "transport '%s' is not compiled into this library", name);
     return NULL;
 }
