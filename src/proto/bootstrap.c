@@ -61,6 +61,17 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, int fd, uint8_t type, const uint8
             e.dp >= KVW_MAX(e.dp_size, 1) || e.pp >= KVW_MAX(e.pp_size, 1))
             return false;
         pthread_mutex_lock(&bs->mu);
+        /* A registration declaring other instance sizes starts a new instance (a prefill
+         * restarted with another geometry): the old entries go, so that no lookup ever
+         * mixes ranks of two geometries. */
+        uint32_t kept = 0;
+        for (uint32_t j = 0; j < bs->num_entries; j++) {
+            const kvw_bs_entry_t *o = &bs->entries[j];
+            if (o->tp_size == e.tp_size && KVW_MAX(o->pp_size, 1) == KVW_MAX(e.pp_size, 1) &&
+                KVW_MAX(o->dp_size, 1) == KVW_MAX(e.dp_size, 1))
+                bs->entries[kept++] = *o;
+        }
+        bs->num_entries = kept;
         uint32_t i;
         for (i = 0; i < bs->num_entries; i++)
             if (bs->entries[i].dp == e.dp && bs->entries[i].tp == e.tp && bs->entries[i].pp == e.pp)
@@ -230,12 +241,64 @@ kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *
                       bs_addr, kvw_last_error());
 }
 
+/* Checks a table against what the decode expects. Returns KVW_OK when it is complete,
+ * KVW_INPROGRESS (with *why set) while ranks are missing, or an error that no waiting can
+ * cure: ranks declaring different instance sizes, or sizes other than the decode expects. */
+static kvw_status_t kvw_bs_check_table(const char *bs_addr, const kvw_bs_entry_t *e, uint32_t n,
+                                       uint32_t tp, uint32_t pp, uint32_t dp, char *why,
+                                       size_t why_cap)
+{
+    if (n == 0) {
+        snprintf(why, why_cap, "no prefill rank registered");
+        return KVW_INPROGRESS;
+    }
+    uint32_t T = e[0].tp_size, P = KVW_MAX(e[0].pp_size, 1), D = KVW_MAX(e[0].dp_size, 1);
+    for (uint32_t i = 1; i < n; i++)
+        if (e[i].tp_size != T || KVW_MAX(e[i].pp_size, 1) != P || KVW_MAX(e[i].dp_size, 1) != D)
+            return kvw__error(KVW_ERR_INCOMPATIBLE,
+                              "bootstrap %s: prefill ranks disagree on the instance geometry: "
+                              "rank dp%u/tp%u/pp%u declares TP %u PP %u DP %u, rank "
+                              "dp%u/tp%u/pp%u declares TP %u PP %u DP %u",
+                              bs_addr, e[0].dp, e[0].tp, e[0].pp, T, P, D, e[i].dp, e[i].tp,
+                              e[i].pp, e[i].tp_size, KVW_MAX(e[i].pp_size, 1),
+                              KVW_MAX(e[i].dp_size, 1));
+    if ((tp && tp != T) || (pp && pp != P) || (dp && dp != D))
+        return kvw__error(KVW_ERR_INCOMPATIBLE,
+                          "bootstrap %s: this decode expects a prefill instance of TP %u PP %u "
+                          "DP %u, but its registered ranks declare TP %u PP %u DP %u",
+                          bs_addr, tp ? tp : T, pp ? pp : P, dp ? dp : D, T, P, D);
+    if (T == 0 || (uint64_t)T * P * D > KVW_BS_MAX_ENTRIES)
+        return kvw__error(KVW_ERR_MALFORMED, "bootstrap %s: prefill instance of TP %u PP %u DP "
+                          "%u is out of range", bs_addr, T, P, D);
+    uint32_t want = T * P * D, have = 0;
+    uint8_t *seen = calloc(want, 1);
+    if (seen == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory checking the bootstrap table");
+    for (uint32_t i = 0; i < n; i++) {
+        if (e[i].tp >= T || e[i].pp >= P || e[i].dp >= D) {
+            free(seen);
+            return kvw__error(KVW_ERR_MALFORMED, "bootstrap %s: entry dp%u/tp%u/pp%u lies "
+                              "outside its declared TP %u PP %u DP %u", bs_addr, e[i].dp,
+                              e[i].tp, e[i].pp, T, P, D);
+        }
+        size_t pos = ((size_t)e[i].dp * P + e[i].pp) * T + e[i].tp;
+        have += !seen[pos];
+        seen[pos] = 1;
+    }
+    free(seen);
+    if (have < want) {
+        snprintf(why, why_cap, "%u of %u prefill ranks registered (TP %u PP %u DP %u)", have,
+                 want, T, P, D);
+        return KVW_INPROGRESS;
+    }
+    return KVW_OK;
+}
+
 kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
                                    uint64_t deadline_ns, kvw_bs_entry_t **entries_p,
                                    uint32_t *count_p)
 {
     char last[256] = "no answer yet";
-    uint32_t seen = 0, want = 0;
     do {
         kvw_wbuf_t w;
         uint8_t *p = NULL;
@@ -261,20 +324,15 @@ kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp
             free(e);
             return kvw__error(KVW_ERR_MALFORMED, "bootstrap %s sent a malformed table", bs_addr);
         }
-        seen = n;
-        want = 0;
-        if (n) {
-            uint32_t t = tp ? tp : e[0].tp_size, q = pp ? pp : KVW_MAX(e[0].pp_size, 1);
-            uint32_t d = dp ? dp : KVW_MAX(e[0].dp_size, 1);
-            want = t * q * d;
-        }
-        if (n && n >= want) {
+        st = kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, last, sizeof(last));
+        if (st == KVW_OK) {
             *entries_p = e;
             *count_p = n;
             return KVW_OK;
         }
         free(e);
-        snprintf(last, sizeof(last), "%u of %u prefill ranks registered", seen, want);
+        if (st != KVW_INPROGRESS)
+            return st;
         usleep(50000);
     } while (kvw__now_ns() < deadline_ns);
     return kvw__error(KVW_ERR_TIMEOUT, "bootstrap %s: prefill instance incomplete at the timeout "

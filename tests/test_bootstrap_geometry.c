@@ -1,0 +1,215 @@
+/*
+ * A decode context must fail closed on the prefill instance's geometry: whatever the
+ * decode expects (prefill TP, PP and DP sizes) must agree with what the registered
+ * prefill ranks declare, and the decode must wait for every rank of the declared
+ * instance. Regression for a decode told prefill_tp=1 while the prefill instance was
+ * TP2: it took the first registered rank as the whole instance and reached Success with
+ * half of the heads never written.
+ *
+ * In one process: prefill TP2 (rank 0 hosts the bootstrap endpoint), decode TP1, tcp.
+ * Expected values come from the instance sizes set here, not from the library.
+ */
+#include "testkit.h"
+
+#include <kvwire/xfer.h>
+
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+static int failures;
+#define CHECK(c, ...)                                                                    \
+    do {                                                                                 \
+        if (!(c)) {                                                                      \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
+            fprintf(stderr, __VA_ARGS__);                                                \
+            fprintf(stderr, "\n");                                                       \
+            failures++;                                                                  \
+        }                                                                                \
+    } while (0)
+
+static kvt_model_t model;
+
+static kvw_status_t make_rank(uint32_t tp, uint32_t rank, kvt_rank_t *r)
+{
+    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
+                         .num_pages = {32, 32}, .num_slots = 2};
+    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
+                             .layer_end = model.m.num_layers, .dp_size = 1};
+    return kvt_rank_build(&s, r);
+}
+
+static kvw_status_t make_prefill(kvt_rank_t *r, const char *bs, bool host, kvw_ctx_h *ctx)
+{
+    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
+                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
+                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
+                          .side = KVW_SIDE_PREFILL, .rank = r->h, .transport = "tcp",
+                          .bootstrap_addr = bs, .host_bootstrap = host,
+                          .bootstrap_timeout_ms = 5000, .wait_timeout_ms = 10000};
+    return kvw_ctx_create(&p, ctx);
+}
+
+/* A decode context expecting a prefill instance of TP tp, PP pp, DP dp (0: as declared). */
+static kvw_status_t make_decode(kvt_rank_t *r, const char *bs, uint32_t tp, uint32_t pp,
+                                uint32_t dp, uint32_t boot_ms, kvw_ctx_h *ctx)
+{
+    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
+                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
+                                        KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
+                          .side = KVW_SIDE_DECODE, .rank = r->h, .transport = "tcp",
+                          .bootstrap_addr = bs, .bootstrap_timeout_ms = boot_ms,
+                          .wait_timeout_ms = 10000, .prefill_tp = tp, .prefill_pp = pp,
+                          .prefill_dp = dp};
+    *ctx = NULL;
+    return kvw_ctx_create(&p, ctx);
+}
+
+/* Expects a refusal with status `want` whose message holds every needle. */
+static void expect_refused(kvw_status_t st, kvw_ctx_h ctx, kvw_status_t want, const char *what,
+                           const char *n1, const char *n2)
+{
+    CHECK(st == want, "%s: got %s (%s), want %s", what, kvw_status_string(st), kvw_last_error(),
+          kvw_status_string(want));
+    if (st == KVW_OK) {
+        kvw_ctx_destroy(ctx);
+        return;
+    }
+    CHECK(kvt_contains(kvw_last_error(), n1), "%s: message lacks '%s': %s", what, n1,
+          kvw_last_error());
+    if (n2)
+        CHECK(kvt_contains(kvw_last_error(), n2), "%s: message lacks '%s': %s", what, n2,
+              kvw_last_error());
+}
+
+/* One room from prefill TP2 (both ranks) to decode TP1, every byte and guard checked. */
+static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dctx,
+                              kvt_rank_t *dst)
+{
+    kvt_rng_t rng = {11};
+    kvt_req_spec_t spec = {.full_begin = 0, .full_end = 40, .swa_begin = 0, .swa_end = 40,
+                           .state_slot = -1};
+    kvt_req_pages_t sp, dp;
+    CHECK(kvt_req_pages_make(&src[0], &spec, &rng, &sp) == 0, "source pages");
+    CHECK(kvt_req_pages_make(dst, &spec, &rng, &dp) == 0, "destination pages");
+    kvt_copy_t expect;
+    kvt_copy_make(dst, &expect);
+    kvw_receiver_h rcv = NULL;
+    kvw_sender_h snd[2] = {NULL, NULL};
+    kvw_recv_post_t post = {.num_tokens = 40, .prefix_len = 0, .pages = dp.side};
+    CHECK(kvw_receiver_create(dctx, 5, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
+    CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
+    kvw_send_chunk_t c = {.num_tokens = 40, .chunk_begin = 0, .chunk_end = 40, .last_chunk = 1,
+                          .pages = sp.side};
+    for (int k = 0; k < 2; k++) {
+        CHECK(kvw_sender_create(pctx[k], 5, &snd[k]) == KVW_OK, "%s", kvw_last_error());
+        CHECK(kvw_sender_send(snd[k], &c) == KVW_OK, "%s", kvw_last_error());
+    }
+    uint64_t t0 = kvt_now_ns();
+    kvw_room_state_t st;
+    while ((st = kvw_receiver_poll(rcv)) != KVW_ROOM_SUCCESS && st != KVW_ROOM_FAILED &&
+           kvt_now_ns() - t0 < 20000000000ull)
+        usleep(1000);
+    CHECK(st == KVW_ROOM_SUCCESS, "room ended %s: %s", kvw_room_state_string(st),
+          kvw_receiver_failure(rcv));
+    kvt_ref_side_t ss[2];
+    uint8_t **sdata[2];
+    for (int k = 0; k < 2; k++) {
+        sdata[k] = calloc(src[k].num_bufs, sizeof(uint8_t *));
+        for (uint32_t b = 0; b < src[k].num_bufs; b++)
+            sdata[k][b] = kvt_rank_data(&src[k], b);
+        ss[k] = kvt_ref_side(&src[k], &sp.side, sdata[k]);
+    }
+    kvt_ref_side_t ds = kvt_ref_side(dst, &dp.side, expect.data);
+    kvw_chunk_t chunk = {.num_tokens = 40, .chunk_end = 40, .last_chunk = 1};
+    uint64_t per_src[2] = {0, 0};
+    char msg[512];
+    CHECK(kvt_ref_transfer(&model.m, ss, 2, &ds, &chunk, NULL, per_src, msg, sizeof(msg)) == 0,
+          "%s", msg);
+    CHECK(per_src[0] > 0 && per_src[1] > 0, "both prefill ranks must contribute heads");
+    kvw_room_metrics_t mt;
+    memset(&mt, 0, sizeof(mt));
+    kvw_receiver_metrics(rcv, &mt);
+    CHECK(mt.bytes == per_src[0] + per_src[1], "%llu bytes confirmed, the reference moves %llu",
+          (unsigned long long)mt.bytes, (unsigned long long)(per_src[0] + per_src[1]));
+    CHECK(kvt_copy_compare(dst, &expect, "decode", msg, sizeof(msg)) == 0, "%s", msg);
+    CHECK(kvt_rank_check_guards(dst, msg, sizeof(msg)) == 0, "%s", msg);
+    for (int k = 0; k < 2; k++) {
+        free(sdata[k]);
+        kvw_sender_destroy(snd[k]);
+    }
+    kvw_receiver_destroy(rcv);
+    kvt_copy_free(&expect);
+    kvt_req_pages_free(&sp);
+    kvt_req_pages_free(&dp);
+}
+
+int main(void)
+{
+    kvt_model_preset("gpt-oss-120b", &model);
+    kvt_model_truncate(&model, 2);
+    kvt_rank_t src[2], dst;
+    memset(src, 0, sizeof(src));
+    memset(&dst, 0, sizeof(dst));
+    CHECK(make_rank(2, 0, &src[0]) == KVW_OK, "%s", kvw_last_error());
+    CHECK(make_rank(2, 1, &src[1]) == KVW_OK, "%s", kvw_last_error());
+    CHECK(make_rank(1, 0, &dst) == KVW_OK, "%s", kvw_last_error());
+    if (failures)
+        return 1;
+    kvt_rank_fill(&src[0], 1);
+    kvt_rank_fill(&src[1], 2);
+    kvt_rank_fill(&dst, 3);
+
+    kvw_ctx_h pctx[2] = {NULL, NULL}, dctx = NULL;
+    CHECK(make_prefill(&src[0], "127.0.0.1:0", true, &pctx[0]) == KVW_OK, "%s", kvw_last_error());
+    if (failures)
+        return 1;
+    char bs[128];
+    snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx[0]));
+
+    /* Only prefill rank 0 of TP2 has registered. A decode expecting TP1 is refused at
+     * once (before the fix it connected to rank 0 alone and took half the heads for all). */
+    kvw_status_t st = make_decode(&dst, bs, 1, 1, 1, 3000, &dctx);
+    expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_tp=1 against TP2 rank 0",
+                   "expects a prefill instance of TP 1", "declare TP 2");
+    /* The same for PP and DP. */
+    st = make_decode(&dst, bs, 2, 2, 1, 3000, &dctx);
+    expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_pp=2 against PP1", "PP 2", "PP 1");
+    st = make_decode(&dst, bs, 2, 1, 2, 3000, &dctx);
+    expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_dp=2 against DP1", "DP 2", "DP 1");
+    /* Sizes taken from the table (0) or given right: the decode waits for rank 1 and says
+     * how many ranks registered at its timeout. */
+    st = make_decode(&dst, bs, 0, 0, 0, 600, &dctx);
+    expect_refused(st, dctx, KVW_ERR_TIMEOUT, "sizes from the table, rank 1 missing",
+                   "1 of 2 prefill ranks registered", NULL);
+    st = make_decode(&dst, bs, 2, 1, 1, 600, &dctx);
+    expect_refused(st, dctx, KVW_ERR_TIMEOUT, "TP2 expected, rank 1 missing",
+                   "1 of 2 prefill ranks registered", NULL);
+
+    /* Rank 1 registers: a decode expecting TP2 connects and receives every head. */
+    CHECK(make_prefill(&src[1], bs, false, &pctx[1]) == KVW_OK, "%s", kvw_last_error());
+    st = make_decode(&dst, bs, 2, 1, 1, 5000, &dctx);
+    CHECK(st == KVW_OK, "TP2 decode: %s", kvw_last_error());
+    if (st == KVW_OK) {
+        transfer_verified(pctx, src, dctx, &dst);
+        kvw_ctx_destroy(dctx);
+    }
+    /* With the whole instance registered, TP1 is still refused (n >= want is not enough). */
+    st = make_decode(&dst, bs, 1, 0, 0, 3000, &dctx);
+    expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_tp=1 against the full TP2",
+                   "TP 1", "TP 2");
+
+    kvw_ctx_destroy(pctx[1]);
+    kvw_ctx_destroy(pctx[0]);
+    for (int k = 0; k < 2; k++)
+        kvt_rank_free(&src[k]);
+    kvt_rank_free(&dst);
+    if (failures) {
+        fprintf(stderr, "test_bootstrap_geometry: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_bootstrap_geometry: all checks passed\n");
+    return 0;
+}
