@@ -2600,6 +2600,116 @@ static int mitm_decode(env_t *e)
     return 0;
 }
 
+/* ---- a decode rank leaves while the other decode rank of its group is still being
+ * served (prefill TP2 -> decode TP2: prefill rank k serves decode rank k only). The
+ * rooms of the remaining rank must reach Success on both sides: room A, whose sender
+ * was open and waiting for input when the other rank left, and room B, for which
+ * prefill rank 0 had no sender yet. Once the last decode rank leaves too, the finished
+ * rooms stay Success. Regression: the room's completeness counted only connected decode
+ * ranks, so a departed unrelated rank held rooms back, and the peer's death then failed
+ * rooms it had already confirmed. */
+
+static kvw_status_t p_send_rank(inst_t *in, room_t *rm, uint32_t k)
+{
+    rpages_t p;
+    room_pages(true, rm->slot, rm->n, &p);
+    kvw_send_chunk_t c = {.num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
+                          .last_chunk = 1, .pages = p.side};
+    (void)in;
+    kvw_status_t st = kvw_sender_send(rm->s[k], &c);
+    CHECK(st == KVW_OK, "send room %llu rank %u: %s", (unsigned long long)rm->id, k,
+          kvw_last_error());
+    return st;
+}
+
+static int leave_prefill(env_t *e)
+{
+    inst_t in;
+    int rc = p_start(e, &in, 0);
+    if (rc)
+        return rc;
+    room_t ra = room_def(60, 0), rb = room_def(61, 1);
+    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+        return 1;
+    p_open(&in, &ra);
+    p_wait_state(&in, &ra, KVW_ROOM_WAITING_FOR_INPUT, 5000);
+    CHECK(kvw_sender_create(in.ctx[1], rb.id, &rb.s[1]) == KVW_OK, "sender B rank 1: %s",
+          kvw_last_error());
+    /* Prefill rank 1 serves decode rank 1, which then leaves. */
+    p_send_rank(&in, &ra, 1);
+    p_send_rank(&in, &rb, 1);
+    CHECK(wait_send(ra.s[1], 10000) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
+          kvw_sender_failure(ra.s[1]));
+    CHECK(wait_send(rb.s[1], 10000) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
+          kvw_sender_failure(rb.s[1]));
+    ch_tag(e->ch[1], "sent1");
+    if (ch_expect(e->ch[1], "left1", NULL, 15000))
+        return 1;
+    /* Let prefill rank 0 see the departure first (the case also holds if it has not). */
+    sleep_ms(300);
+    CHECK(kvw_sender_poll(ra.s[0]) == KVW_ROOM_WAITING_FOR_INPUT,
+          "room A rank 0 changed state when an unrelated decode rank left: %s (%s)",
+          kvw_room_state_string(kvw_sender_poll(ra.s[0])), kvw_sender_failure(ra.s[0]));
+    CHECK(kvw_sender_create(in.ctx[0], rb.id, &rb.s[0]) == KVW_OK, "sender B rank 0: %s",
+          kvw_last_error());
+    p_send_rank(&in, &ra, 0);
+    p_send_rank(&in, &rb, 0);
+    p_expect(&in, &ra, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
+    p_expect(&in, &rb, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
+    ch_tag(e->ch[1], "done0");
+    CHECK(ch_wait_gone(e->ch[1], 20000), "the decode process did not go away");
+    /* Both decode ranks are gone now: finished rooms stay finished. */
+    sleep_ms(300);
+    for (uint32_t k = 0; k < 2; k++) {
+        CHECK(kvw_sender_poll(ra.s[k]) == KVW_ROOM_SUCCESS, "room A rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_sender_poll(ra.s[k])), kvw_sender_failure(ra.s[k]));
+        CHECK(kvw_sender_poll(rb.s[k]) == KVW_ROOM_SUCCESS, "room B rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_sender_poll(rb.s[k])), kvw_sender_failure(rb.s[k]));
+    }
+    p_close(&in, &ra);
+    p_close(&in, &rb);
+    inst_free(&in);
+    return 0;
+}
+
+static int leave_decode(env_t *e)
+{
+    dctx_t d;
+    int rc = d_start(e, &d, true);
+    if (rc)
+        return rc;
+    room_t ra = room_def(60, 0), rb = room_def(61, 1);
+    d_open_post(&d.dec, &ra, NULL);
+    d_open_post(&d.dec, &rb, NULL);
+    ch_tag(e->ch[0], "posted");
+    if (ch_expect(e->ch[0], "sent1", NULL, 15000))
+        return 1;
+    CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, 10000) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
+          kvw_receiver_failure(ra.r[1]));
+    CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, 10000) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
+          kvw_receiver_failure(rb.r[1]));
+    /* Decode rank 1 leaves: its rooms are done, its context goes away. */
+    kvw_receiver_destroy(ra.r[1]);
+    kvw_receiver_destroy(rb.r[1]);
+    ra.r[1] = rb.r[1] = NULL;
+    kvw_ctx_destroy(d.dec.ctx[1]);
+    d.dec.ctx[1] = NULL;
+    ch_tag(e->ch[0], "left1");
+    CHECK(wait_recv(ra.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
+          "room A rank 0: %s", kvw_receiver_failure(ra.r[0]));
+    CHECK(wait_recv(rb.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
+          "room B rank 0: %s", kvw_receiver_failure(rb.r[0]));
+    room_t *rp[2] = {&ra, &rb};
+    int out[2] = {V_OK, V_OK};
+    if (d_verify(&d.dec, &d.snap, &d.src, rp, out, 2))
+        say("2 rooms verified byte-exact on both decode ranks (guards intact)");
+    ch_expect(e->ch[0], "done0", NULL, 15000);
+    d_close(&d.dec, &ra);
+    d_close(&d.dec, &rb);
+    d_end(&d);
+    return 0;
+}
+
 /* ================================================================== driver */
 
 typedef struct role {
@@ -2775,6 +2885,8 @@ int main(void)
         {"two decode instances at once",
          {P_ROLE(ddeath_prefill), {"decode1", ddeath_victim, false},
           {"decode2", ddeath_second, false}}, 3, 1, 1, 1, 40},
+        {"a decode rank leaves, the others finish",
+         {P_ROLE(leave_prefill), D_ROLE(leave_decode)}, 2, 2, 2, 0, 40},
         {"decode aborts", {P_ROLE(dabort_prefill), D_ROLE(dabort_decode)}, 2, 1, 2, 0, 30},
         {"prefill aborts", {P_ROLE(pabort_prefill), D_ROLE(pabort_decode)}, 2, 2, 2, 0, 30},
         {"handshake rejections", {P_ROLE(hs_prefill), D_ROLE(hs_decode)}, 2, 1, 2, 0, 60},

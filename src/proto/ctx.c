@@ -77,8 +77,9 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
         for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
             bool involved = false;
+            /* A decode rank that already confirmed its bytes is no longer waited on. */
             for (uint32_t i = 0; i < r->num_dsts; i++)
-                involved |= r->dsts[i].peer == peer->id;
+                involved |= r->dsts[i].peer == peer->id && !r->dsts[i].acked;
             for (uint32_t i = 0; i < r->num_srcs; i++)
                 involved |= r->srcs[i].peer == peer->id && !r->srcs[i].done;
             if (involved)
@@ -441,6 +442,7 @@ reply:
     peer->staging_len = staging_len;
     peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
     peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
+    peer->remote_pp_size = KVW_MAX(rp->pp_size, 1);
     peer->needed = kvw_pair_needed(ctx->rank, remote);
     if (instance)
         snprintf(peer->desc, sizeof(peer->desc), "decode instance %llu rank dp%u/tp%u/pp%u",

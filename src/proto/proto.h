@@ -70,6 +70,7 @@ typedef struct kvw_peer {
     uint32_t num_rkeys;
     uint32_t id_at_remote; /* id the decode side gave us; carried in DONE */
     uint32_t remote_group_size; /* decode tp x pp */
+    uint32_t remote_pp_size;    /* decode pp */
     kvw_rank_h mapped; /* prefill: the decode rank's buffers as mapped here (rkey_ptr) */
     kvw_tl_rkey_h staging_rkey; /* the decode rank's staging area, or NULL */
     uint64_t staging_len;
@@ -121,6 +122,7 @@ typedef struct kvw_room {
     struct kvw_room *qnext;
     /* prefill */
     int32_t dst_dp; /* -1 until the first REQ */
+    bool dsts_known; /* every decode rank the room serves has posted it (latched) */
     uint64_t dst_instance;
     kvw_room_dst_t *dsts;
     uint32_t num_dsts;

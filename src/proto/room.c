@@ -332,23 +332,57 @@ void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
     pthread_cond_broadcast(&ctx->cv);
 }
 
-/* Decode ranks the room must serve are known once every rank of the decode DP group
- * has registered; until then the room keeps waiting. mu held. */
+/* Decode ranks the room must serve are known once every rank position of the decode DP
+ * group has registered at least once; until then the room keeps waiting. Positions are
+ * counted over dead peers too: a decode rank that finished its own rooms and left does
+ * not make the group incomplete again. Once known, the room remembers it (dsts_known),
+ * so that no later departure of an unrelated decode rank can hold it back. mu held. */
 static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
 {
+    if (r->dsts_known)
+        return true;
     if (r->dst_dp < 0)
         return false;
-    uint32_t group = 0, connected = 0, needed = 0;
+    uint32_t group = 0;
+    for (uint32_t i = 0; i < ctx->num_peers && !group; i++) {
+        kvw_peer_t *p = ctx->peers[i];
+        if (p->dp == (uint32_t)r->dst_dp && p->instance == r->dst_instance)
+            group = p->remote_group_size;
+    }
+    if (group == 0)
+        return false;
+    /* One bit per rank position (pp * tp_size + tp) seen, one per position needing us. */
+    size_t words = (group + 63) / 64;
+    uint64_t stack_bits[2 * 16];
+    uint64_t *seen = words <= 16 ? stack_bits : calloc(2 * words, sizeof(uint64_t));
+    if (seen == NULL)
+        return false;
+    if (seen == stack_bits)
+        memset(stack_bits, 0, sizeof(stack_bits));
+    uint64_t *need = seen + words;
+    uint32_t positions = 0, needed = 0;
     for (uint32_t i = 0; i < ctx->num_peers; i++) {
         kvw_peer_t *p = ctx->peers[i];
-        /* A decode rank that died and registered again counts once, as its new peer. */
-        if (p->dp != (uint32_t)r->dst_dp || p->dead || p->instance != r->dst_instance)
+        if (p->dp != (uint32_t)r->dst_dp || p->instance != r->dst_instance ||
+            p->remote_group_size != group)
             continue;
-        group = p->remote_group_size;
-        connected++;
-        needed += p->needed;
+        uint32_t pos = p->pp * (group / KVW_MAX(p->remote_pp_size, 1)) + p->tp;
+        if (pos >= group)
+            continue;
+        uint64_t bit = 1ull << (pos % 64);
+        if (!(seen[pos / 64] & bit)) {
+            seen[pos / 64] |= bit;
+            positions++;
+        }
+        if (p->needed && !(need[pos / 64] & bit)) {
+            need[pos / 64] |= bit;
+            needed++;
+        }
     }
-    return connected >= group && r->num_dsts >= needed;
+    if (seen != stack_bits)
+        free(seen);
+    r->dsts_known = positions >= group && r->num_dsts >= needed;
+    return r->dsts_known;
 }
 
 /* A decode rank of the room with chunks to send that no worker serves yet, or -1. */
