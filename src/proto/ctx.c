@@ -537,6 +537,23 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
                           "a malformed frame (type %u)", e->addr, type);
     }
     free(p);
+    /* The rank that answered must be the one the bootstrap table named, with the same
+     * instance geometry: a mismatch would route heads to the wrong place. */
+    const kvw_parallel_t *rpar = kvw_rank_parallel(remote);
+    if (rpar->tp_rank != e->tp || rpar->pp_rank != e->pp || rpar->dp_rank != e->dp ||
+        rpar->tp_size != e->tp_size || KVW_MAX(rpar->pp_size, 1) != KVW_MAX(e->pp_size, 1) ||
+        KVW_MAX(rpar->dp_size, 1) != KVW_MAX(e->dp_size, 1)) {
+        st = kvw__error(KVW_ERR_INCOMPATIBLE,
+                        "prefill rank at %s describes itself as dp%u/tp%u/pp%u of TP %u PP %u "
+                        "DP %u, but the bootstrap table names it dp%u/tp%u/pp%u of TP %u PP %u "
+                        "DP %u", e->addr, rpar->dp_rank, rpar->tp_rank, rpar->pp_rank,
+                        rpar->tp_size, KVW_MAX(rpar->pp_size, 1), KVW_MAX(rpar->dp_size, 1),
+                        e->dp, e->tp, e->pp, e->tp_size, KVW_MAX(e->pp_size, 1),
+                        KVW_MAX(e->dp_size, 1));
+        close(fd);
+        kvw_rank_destroy(remote);
+        return st;
+    }
     pthread_mutex_lock(&ctx->mu);
     kvw_peer_t *peer = kvw_peer_add(ctx, fd);
     if (peer == NULL) {
@@ -657,11 +674,14 @@ static void *kvw_handshake_main(void *arg)
     else
         fcntl(a->fd, F_SETFL, fcntl(a->fd, F_GETFL) | O_NONBLOCK);
     free(a);
+    /* Wake the control thread (to poll the new peer's socket) before giving up the
+     * handshake count: once it reaches zero, kvw_ctx_destroy closes the wake pipe and
+     * frees the context, so this thread must not touch ctx after the unlock below. */
     pthread_mutex_lock(&ctx->mu);
+    kvw__ctx_wake(ctx);
     ctx->handshakes--;
     pthread_cond_broadcast(&ctx->cv);
     pthread_mutex_unlock(&ctx->mu);
-    kvw__ctx_wake(ctx); /* poll the new peer's socket */
     return NULL;
 }
 
