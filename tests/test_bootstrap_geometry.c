@@ -107,13 +107,39 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
         CHECK(kvw_sender_create(pctx[k], 5, &snd[k]) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_sender_send(snd[k], &c) == KVW_OK, "%s", kvw_last_error());
     }
-    uint64_t t0 = kvt_now_ns();
-    kvw_room_state_t st;
-    while ((st = kvw_receiver_poll(rcv)) != KVW_ROOM_SUCCESS && st != KVW_ROOM_FAILED &&
-           kvt_now_ns() - t0 < 20000000000ull)
-        usleep(1000);
+    /* kvw_receiver_wait blocks until the state change (a generous bound, never reached
+     * unless the room hangs). */
+    kvw_room_state_t st = kvw_receiver_wait(rcv, 30000);
     CHECK(st == KVW_ROOM_SUCCESS, "room ended %s: %s", kvw_room_state_string(st),
           kvw_receiver_failure(rcv));
+    for (int k = 0; k < 2; k++) {
+        kvw_room_state_t ps = kvw_sender_wait(snd[k], 30000);
+        CHECK(ps == KVW_ROOM_SUCCESS, "sender %d ended %s: %s", k, kvw_room_state_string(ps),
+              kvw_sender_failure(snd[k]));
+        /* Each side stamps its own hops, in protocol order. */
+        kvw_room_metrics_t pm;
+        memset(&pm, 0, sizeof(pm));
+        kvw_sender_metrics(snd[k], &pm);
+        const uint64_t *h = pm.hop_ns;
+        CHECK(h[KVW_HOP_REQ_RX] && h[KVW_HOP_SEND] && h[KVW_HOP_WORKER] && h[KVW_HOP_BYTES_OUT] &&
+                  h[KVW_HOP_ACK_RX] && h[KVW_HOP_SUCCESS],
+              "sender %d lacks a hop stamp", k);
+        CHECK(h[KVW_HOP_POST] == 0 && h[KVW_HOP_DONE_RX] == 0, "sender %d has decode hops", k);
+        CHECK(h[KVW_HOP_WORKER] <= h[KVW_HOP_BYTES_OUT] && h[KVW_HOP_BYTES_OUT] <= h[KVW_HOP_ACK_RX] &&
+                  h[KVW_HOP_ACK_RX] <= h[KVW_HOP_SUCCESS] && h[KVW_HOP_SEND] <= h[KVW_HOP_WORKER],
+              "sender %d hops out of order", k);
+    }
+    kvw_room_metrics_t dm;
+    memset(&dm, 0, sizeof(dm));
+    kvw_receiver_metrics(rcv, &dm);
+    CHECK(dm.hop_ns[KVW_HOP_POST] && dm.hop_ns[KVW_HOP_DONE_RX] && dm.hop_ns[KVW_HOP_SUCCESS] &&
+              dm.hop_ns[KVW_HOP_POST] <= dm.hop_ns[KVW_HOP_DONE_RX] &&
+              dm.hop_ns[KVW_HOP_DONE_RX] <= dm.hop_ns[KVW_HOP_SUCCESS],
+          "receiver hops missing or out of order");
+    CHECK(dm.hop_ns[KVW_HOP_WORKER] == 0 && dm.hop_ns[KVW_HOP_ACK_RX] == 0,
+          "receiver has prefill hops");
+    /* A terminal room: wait returns at once, also with a zero timeout. */
+    CHECK(kvw_receiver_wait(rcv, 0) == KVW_ROOM_SUCCESS, "wait(0) on a finished room");
     kvt_ref_side_t ss[2];
     uint8_t **sdata[2];
     for (int k = 0; k < 2; k++) {
@@ -194,6 +220,18 @@ int main(void)
     CHECK(st == KVW_OK, "TP2 decode: %s", kvw_last_error());
     if (st == KVW_OK) {
         transfer_verified(pctx, src, dctx, &dst);
+        /* A room no prefill rank sends: kvw_receiver_wait returns at its timeout with the
+         * room still open. */
+        kvw_receiver_h idle = NULL;
+        uint32_t pg[3] = {0, 1, 2};
+        kvw_recv_post_t post = {.num_tokens = 40,
+                                .pages = {.full = {pg, 3, 0}, .swa = {pg, 3, 0}, .state_slot = -1}};
+        CHECK(kvw_receiver_create(dctx, 9, 0, &idle) == KVW_OK, "%s", kvw_last_error());
+        CHECK(kvw_receiver_post(idle, &post) == KVW_OK, "%s", kvw_last_error());
+        kvw_room_state_t ws = kvw_receiver_wait(idle, 300);
+        CHECK(ws == KVW_ROOM_WAITING_FOR_INPUT, "idle room after wait(300): %s",
+              kvw_room_state_string(ws));
+        kvw_receiver_destroy(idle);
         kvw_ctx_destroy(dctx);
     }
     /* With the whole instance registered, TP1 is still refused (n >= want is not enough). */

@@ -125,16 +125,38 @@ KVW_API kvw_status_t kvw_receiver_post(kvw_receiver_h receiver, const kvw_recv_p
 
 /* ---------------------------------------------------------------- both sides */
 
+/* The hops of a room, in the order they happen; each side stamps its own (monotonic
+ * clock, CLOCK_MONOTONIC, comparable between processes of one host; 0: not reached on
+ * this side). Where a hop repeats (several chunks or decode ranks) the last one counts,
+ * except KVW_HOP_WORKER, the first. */
+typedef enum kvw_hop {
+    KVW_HOP_POST = 0,  /* decode: kvw_receiver_post sent the room's pages */
+    KVW_HOP_REQ_RX,    /* prefill: a decode rank's pages arrived */
+    KVW_HOP_SEND,      /* prefill: the engine handed over the last chunk */
+    KVW_HOP_WORKER,    /* prefill: a worker took the room */
+    KVW_HOP_BYTES_OUT, /* prefill: bytes and completion handed to the transport */
+    KVW_HOP_DONE_RX,   /* decode: a prefill rank's completion arrived */
+    KVW_HOP_ACK_RX,    /* prefill: a decode rank confirmed every byte landed */
+    KVW_HOP_SUCCESS,   /* either side: the room reached Success */
+    KVW_HOP_COUNT
+} kvw_hop_t;
+
 typedef struct kvw_room_metrics {
     uint64_t bytes;        /* payload bytes sent (prefill) or confirmed (decode) */
     uint64_t runs;         /* coalesced runs posted (prefill) */
     uint64_t start_ns, end_ns; /* monotonic clock: first data moved, terminal state */
     const char *path;      /* "direct" or "staged" */
+    uint64_t hop_ns[KVW_HOP_COUNT]; /* see kvw_hop_t */
 } kvw_room_metrics_t;
 
 /* Never blocks. */
 KVW_API kvw_room_state_t kvw_sender_poll(kvw_sender_h sender);
 KVW_API kvw_room_state_t kvw_receiver_poll(kvw_receiver_h receiver);
+
+/* Blocks until the room is terminal (Success or Failed) or timeout_ms passed, woken by
+ * the state change itself (no polling); returns the state then. timeout_ms 0: poll. */
+KVW_API kvw_room_state_t kvw_sender_wait(kvw_sender_h sender, uint32_t timeout_ms);
+KVW_API kvw_room_state_t kvw_receiver_wait(kvw_receiver_h receiver, uint32_t timeout_ms);
 
 /* Why the room failed ("" unless FAILED). Valid until the handle is destroyed. */
 KVW_API const char *kvw_sender_failure(kvw_sender_h sender);

@@ -202,6 +202,7 @@ class kvw_room_metrics_t(ctypes.Structure):
         ("start_ns", ctypes.c_uint64),
         ("end_ns", ctypes.c_uint64),
         ("path", ctypes.c_char_p),
+        ("hop_ns", ctypes.c_uint64 * 8),  # kvw_hop_t: KVW_HOP_COUNT stamps
     ]
 
 
@@ -264,6 +265,8 @@ _PROTOTYPES = {
     "kvw_receiver_post": (_st, [_h, _P(kvw_recv_post_t)]),
     "kvw_sender_poll": (c_enum, [_h]),
     "kvw_receiver_poll": (c_enum, [_h]),
+    "kvw_sender_wait": (c_enum, [_h, ctypes.c_uint32]),
+    "kvw_receiver_wait": (c_enum, [_h, ctypes.c_uint32]),
     "kvw_sender_failure": (ctypes.c_char_p, [_h]),
     "kvw_receiver_failure": (ctypes.c_char_p, [_h]),
     "kvw_sender_status": (_st, [_h]),

@@ -704,8 +704,13 @@ def topo_routes(src_tp, dst_tp, heads):
 
 # ---------------------------------------------------------------- contexts and rooms
 
-class RoomMetrics(namedtuple("RoomMetrics", ["bytes", "runs", "start_ns", "end_ns", "path"])):
-    """kvw_room_metrics_t: payload bytes, coalesced runs (prefill), monotonic start/end."""
+HOPS = ("post", "req_rx", "send", "worker", "bytes_out", "done_rx", "ack_rx", "success")
+
+
+class RoomMetrics(namedtuple("RoomMetrics", ["bytes", "runs", "start_ns", "end_ns", "path",
+                                             "hops"])):
+    """kvw_room_metrics_t: payload bytes, coalesced runs (prefill), monotonic start/end,
+    and `hops`: {hop name: CLOCK_MONOTONIC ns} for the hops this side reached (kvw_hop_t)."""
 
     @property
     def seconds(self):
@@ -866,25 +871,28 @@ class _Room:
     def metrics(self):
         m = N.kvw_room_metrics_t()
         self._fn("metrics")(self._handle(), ctypes.byref(m))
+        hops = {name: m.hop_ns[i] for i, name in enumerate(HOPS) if m.hop_ns[i]}
         return RoomMetrics(m.bytes, m.runs, m.start_ns, m.end_ns,
-                           m.path.decode() if m.path else "")
+                           m.path.decode() if m.path else "", hops)
 
     def abort(self):
         """Aborts the room locally and tells the peers."""
         self._fn("abort")(self._handle())
 
-    def wait(self, timeout=None, interval=0.0005):
-        """Polls until the room is terminal; returns the final RoomState. Raises
-        TimeoutError after `timeout` seconds (the room stays open)."""
+    def wait(self, timeout=None):
+        """Blocks until the room is terminal (woken by the state change, kvw_*_wait);
+        returns the final RoomState. Raises TimeoutError after `timeout` seconds (the
+        room stays open)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            s = self.poll()
+            left = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            # Slices of at most 1 s keep Ctrl-C responsive.
+            s = RoomState(self._fn("wait")(self._handle(), int(min(left, 1.0) * 1000) or 1))
             if s.terminal:
                 return s
-            if deadline is not None and time.monotonic() > deadline:
+            if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError("%s of room %d still %s after %.1f s"
                                    % (self._kind, self.room, s.name, timeout))
-            time.sleep(interval)
 
     def close(self):
         """Destroys the handle (a room that is not terminal is aborted first)."""

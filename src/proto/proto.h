@@ -46,6 +46,7 @@ kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp
 typedef struct kvw_outmsg {
     struct kvw_outmsg *next;
     kvw_wbuf_t w;
+    size_t off; /* bytes already written (a direct send that the socket took in part) */
 } kvw_outmsg_t;
 
 typedef struct kvw_peer {
@@ -59,6 +60,7 @@ typedef struct kvw_peer {
     bool needed;   /* the topology makes this peer and us exchange bytes */
     uint64_t last_rx_ns, last_tx_ns;
     kvw_outmsg_t *out_head, *out_tail;
+    bool tx_busy; /* the control thread is writing a popped frame (outside mu) */
     /* Incremental frame reader. */
     uint8_t hdr[KVW_WIRE_HDR];
     uint32_t hdr_got;
@@ -141,7 +143,15 @@ typedef struct kvw_room {
     kvw_side_pages_t post_pages; /* the decode's pages, for scattering staged data */
     uint32_t *post_store;
     const char *path;            /* "direct" or "staged" (what the last chunk used) */
+    uint64_t hop_ns[KVW_HOP_COUNT]; /* kvw_hop_t stamps of this side */
 } kvw_room_t;
+
+/* Stamps hop `h` of a room now (mu held); `first`: keep an earlier stamp. */
+static inline void kvw__room_hop(kvw_room_t *r, kvw_hop_t h, bool first)
+{
+    if (!first || r->hop_ns[h] == 0)
+        r->hop_ns[h] = kvw__now_ns();
+}
 
 /* A span of a decode rank's staging area granted to one room. */
 typedef struct kvw_stage_span {
@@ -171,6 +181,7 @@ struct kvw_ctx {
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
+    pthread_cond_t done_cv; /* a room turned terminal (CLOCK_MONOTONIC; kvw_*_wait) */
     bool stopping;
 
     int listen_fd;

@@ -7,6 +7,7 @@
 
 #include <kvwire/cuda.h>
 
+#include <errno.h>
 #include <stdio.h>
 #include <time.h>
 #include <string.h>
@@ -201,8 +202,12 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
     room->state = state;
     if (state == KVW_ROOM_TRANSFERRING && !room->start_ns)
         room->start_ns = kvw__now_ns();
-    if (state == KVW_ROOM_SUCCESS)
+    if (state == KVW_ROOM_SUCCESS) {
         room->end_ns = kvw__now_ns();
+        room->hop_ns[KVW_HOP_SUCCESS] = room->end_ns;
+        if (room->ctx)
+            pthread_cond_broadcast(&room->ctx->done_cv);
+    }
 }
 
 static void kvw_send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
@@ -247,6 +252,7 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     if (!room->is_sender && ctx->staging)
         kvw_stage_release_room(ctx, room->id);
     pthread_cond_broadcast(&ctx->cv);
+    pthread_cond_broadcast(&ctx->done_cv);
     if (!notify) {
         kvw_room_quiesce(ctx, room);
         return;
@@ -454,6 +460,8 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
     kvw_room_t *r = kvw__room_find(ctx, id);
     if (r == NULL)
         r = kvw__room_new(ctx, id, true);
+    if (r)
+        kvw__room_hop(r, KVW_HOP_REQ_RX, false);
     if (r == NULL || d.store == NULL) {
         free(d.store);
         kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_NO_MEMORY,
@@ -640,10 +648,22 @@ static void kvw_put_done(kvw_wbuf_t *w, uint64_t room, uint32_t id, const kvw_ch
     kvw__wb_u8(w, (uint8_t)final);
 }
 
+/* Hands a chunk's completion to the transport; *out_ns_p: when (KVW_HOP_BYTES_OUT). */
+static kvw_status_t kvw_notify_done(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w,
+                                    uint64_t *out_ns_p)
+{
+    kvw_status_t st = kvw__wb_finish(w);
+    *out_ns_p = kvw__now_ns();
+    if (st == KVW_OK)
+        st = ctx->tl_ops->notify(peer->ep, w->p, w->len);
+    kvw__wb_free(w);
+    return st;
+}
+
 /* Sends one staged chunk: ask for space, gather, one bulk put, notify; repeat. */
 static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
                                     kvw_peer_t *peer, const struct kvw_plan *plan,
-                                    const kvw_chunk_t *c, uint64_t *runs_p)
+                                    const kvw_chunk_t *c, uint64_t *runs_p, uint64_t *out_ns_p)
 {
     uint64_t total = plan->bytes, piece_max = KVW_MIN(peer->staging_len / 4, 16ull << 20);
     uint8_t *buf = malloc(KVW_MAX(KVW_MIN(total, piece_max), 1));
@@ -687,9 +707,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         kvw_wbuf_t dw;
         kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, pos, len, (uint64_t)goff,
                      pos + len == total);
-        if ((st = kvw__wb_finish(&dw)) == KVW_OK)
-            st = ctx->tl_ops->notify(peer->ep, dw.p, dw.len);
-        kvw__wb_free(&dw);
+        st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
         pos += len;
         (*runs_p)++;
     }
@@ -700,7 +718,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
 static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
                                     const kvw_room_dst_t *d, const kvw_qchunk_t *q,
                                     kvw_peer_t *peer, uint64_t *bytes_p, uint64_t *runs_p,
-                                    bool *staged_p)
+                                    bool *staged_p, uint64_t *out_ns_p)
 {
     kvw_chunk_t c = q->c;
     c.prefix_len = d->prefix_len;
@@ -727,9 +745,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         if (st == KVW_OK) {
             kvw_wbuf_t w;
             kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true);
-            if ((st = kvw__wb_finish(&w)) == KVW_OK)
-                st = ctx->tl_ops->notify(peer->ep, w.p, w.len);
-            kvw__wb_free(&w);
+            st = kvw_notify_done(ctx, peer, &w, out_ns_p);
         }
         *runs_p = plan->num_segs;
         kvw_plan_destroy(plan);
@@ -741,7 +757,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     *bytes_p = plan->bytes;
     *staged_p = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
     if (*staged_p) {
-        st = kvw_send_staged(ctx, r, di, peer, plan, &c, runs_p);
+        st = kvw_send_staged(ctx, r, di, peer, plan, &c, runs_p, out_ns_p);
         kvw_plan_destroy(plan);
         return st;
     }
@@ -757,9 +773,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     if (st == KVW_OK) {
         kvw_wbuf_t w;
         kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true);
-        if ((st = kvw__wb_finish(&w)) == KVW_OK)
-            st = ctx->tl_ops->notify(peer->ep, w.p, w.len);
-        kvw__wb_free(&w);
+        st = kvw_notify_done(ctx, peer, &w, out_ns_p);
     }
     *runs_p = pc->runs;
     free(pc);
@@ -795,6 +809,7 @@ void *kvw__worker_main(void *arg)
         uint32_t i = (uint32_t)di;
         r->dsts[i].busy = true;
         r->inflight++;
+        kvw__room_hop(r, KVW_HOP_WORKER, true);
         if (!r->start_ns)
             r->start_ns = kvw__now_ns();
         if (kvw_room_next_dst(r) >= 0)
@@ -805,10 +820,10 @@ void *kvw__worker_main(void *arg)
             kvw_qchunk_t q = r->chunks[d->next_chunk];
             kvw_room_dst_t dcopy = *d;
             pthread_mutex_unlock(&ctx->mu);
-            uint64_t bytes = 0, runs = 0;
+            uint64_t bytes = 0, runs = 0, out_ns = 0;
             bool staged = false;
             kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, peer, &bytes, &runs,
-                                              &staged);
+                                              &staged, &out_ns);
             char msg[512];
             snprintf(msg, sizeof(msg), "%s", kvw_last_error());
             pthread_mutex_lock(&ctx->mu);
@@ -823,6 +838,7 @@ void *kvw__worker_main(void *arg)
             r->bytes += bytes;
             r->runs += runs;
             r->path = staged ? "staged" : "direct";
+            r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
             kvw__room_touch(ctx, r);
             if (q.c.last_chunk)
                 d->last_sent = true;
@@ -935,6 +951,8 @@ kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
         }
     r->chunks[r->num_chunks++] = q;
     r->have_last |= chunk->last_chunk != 0;
+    if (chunk->last_chunk)
+        kvw__room_hop(r, KVW_HOP_SEND, false);
     kvw__room_touch(ctx, r);
     kvw_sender_update(ctx, r);
     pthread_mutex_unlock(&ctx->mu);
@@ -1120,6 +1138,7 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
                sizeof(uint32_t) * post->pages.swa.num_pages);
     r->post_pages.full.pages = r->post_store;
     r->post_pages.swa.pages = r->post_store + post->pages.full.num_pages;
+    kvw__room_hop(r, KVW_HOP_POST, false);
     /* Every prefill rank of the group hears of the room, even one that sends this rank
      * nothing: it learns the room's DP group from it. */
     for (uint32_t i = 0; i < ctx->num_peers; i++) {
@@ -1249,6 +1268,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
                        (unsigned long long)c.chunk_end);
         goto out;
     }
+    kvw__room_hop(r, KVW_HOP_DONE_RX, false);
     kvw__room_advance(r, KVW_ROOM_TRANSFERRING);
     kvw__room_touch(ctx, r);
     if (staged) {
@@ -1432,8 +1452,10 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
             break;
         kvw_room_t *r = kvw__room_find(ctx, id);
         for (uint32_t i = 0; r && i < r->num_dsts; i++)
-            if (r->dsts[i].peer == peer->id)
+            if (r->dsts[i].peer == peer->id) {
                 r->dsts[i].acked = true;
+                kvw__room_hop(r, KVW_HOP_ACK_RX, false);
+            }
         if (r)
             kvw_sender_update(ctx, r);
         return;
@@ -1549,8 +1571,33 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
         m->start_ns = h->room->start_ns;                                                 \
         m->end_ns = h->room->end_ns;                                                     \
         m->path = h->room->path ? h->room->path : "none";                                \
+        memcpy(m->hop_ns, h->room->hop_ns, sizeof(m->hop_ns));                           \
         if (h->room->ctx)                                                                      \
             pthread_mutex_unlock(&h->room->ctx->mu);                                           \
+    }                                                                                    \
+    kvw_room_state_t kvw_##kind##_wait(T h, uint32_t timeout_ms)                         \
+    {                                                                                    \
+        if (h == NULL)                                                                   \
+            return KVW_ROOM_FAILED;                                                      \
+        struct kvw_ctx *ctx = h->room->ctx;                                              \
+        if (ctx == NULL)                                                                 \
+            return h->room->state;                                                       \
+        struct timespec ts;                                                              \
+        clock_gettime(CLOCK_MONOTONIC, &ts);                                             \
+        ts.tv_sec += (time_t)(timeout_ms / 1000u);                                       \
+        ts.tv_nsec += (long)(timeout_ms % 1000u) * 1000000L;                             \
+        if (ts.tv_nsec >= 1000000000L) {                                                 \
+            ts.tv_sec++;                                                                 \
+            ts.tv_nsec -= 1000000000L;                                                   \
+        }                                                                                \
+        pthread_mutex_lock(&ctx->mu);                                                    \
+        while (h->room->state != KVW_ROOM_SUCCESS && h->room->state != KVW_ROOM_FAILED &&  \
+               timeout_ms &&                                                             \
+               pthread_cond_timedwait(&ctx->done_cv, &ctx->mu, &ts) != ETIMEDOUT) {      \
+        }                                                                                \
+        kvw_room_state_t s = h->room->state;                                             \
+        pthread_mutex_unlock(&ctx->mu);                                                  \
+        return s;                                                                        \
     }                                                                                    \
     void kvw_##kind##_abort(T h)                                                         \
     {                                                                                    \
