@@ -214,9 +214,13 @@ int main(void)
     expect_refused(st, dctx, KVW_ERR_TIMEOUT, "TP2 expected, rank 1 missing",
                    "1 of 2 prefill ranks registered", NULL);
 
-    /* Rank 1 registers: a decode expecting TP2 connects and receives every head. */
+    /* Rank 1 registers: a decode expecting TP2 connects and receives every head. Prefill
+     * rank 1 and the decode busy-poll (KVW_BUSY_POLL_US), prefill rank 0 sleeps: both
+     * ways of waiting for events move the same verified bytes. */
+    setenv("KVW_BUSY_POLL_US", "200", 1);
     CHECK(make_prefill(&src[1], bs, false, &pctx[1]) == KVW_OK, "%s", kvw_last_error());
     st = make_decode(&dst, bs, 2, 1, 1, 5000, &dctx);
+    unsetenv("KVW_BUSY_POLL_US");
     CHECK(st == KVW_OK, "TP2 decode: %s", kvw_last_error());
     if (st == KVW_OK) {
         transfer_verified(pctx, src, dctx, &dst);

@@ -49,7 +49,8 @@ enum {
     KVW_CTX_FIELD_TIMEOUTS = 1u << 6,
     KVW_CTX_FIELD_SECRET = 1u << 7,
     KVW_CTX_FIELD_PREFILL_SIZE = 1u << 8,
-    KVW_CTX_FIELD_INSTANCE = 1u << 9
+    KVW_CTX_FIELD_INSTANCE = 1u << 9,
+    KVW_CTX_FIELD_BUSY_POLL = 1u << 10
 };
 
 typedef struct kvw_ctx_params {
@@ -74,6 +75,11 @@ typedef struct kvw_ctx_params {
      * one decode instance passes the same value; when several decode instances share a
      * prefill instance, each needs its own (default 0). */
     uint64_t instance_id;
+    /* Busy polling, for latency-critical deployments: the context's control thread, its
+     * prefill workers and callers of kvw_*_wait spin this many microseconds for the next
+     * event before they sleep. Each spinning thread costs a CPU core while it spins; 0
+     * (default; also KVW_BUSY_POLL_US) sleeps at once, woken by the event itself. */
+    uint32_t busy_poll_us;
 } kvw_ctx_params_t;
 
 /*

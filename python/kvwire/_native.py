@@ -174,6 +174,7 @@ class kvw_ctx_params_t(ctypes.Structure):
         ("prefill_pp", ctypes.c_uint32),
         ("prefill_dp", ctypes.c_uint32),
         ("instance_id", ctypes.c_uint64),
+        ("busy_poll_us", ctypes.c_uint32),
     ]
 
 

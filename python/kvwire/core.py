@@ -102,6 +102,7 @@ class CtxField(enum.IntFlag):
     SECRET = 1 << 7
     PREFILL_SIZE = 1 << 8
     INSTANCE = 1 << 9
+    BUSY_POLL = 1 << 10
 
 
 class RoomState(enum.IntEnum):
@@ -734,12 +735,14 @@ class Context:
     each prefill rank they need; a prefill rank's refusal raises KvwireError with
     status ERR_REJECTED and the reason. instance_id (decode): the same value on every
     rank of one decode instance, distinct per decode instance sharing a prefill
-    instance (library default 0). Timeouts in ms; 0 keeps the library default."""
+    instance (library default 0). Timeouts in ms; 0 keeps the library default.
+    busy_poll_us: spin that long for the next event before sleeping (latency-critical
+    deployments; costs a core per spinning thread); None keeps KVW_BUSY_POLL_US / 0."""
 
     def __init__(self, rank, side, bootstrap_addr, *, transport=None, host_bootstrap=False,
                  listen_host=None, heartbeat_ms=0, peer_timeout_ms=0, bootstrap_timeout_ms=0,
                  wait_timeout_ms=0, secret=None, prefill_tp=0, prefill_pp=0, prefill_dp=0,
-                 instance_id=None):
+                 instance_id=None, busy_poll_us=None):
         lib = N.load()
         self.rank = rank
         self.side = _enum(Side, side, "side")
@@ -775,6 +778,9 @@ class Context:
         if instance_id is not None:
             mask |= CtxField.INSTANCE
             p.instance_id = int(instance_id)
+        if busy_poll_us is not None:
+            mask |= CtxField.BUSY_POLL
+            p.busy_poll_us = int(busy_poll_us)
         p.field_mask = int(mask)
         h = ctypes.c_void_p()
         _check(lib.kvw_ctx_create(ctypes.byref(p), ctypes.byref(h)))

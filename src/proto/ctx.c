@@ -801,7 +801,15 @@ static void *kvw_ctrl_main(void *arg)
         pthread_mutex_unlock(&ctx->mu);
 
         int timeout = (int)KVW_MAX(ctx->heartbeat_ms / 2, 10);
-        if (poll(pfd, n, timeout) < 0 && errno != EINTR)
+        int ready = 0;
+        if (ctx->busy_poll_ns) {
+            /* Busy polling: look without sleeping until something arrives or the spin
+             * time is over, then sleep as usual. */
+            uint64_t end = kvw__now_ns() + ctx->busy_poll_ns;
+            while ((ready = poll(pfd, n, 0)) == 0 && kvw__now_ns() < end) {
+            }
+        }
+        if (ready == 0 && poll(pfd, n, timeout) < 0 && errno != EINTR)
             break;
         if (pfd[0].revents) {
             char buf[64];
@@ -890,6 +898,11 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     ctx->peer_timeout_ms = t && params->peer_timeout_ms ? params->peer_timeout_ms : 3000;
     ctx->bootstrap_timeout_ms = t && params->bootstrap_timeout_ms ? params->bootstrap_timeout_ms : 10000;
     ctx->wait_timeout_ms = t && params->wait_timeout_ms ? params->wait_timeout_ms : 30000;
+    const char *bp = getenv("KVW_BUSY_POLL_US");
+    uint64_t busy_us = (fm & KVW_CTX_FIELD_BUSY_POLL) ? params->busy_poll_us
+                       : bp                           ? strtoull(bp, NULL, 10)
+                                                      : 0;
+    ctx->busy_poll_ns = KVW_MIN(busy_us, 1000000ull) * 1000ull; /* at most 1 s */
     const char *path = getenv("KVW_PATH");
     ctx->path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT
                      : path && !strcmp(path, "staged") ? KVW_PATH_STAGED

@@ -9,6 +9,7 @@
 #include "transport/transport.h"
 
 #include <pthread.h>
+#include <stdatomic.h>
 
 /* Rank descriptions in frames (remote buffers get addr = NULL). */
 void kvw__wire_put_rank(kvw_wbuf_t *w, kvw_rank_h rank);
@@ -146,6 +147,9 @@ typedef struct kvw_room {
     uint64_t hop_ns[KVW_HOP_COUNT]; /* kvw_hop_t stamps of this side */
 } kvw_room_t;
 
+/* Spins up to ctx->busy_poll_ns while *gen still equals `seen` (mu not held). */
+static inline void kvw__busy_wait(const struct kvw_ctx *ctx, _Atomic uint32_t *gen, uint32_t seen);
+
 /* Stamps hop `h` of a room now (mu held); `first`: keep an earlier stamp. */
 static inline void kvw__room_hop(kvw_room_t *r, kvw_hop_t h, bool first)
 {
@@ -182,6 +186,11 @@ struct kvw_ctx {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     pthread_cond_t done_cv; /* a room turned terminal (CLOCK_MONOTONIC; kvw_*_wait) */
+    /* Busy polling (0: off): spinners watch these counters instead of the guarded
+     * fields, so that they never read what others write under mu. */
+    uint64_t busy_poll_ns;
+    _Atomic uint32_t q_gen;    /* bumped whenever a room is queued for the workers */
+    _Atomic uint32_t done_gen; /* bumped whenever a room turns terminal */
     bool stopping;
 
     int listen_fd;
@@ -212,6 +221,18 @@ struct kvw_ctx {
     uint64_t instance_id;
     uint32_t handshakes; /* registration threads still running (prefill) */
 };
+
+static inline void kvw__busy_wait(const struct kvw_ctx *ctx, _Atomic uint32_t *gen, uint32_t seen)
+{
+    if (ctx->busy_poll_ns == 0)
+        return;
+    uint64_t end = kvw__now_ns() + ctx->busy_poll_ns;
+    while (atomic_load_explicit(gen, memory_order_acquire) == seen && kvw__now_ns() < end) {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+}
 
 #define KVW_PATH_AUTO 0
 #define KVW_PATH_DIRECT 1

@@ -205,8 +205,10 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
     if (state == KVW_ROOM_SUCCESS) {
         room->end_ns = kvw__now_ns();
         room->hop_ns[KVW_HOP_SUCCESS] = room->end_ns;
-        if (room->ctx)
+        if (room->ctx) {
+            atomic_fetch_add_explicit(&room->ctx->done_gen, 1, memory_order_release);
             pthread_cond_broadcast(&room->ctx->done_cv);
+        }
     }
 }
 
@@ -252,6 +254,7 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     if (!room->is_sender && ctx->staging)
         kvw_stage_release_room(ctx, room->id);
     pthread_cond_broadcast(&ctx->cv);
+    atomic_fetch_add_explicit(&ctx->done_gen, 1, memory_order_release);
     pthread_cond_broadcast(&ctx->done_cv);
     if (!notify) {
         kvw_room_quiesce(ctx, room);
@@ -335,6 +338,7 @@ void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
     else
         ctx->q_head = room;
     ctx->q_tail = room;
+    atomic_fetch_add_explicit(&ctx->q_gen, 1, memory_order_release);
     pthread_cond_broadcast(&ctx->cv);
 }
 
@@ -792,8 +796,17 @@ void *kvw__worker_main(void *arg)
     struct kvw_ctx *ctx = arg;
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
-        while (!ctx->stopping && ctx->q_head == NULL)
+        while (!ctx->stopping && ctx->q_head == NULL) {
+            if (ctx->busy_poll_ns) {
+                uint32_t seen = atomic_load_explicit(&ctx->q_gen, memory_order_acquire);
+                pthread_mutex_unlock(&ctx->mu);
+                kvw__busy_wait(ctx, &ctx->q_gen, seen);
+                pthread_mutex_lock(&ctx->mu);
+                if (ctx->stopping || ctx->q_head != NULL)
+                    break;
+            }
             pthread_cond_wait(&ctx->cv, &ctx->mu);
+        }
         if (ctx->stopping)
             break;
         kvw_room_t *r = ctx->q_head;
@@ -1591,6 +1604,13 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
             ts.tv_nsec -= 1000000000L;                                                   \
         }                                                                                \
         pthread_mutex_lock(&ctx->mu);                                                    \
+        if (ctx->busy_poll_ns && timeout_ms && h->room->state != KVW_ROOM_SUCCESS &&      \
+            h->room->state != KVW_ROOM_FAILED) {                                         \
+            uint32_t seen_ = atomic_load_explicit(&ctx->done_gen, memory_order_acquire); \
+            pthread_mutex_unlock(&ctx->mu);                                              \
+            kvw__busy_wait(ctx, &ctx->done_gen, seen_);                                  \
+            pthread_mutex_lock(&ctx->mu);                                                \
+        }                                                                                \
         while (h->room->state != KVW_ROOM_SUCCESS && h->room->state != KVW_ROOM_FAILED &&  \
                timeout_ms &&                                                             \
                pthread_cond_timedwait(&ctx->done_cv, &ctx->mu, &ts) != ETIMEDOUT) {      \

@@ -46,6 +46,7 @@ typedef struct lat_cfg {
     uint32_t num_tl;
     char model[48];
     uint32_t layers, tokens, rooms, inflight;
+    uint32_t busy_poll_us; /* 0: only the default (sleeping) mode */
     char json[512];
 } lat_cfg_t;
 
@@ -61,6 +62,15 @@ typedef struct lat_msg {
 static uint64_t l_now(void)
 {
     return kvt_now_ns();
+}
+
+/* CPU time (user + system) of this process so far, microseconds. */
+static double l_cpu_us(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) * 1e6 +
+           (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 }
 
 static int l_cmp(const void *a, const void *b)
@@ -214,7 +224,12 @@ static int l_prefill_main(const lat_cfg_t *c, const char *tl, int ch, int echo_f
     kvw_send_chunk_t chunk = {.num_tokens = c->tokens, .chunk_end = c->tokens, .last_chunk = 1,
                               .pages = s.pages.side};
     kvw_sender_h *snd = calloc(L_MAX_ROOMS, sizeof(*snd));
-    while (snd && l_recv(ch, &m) == 0 && m.op != 'Q') {
+    while (snd && l_recv(ch, &m) == 0) {
+        if (m.op == 'Q') {
+            lat_msg_t r = {.op = 'K', .t0 = (uint64_t)l_cpu_us()};
+            l_send(ch, &r);
+            break;
+        }
         uint64_t id = m.id % L_MAX_ROOMS;
         lat_msg_t r = {.op = 'K', .id = m.id};
         kvw_status_t st = KVW_OK;
@@ -268,12 +283,12 @@ static int l_prefill_main(const lat_cfg_t *c, const char *tl, int ch, int echo_f
 }
 
 typedef struct lat_result {
-    char tl[16];
+    char tl[24];
     uint64_t bytes;
     size_t n1, n2, n3, nb;
     double d_p50, d_p99, p_p50, p_p99, f_p50, f_p99, base_p50, base_p99;
     double hop_us[7]; /* medians of the hops, see l_hop_names */
-    double cpu_us;    /* this process's CPU per room in phase 1 */
+    double cpu_us;    /* CPU per room over all phases: decode process + prefill process */
 } lat_result_t;
 
 static const char *const l_hop_names[7] = {
@@ -287,10 +302,15 @@ static uint64_t l_delta(uint64_t a, uint64_t b)
     return a && b && b >= a ? b - a : 0;
 }
 
-static int l_run(const lat_cfg_t *c, const char *tl, lat_result_t *res)
+static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_result_t *res)
 {
     memset(res, 0, sizeof(*res));
-    snprintf(res->tl, sizeof(res->tl), "%s", tl);
+    snprintf(res->tl, sizeof(res->tl), "%s%s", tl, busy_us ? "+busy" : "");
+    /* Both processes read the setting when their contexts are created. */
+    char bpv[16];
+    snprintf(bpv, sizeof(bpv), "%u", busy_us);
+    setenv("KVW_BUSY_POLL_US", bpv, 1);
+    double cpu0 = l_cpu_us();
     lat_side_t d;
     if (l_side_build(c, &d))
         return 1;
@@ -364,8 +384,6 @@ static int l_run(const lat_cfg_t *c, const char *tl, lat_result_t *res)
         }                                                                                  \
     } while (0)
     /* Phase 1: post -> Success on the decode, one room at a time (plus one warm-up). */
-    struct rusage r0, r1;
-    getrusage(RUSAGE_SELF, &r0);
     for (uint32_t i = 0; i <= c->rooms; i++, id++) {
         L_CALL('A', id);
         kvw_receiver_h h;
@@ -395,11 +413,6 @@ static int l_run(const lat_cfg_t *c, const char *tl, lat_result_t *res)
         for (int h2 = 0; h2 < 7; h2++)
             hops[h2][i - 1] = l_delta(seq[h2], seq[h2 + 1]);
     }
-    getrusage(RUSAGE_SELF, &r1);
-    res->cpu_us = ((double)(r1.ru_utime.tv_sec - r0.ru_utime.tv_sec + r1.ru_stime.tv_sec -
-                            r0.ru_stime.tv_sec) * 1e6 +
-                   (double)(r1.ru_utime.tv_usec - r0.ru_utime.tv_usec + r1.ru_stime.tv_usec -
-                            r0.ru_stime.tv_usec)) / (c->rooms + 1);
     /* Phase 2: send -> Success on the prefill, one room at a time. */
     for (uint32_t i = 0; i < c->rooms; i++, id++) {
         kvw_receiver_h h;
@@ -453,8 +466,12 @@ static int l_run(const lat_cfg_t *c, const char *tl, lat_result_t *res)
 out:
     {
         lat_msg_t q = {.op = 'Q'};
-        l_send(ch[0], &q);
+        double child_cpu = 0;
+        if (l_send(ch[0], &q) == 0 && l_recv(ch[0], &m) == 0 && m.op == 'K')
+            child_cpu = (double)m.t0;
+        res->cpu_us = (l_cpu_us() - cpu0 + child_cpu) / (3.0 * c->rooms + 1);
     }
+    unsetenv("KVW_BUSY_POLL_US");
     close(ch[0]);
     close(eb[0]);
     int status = 0;
@@ -479,6 +496,7 @@ static void l_usage(FILE *f)
             "  --rooms N         timed rooms per phase (default 200)\n"
             "  --inflight N      rooms per batch in the in-flight phase (default 64)\n"
             "  --json PATH       JSON results (default bench-latency.json)\n"
+            "  --busy-poll-us N  also run each transport with KVW_BUSY_POLL_US=N (rows +busy)\n"
             "Phases, prefill TP1 -> decode TP1 in two processes: one room at a time timed\n"
             "post -> Success on the decode (the prefill armed the room first); one room at\n"
             "a time timed send -> Success on the prefill (the decode posted first); batches\n"
@@ -497,6 +515,7 @@ int kvw_bench_latency(int argc, char **argv)
         {"latency", 0, 0, 'x'}, {"transport", 1, 0, 't'}, {"model", 1, 0, 'm'},
         {"layers", 1, 0, 'L'},  {"tokens", 1, 0, 'T'},    {"rooms", 1, 0, 'r'},
         {"inflight", 1, 0, 'I'}, {"json", 1, 0, 'j'},     {"help", 0, 0, 'h'},
+        {"busy-poll-us", 1, 0, 'b'},
         {0, 0, 0, 0}};
     int o;
     optind = 1;
@@ -511,6 +530,7 @@ int kvw_bench_latency(int argc, char **argv)
         case 'r': c.rooms = (uint32_t)v; break;
         case 'I': c.inflight = (uint32_t)v; break;
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
+        case 'b': c.busy_poll_us = (uint32_t)v; break;
         case 'h': l_usage(stdout); return 0;
         default: l_usage(stderr); return 2;
         }
@@ -526,24 +546,26 @@ int kvw_bench_latency(int argc, char **argv)
          t = strtok_r(NULL, ",", &save))
         snprintf(c.transports[c.num_tl++], sizeof(c.transports[0]), "%s", t);
     signal(SIGPIPE, SIG_IGN);
-    lat_result_t res[L_MAX_TL];
+    lat_result_t res[2 * L_MAX_TL];
     uint32_t nres = 0;
     int rc = 0;
-    for (uint32_t t = 0; t < c.num_tl; t++) {
-        fprintf(stderr, "  %s: %u rooms per phase...\n", c.transports[t], c.rooms);
-        if (l_run(&c, c.transports[t], &res[nres]) == 0)
-            nres++;
-        else
-            rc = 1;
-    }
+    for (uint32_t t = 0; t < c.num_tl; t++)
+        for (int busy = 0; busy <= (c.busy_poll_us > 0); busy++) {
+            fprintf(stderr, "  %s%s: %u rooms per phase...\n", c.transports[t],
+                    busy ? " (busy polling)" : "", c.rooms);
+            if (l_run(&c, c.transports[t], busy ? c.busy_poll_us : 0, &res[nres]) == 0)
+                nres++;
+            else
+                rc = 1;
+        }
     printf("\nsmall-room latency (%s, %u layer(s), %u tokens; prefill TP1 -> decode TP1, two "
            "processes)\n", c.model, c.layers, c.tokens);
-    printf("tl    bytes   raw RTT p50/p99 us   post->Success p50/p99 us (x RTT)   "
-           "send->Success p50/p99 us   %u in flight p50/p99 us   CPU/room us (decode proc)\n",
+    printf("tl         bytes   raw RTT p50/p99 us   post->Success p50/p99 us (x RTT)   "
+           "send->Success p50/p99 us   %u in flight p50/p99 us   CPU/room us (both procs)\n",
            c.inflight);
     for (uint32_t i = 0; i < nres; i++) {
         lat_result_t *r = &res[i];
-        printf("%-5s %6llu   %7.1f / %7.1f     %7.1f / %7.1f (%.2fx)            "
+        printf("%-10s %6llu   %7.1f / %7.1f     %7.1f / %7.1f (%.2fx)            "
                "%7.1f / %7.1f        %7.1f / %7.1f         %.1f\n",
                r->tl, (unsigned long long)r->bytes, r->base_p50, r->base_p99, r->d_p50, r->d_p99,
                r->base_p50 > 0 ? r->d_p50 / r->base_p50 : 0.0, r->p_p50, r->p_p99, r->f_p50,
@@ -586,7 +608,7 @@ int kvw_bench_latency(int argc, char **argv)
         snprintf(tls + strlen(tls), sizeof(tls) - strlen(tls), "%s%s", t ? "," : "",
                  c.transports[t]);
     printf("\nreproduce: kvwire bench --latency --transport %s --model %s --layers %u --tokens %u "
-           "--rooms %u --inflight %u --json %s\n", tls, c.model, c.layers, c.tokens, c.rooms,
-           c.inflight, c.json);
+           "--rooms %u --inflight %u --busy-poll-us %u --json %s\n", tls, c.model, c.layers,
+           c.tokens, c.rooms, c.inflight, c.busy_poll_us, c.json);
     return rc;
 }

@@ -22,6 +22,7 @@ static const struct {
     {"KVW_WORKERS", "4", "prefill sender threads per context (decode ranks served in parallel)"},
     {"KVW_STAGING_MB", "64", "decode staging area for gathered head slices, per rank"},
     {"KVW_PATH", "auto", "direct | staged: force the data path of every plan"},
+    {"KVW_BUSY_POLL_US", "0", "spin this long for the next event before sleeping (latency)"},
     {"UCX_TLS", "(UCX default)", "UCX transports to use; set tcp across network namespaces"},
 };
 
