@@ -201,6 +201,7 @@ static void gen_done(gen_buf_t *b, uint64_t room, uint32_t peer, uint64_t cb, ui
     kvw__wb_u64(&w, slen);
     kvw__wb_u64(&w, goff);
     kvw__wb_u8(&w, final);
+    kvw__wb_u32(&w, 0); /* no room metadata */
     if (kvw__wb_finish(&w) != KVW_OK)
         exit(1);
     gb_u8(b, 2);

@@ -114,6 +114,19 @@ typedef struct kvw_send_chunk {
 
 KVW_API kvw_status_t kvw_sender_send(kvw_sender_h sender, const kvw_send_chunk_t *chunk);
 
+/* Largest per-room metadata payload. */
+#define KVW_MAX_ROOM_METADATA (64u << 10)
+
+/*
+ * Attaches an opaque payload to the room (what engines call "aux" data: the first
+ * output token, logprobs, hidden states for speculative decoding), 0..
+ * KVW_MAX_ROOM_METADATA bytes, copied. Call it before the last chunk is sent; calling
+ * it again replaces the payload. Every decode rank this prefill rank writes receives
+ * it, and reaches Success only once it did (fail-closed, like the KV bytes). Errors:
+ * INVALID_PARAM (after the last chunk, or too long).
+ */
+KVW_API kvw_status_t kvw_sender_set_metadata(kvw_sender_h sender, const void *data, size_t len);
+
 /* ---------------------------------------------------------------- decode side */
 
 /* Creates the receiver of `room`, fed by the prefill DP group `prefill_dp_rank`. */
@@ -128,6 +141,16 @@ typedef struct kvw_recv_post {
 
 /* Tells the prefill ranks where to write. Page arrays are copied. */
 KVW_API kvw_status_t kvw_receiver_post(kvw_receiver_h receiver, const kvw_recv_post_t *post);
+
+/*
+ * The room's metadata (see kvw_sender_set_metadata), once the room reached Success:
+ * copies it to buf and sets *len_p (0: the prefill attached none). When several
+ * prefill ranks attached metadata, they must agree byte for byte, or the room fails.
+ * Errors: INPROGRESS (not Success yet), the room's status (Failed), BUFFER_TOO_SMALL
+ * (*len_p tells the size needed).
+ */
+KVW_API kvw_status_t kvw_receiver_metadata(kvw_receiver_h receiver, void *buf, size_t cap,
+                                           size_t *len_p);
 
 /* ---------------------------------------------------------------- both sides */
 

@@ -953,6 +953,14 @@ class Sender(_Room):
         del keep
         _check(st)
 
+    def set_metadata(self, data):
+        """Attaches an opaque payload (bytes, at most 64 KiB: the first output token,
+        logprobs, hidden states...) that every decode rank this rank writes receives
+        with the KV bytes. Call before the last chunk (kvw_sender_set_metadata)."""
+        data = bytes(data)
+        buf = ctypes.create_string_buffer(data, len(data)) if data else None
+        _check(N.load().kvw_sender_set_metadata(self._handle(), buf, len(data)))
+
 
 class Receiver(_Room):
     """The decode side of one room on one rank (kvw_receiver_create)."""
@@ -978,6 +986,19 @@ class Receiver(_Room):
         st = N.load().kvw_receiver_post(self._handle(), ctypes.byref(p))
         del keep
         _check(st)
+
+    def metadata(self):
+        """The room's metadata (bytes; b"" when the prefill attached none), once the
+        room reached SUCCESS. Raises KvwireError before that, or if the room failed."""
+        n = ctypes.c_size_t(0)
+        lib = N.load()
+        st = lib.kvw_receiver_metadata(self._handle(), None, 0, ctypes.byref(n))
+        if st == Status.ERR_BUFFER_TOO_SMALL:
+            buf = ctypes.create_string_buffer(n.value)
+            _check(lib.kvw_receiver_metadata(self._handle(), buf, n.value, ctypes.byref(n)))
+            return buf.raw[:n.value]
+        _check(st)
+        return b""
 
 
 # ---------------------------------------------------------------- probes

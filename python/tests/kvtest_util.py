@@ -206,6 +206,12 @@ def make_prefill_ranks(tp):
                         swa_pages=SWA_PAGES, seed=PREFILL_SEED) for r in range(tp)]
 
 
+def room_metadata(room):
+    """The per-room metadata the core-API prefill attaches: 5000 bytes (more than one
+    transport notification holds), derived from the room id."""
+    return bytes((room * 131 + i * 7) & 0xFF for i in range(5000))
+
+
 def prefill_worker(conn, cfg):
     """Runs a prefill instance (TP cfg["tp"]) in this process: hosts the bootstrap,
     reports its address, sends every request when told, reports each room's end."""
@@ -240,6 +246,8 @@ def prefill_worker(conn, cfg):
                 full, swa, swa0 = pages[r["room"]]
                 if api == "core":
                     s = ctxs[k].sender(r["room"])
+                    # Every prefill rank attaches the same per-room metadata.
+                    s.set_metadata(room_metadata(r["room"]))
                     for (b, e) in r["chunks"]:
                         last = e == r["n"]
                         fp = b // FULL_PS

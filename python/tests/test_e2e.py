@@ -108,6 +108,10 @@ class TestEndToEnd(unittest.TestCase):
                     time.sleep(0.001)
                 self.assertEqual(st.name.upper(), "SUCCESS",
                               "room %d on decode rank %d: %s" % (room, tpr, rv.failure_reason))
+            if api == "core":
+                for room, tpr, rv in rooms:
+                    self.assertEqual(rv.metadata(), U.room_metadata(room),
+                                     "room %d on decode rank %d: metadata" % (room, tpr))
             results = pre.recv("results")
             for room, tpr, state, reason, nbytes in results:
                 self.assertEqual(state.upper(), "SUCCESS",

@@ -104,6 +104,8 @@ typedef struct kvw_room_dst {
 typedef struct kvw_room_src {
     uint32_t peer;
     uint64_t expected, got;
+    uint32_t meta_expected; /* metadata bytes the final completion announced */
+    bool meta_got;          /* ... and they arrived */
     bool done;
     bool quiet; /* the prefill rank confirmed it will not write this room any more */
 } kvw_room_src_t;
@@ -145,6 +147,11 @@ typedef struct kvw_room {
     uint32_t *post_store;
     const char *path;            /* "direct" or "staged" (what the last chunk used) */
     uint64_t hop_ns[KVW_HOP_COUNT]; /* kvw_hop_t stamps of this side */
+    /* Metadata: prefill, what the engine attached; decode, what the first prefill rank
+     * sent (any other must send the same bytes). */
+    uint8_t *meta;
+    uint32_t meta_len;
+    bool has_meta;
 } kvw_room_t;
 
 /* Spins up to ctx->busy_poll_ns while *gen still equals `seen` (mu not held). */

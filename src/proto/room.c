@@ -90,6 +90,7 @@ void kvw__room_free(kvw_room_t *r)
     for (int p = 0; p < KVW_NUM_POOLS; p++)
         free(r->granted[p]);
     free(r->post_store);
+    free(r->meta);
     free(r);
 }
 
@@ -636,7 +637,7 @@ static bool kvw_choose_staged(struct kvw_ctx *ctx, kvw_peer_t *peer, const struc
 
 static void kvw_put_done(kvw_wbuf_t *w, uint64_t room, uint32_t id, const kvw_chunk_t *c,
                          uint64_t bytes, bool staged, uint64_t soff, uint64_t slen, uint64_t goff,
-                         bool final)
+                         bool final, uint32_t meta_len)
 {
     kvw__wb_init(w, KVW_MSG_DONE);
     kvw__wb_u64(w, room);
@@ -650,6 +651,9 @@ static void kvw_put_done(kvw_wbuf_t *w, uint64_t room, uint32_t id, const kvw_ch
     kvw__wb_u64(w, slen);
     kvw__wb_u64(w, goff);
     kvw__wb_u8(w, (uint8_t)final);
+    /* Metadata bytes this rank sent on the control channel (final completions only):
+     * the decode waits for them before Success. */
+    kvw__wb_u32(w, final && c->last_chunk ? meta_len : 0);
 }
 
 /* Hands a chunk's completion to the transport; *out_ns_p: when (KVW_HOP_BYTES_OUT). */
@@ -667,7 +671,8 @@ static kvw_status_t kvw_notify_done(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_w
 /* Sends one staged chunk: ask for space, gather, one bulk put, notify; repeat. */
 static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
                                     kvw_peer_t *peer, const struct kvw_plan *plan,
-                                    const kvw_chunk_t *c, uint64_t *runs_p, uint64_t *out_ns_p)
+                                    const kvw_chunk_t *c, uint64_t *runs_p, uint64_t *out_ns_p,
+                                    uint32_t meta_len)
 {
     uint64_t total = plan->bytes, piece_max = KVW_MIN(peer->staging_len / 4, 16ull << 20);
     uint8_t *buf = malloc(KVW_MAX(KVW_MIN(total, piece_max), 1));
@@ -710,7 +715,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             break;
         kvw_wbuf_t dw;
         kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, pos, len, (uint64_t)goff,
-                     pos + len == total);
+                     pos + len == total, meta_len);
         st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
         pos += len;
         (*runs_p)++;
@@ -722,7 +727,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
 static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
                                     const kvw_room_dst_t *d, const kvw_qchunk_t *q,
                                     kvw_peer_t *peer, uint64_t *bytes_p, uint64_t *runs_p,
-                                    bool *staged_p, uint64_t *out_ns_p)
+                                    bool *staged_p, uint64_t *out_ns_p, uint32_t meta_len)
 {
     kvw_chunk_t c = q->c;
     c.prefix_len = d->prefix_len;
@@ -748,7 +753,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         }
         if (st == KVW_OK) {
             kvw_wbuf_t w;
-            kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true);
+            kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true,
+                         meta_len);
             st = kvw_notify_done(ctx, peer, &w, out_ns_p);
         }
         *runs_p = plan->num_segs;
@@ -761,7 +767,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     *bytes_p = plan->bytes;
     *staged_p = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
     if (*staged_p) {
-        st = kvw_send_staged(ctx, r, di, peer, plan, &c, runs_p, out_ns_p);
+        st = kvw_send_staged(ctx, r, di, peer, plan, &c, runs_p, out_ns_p, meta_len);
         kvw_plan_destroy(plan);
         return st;
     }
@@ -776,7 +782,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         st = kvw_put_flush(pc);
     if (st == KVW_OK) {
         kvw_wbuf_t w;
-        kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true);
+        kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true,
+                         meta_len);
         st = kvw_notify_done(ctx, peer, &w, out_ns_p);
     }
     *runs_p = pc->runs;
@@ -832,11 +839,22 @@ void *kvw__worker_main(void *arg)
             kvw_peer_t *peer = ctx->peers[d->peer];
             kvw_qchunk_t q = r->chunks[d->next_chunk];
             kvw_room_dst_t dcopy = *d;
+            /* The room's metadata goes out on the control channel before the last
+             * chunk's completion, which announces its length. */
+            uint32_t meta_len = 0;
+            if (q.c.last_chunk && r->has_meta) {
+                meta_len = r->meta_len;
+                kvw_wbuf_t mw;
+                kvw__wb_init(&mw, KVW_MSG_META);
+                kvw__wb_u64(&mw, r->id);
+                kvw__wb_bytes(&mw, r->meta, r->meta_len);
+                kvw__peer_send(ctx, peer, &mw);
+            }
             pthread_mutex_unlock(&ctx->mu);
             uint64_t bytes = 0, runs = 0, out_ns = 0;
             bool staged = false;
             kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, peer, &bytes, &runs,
-                                              &staged, &out_ns);
+                                              &staged, &out_ns, meta_len);
             char msg[512];
             snprintf(msg, sizeof(msg), "%s", kvw_last_error());
             pthread_mutex_lock(&ctx->mu);
@@ -898,6 +916,112 @@ kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sende
     s->ctx = ctx;
     *sender_p = s;
     return KVW_OK;
+}
+
+kvw_status_t kvw_sender_set_metadata(kvw_sender_h s, const void *data, size_t len)
+{
+    if (s == NULL || s->room->ctx == NULL || (data == NULL && len))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_sender_set_metadata: NULL argument or no "
+                          "context");
+    if (len > KVW_MAX_ROOM_METADATA)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "room metadata of %zu bytes exceeds the %u "
+                          "allowed", len, KVW_MAX_ROOM_METADATA);
+    uint8_t *copy = malloc(len ? len : 1);
+    if (copy == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory copying room metadata");
+    if (len)
+        memcpy(copy, data, len);
+    struct kvw_ctx *ctx = s->room->ctx;
+    kvw_room_t *r = s->room;
+    pthread_mutex_lock(&ctx->mu);
+    if (r->have_last) {
+        pthread_mutex_unlock(&ctx->mu);
+        free(copy);
+        return kvw__error(KVW_ERR_INVALID_PARAM, "room %llu: metadata must be attached before "
+                          "the last chunk is sent", (unsigned long long)r->id);
+    }
+    free(r->meta);
+    r->meta = copy;
+    r->meta_len = (uint32_t)len;
+    r->has_meta = true;
+    pthread_mutex_unlock(&ctx->mu);
+    return KVW_OK;
+}
+
+kvw_status_t kvw_receiver_metadata(kvw_receiver_h rv, void *buf, size_t cap, size_t *len_p)
+{
+    if (rv == NULL || len_p == NULL || (buf == NULL && cap))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_receiver_metadata: NULL argument");
+    struct kvw_ctx *ctx = rv->room->ctx;
+    kvw_room_t *r = rv->room;
+    if (ctx)
+        pthread_mutex_lock(&ctx->mu);
+    kvw_status_t st = KVW_OK;
+    *len_p = 0;
+    if (r->state == KVW_ROOM_FAILED)
+        st = kvw__error(r->status, "room %llu failed: %s", (unsigned long long)r->id, r->reason);
+    else if (r->state != KVW_ROOM_SUCCESS)
+        st = kvw__error(KVW_INPROGRESS, "room %llu has not reached Success yet",
+                        (unsigned long long)r->id);
+    else if (r->has_meta) {
+        *len_p = r->meta_len;
+        if (r->meta_len > cap)
+            st = kvw__error(KVW_ERR_BUFFER_TOO_SMALL, "room %llu: metadata of %u bytes, buffer "
+                            "of %zu", (unsigned long long)r->id, r->meta_len, cap);
+        else if (r->meta_len)
+            memcpy(buf, r->meta, r->meta_len);
+    }
+    if (ctx)
+        pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r);
+
+/* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
+ * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
+static void kvw_handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
+{
+    uint64_t id = kvw__rb_u64(rb);
+    size_t got = 0;
+    const void *data = kvw__rb_bytes(rb, KVW_MAX_ROOM_METADATA, &got);
+    uint32_t len = (uint32_t)got;
+    if (data == NULL || kvw__rb_done(rb, "metadata") != KVW_OK) {
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "malformed metadata frame");
+        return;
+    }
+    kvw_room_t *r = kvw__room_find(ctx, id);
+    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
+        return; /* a room that ended or was destroyed here meanwhile */
+    kvw_room_src_t *s = NULL;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (r->srcs[i].peer == peer->id)
+            s = &r->srcs[i];
+    if (s == NULL || s->meta_got) {
+        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent metadata %s",
+                       (unsigned long long)id, peer->desc,
+                       s ? "twice" : "but does not write this room");
+        return;
+    }
+    if (r->has_meta && (r->meta_len != len || (len && memcmp(r->meta, data, len)))) {
+        kvw__room_fail(ctx, r, KVW_ERR_INCOMPATIBLE, true, "room %llu: prefill ranks disagree "
+                       "on the room's metadata (%u bytes from one, %u from %s)",
+                       (unsigned long long)id, r->meta_len, len, peer->desc);
+        return;
+    }
+    if (!r->has_meta) {
+        r->meta = malloc(len ? len : 1);
+        if (r->meta == NULL) {
+            kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory for room metadata");
+            return;
+        }
+        if (len)
+            memcpy(r->meta, data, len);
+        r->meta_len = len;
+        r->has_meta = true;
+    }
+    s->meta_got = true;
+    kvw_receiver_done(ctx, r);
 }
 
 kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
@@ -1180,7 +1304,7 @@ out:
 static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
 {
     for (uint32_t i = 0; i < r->num_srcs; i++)
-        if (!r->srcs[i].done)
+        if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got))
             return;
     /* On transports whose receiver sees every write (tcp), the bytes that actually landed
      * must match too: a sender's own count cannot vouch for writes lost on the way. */
@@ -1263,7 +1387,8 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     bool staged = kvw__rb_u8(&rb) != 0;
     uint64_t soff = kvw__rb_u64(&rb), slen = kvw__rb_u64(&rb), goff = kvw__rb_u64(&rb);
     bool final = kvw__rb_u8(&rb) != 0;
-    if (kvw__rb_done(&rb, "done") != KVW_OK)
+    uint32_t meta_len = kvw__rb_u32(&rb);
+    if (kvw__rb_done(&rb, "done") != KVW_OK || meta_len > KVW_MAX_ROOM_METADATA)
         return;
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, id);
@@ -1322,8 +1447,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     }
     s->got += bytes;
     r->bytes += bytes;
-    if (final)
+    if (final) {
         s->done = c.last_chunk;
+        if (c.last_chunk)
+            s->meta_expected = meta_len;
+    }
     if (s->done && s->got == s->expected)
         kvw_send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, id, KVW_OK, "");
     kvw_receiver_done(ctx, r);
@@ -1473,6 +1601,11 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
             kvw_sender_update(ctx, r);
         return;
     }
+    case KVW_MSG_META:
+        if (ctx->side != KVW_SIDE_DECODE)
+            break;
+        kvw_handle_meta(ctx, peer, &rb);
+        return;
     case KVW_MSG_ABORT:
     case KVW_MSG_FAILED:
     case KVW_MSG_ABORT_ACK: {
