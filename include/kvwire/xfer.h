@@ -58,7 +58,8 @@ typedef struct kvw_ctx_params {
     kvw_side_t side;
     kvw_rank_h rank;       /* this rank's KV cache; must outlive the context */
     const char *transport; /* "tcp" (default), "shm", "ucx" */
-    /* "host:port" of the prefill instance's bootstrap endpoint. */
+    /* "host:port" of the prefill instance's bootstrap endpoint. Optional on decode
+     * contexts whose rooms all name their instance (kvw_receiver_create_from). */
     const char *bootstrap_addr;
     /* Prefill only: run the bootstrap endpoint inside this context, listening on
      * bootstrap_addr (port 0 picks one; kvw_ctx_bootstrap_addr tells which). */
@@ -129,9 +130,27 @@ KVW_API kvw_status_t kvw_sender_set_metadata(kvw_sender_h sender, const void *da
 
 /* ---------------------------------------------------------------- decode side */
 
-/* Creates the receiver of `room`, fed by the prefill DP group `prefill_dp_rank`. */
+/* Creates the receiver of `room`, fed by the prefill DP group `prefill_dp_rank` of the
+ * context's own prefill instance (its bootstrap_addr). */
 KVW_API kvw_status_t kvw_receiver_create(kvw_ctx_h ctx, uint64_t room, uint32_t prefill_dp_rank,
                                          kvw_receiver_h *receiver_p);
+
+/*
+ * The same, from the prefill instance whose bootstrap endpoint is `bootstrap_addr`
+ * ("host:port"; NULL or "": the context's own). One decode context serves any number
+ * of prefill instances: the first room that names an instance starts connecting to it
+ * in the background (bootstrap lookup, registration with every rank) without blocking
+ * the caller; the room stays Bootstrapping meanwhile and a post made then is sent once
+ * the connection is up. The connection is cached per address. An instance that cannot
+ * be reached, or whose registration is refused, fails the rooms waiting for it with the
+ * reason; an instance with a dead rank fails only its own rooms, and the next room that
+ * names it connects again (a restarted instance). Sizes (TP, PP, DP) are taken from what
+ * the instance's ranks declare.
+ */
+KVW_API kvw_status_t kvw_receiver_create_from(kvw_ctx_h ctx, uint64_t room,
+                                              const char *bootstrap_addr,
+                                              uint32_t prefill_dp_rank,
+                                              kvw_receiver_h *receiver_p);
 
 typedef struct kvw_recv_post {
     uint64_t num_tokens;

@@ -298,14 +298,28 @@ kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp
                                    uint64_t deadline_ns, kvw_bs_entry_t **entries_p,
                                    uint32_t *count_p)
 {
+    return kvw__bootstrap_lookup_ex(bs_addr, tp, pp, dp, deadline_ns, false, NULL, entries_p,
+                                    count_p);
+}
+
+kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
+                                      uint64_t deadline_ns, bool fail_fast,
+                                      const _Atomic bool *cancel, kvw_bs_entry_t **entries_p,
+                                      uint32_t *count_p)
+{
     char last[256] = "no answer yet";
     do {
+        if (cancel && atomic_load(cancel))
+            return kvw__error(KVW_ERR_SHUTDOWN, "bootstrap %s: lookup cancelled", bs_addr);
         kvw_wbuf_t w;
         uint8_t *p = NULL;
         uint32_t len = 0;
         kvw__wb_init(&w, KVW_MSG_BS_LOOKUP);
         kvw_status_t st = kvw_bs_call(bs_addr, &w, deadline_ns, KVW_MSG_BS_TABLE, &p, &len);
         kvw__wb_free(&w);
+        /* A malformed address or a host that does not resolve cannot get better. */
+        if (st == KVW_ERR_INVALID_PARAM || (fail_fast && st != KVW_OK))
+            return kvw__error(st, "bootstrap %s: %s", bs_addr, kvw_last_error());
         if (st != KVW_OK) {
             snprintf(last, sizeof(last), "%s", kvw_last_error());
             usleep(50000);

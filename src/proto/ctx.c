@@ -109,6 +109,15 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     if (peer->fd >= 0) {
         shutdown(peer->fd, SHUT_RDWR);
     }
+    /* Decode: a prefill instance with a dead rank is down; the next room that names it
+     * connects again (a restarted instance). */
+    if (ctx->side == KVW_SIDE_DECODE && peer->inst < ctx->num_insts) {
+        kvw_inst_t *in = &ctx->insts[peer->inst];
+        if (in->gen == peer->inst_gen && in->state == KVW_INST_READY) {
+            in->state = KVW_INST_DOWN;
+            snprintf(in->why, sizeof(in->why), "%s: %s", peer->desc, reason);
+        }
+    }
     kvw_peer_drop_out(peer);
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
         for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
@@ -491,11 +500,29 @@ reply:
     return KVW_OK;
 }
 
-/* Decode side: connect to one prefill rank and register. */
-static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
-                                       const uint8_t *rkeys, const size_t *rkey_lens,
-                                       const void *addr, size_t addr_len, uint64_t deadline)
+/* A registration that failed: its reserved peer slot becomes a dead peer (no room
+ * refers to it) and its socket is closed now. */
+static void kvw_decode_unreserve(struct kvw_ctx *ctx, kvw_peer_t *peer)
 {
+    pthread_mutex_lock(&ctx->mu);
+    peer->registering = false;
+    peer->dead = true;
+    if (peer->fd >= 0)
+        close(peer->fd);
+    peer->fd = -1;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+/* Decode side: connect to one prefill rank of instance `inst` (generation `gen`) and
+ * register. The peer slot is reserved before the registration, whose frame carries its
+ * id: several instances may be connected at once. */
+static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
+                                       uint32_t inst, uint32_t gen, uint64_t deadline)
+{
+    const uint8_t *rkeys = ctx->hello_rkeys;
+    const size_t *rkey_lens = ctx->hello_rkey_lens;
+    const void *addr = ctx->hello_addr;
+    size_t addr_len = ctx->hello_addr_len;
     char host[128];
     uint16_t port;
     int fd = -1;
@@ -523,19 +550,28 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     }
     if (ctx->secret[0])
         kvw_auth_mac(ctx, "kvwire-hello", nonce, mac);
+    pthread_mutex_lock(&ctx->mu);
+    kvw_peer_t *peer = kvw_peer_add(ctx, fd);
+    if (peer)
+        peer->registering = true, peer->inst = inst, peer->inst_gen = gen;
+    pthread_mutex_unlock(&ctx->mu);
+    if (peer == NULL) {
+        close(fd);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
+    }
     kvw_wbuf_t w;
     kvw__wb_init(&w, KVW_MSG_HELLO);
     kvw__wb_u8(&w, ctx->secret[0] != 0);
     kvw_wb_raw(&w, mac, sizeof(mac));
     kvw_wb_raw(&w, dnonce, sizeof(dnonce));
-    kvw_put_hello(ctx, &w, ctx->num_peers, rkeys, rkey_lens, addr, addr_len);
+    kvw_put_hello(ctx, &w, peer->id, rkeys, rkey_lens, addr, addr_len);
     if ((st = kvw__wb_finish(&w)) == KVW_OK)
         st = kvw__sock_send_all(fd, w.p, w.len, deadline);
     kvw__wb_free(&w);
     if (st == KVW_OK)
         st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
     if (st != KVW_OK) {
-        close(fd);
+        kvw_decode_unreserve(ctx, peer);
         return kvw__error(st, "registration with prefill rank dp%u/tp%u/pp%u at %s failed: %s",
                           e->dp, e->tp, e->pp, e->addr, kvw_last_error());
     }
@@ -546,7 +582,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         char reason[400];
         kvw__rb_str(&r, reason, sizeof(reason));
         free(p);
-        close(fd);
+        kvw_decode_unreserve(ctx, peer);
         return kvw__error(why == KVW_ERR_AUTH ? KVW_ERR_AUTH : KVW_ERR_REJECTED,
                           "prefill rank dp%u/tp%u/pp%u rejected this decode rank: %s", e->dp,
                           e->tp, e->pp, reason);
@@ -559,7 +595,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         kvw_auth_mac(ctx, "kvwire-accept", dnonce, want);
         if (!has_proof || !kvw__ct_equal(proof, want, 32)) {
             free(p);
-            close(fd);
+            kvw_decode_unreserve(ctx, peer);
             return kvw__error(KVW_ERR_AUTH, "prefill rank dp%u/tp%u/pp%u at %s did not prove the "
                               "shared secret", e->dp, e->tp, e->pp, e->addr);
         }
@@ -567,7 +603,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     if (type != KVW_MSG_ACCEPT || (st = kvw__wire_get_rank(&r, &remote)) != KVW_OK ||
         (st = kvw__rb_done(&r, "accept")) != KVW_OK) {
         free(p);
-        close(fd);
+        kvw_decode_unreserve(ctx, peer);
         kvw_rank_destroy(remote);
         return kvw__error(KVW_ERR_MALFORMED, "prefill rank at %s answered the registration with "
                           "a malformed frame (type %u)", e->addr, type);
@@ -586,25 +622,146 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
                         rpar->tp_size, KVW_MAX(rpar->pp_size, 1), KVW_MAX(rpar->dp_size, 1),
                         e->dp, e->tp, e->pp, e->tp_size, KVW_MAX(e->pp_size, 1),
                         KVW_MAX(e->dp_size, 1));
-        close(fd);
+        kvw_decode_unreserve(ctx, peer);
         kvw_rank_destroy(remote);
         return st;
     }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     pthread_mutex_lock(&ctx->mu);
-    kvw_peer_t *peer = kvw_peer_add(ctx, fd);
-    if (peer == NULL) {
-        pthread_mutex_unlock(&ctx->mu);
-        close(fd);
-        kvw_rank_destroy(remote);
-        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
-    }
+    peer->registering = false;
+    peer->last_rx_ns = peer->last_tx_ns = kvw__now_ns();
     peer->remote = remote;
     peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
     peer->needed = kvw_pair_needed(remote, ctx->rank);
-    snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s", e->dp, e->tp,
-             e->pp, e->addr);
+    snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s (instance %.60s)",
+             e->dp, e->tp, e->pp, e->addr, inst < ctx->num_insts ? ctx->insts[inst].addr : "?");
     pthread_mutex_unlock(&ctx->mu);
     return KVW_OK;
+}
+
+/* ------------------------------------------------------------ prefill instances (decode) */
+
+int kvw__inst_find_or_add(struct kvw_ctx *ctx, const char *addr)
+{
+    for (uint32_t i = 0; i < ctx->num_insts; i++)
+        if (!strcmp(ctx->insts[i].addr, addr))
+            return (int)i;
+    if (strlen(addr) >= sizeof(ctx->insts[0].addr)) {
+        kvw__error(KVW_ERR_INVALID_PARAM, "bootstrap address '%.64s...' is too long", addr);
+        return -1;
+    }
+    if (ctx->num_insts >= KVW_MAX_INSTANCES) {
+        kvw__error(KVW_ERR_BUSY, "this decode context already talks to %u prefill instances",
+                   KVW_MAX_INSTANCES);
+        return -1;
+    }
+    if (ctx->num_insts == ctx->cap_insts) {
+        uint32_t cap = ctx->cap_insts ? ctx->cap_insts * 2 : 8;
+        kvw_inst_t *n = realloc(ctx->insts, sizeof(*n) * cap);
+        if (n == NULL) {
+            kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a prefill instance");
+            return -1;
+        }
+        ctx->insts = n;
+        ctx->cap_insts = cap;
+    }
+    kvw_inst_t *in = &ctx->insts[ctx->num_insts];
+    memset(in, 0, sizeof(*in));
+    snprintf(in->addr, sizeof(in->addr), "%s", addr);
+    in->state = KVW_INST_DOWN; /* never connected yet */
+    snprintf(in->why, sizeof(in->why), "not connected");
+    return (int)ctx->num_insts++;
+}
+
+typedef struct kvw_conn_arg {
+    struct kvw_ctx *ctx;
+    uint32_t inst, gen;
+    char addr[128];
+} kvw_conn_arg_t;
+
+/* Rooms of instance `i` waiting for its connection: a post made meanwhile goes out now,
+ * or, when the connection failed, every such room fails with the reason. mu held. */
+static void kvw_inst_settle(struct kvw_ctx *ctx, uint32_t i, kvw_status_t st, const char *why)
+{
+    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
+        for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
+            if (r->is_sender || r->inst != i || r->inst_gen != ctx->insts[i].gen ||
+                r->state != KVW_ROOM_BOOTSTRAPPING)
+                continue;
+            if (st != KVW_OK) {
+                kvw__room_fail(ctx, r, st, false, "prefill instance %s: %s", ctx->insts[i].addr,
+                               why);
+            } else if (r->pending) {
+                r->pending = false;
+                kvw__receiver_post_locked(ctx, r, &r->pend);
+            }
+        }
+}
+
+/* Connects to one prefill instance on its own thread: the caller of kvw_receiver_*
+ * never blocks on a bootstrap lookup or a handshake. */
+static void *kvw_inst_connect_main(void *arg)
+{
+    kvw_conn_arg_t *a = arg;
+    struct kvw_ctx *ctx = a->ctx;
+    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
+    kvw_bs_entry_t *entries = NULL;
+    uint32_t ne = 0;
+    kvw_status_t st = kvw__bootstrap_lookup_ex(a->addr, 0, 0, 0, deadline, true,
+                                               &ctx->cancel_connects, &entries, &ne);
+    for (uint32_t i = 0; st == KVW_OK && i < ne; i++)
+        st = kvw_decode_connect(ctx, &entries[i], a->inst, a->gen, deadline);
+    free(entries);
+    char why[400];
+    snprintf(why, sizeof(why), "%s", st == KVW_OK ? "" : kvw_last_error());
+    pthread_mutex_lock(&ctx->mu);
+    kvw_inst_t *in = &ctx->insts[a->inst];
+    if (in->gen == a->gen) {
+        if (st == KVW_OK) {
+            in->state = KVW_INST_READY;
+        } else {
+            in->state = KVW_INST_DOWN;
+            snprintf(in->why, sizeof(in->why), "%s", why);
+            /* Ranks of a half-connected instance are not used: drop them. */
+            for (uint32_t i = 0; i < ctx->num_peers; i++)
+                if (ctx->peers[i]->inst == a->inst && ctx->peers[i]->inst_gen == a->gen)
+                    kvw__peer_dead(ctx, ctx->peers[i], st, "its instance failed to connect");
+        }
+        kvw_inst_settle(ctx, a->inst, st, why);
+    }
+    kvw__ctx_wake(ctx); /* poll the new peers' sockets (before the count drops) */
+    ctx->connecting--;
+    pthread_cond_broadcast(&ctx->cv);
+    pthread_mutex_unlock(&ctx->mu);
+    free(a);
+    return NULL;
+}
+
+int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i)
+{
+    kvw_inst_t *in = &ctx->insts[i];
+    if (in->state != KVW_INST_DOWN || ctx->stopping)
+        return in->state;
+    kvw_conn_arg_t *a = malloc(sizeof(*a));
+    pthread_attr_t attr;
+    pthread_t t;
+    if (a == NULL)
+        return KVW_INST_DOWN;
+    in->gen++;
+    in->state = KVW_INST_CONNECTING;
+    *a = (kvw_conn_arg_t){.ctx = ctx, .inst = i, .gen = in->gen};
+    snprintf(a->addr, sizeof(a->addr), "%s", in->addr);
+    ctx->connecting++;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, kvw_inst_connect_main, a) != 0) {
+        free(a);
+        ctx->connecting--;
+        in->state = KVW_INST_DOWN;
+        snprintf(in->why, sizeof(in->why), "cannot start a connecting thread");
+    }
+    pthread_attr_destroy(&attr);
+    return in->state;
 }
 
 /* ------------------------------------------------------------ control thread */
@@ -793,7 +950,7 @@ static void *kvw_ctrl_main(void *arg)
             pfd[n++] = (struct pollfd){.fd = ctx->listen_fd, .events = POLLIN};
         uint32_t first_peer = (uint32_t)n;
         for (uint32_t i = 0; i < ctx->num_peers; i++) {
-            if (ctx->peers[i]->dead)
+            if (ctx->peers[i]->dead || ctx->peers[i]->registering)
                 continue;
             pidx[n] = i;
             pfd[n++] = (struct pollfd){.fd = ctx->peers[i]->fd, .events = POLLIN};
@@ -828,7 +985,7 @@ static void *kvw_ctrl_main(void *arg)
         uint64_t now = kvw__now_ns();
         for (uint32_t i = 0; i < ctx->num_peers; i++) {
             kvw_peer_t *p = ctx->peers[i];
-            if (p->dead)
+            if (p->dead || p->registering)
                 continue;
             if (now - p->last_rx_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
                 char why[96];
@@ -869,12 +1026,16 @@ static void *kvw_ctrl_main(void *arg)
 
 kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
 {
-    const uint64_t need = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_BOOTSTRAP;
+    const uint64_t need = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK;
     kvw_status_t st;
+    /* A decode context may go without a bootstrap address: its rooms then name their
+     * prefill instance (kvw_receiver_create_from). */
+    bool has_bs = params && (params->field_mask & KVW_CTX_FIELD_BOOTSTRAP) &&
+                  params->bootstrap_addr && params->bootstrap_addr[0];
     if (params == NULL || ctx_p == NULL || (params->field_mask & need) != need ||
-        params->rank == NULL || params->bootstrap_addr == NULL)
+        params->rank == NULL || (!has_bs && params->side != KVW_SIDE_DECODE))
         return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "context params need a side, a rank and a bootstrap address");
+                          "context params need a side, a rank and (prefill) a bootstrap address");
     uint64_t fm = params->field_mask;
     if ((fm & KVW_CTX_FIELD_SECRET) && params->secret && strlen(params->secret) >= 256)
         return kvw__error(KVW_ERR_INVALID_PARAM, "the shared secret is longer than 255 bytes");
@@ -892,7 +1053,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
              (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host
                                                                       : "127.0.0.1");
-    snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s", params->bootstrap_addr);
+    snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s",
+             has_bs ? params->bootstrap_addr : "");
     bool t = fm & KVW_CTX_FIELD_TIMEOUTS;
     ctx->heartbeat_ms = t && params->heartbeat_ms ? params->heartbeat_ms : 200;
     ctx->peer_timeout_ms = t && params->peer_timeout_ms ? params->peer_timeout_ms : 3000;
@@ -1016,16 +1178,32 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         }
         if ((st = ctx->tl_ops->address(ctx->tl, addr, &addr_len)) != KVW_OK)
             goto err_decode;
-        if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
-                                        params->prefill_pp, params->prefill_dp, deadline, &entries,
-                                        &ne)) != KVW_OK)
-            goto err_decode;
-        for (uint32_t i = 0; i < ne; i++)
-            if ((st = kvw_decode_connect(ctx, &entries[i], rkeys, rkey_lens, addr, addr_len,
-                                         deadline)) != KVW_OK)
+        /* Kept for registrations with prefill instances connected later. */
+        ctx->hello_rkeys = rkeys, ctx->hello_rkey_lens = rkey_lens;
+        rkeys = NULL, rkey_lens = NULL;
+        memcpy(ctx->hello_addr, addr, addr_len);
+        ctx->hello_addr_len = addr_len;
+        if (has_bs) {
+            /* The context's own prefill instance is connected now, and its geometry
+             * checked against what the caller expects: creation fails if it does not
+             * fit. */
+            int i0 = kvw__inst_find_or_add(ctx, ctx->bootstrap_addr);
+            if (i0 < 0) {
+                st = KVW_ERR_INVALID_PARAM;
                 goto err_decode;
-        for (uint32_t i = 0; i < ctx->num_peers; i++)
-            fcntl(ctx->peers[i]->fd, F_SETFL, fcntl(ctx->peers[i]->fd, F_GETFL) | O_NONBLOCK);
+            }
+            ctx->insts[i0].gen = 1;
+            ctx->insts[i0].state = KVW_INST_CONNECTING;
+            if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
+                                            params->prefill_pp, params->prefill_dp, deadline,
+                                            &entries, &ne)) != KVW_OK)
+                goto err_decode;
+            for (uint32_t i = 0; i < ne; i++)
+                if ((st = kvw_decode_connect(ctx, &entries[i], (uint32_t)i0, 1, deadline)) !=
+                    KVW_OK)
+                    goto err_decode;
+            ctx->insts[i0].state = KVW_INST_READY;
+        }
         if (pthread_create(&ctx->ctrl_thread, NULL, kvw_ctrl_main, ctx) != 0)
             st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
         else
@@ -1069,9 +1247,11 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         kvw__ctx_wake(ctx);
     if (ctx->ctrl_started)
         pthread_join(ctx->ctrl_thread, NULL);
-    /* Registration threads end within the peer timeout; wait for them. */
+    /* Registration and connecting threads end within their timeouts (connecting ones
+     * sooner: cancelled); wait for them. */
+    atomic_store(&ctx->cancel_connects, true);
     pthread_mutex_lock(&ctx->mu);
-    while (ctx->handshakes)
+    while (ctx->handshakes || ctx->connecting)
         pthread_cond_wait(&ctx->cv, &ctx->mu);
     pthread_mutex_unlock(&ctx->mu);
     for (uint32_t i = 0; i < ctx->num_workers; i++)
@@ -1096,6 +1276,9 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     }
     free(ctx->spans);
     free(ctx->waits);
+    free(ctx->insts);
+    free(ctx->hello_rkeys);
+    free(ctx->hello_rkey_lens);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
         kvw_room_t *r = ctx->rooms[b];

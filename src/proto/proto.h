@@ -41,6 +41,13 @@ kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *
 kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
                                    uint64_t deadline_ns, kvw_bs_entry_t **entries_p,
                                    uint32_t *count_p);
+/* The same, for a connection made on demand: an endpoint that cannot be reached (refused,
+ * unreachable) fails at once instead of being retried until the deadline, and `cancel`
+ * (when non-NULL and set) stops the wait. A bad address always fails at once. */
+kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
+                                      uint64_t deadline_ns, bool fail_fast,
+                                      const _Atomic bool *cancel, kvw_bs_entry_t **entries_p,
+                                      uint32_t *count_p);
 
 /* ------------------------------------------------------------ contexts */
 
@@ -54,7 +61,7 @@ typedef struct kvw_peer {
     uint32_t id;
     int fd;
     bool dead;
-    char desc[160];
+    char desc[320];
     kvw_rank_h remote;
     uint32_t dp, tp, pp;
     uint64_t instance; /* decode instance id (prefill side) */
@@ -62,6 +69,11 @@ typedef struct kvw_peer {
     uint64_t last_rx_ns, last_tx_ns;
     kvw_outmsg_t *out_head, *out_tail;
     bool tx_busy; /* the control thread is writing a popped frame (outside mu) */
+    /* Decode side: the prefill instance (index into ctx->insts, and its connection
+     * generation) this peer belongs to; registering: the handshake still runs on its
+     * connecting thread, nobody else touches the socket. */
+    uint32_t inst, inst_gen;
+    bool registering;
     /* Incremental frame reader. */
     uint8_t hdr[KVW_WIRE_HDR];
     uint32_t hdr_got;
@@ -152,6 +164,12 @@ typedef struct kvw_room {
     uint8_t *meta;
     uint32_t meta_len;
     bool has_meta;
+    /* Decode: the prefill instance the room reads from, and a post made while that
+     * instance was still being connected (sent once it is). */
+    uint32_t inst, inst_gen;
+    bool pending;
+    kvw_recv_post_t pend;
+    uint32_t *pend_store;
 } kvw_room_t;
 
 /* Spins up to ctx->busy_poll_ns while *gen still equals `seen` (mu not held). */
@@ -177,6 +195,18 @@ typedef struct kvw_stage_wait {
 } kvw_stage_wait_t;
 
 #define KVW_ROOM_BUCKETS 1024
+
+/* Decode side: one prefill instance, named by its bootstrap address. Connected on the
+ * first room that names it (or at context creation for the context's own address),
+ * cached, and connected again after it went down. */
+enum { KVW_INST_CONNECTING = 0, KVW_INST_READY = 1, KVW_INST_DOWN = 2 };
+#define KVW_MAX_INSTANCES 1024
+typedef struct kvw_inst {
+    char addr[128];
+    uint32_t gen; /* bumped on every (re)connection; peers and rooms carry it */
+    int state;
+    char why[400]; /* why it went down */
+} kvw_inst_t;
 
 struct kvw_ctx {
     kvw_side_t side;
@@ -227,7 +257,29 @@ struct kvw_ctx {
     char secret[256]; /* shared secret, "" when none */
     uint64_t instance_id;
     uint32_t handshakes; /* registration threads still running (prefill) */
+    /* Decode: prefill instances, the threads connecting to them, and what a
+     * registration sends (keys of our buffers and staging area, data address). */
+    kvw_inst_t *insts;
+    uint32_t num_insts, cap_insts;
+    uint32_t connecting;
+    _Atomic bool cancel_connects;
+    uint8_t *hello_rkeys;
+    size_t *hello_rkey_lens;
+    uint8_t hello_addr[KVW_TL_MAX_ADDR];
+    size_t hello_addr_len;
 };
+
+/* Decode: the instance for a bootstrap address, added when new (-1: table full or out
+ * of memory, message set). mu held. */
+int kvw__inst_find_or_add(struct kvw_ctx *ctx, const char *addr);
+/* Decode: makes sure instance `i` is connected or being connected (a down instance is
+ * connected again); returns its state. mu held. */
+int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i);
+/* Decode: sends a posted room's pages to its prefill ranks (mu held); fails the room on
+ * error. Used by kvw_receiver_post and, for posts made while the instance was being
+ * connected, once it is. */
+kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
+                                       const kvw_recv_post_t *post);
 
 static inline void kvw__busy_wait(const struct kvw_ctx *ctx, _Atomic uint32_t *gen, uint32_t seen)
 {

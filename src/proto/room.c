@@ -91,6 +91,7 @@ void kvw__room_free(kvw_room_t *r)
         free(r->granted[p]);
     free(r->post_store);
     free(r->meta);
+    free(r->pend_store);
     free(r);
 }
 
@@ -1144,12 +1145,31 @@ static kvw_status_t kvw_grant(kvw_room_t *r, int pool, const kvw_pages_t *pl, ui
 kvw_status_t kvw_receiver_create(kvw_ctx_h ctx, uint64_t room, uint32_t prefill_dp,
                                  kvw_receiver_h *receiver_p)
 {
+    return kvw_receiver_create_from(ctx, room, NULL, prefill_dp, receiver_p);
+}
+
+kvw_status_t kvw_receiver_create_from(kvw_ctx_h ctx, uint64_t room, const char *bootstrap_addr,
+                                      uint32_t prefill_dp, kvw_receiver_h *receiver_p)
+{
     if (ctx == NULL || receiver_p == NULL || ctx->side != KVW_SIDE_DECODE)
         return kvw__error(KVW_ERR_INVALID_PARAM, "receivers exist on decode contexts only");
+    if ((bootstrap_addr == NULL || !bootstrap_addr[0]) && !ctx->bootstrap_addr[0])
+        return kvw__error(KVW_ERR_INVALID_PARAM, "room %llu names no prefill instance, and this "
+                          "decode context has none of its own (kvw_receiver_create_from)",
+                          (unsigned long long)room);
+    if (bootstrap_addr == NULL || !bootstrap_addr[0])
+        bootstrap_addr = ctx->bootstrap_addr;
     struct kvw_receiver *rv = calloc(1, sizeof(*rv));
     if (rv == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a receiver");
     pthread_mutex_lock(&ctx->mu);
+    int inst = kvw__inst_find_or_add(ctx, bootstrap_addr);
+    if (inst < 0) {
+        kvw_status_t st = kvw__error(KVW_ERR_INVALID_PARAM, "%s", kvw_last_error());
+        pthread_mutex_unlock(&ctx->mu);
+        free(rv);
+        return st;
+    }
     kvw_room_t *r = kvw__room_find(ctx, room);
     if (r) {
         pthread_mutex_unlock(&ctx->mu);
@@ -1165,6 +1185,10 @@ kvw_status_t kvw_receiver_create(kvw_ctx_h ctx, uint64_t room, uint32_t prefill_
     }
     r->engine_owned = true;
     r->src_dp = prefill_dp;
+    /* The first room naming an instance starts connecting to it, without blocking. */
+    r->inst = (uint32_t)inst;
+    kvw__inst_use(ctx, r->inst);
+    r->inst_gen = ctx->insts[r->inst].gen;
     pthread_mutex_unlock(&ctx->mu);
     rv->room = r;
     rv->ctx = ctx;
@@ -1178,21 +1202,63 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_receiver_post: NULL argument or no context");
     struct kvw_ctx *ctx = rv->room->ctx;
     kvw_room_t *r = rv->room;
-    kvw_rank_h me = ctx->rank;
     if (post->prefix_len > post->num_tokens)
         return kvw__error(KVW_ERR_INVALID_PARAM, "prefix %llu exceeds the request's %llu tokens",
                           (unsigned long long)post->prefix_len,
                           (unsigned long long)post->num_tokens);
     pthread_mutex_lock(&ctx->mu);
     kvw_status_t st = KVW_OK;
-    if (r->state != KVW_ROOM_BOOTSTRAPPING) {
+    if (r->state != KVW_ROOM_BOOTSTRAPPING || r->pending) {
         st = r->state == KVW_ROOM_FAILED
                  ? kvw__error(r->status, "room %llu already failed: %s", (unsigned long long)r->id,
                               r->reason)
                  : kvw__error(KVW_ERR_INVALID_PARAM, "room %llu was already posted",
                               (unsigned long long)r->id);
-        goto out;
+        pthread_mutex_unlock(&ctx->mu);
+        return st;
     }
+    /* An instance that went down since the room was created is connected again. */
+    if (kvw__inst_use(ctx, r->inst) == KVW_INST_CONNECTING &&
+        r->inst_gen != ctx->insts[r->inst].gen)
+        r->inst_gen = ctx->insts[r->inst].gen;
+    if (ctx->insts[r->inst].state == KVW_INST_CONNECTING) {
+        /* Kept (pages copied) until the connection is up; the room stays Bootstrapping. */
+        size_t nf = post->pages.full.num_pages, ns = post->pages.swa.num_pages;
+        r->pend_store = malloc(sizeof(uint32_t) * (nf + ns + 1));
+        if (r->pend_store == NULL) {
+            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory posting a room");
+            kvw__room_fail(ctx, r, st, false, "%s", kvw_last_error());
+        } else {
+            if (nf)
+                memcpy(r->pend_store, post->pages.full.pages, sizeof(uint32_t) * nf);
+            if (ns)
+                memcpy(r->pend_store + nf, post->pages.swa.pages, sizeof(uint32_t) * ns);
+            r->pend = *post;
+            r->pend.pages.full.pages = r->pend_store;
+            r->pend.pages.swa.pages = r->pend_store + nf;
+            r->pending = true;
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        return st;
+    }
+    if (ctx->insts[r->inst].state == KVW_INST_DOWN) {
+        st = kvw__error(KVW_ERR_PEER_DEAD, "room %llu: prefill instance %s is down: %s",
+                        (unsigned long long)r->id, ctx->insts[r->inst].addr,
+                        ctx->insts[r->inst].why);
+        kvw__room_fail(ctx, r, st, false, "%s", kvw_last_error());
+        pthread_mutex_unlock(&ctx->mu);
+        return st;
+    }
+    st = kvw__receiver_post_locked(ctx, r, post);
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
+                                       const kvw_recv_post_t *post)
+{
+    kvw_rank_h me = ctx->rank;
+    kvw_status_t st = KVW_OK;
     /* Senders: every prefill rank of the chosen DP group that sends this rank bytes. */
     kvw_chunk_t whole = {.num_tokens = post->num_tokens, .chunk_begin = 0,
                          .chunk_end = post->num_tokens, .prefix_len = post->prefix_len,
@@ -1204,7 +1270,8 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
     }
     for (uint32_t i = 0; i < ctx->num_peers; i++) {
         kvw_peer_t *p = ctx->peers[i];
-        if (p->dp != r->src_dp || !p->needed)
+        if (p->dp != r->src_dp || !p->needed || p->inst != r->inst ||
+            p->inst_gen != r->inst_gen || p->registering)
             continue;
         if (p->dead) {
             st = kvw__error(KVW_ERR_PEER_DEAD, "room %llu needs %s, which is gone",
@@ -1279,7 +1346,9 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
     /* Every prefill rank of the group hears of the room, even one that sends this rank
      * nothing: it learns the room's DP group from it. */
     for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        if (ctx->peers[i]->dp != r->src_dp || ctx->peers[i]->dead)
+        kvw_peer_t *p = ctx->peers[i];
+        if (p->dp != r->src_dp || p->dead || p->inst != r->inst || p->inst_gen != r->inst_gen ||
+            p->registering)
             continue;
         kvw_wbuf_t w;
         kvw__wb_init(&w, KVW_MSG_REQ);
@@ -1297,7 +1366,6 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
 out:
     if (st != KVW_OK)
         kvw__room_fail(ctx, r, st, false, "%s", kvw_last_error());
-    pthread_mutex_unlock(&ctx->mu);
     return st;
 }
 
