@@ -4,8 +4,8 @@
  * In one process, over tcp and shm: a decode rank (TP1) created without a bootstrap
  * address reads rooms from prefill instance A (TP1) and instance B (TP2) at once. B goes
  * away while some of its rooms are open: those fail naming B, A's rooms still succeed.
- * B comes back on the same bootstrap address: the next room connects again and
- * succeeds. Rooms naming an address that cannot be reached fail at once with the
+ * B registers with a standalone bootstrap endpoint (kvw_bootstrap_start) and comes back
+ * there: the next room connects again and succeeds. Rooms naming an address that cannot be reached fail at once with the
  * reason. Every destination byte (and the guard bytes) is checked against the test
  * kit's reference after each phase; failed rooms must leave their pages untouched.
  */
@@ -67,9 +67,9 @@ static kvw_status_t ctx_open(kvt_rank_t *r, bool prefill, const char *bs, bool h
     return kvw_ctx_create(&p, ctx);
 }
 
-/* Starts a prefill instance of TP tp; its rank 0 hosts the bootstrap at `bs` ("host:0"
- * picks a port). */
-static kvw_status_t inst_start(inst_t *in, uint32_t tp, uint32_t fill, const char *bs)
+/* Starts a prefill instance of TP tp. host: its rank 0 hosts the bootstrap at `bs`
+ * ("host:0" picks a port); else every rank registers with the endpoint at `bs`. */
+static kvw_status_t inst_start(inst_t *in, uint32_t tp, uint32_t fill, const char *bs, bool host)
 {
     memset(in, 0, sizeof(*in));
     in->tp = tp;
@@ -78,10 +78,10 @@ static kvw_status_t inst_start(inst_t *in, uint32_t tp, uint32_t fill, const cha
             return KVW_ERR_INTERNAL;
         kvt_rank_fill(&in->r[k], fill + k);
     }
-    kvw_status_t st = ctx_open(&in->r[0], true, bs, true, &in->ctx[0]);
+    kvw_status_t st = ctx_open(&in->r[0], true, bs, host, &in->ctx[0]);
     if (st != KVW_OK)
         return st;
-    snprintf(in->bs, sizeof(in->bs), "%s", kvw_ctx_bootstrap_addr(in->ctx[0]));
+    snprintf(in->bs, sizeof(in->bs), "%s", host ? kvw_ctx_bootstrap_addr(in->ctx[0]) : bs);
     for (uint32_t k = 1; k < tp && st == KVW_OK; k++)
         st = ctx_open(&in->r[k], true, in->bs, false, &in->ctx[k]);
     return st;
@@ -209,13 +209,18 @@ static void run(const char *tl)
     kvt_rank_fill(&dst, 7);
     kvt_copy_t expect;
     kvt_copy_make(&dst, &expect);
-    kvw_status_t st = inst_start(&a, 1, 41, "127.0.0.1:0");
+    /* A hosts its bootstrap endpoint; B registers with a standalone one, which outlives
+     * B's ranks. */
+    kvw_bootstrap_h bsb = NULL;
+    CHECK(kvw_bootstrap_start("127.0.0.1:0", &bsb) == KVW_OK, "%s", kvw_last_error());
+    kvw_status_t st = inst_start(&a, 1, 41, "127.0.0.1:0", true);
     if (st == KVW_ERR_UNSUPPORTED) {
         printf("test_multi_instance: %s unavailable here, skipped\n", tl);
         goto out;
     }
     CHECK(st == KVW_OK, "instance A: %s", kvw_last_error());
-    CHECK(inst_start(&b, 2, 51, "127.0.0.1:0") == KVW_OK, "instance B: %s", kvw_last_error());
+    CHECK(bsb && inst_start(&b, 2, 51, kvw_bootstrap_address(bsb), false) == KVW_OK,
+          "instance B: %s", kvw_last_error());
     /* The decode context names no instance of its own. */
     CHECK(ctx_open(&dst, false, NULL, false, &dctx) == KVW_OK, "decode: %s", kvw_last_error());
     if (failures)
@@ -259,8 +264,8 @@ static void run(const char *tl)
     ref_room(&dst, &expect, &ra[1]);
     verify(&dst, &expect, "B gone, A served");
 
-    /* Phase 3: B restarts on the same bootstrap address; a new room reconnects. */
-    st = inst_start(&b, 2, 61, b_addr);
+    /* Phase 3: B restarts and registers again; a new room reconnects. */
+    st = inst_start(&b, 2, 61, b_addr, false);
     CHECK(st == KVW_OK, "B again at %s: %s", b_addr, kvw_last_error());
     if (st == KVW_OK) {
         room_t r3 = {.id = 21, .slot = 5, .src = &b};
@@ -290,6 +295,7 @@ out:
     kvw_ctx_destroy(dctx);
     inst_stop(&b);
     inst_stop(&a);
+    kvw_bootstrap_stop(bsb);
     kvt_copy_free(&expect);
     kvt_rank_free(&dst);
 }

@@ -23,6 +23,7 @@ extern "C" {
 #endif
 
 typedef struct kvw_ctx *kvw_ctx_h;
+typedef struct kvw_bootstrap *kvw_bootstrap_h;
 typedef struct kvw_sender *kvw_sender_h;
 typedef struct kvw_receiver *kvw_receiver_h;
 
@@ -97,6 +98,17 @@ KVW_API void kvw_ctx_destroy(kvw_ctx_h ctx);
 
 /* The bootstrap endpoint this context hosts ("host:port"), or NULL. */
 KVW_API const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx);
+
+/*
+ * A standalone bootstrap endpoint ("address:port"; port 0 picks one): prefill ranks
+ * register there (contexts with host_bootstrap = 0 and this bootstrap_addr), decode
+ * ranks look their instance up. It runs on its own thread until stopped and outlives
+ * the ranks: a restarted rank registers again and replaces its entry; a registration
+ * that declares another instance geometry replaces the whole instance.
+ */
+KVW_API kvw_status_t kvw_bootstrap_start(const char *addr, kvw_bootstrap_h *bootstrap_p);
+KVW_API const char *kvw_bootstrap_address(kvw_bootstrap_h bootstrap);
+KVW_API void kvw_bootstrap_stop(kvw_bootstrap_h bootstrap);
 
 /* ---------------------------------------------------------------- prefill side */
 

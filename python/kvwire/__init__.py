@@ -9,7 +9,7 @@ from .core import (Status, LayerKind, Pool, Role, Layout, MemKind, Side, RoomSta
                    CtxField, KvwireError, Layer, Model, Parallel, Buffer, Rank, SidePages,
                    Plan, PlanStats, Run, Context, Sender, Receiver, RoomMetrics, Route,
                    topo_heads, topo_routes, status_string, last_error, kv_cache_buffers,
-                   transport_available)
+                   transport_available, BootstrapServer)
 
 __version__ = "0.1.0"
 
@@ -19,5 +19,5 @@ __all__ = [
     "RankField", "CtxField", "KvwireError", "Layer", "Model", "Parallel", "Buffer", "Rank",
     "SidePages", "Plan", "PlanStats", "Run", "Context", "Sender", "Receiver", "RoomMetrics",
     "Route", "topo_heads", "topo_routes", "status_string", "last_error", "kv_cache_buffers",
-    "transport_available",
+    "transport_available", "BootstrapServer",
 ]

@@ -13,7 +13,7 @@ __all__ = [
     "RankField", "CtxField", "KvwireError", "Layer", "Model", "Parallel", "Buffer", "Rank",
     "SidePages", "Plan", "PlanStats", "Run", "Context", "Sender", "Receiver", "RoomMetrics",
     "Route", "topo_heads", "topo_routes", "status_string", "last_error", "kv_cache_buffers",
-    "transport_available",
+    "transport_available", "BootstrapServer",
 ]
 
 
@@ -750,7 +750,9 @@ class Context:
         self._given_addr = bootstrap_addr
         self._h = None
         self._rooms = weakref.WeakSet()
-        mask = CtxField.SIDE | CtxField.RANK | CtxField.BOOTSTRAP
+        mask = CtxField.SIDE | CtxField.RANK
+        if bootstrap_addr:
+            mask |= CtxField.BOOTSTRAP
         self._keep = [_enc(transport), _enc(bootstrap_addr), _enc(listen_host), _enc(secret)]
         p = N.kvw_ctx_params_t(side=int(self.side), rank=rank.handle,
                                bootstrap_addr=self._keep[1])
@@ -807,10 +809,13 @@ class Context:
         it destroys the room, aborting it if it has not finished."""
         return Sender(self, room)
 
-    def receiver(self, room, prefill_dp_rank=0):
+    def receiver(self, room, prefill_dp_rank=0, bootstrap_addr=None):
         """Opens the receiver of `room` on this (decode) rank, fed by the prefill DP
-        group `prefill_dp_rank`. Keep the handle (see sender())."""
-        return Receiver(self, room, prefill_dp_rank)
+        group `prefill_dp_rank` of the prefill instance whose bootstrap endpoint is
+        `bootstrap_addr` (None: the context's own). The first room naming an instance
+        connects to it in the background (kvw_receiver_create_from). Keep the handle
+        (see sender())."""
+        return Receiver(self, room, prefill_dp_rank, bootstrap_addr)
 
     def close(self):
         """Closes every open sender/receiver of this context, then the context."""
@@ -966,12 +971,13 @@ class Receiver(_Room):
     """The decode side of one room on one rank (kvw_receiver_create)."""
     _kind = "receiver"
 
-    def __init__(self, ctx, room, prefill_dp_rank=0):
+    def __init__(self, ctx, room, prefill_dp_rank=0, bootstrap_addr=None):
         super().__init__(ctx, room)
         self.prefill_dp_rank = int(prefill_dp_rank)
+        self.bootstrap_addr = bootstrap_addr
         h = ctypes.c_void_p()
-        _check(N.load().kvw_receiver_create(ctx.handle, self.room, self.prefill_dp_rank,
-                                            ctypes.byref(h)))
+        _check(N.load().kvw_receiver_create_from(ctx.handle, self.room, _enc(bootstrap_addr),
+                                                 self.prefill_dp_rank, ctypes.byref(h)))
         self._h = h.value
         ctx._rooms.add(self)
 
@@ -999,6 +1005,39 @@ class Receiver(_Room):
             return buf.raw[:n.value]
         _check(st)
         return b""
+
+
+class BootstrapServer:
+    """A standalone bootstrap endpoint (kvw_bootstrap_start): prefill ranks register
+    there (Context(..., bootstrap_addr=server.address), host_bootstrap=False), decode
+    ranks look their instance up. It outlives the ranks (a restarted rank registers
+    again). addr: "host:port", port 0 picks one; .address tells which."""
+
+    def __init__(self, addr="127.0.0.1:0"):
+        lib = N.load()
+        h = ctypes.c_void_p()
+        _check(lib.kvw_bootstrap_start(_enc(addr), ctypes.byref(h)))
+        self._h = h.value
+
+    @property
+    def address(self):
+        if self._h is None:
+            raise ValueError("bootstrap endpoint is stopped")
+        return N.load().kvw_bootstrap_address(self._h).decode()
+
+    def close(self):
+        if self._h is not None:
+            N.load().kvw_bootstrap_stop(self._h)
+            self._h = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        self.close()
 
 
 # ---------------------------------------------------------------- probes

@@ -181,6 +181,28 @@ err_free:
 
 const char *kvw__bootstrap_addr(kvw_bootstrap_t *bs) { return bs->addr; }
 
+kvw_status_t kvw_bootstrap_start(const char *addr, kvw_bootstrap_h *bootstrap_p)
+{
+    char host[128];
+    uint16_t port;
+    if (bootstrap_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_bootstrap_start: NULL argument");
+    kvw_status_t st = kvw__parse_hostport(addr, host, sizeof(host), &port);
+    if (st != KVW_OK)
+        return st;
+    return kvw__bootstrap_start(host, port, bootstrap_p);
+}
+
+const char *kvw_bootstrap_address(kvw_bootstrap_h bs)
+{
+    return bs ? bs->addr : NULL;
+}
+
+void kvw_bootstrap_stop(kvw_bootstrap_h bs)
+{
+    kvw__bootstrap_stop(bs);
+}
+
 void kvw__bootstrap_stop(kvw_bootstrap_t *bs)
 {
     if (bs == NULL)

@@ -67,21 +67,18 @@ static int cmd_bootstrap(int argc, char **argv)
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
-    char host[128];
-    uint16_t port;
-    kvw_bootstrap_t *bs;
-    if (kvw__parse_hostport(addr, host, sizeof(host), &port) != KVW_OK ||
-        kvw__bootstrap_start(host, port, &bs) != KVW_OK) {
+    kvw_bootstrap_h bs;
+    if (kvw_bootstrap_start(addr, &bs) != KVW_OK) {
         fprintf(stderr, "kvwire bootstrap: %s\n", kvw_last_error());
         return 1;
     }
-    printf("kvwire bootstrap listening on %s\n", kvw__bootstrap_addr(bs));
+    printf("kvwire bootstrap listening on %s\n", kvw_bootstrap_address(bs));
     fflush(stdout);
     signal(SIGINT, kvw_on_signal);
     signal(SIGTERM, kvw_on_signal);
     while (!kvw_stop)
         pause();
-    kvw__bootstrap_stop(bs);
+    kvw_bootstrap_stop(bs);
     return 0;
 }
 
