@@ -152,6 +152,89 @@ static kvw_peer_t *kvw_peer_add(struct kvw_ctx *ctx, int fd)
     return p;
 }
 
+/* A dead peer's resources, detached under mu and released after it (closing a
+ * transport endpoint may wait for its flush). */
+typedef struct kvw_peer_res {
+    struct kvw_peer_res *next;
+    int fd;
+    kvw_tl_rkey_h *rkeys;
+    uint32_t num_rkeys;
+    kvw_tl_rkey_h staging_rkey;
+    kvw_tl_ep_h ep;
+    kvw_rank_h remote, mapped;
+    uint8_t *payload;
+} kvw_peer_res_t;
+
+/* Whether a dead peer can give up its resources: no room still names it (as a decode
+ * rank it writes or a prefill rank it reads from), no staging request of its waits,
+ * nothing of it is being written. mu held. */
+static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p)
+{
+    if (!p->dead || p->reaped || p->registering || p->tx_busy)
+        return false;
+    for (uint32_t i = 0; i < ctx->num_waits; i++)
+        if (ctx->waits[i].peer == p->id)
+            return false;
+    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
+        for (const kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
+            for (uint32_t i = 0; i < r->num_dsts; i++)
+                if (r->dsts[i].peer == p->id)
+                    return false;
+            for (uint32_t i = 0; i < r->num_srcs; i++)
+                if (r->srcs[i].peer == p->id)
+                    return false;
+        }
+    return true;
+}
+
+/* Detaches the resources of every dead peer nothing refers to any more (mu held);
+ * the caller releases the list with kvw_peer_res_release after unlocking. The peer's
+ * small record stays (its id indexes the peer table). */
+static kvw_peer_res_t *kvw_peers_reap(struct kvw_ctx *ctx)
+{
+    kvw_peer_res_t *list = NULL;
+    for (uint32_t i = 0; i < ctx->num_peers; i++) {
+        kvw_peer_t *p = ctx->peers[i];
+        if (!kvw_peer_reapable(ctx, p))
+            continue;
+        kvw_peer_res_t *res = calloc(1, sizeof(*res));
+        if (res == NULL)
+            break;
+        kvw_peer_drop_out(p);
+        *res = (kvw_peer_res_t){.next = list, .fd = p->fd, .rkeys = p->rkeys,
+                                .num_rkeys = p->num_rkeys, .staging_rkey = p->staging_rkey,
+                                .ep = p->ep, .remote = p->remote, .mapped = p->mapped,
+                                .payload = p->payload};
+        p->fd = -1, p->rkeys = NULL, p->num_rkeys = 0, p->staging_rkey = NULL, p->ep = NULL;
+        p->remote = p->mapped = NULL, p->payload = NULL;
+        p->reaped = true;
+        list = res;
+    }
+    return list;
+}
+
+static void kvw_peer_res_release(struct kvw_ctx *ctx, kvw_peer_res_t *list)
+{
+    while (list) {
+        kvw_peer_res_t *res = list;
+        list = res->next;
+        if (res->fd >= 0)
+            close(res->fd);
+        for (uint32_t i = 0; i < res->num_rkeys; i++)
+            if (res->rkeys[i])
+                ctx->tl_ops->rkey_release(res->rkeys[i]);
+        free(res->rkeys);
+        if (res->staging_rkey)
+            ctx->tl_ops->rkey_release(res->staging_rkey);
+        if (res->ep)
+            ctx->tl_ops->ep_close(res->ep);
+        kvw_rank_destroy(res->remote);
+        kvw_rank_destroy(res->mapped);
+        free(res->payload);
+        free(res);
+    }
+}
+
 static void kvw_peer_free(struct kvw_ctx *ctx, kvw_peer_t *p)
 {
     kvw_peer_drop_out(p);
@@ -916,7 +999,7 @@ static void *kvw_ctrl_main(void *arg)
     uint32_t *pidx = NULL;
     kvw_peer_t **flush = NULL;
     uint32_t cap = 0;
-    uint64_t last_timeout_scan = 0;
+    uint64_t last_timeout_scan = 0, last_reap = 0;
     for (;;) {
         pthread_mutex_lock(&ctx->mu);
         if (ctx->stopping) {
@@ -1002,9 +1085,17 @@ static void *kvw_ctrl_main(void *arg)
         }
         /* Timeouts have millisecond granularity; scanning every room on every event
          * would cost more than the events themselves at high request rates. */
+        kvw_peer_res_t *reaped = NULL;
         if (now - last_timeout_scan > 10000000ull) {
             kvw__check_timeouts(ctx, now);
             last_timeout_scan = now;
+            /* Dead peers give their sockets, mappings and endpoints back as soon as
+             * no room refers to them: under decode churn a prefill context must not
+             * keep every departed peer's resources until it is destroyed. */
+            if (now - last_reap > 100000000ull) {
+                reaped = kvw_peers_reap(ctx);
+                last_reap = now;
+            }
         }
         /* Peers with queued frames, copied under the lock: registration threads may
          * grow the peer table meanwhile. Peers are never freed before the context. */
@@ -1013,6 +1104,7 @@ static void *kvw_ctrl_main(void *arg)
             if (ctx->peers[i]->out_head && !ctx->peers[i]->dead)
                 flush[nf++] = ctx->peers[i];
         pthread_mutex_unlock(&ctx->mu);
+        kvw_peer_res_release(ctx, reaped);
         for (uint32_t i = 0; i < nf; i++)
             kvw_peer_flush(ctx, flush[i]);
     }

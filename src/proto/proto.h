@@ -74,6 +74,7 @@ typedef struct kvw_peer {
      * connecting thread, nobody else touches the socket. */
     uint32_t inst, inst_gen;
     bool registering;
+    bool reaped; /* dead, and its socket and transport resources were released */
     /* Incremental frame reader. */
     uint8_t hdr[KVW_WIRE_HDR];
     uint32_t hdr_got;
