@@ -81,9 +81,9 @@ void kvw__sha256_final(kvw_sha256_t *c, uint8_t out[32])
     }
 }
 
-void kvw__hmac_sha256(const void *key, size_t klen, const void *msg, size_t mlen, uint8_t out[32])
+void kvw__hmac_init(kvw_hmac_t *h, const void *key, size_t klen)
 {
-    uint8_t k[64] = {0}, ipad[64], opad[64], inner[32];
+    uint8_t k[64] = {0}, ipad[64];
     kvw_sha256_t c;
     if (klen > 64) {
         kvw__sha256_init(&c);
@@ -94,16 +94,34 @@ void kvw__hmac_sha256(const void *key, size_t klen, const void *msg, size_t mlen
     }
     for (int i = 0; i < 64; i++) {
         ipad[i] = k[i] ^ 0x36;
-        opad[i] = k[i] ^ 0x5c;
+        h->opad[i] = k[i] ^ 0x5c;
     }
+    kvw__sha256_init(&h->inner);
+    kvw__sha256_update(&h->inner, ipad, 64);
+}
+
+void kvw__hmac_update(kvw_hmac_t *h, const void *p, size_t n)
+{
+    kvw__sha256_update(&h->inner, p, n);
+}
+
+void kvw__hmac_final(kvw_hmac_t *h, uint8_t out[32])
+{
+    uint8_t inner[32];
+    kvw_sha256_t c;
+    kvw__sha256_final(&h->inner, inner);
     kvw__sha256_init(&c);
-    kvw__sha256_update(&c, ipad, 64);
-    kvw__sha256_update(&c, msg, mlen);
-    kvw__sha256_final(&c, inner);
-    kvw__sha256_init(&c);
-    kvw__sha256_update(&c, opad, 64);
+    kvw__sha256_update(&c, h->opad, 64);
     kvw__sha256_update(&c, inner, 32);
     kvw__sha256_final(&c, out);
+}
+
+void kvw__hmac_sha256(const void *key, size_t klen, const void *msg, size_t mlen, uint8_t out[32])
+{
+    kvw_hmac_t h;
+    kvw__hmac_init(&h, key, klen);
+    kvw__hmac_update(&h, msg, mlen);
+    kvw__hmac_final(&h, out);
 }
 
 int kvw__ct_equal(const uint8_t *a, const uint8_t *b, size_t n)

@@ -27,6 +27,9 @@ const char *kvw_room_state_string(kvw_room_state_t s)
     return (unsigned)s < KVW_ARRAY_SIZE(n) ? n[s] : "unknown";
 }
 
+static void kvw_frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t type,
+                          const uint8_t *payload, size_t n, uint8_t out[32]);
+
 void kvw__ctx_wake(struct kvw_ctx *ctx)
 {
     if (write(ctx->wake_fd[1], "w", 1) < 0) {
@@ -46,6 +49,13 @@ void kvw__ctx_wake(struct kvw_ctx *ctx)
  */
 void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
 {
+    if (peer->authed && !peer->dead && !w->oom) {
+        uint8_t tag[32];
+        kvw_frame_tag(peer, peer->tx_dir, peer->tx_seq++, w->p[5], w->p + KVW_WIRE_HDR,
+                      w->len - KVW_WIRE_HDR, tag);
+        for (int i = 0; i < KVW_TAG; i++)
+            kvw__wb_u8(w, tag[i]);
+    }
     if (peer->dead || kvw__wb_finish(w) != KVW_OK) {
         kvw__wb_free(w);
         return;
@@ -312,14 +322,58 @@ static bool kvw_pair_needed(kvw_rank_h src, kvw_rank_h dst)
  */
 #define KVW_NONCE 32
 
+/*
+ * With a secret, the MACs bind the whole handshake transcript, not only the challenges:
+ *   HELLO  mac   = HMAC(secret, "kvwire-hello-2"  | nonce | dnonce | hello body)
+ *   ACCEPT proof = HMAC(secret, "kvwire-accept-2" | nonce | dnonce | SHA256(hello body)
+ *                                                  | accept body)
+ *   session key  = HMAC(secret, "kvwire-session-2" | nonce | dnonce | hello mac)
+ * The hello body holds the decode rank's identity, instance, buffer descriptions, keys
+ * and data address; the accept body the prefill rank's description. A relay can
+ * neither change them (the MAC fails) nor add, drop, reorder or alter a control frame
+ * later: every frame after the handshake carries a tag under the session key, with a
+ * sequence number per direction (kvw__peer_send, kvw_peer_read).
+ */
 static void kvw_auth_mac(const struct kvw_ctx *ctx, const char *label, const uint8_t *nonce,
-                         uint8_t out[32])
+                         const uint8_t *dnonce, const void *a, size_t an, const void *b,
+                         size_t bn, uint8_t out[32])
 {
-    uint8_t msg[16 + KVW_NONCE];
-    size_t ll = strlen(label);
-    memcpy(msg, label, ll);
-    memcpy(msg + ll, nonce, KVW_NONCE);
-    kvw__hmac_sha256(ctx->secret, strlen(ctx->secret), msg, ll + KVW_NONCE, out);
+    kvw_hmac_t h;
+    kvw__hmac_init(&h, ctx->secret, strlen(ctx->secret));
+    kvw__hmac_update(&h, label, strlen(label));
+    kvw__hmac_update(&h, nonce, KVW_NONCE);
+    kvw__hmac_update(&h, dnonce, KVW_NONCE);
+    if (an)
+        kvw__hmac_update(&h, a, an);
+    if (bn)
+        kvw__hmac_update(&h, b, bn);
+    kvw__hmac_final(&h, out);
+}
+
+static void kvw_sha256(const void *p, size_t n, uint8_t out[32])
+{
+    kvw_sha256_t c;
+    kvw__sha256_init(&c);
+    kvw__sha256_update(&c, p, n);
+    kvw__sha256_final(&c, out);
+}
+
+/* Tag of one control frame under a peer's session key: direction, sequence number,
+ * frame type and payload. */
+static void kvw_frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t type,
+                          const uint8_t *payload, size_t n, uint8_t out[32])
+{
+    uint8_t head[10];
+    head[0] = dir;
+    head[1] = type;
+    for (int i = 0; i < 8; i++)
+        head[2 + i] = (uint8_t)(seq >> (8 * i));
+    kvw_hmac_t h;
+    kvw__hmac_init(&h, peer->skey, sizeof(peer->skey));
+    kvw__hmac_update(&h, head, sizeof(head));
+    if (n)
+        kvw__hmac_update(&h, payload, n);
+    kvw__hmac_final(&h, out);
 }
 
 static void kvw_wb_raw(kvw_wbuf_t *w, const uint8_t *p, size_t n)
@@ -402,9 +456,15 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
                  "kvwire version?)");
         goto reply;
     }
+    /* The body the MAC covers: everything after has_mac, mac and dnonce. */
+    const uint8_t *hello_body = p + 1 + 32 + KVW_NONCE;
+    size_t hello_body_len = len - (1 + 32 + KVW_NONCE);
+    uint8_t hello_hash[32];
+    kvw_sha256(hello_body, hello_body_len, hello_hash);
     if (ctx->secret[0]) {
         uint8_t want[32];
-        kvw_auth_mac(ctx, "kvwire-hello", nonce, want);
+        kvw_auth_mac(ctx, "kvwire-hello-2", nonce, dnonce, hello_body, hello_body_len, NULL, 0,
+                     want);
         if (!has_mac || !kvw__ct_equal(mac, want, 32)) {
             st = KVW_ERR_AUTH;
             snprintf(reason, sizeof(reason), has_mac ? "authentication failed: the shared secret "
@@ -506,11 +566,15 @@ reply:
     kvw__wb_init(&w, st == KVW_OK ? KVW_MSG_ACCEPT : KVW_MSG_REJECT);
     if (st == KVW_OK) {
         uint8_t proof[32] = {0};
-        if (ctx->secret[0])
-            kvw_auth_mac(ctx, "kvwire-accept", dnonce, proof);
         kvw__wb_u8(&w, ctx->secret[0] != 0);
         kvw_wb_raw(&w, proof, sizeof(proof));
+        size_t body_at = w.len;
         kvw__wire_put_rank(&w, ctx->rank);
+        if (ctx->secret[0] && !w.oom) {
+            kvw_auth_mac(ctx, "kvwire-accept-2", nonce, dnonce, hello_hash, 32, w.p + body_at,
+                         w.len - body_at, proof);
+            memcpy(w.p + body_at - sizeof(proof), proof, sizeof(proof));
+        }
     }
     else {
         kvw__wb_u32(&w, (uint32_t)(int32_t)st);
@@ -568,6 +632,12 @@ reply:
     peer->instance = instance;
     peer->staging_rkey = staging_rkey;
     peer->staging_len = staging_len;
+    if (ctx->secret[0]) {
+        peer->authed = true;
+        peer->tx_dir = 1; /* prefill -> decode */
+        kvw_auth_mac(ctx, "kvwire-session-2", nonce, dnonce, mac, sizeof(mac), NULL, 0,
+                     peer->skey);
+    }
     peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
     peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
     peer->remote_pp_size = KVW_MAX(rp->pp_size, 1);
@@ -631,8 +701,6 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         close(fd);
         return kvw__error(KVW_ERR_IO, "no random bytes for the handshake challenge");
     }
-    if (ctx->secret[0])
-        kvw_auth_mac(ctx, "kvwire-hello", nonce, mac);
     pthread_mutex_lock(&ctx->mu);
     kvw_peer_t *peer = kvw_peer_add(ctx, fd);
     if (peer)
@@ -647,7 +715,17 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     kvw__wb_u8(&w, ctx->secret[0] != 0);
     kvw_wb_raw(&w, mac, sizeof(mac));
     kvw_wb_raw(&w, dnonce, sizeof(dnonce));
+    size_t body_at = w.len;
     kvw_put_hello(ctx, &w, peer->id, rkeys, rkey_lens, addr, addr_len);
+    uint8_t hello_hash[32];
+    if (!w.oom) {
+        kvw_sha256(w.p + body_at, w.len - body_at, hello_hash);
+        if (ctx->secret[0]) {
+            kvw_auth_mac(ctx, "kvwire-hello-2", nonce, dnonce, w.p + body_at, w.len - body_at,
+                         NULL, 0, mac);
+            memcpy(w.p + KVW_WIRE_HDR + 1, mac, sizeof(mac));
+        }
+    }
     if ((st = kvw__wb_finish(&w)) == KVW_OK)
         st = kvw__sock_send_all(fd, w.p, w.len, deadline);
     kvw__wb_free(&w);
@@ -675,7 +753,8 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     kvw_rb_raw(&r, proof, sizeof(proof));
     if (type == KVW_MSG_ACCEPT && !r.bad && ctx->secret[0]) {
         uint8_t want[32];
-        kvw_auth_mac(ctx, "kvwire-accept", dnonce, want);
+        kvw_auth_mac(ctx, "kvwire-accept-2", nonce, dnonce, hello_hash, 32, p + 1 + 32,
+                     len - (1 + 32), want);
         if (!has_proof || !kvw__ct_equal(proof, want, 32)) {
             free(p);
             kvw_decode_unreserve(ctx, peer);
@@ -711,6 +790,12 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     }
     fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
     pthread_mutex_lock(&ctx->mu);
+    if (ctx->secret[0]) {
+        peer->authed = true;
+        peer->tx_dir = 2; /* decode -> prefill */
+        kvw_auth_mac(ctx, "kvwire-session-2", nonce, dnonce, mac, sizeof(mac), NULL, 0,
+                     peer->skey);
+    }
     peer->registering = false;
     peer->last_rx_ns = peer->last_tx_ns = kvw__now_ns();
     peer->remote = remote;
@@ -893,9 +978,28 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
         }
         if (peer->payload_got == peer->payload_len) {
             uint8_t *payload = peer->payload;
+            uint32_t plen = peer->payload_len;
             peer->payload = NULL;
             peer->hdr_got = 0;
-            kvw__handle_frame(ctx, peer, peer->hdr[5], payload, peer->payload_len);
+            if (peer->authed) {
+                /* A frame without the right tag for this direction and position was not
+                 * sent by the peer that authenticated: drop the connection. */
+                uint8_t want[32];
+                bool ok = plen >= KVW_TAG;
+                if (ok) {
+                    plen -= KVW_TAG;
+                    kvw_frame_tag(peer, peer->tx_dir == 1 ? 2 : 1, peer->rx_seq++, peer->hdr[5],
+                                  payload, plen, want);
+                    ok = kvw__ct_equal(payload + plen, want, KVW_TAG);
+                }
+                if (!ok) {
+                    free(payload);
+                    kvw__peer_dead(ctx, peer, KVW_ERR_AUTH, "a control frame failed its "
+                                   "session authentication (forged, altered or replayed)");
+                    return;
+                }
+            }
+            kvw__handle_frame(ctx, peer, peer->hdr[5], payload, plen);
             free(payload);
             if (peer->dead)
                 return;

@@ -75,6 +75,12 @@ typedef struct kvw_peer {
     uint32_t inst, inst_gen;
     bool registering;
     bool reaped; /* dead, and its socket and transport resources were released */
+    /* With a shared secret: the session key from the handshake; every control frame
+     * carries a tag under it (KVW_TAG bytes) over its direction and sequence number. */
+    bool authed;
+    uint8_t skey[32];
+    uint8_t tx_dir;
+    uint64_t tx_seq, rx_seq;
     /* Incremental frame reader. */
     uint8_t hdr[KVW_WIRE_HDR];
     uint32_t hdr_got;
@@ -196,6 +202,7 @@ typedef struct kvw_stage_wait {
 } kvw_stage_wait_t;
 
 #define KVW_ROOM_BUCKETS 1024
+#define KVW_TAG 16 /* bytes of a control frame's session tag */
 
 /* Decode side: one prefill instance, named by its bootstrap address. Connected on the
  * first room that names it (or at context creation for the context's own address),
