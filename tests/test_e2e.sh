@@ -85,6 +85,41 @@ for c in "${CASES[@]}"; do
     done
 done
 
+# Refusals: a configuration the library would refuse exits 3 before any process starts,
+# with a message naming the reason (the numbers below follow the presets in
+# tools/testkit/model.c: qwen3-next has 2 KV heads and linear-attention state groups of
+# 16, 16 and 32 heads; neither 16 % 6 nor 6 % 16 is 0, likewise for 3).
+REFUSALS=(
+    "qwen3-next decode TP 6|--model qwen3-next --prefill-tp 2 --decode-tp 6|decode TP 6: linear-attention state 0 group 0: 16 heads cannot be split over TP 6"
+    "qwen3-next prefill TP 6|--model qwen3-next --prefill-tp 6 --decode-tp 2|prefill TP 6: linear-attention state 0 group 0: 16 heads cannot be split over TP 6"
+    "qwen3-next state layers only, TP 3|--model qwen3-next --layers 3 --prefill-tp 1 --decode-tp 3|decode TP 3: linear-attention state 0 group 0: 16 heads cannot be split over TP 3"
+    "qwen3-next 6 KV heads, TP 3|--model qwen3-next --kv-heads 6 --prefill-tp 3 --decode-tp 2|prefill TP 3: linear-attention state 0 group 0: 16 heads cannot be split over TP 3"
+    "qwen3-next 2 KV heads, TP 3|--model qwen3-next --prefill-tp 3 --decode-tp 2|2 KV heads cannot be split over TP 3"
+    "PP 3 over 2 layers|--layers 2 --prefill-pp 3 --decode-tp 1|prefill rank tp0/pp2 refused: layer range [2, 2) is empty"
+)
+for c in "${REFUSALS[@]}"; do
+    IFS='|' read -r name args want <<<"$c"
+    if [[ -n "${KVW_E2E_ONLY:-}" && "$name" != *"$KVW_E2E_ONLY"* ]]; then
+        continue
+    fi
+    total=$((total + 1))
+    log="$logdir/run$total.log"
+    # shellcheck disable=SC2086
+    cmd=("$CLI" demo --requests 2 --max-tokens 64 --quiet $args)
+    timeout -k 5 "$PER_RUN_TIMEOUT" "${cmd[@]}" >"$log" 2>&1
+    rc=$?
+    if [[ $rc -eq 3 ]] && grep -qF -- "$want" "$log" && ! grep -q "length 0" "$log"; then
+        verdict="refused"
+    else
+        failed=$((failed + 1))
+        verdict="FAIL($rc)"
+        echo "---- FAILED: $name: expected exit 3 and '$want'" >&2
+        echo "     ${cmd[*]}" >&2
+        sed 's/^/     | /' "$log" | tail -n 10 >&2
+    fi
+    rows+=("$(printf '%-34s %-5s %-10s' "$name" "-" "$verdict")")
+done
+
 echo
 printf '%-34s %-5s %-10s %7s\n' "case" "tl" "result" "time"
 printf '%s\n' "${rows[@]}"

@@ -24,6 +24,10 @@
 #include <unistd.h>
 
 #define KVW_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+/* Exit status of a configuration refused before any transfer, with a message naming
+ * the reason: distinct from 1 (a run that failed) so that sweeps can tell a clear
+ * refusal from a failure. 2 is a usage error. */
+#define DEMO_REFUSED 3
 #define KVW_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define KVW_MAX(a, b) ((a) > (b) ? (a) : (b))
 
@@ -160,8 +164,14 @@ static void demo_pages_free(demo_pages_t *p, uint32_t n)
     }
 }
 
+/*
+ * Builds the instance's ranks. describe_only: nothing is allocated, every rank is only
+ * described to the library (kvw_rank_create validates it), which is how the driver
+ * refuses a configuration before starting any process. Returns 0, DEMO_REFUSED when the
+ * library refuses a rank's description, or 1.
+ */
 static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, demo_inst_t *inst,
-                      uint64_t fill_seed)
+                      uint64_t fill_seed, bool describe_only)
 {
     inst->tp = prefill ? c->ptp : c->dtp;
     inst->pp = prefill ? c->ppp : c->dpp;
@@ -178,17 +188,25 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
             kvt_rank_spec_t s = {.model = m, .layout = prefill ? c->playout : c->dlayout,
                                  .page_size = {ps, c->swa_page},
                                  .num_pages = {inst->full_pages, KVW_MAX(inst->swa_pages, 1)},
-                                 .num_slots = inst->slots};
+                                 .num_slots = inst->slots, .describe_only = describe_only};
             s.par = (kvw_parallel_t){.tp_size = inst->tp, .tp_rank = t, .pp_size = inst->pp,
                                      .pp_rank = p, .dp_size = 1, .dp_rank = 0};
             kvt_pp_range(m->m.num_layers, inst->pp, NULL, p, &s.par.layer_begin, &s.par.layer_end);
             kvt_rank_t *r = &inst->ranks[p * inst->tp + t];
-            if (kvt_rank_build(&s, r) != KVW_OK) {
-                fprintf(stderr, "demo: cannot build %s rank tp%u/pp%u: %s\n",
-                        prefill ? "prefill" : "decode", t, p, kvw_last_error());
-                return -1;
+            kvw_status_t st = kvt_rank_describe(&s, r);
+            if (st != KVW_OK) {
+                fprintf(stderr, "demo: cannot lay out %s rank tp%u/pp%u: %s\n",
+                        prefill ? "prefill" : "decode", t, p, kvw_status_string(st));
+                return 1;
             }
-            kvt_rank_fill(r, fill_seed + p * 1000 + t);
+            st = kvt_rank_open(r);
+            if (st != KVW_OK) {
+                fprintf(stderr, "demo: %s rank tp%u/pp%u refused: %s\n",
+                        prefill ? "prefill" : "decode", t, p, kvw_last_error());
+                return st == KVW_ERR_NO_MEMORY ? 1 : DEMO_REFUSED;
+            }
+            if (!describe_only)
+                kvt_rank_fill(r, fill_seed + p * 1000 + t);
         }
     return 0;
 }
@@ -309,12 +327,58 @@ static bool demo_terminal(kvw_room_state_t s)
     return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
 }
 
+/*
+ * Refuses, before any process starts, a configuration the library would refuse: heads
+ * (KV heads, and each linear-attention state group) that do not split over a side's TP
+ * size, then anything else kvw_rank_create refuses in either side's rank descriptions.
+ * Returns 0, DEMO_REFUSED with a message naming the reason, or 1.
+ */
+static int demo_validate(const demo_cfg_t *c, const kvt_model_t *m)
+{
+    const char *side[2] = {"prefill", "decode"};
+    const uint32_t tp[2] = {c->ptp, c->dtp};
+    /* As in kvw_rank_create: KV heads matter only where attention layers are kept. */
+    bool attn = false, state = false;
+    for (uint32_t l = 0; l < m->m.num_layers; l++) {
+        attn |= m->layers[l].kind == KVW_LAYER_FULL || m->layers[l].kind == KVW_LAYER_SWA;
+        state |= m->layers[l].kind == KVW_LAYER_STATE;
+    }
+    for (int k = 0; k < 2; k++) {
+        uint32_t f, n;
+        if (attn && kvw_topo_heads(tp[k], 0, m->m.num_kv_heads, &f, &n) != KVW_OK) {
+            fprintf(stderr, "demo: %s TP %u: %s\n", side[k], tp[k], kvw_last_error());
+            return DEMO_REFUSED;
+        }
+        /* Each group of a state tensor is sharded over TP on its own (DESIGN.md, state
+         * layers), so each must split: qwen3-next's groups of 16 and 32 heads do not
+         * split over TP 3 or 6. */
+        for (uint32_t b = 0; state && b < m->num_state_bufs; b++)
+            for (uint32_t g = 0; g < m->state[b].num_groups; g++) {
+                uint32_t h = m->state[b].groups[g].total_heads;
+                if (h % tp[k] != 0 && tp[k] % h != 0) {
+                    fprintf(stderr, "demo: %s TP %u: linear-attention state %u group %u: %u "
+                            "heads cannot be split over TP %u (need heads %% TP == 0 or TP "
+                            "%% heads == 0)\n", side[k], tp[k], b, g, h, tp[k]);
+                    return DEMO_REFUSED;
+                }
+            }
+    }
+    for (int k = 0; k < 2; k++) {
+        demo_inst_t inst = {0};
+        int rc = demo_build(c, m, k == 0, &inst, 0, true);
+        demo_free_inst(&inst);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------ prefill process */
 
 static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, int go_fd)
 {
     demo_inst_t inst = {0};
-    if (demo_build(c, m, true, &inst, c->seed * 7 + 1))
+    if (demo_build(c, m, true, &inst, c->seed * 7 + 1, false))
         return 1;
     if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(true)))
         return 1;
@@ -409,12 +473,12 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
                        demo_result_t *res)
 {
     demo_inst_t inst = {0}, src = {0};
-    if (demo_build(c, m, false, &inst, c->seed * 13 + 5))
+    if (demo_build(c, m, false, &inst, c->seed * 13 + 5, false))
         return 1;
     if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(false)))
         return 1;
     /* The prefill ranks' bytes, rebuilt here for the reference. */
-    if (demo_build(c, m, true, &src, c->seed * 7 + 1))
+    if (demo_build(c, m, true, &src, c->seed * 7 + 1, false))
         return 1;
     kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0);
     if (ctx == NULL)
@@ -555,7 +619,9 @@ static void demo_usage(FILE *f)
             "  --role R              both (default), or prefill / decode alone (other hosts)\n"
             "  --bootstrap H:P       prefill: bootstrap to host; decode: bootstrap to use\n"
             "  --listen-host H       address the control and data listeners bind\n"
-            "Exits 0 only if every destination byte and guard byte verified.\n");
+            "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
+            "failed run; 2 a usage error; 3 a configuration refused before any transfer\n"
+            "(the message names the reason, e.g. heads that do not split over a TP size).\n");
 }
 
 static int cmd_demo(int argc, char **argv)
@@ -634,14 +700,9 @@ static int cmd_demo(int argc, char **argv)
     }
     if (c.kv_heads)
         m.m.num_kv_heads = c.kv_heads;
-    /* A model whose heads do not split over the requested TP fails at the handshake;
-     * say so here first, with the numbers. */
-    uint32_t f, n;
-    if (m.m.num_kv_heads && (kvw_topo_heads(c.ptp, 0, m.m.num_kv_heads, &f, &n) != KVW_OK ||
-                             kvw_topo_heads(c.dtp, 0, m.m.num_kv_heads, &f, &n) != KVW_OK)) {
-        fprintf(stderr, "demo: %s\n", kvw_last_error());
-        return 1;
-    }
+    int vr = demo_validate(&c, &m);
+    if (vr)
+        return vr;
 
     if (!strcmp(c.role, "prefill"))
         return demo_prefill(&c, &m, -1, -1);
