@@ -11,6 +11,8 @@
 #include "cmd.h"
 #include "testkit.h"
 
+#include "transport/transport.h" /* kvw__tl_names: the transports built into the library */
+
 #include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
 
@@ -596,22 +598,33 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
 
 static void demo_usage(FILE *f)
 {
+    char built[128] = "", models[256] = "";
+    size_t len = 0;
+    for (const char *const *n = kvw__tl_names(); *n && len < sizeof(built); n++)
+        len += (size_t)snprintf(built + len, sizeof(built) - len, "%s%s", len ? ", " : "", *n);
+    len = 0;
+    for (const char *const *n = kvt_model_names(); *n && len < sizeof(models); n++)
+        len += (size_t)snprintf(models + len, sizeof(models) - len, "%s%s", len ? " " : "", *n);
     fprintf(f,
             "usage: kvwire demo [options]\n"
-            "  --model NAME          model preset (default gpt-oss-120b; kvwire plan --help lists them)\n"
+            "  --model NAME          model preset (default gpt-oss-120b), one of:\n"
+            "                        %s\n"
             "  --layers N            keep the first N layers (default 12; 0 = all)\n"
             "  --prefill-tp N        prefill TP size (default 1)\n"
             "  --decode-tp N         decode TP size (default 4)\n"
             "  --prefill-pp N        prefill PP size (default 1)\n"
             "  --decode-pp N         decode PP size (default 1)\n"
-            "  --transport NAME      shm (default) or tcp\n"
+            "  --transport NAME      shm (default), tcp or ucx; fault:NAME wraps one of them\n"
+            "                        with the fault injection KVW_FAULTS describes (--gpu:\n"
+            "                        cuda_ipc). Built into this library: %s\n"
             "  --requests N          requests (default 24)\n"
             "  --concurrency N       rooms in flight per wave (default 8)\n"
             "  --page-size N         prefill full-pool page size (default 64)\n"
             "  --decode-page-size N  decode full-pool page size (default: same)\n"
             "  --max-tokens N        longest request (default 2048)\n"
             "  --kv-heads N          override the preset's KV head count (e.g. 6 for TP 3)\n"
-            "  --decode-layout L     nhd (default) or hnd\n"
+            "  --prefill-layout L    prefill KV layout: nhd (default) or hnd\n"
+            "  --decode-layout L     decode KV layout: nhd (default) or hnd\n"
             "  --seed N              seed of requests, pages and bytes (default 1)\n"
             "  --timeout-ms N        per-room timeout (default 30000)\n"
             "  --gpu                 KV caches in GPU memory (prefill GPU 0, decode GPU 1),\n"
@@ -621,7 +634,8 @@ static void demo_usage(FILE *f)
             "  --listen-host H       address the control and data listeners bind\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
             "failed run; 2 a usage error; 3 a configuration refused before any transfer\n"
-            "(the message names the reason, e.g. heads that do not split over a TP size).\n");
+            "(the message names the reason, e.g. heads that do not split over a TP size).\n",
+            models, built);
 }
 
 static int cmd_demo(int argc, char **argv)
@@ -636,7 +650,7 @@ static int cmd_demo(int argc, char **argv)
         {"transport", 1, 0, 't'},     {"requests", 1, 0, 'r'},    {"concurrency", 1, 0, 'c'},
         {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
-        {"decode-layout", 1, 0, 'l'}, {"kv-heads", 1, 0, 'H'},
+        {"decode-layout", 1, 0, 'l'}, {"prefill-layout", 1, 0, 'y'}, {"kv-heads", 1, 0, 'H'},
         {"gpu", 0, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int o;
@@ -658,7 +672,18 @@ static int cmd_demo(int argc, char **argv)
         case 'x': c.max_tokens = (uint32_t)v; break;
         case 'e': c.seed = v; break;
         case 'T': c.timeout_ms = (uint32_t)v; break;
-        case 'l': c.dlayout = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD; break;
+        case 'l':
+        case 'y': {
+            /* Anything but the two layouts is a usage error, not a silent NHD. */
+            if (strcmp(optarg, "nhd") && strcmp(optarg, "hnd")) {
+                fprintf(stderr, "demo: --%s-layout must be nhd or hnd, not '%s'\n",
+                        o == 'y' ? "prefill" : "decode", optarg);
+                return 2;
+            }
+            kvw_layout_t l = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD;
+            *(o == 'y' ? &c.playout : &c.dlayout) = l;
+            break;
+        }
         case 'q': c.quiet = 1; break;
         case 'H': c.kv_heads = (uint32_t)v; break;
         case 'G': c.gpu = 1; break;
