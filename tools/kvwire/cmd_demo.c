@@ -638,6 +638,19 @@ static void demo_usage(FILE *f)
             models, built);
 }
 
+/* How a child process ended, for the failure line: a signal is named, so that a crash
+ * is not mistaken for a failed run. */
+static const char *demo_wait_str(int ws, char *buf, size_t cap)
+{
+    if (WIFEXITED(ws))
+        snprintf(buf, cap, "exit %d", WEXITSTATUS(ws));
+    else if (WIFSIGNALED(ws))
+        snprintf(buf, cap, "killed by signal %d (%s)", WTERMSIG(ws), strsignal(WTERMSIG(ws)));
+    else
+        snprintf(buf, cap, "wait status 0x%x", (unsigned)ws);
+    return buf;
+}
+
 static int cmd_demo(int argc, char **argv)
 {
     demo_cfg_t c = {.model = "gpt-oss-120b", .layers = 12, .ptp = 1, .dtp = 4, .ppp = 1,
@@ -767,9 +780,12 @@ static int cmd_demo(int argc, char **argv)
     ssize_t got = read(bs_pipe[0], bs, sizeof(bs) - 1);
     close(bs_pipe[0]);
     if (got <= 0) {
-        fprintf(stderr, "demo: the prefill process did not start\n");
         close(hold[1]);
-        waitpid(pf, NULL, 0);
+        int sp = 0;
+        char how[96];
+        waitpid(pf, &sp, 0);
+        fprintf(stderr, "demo: the prefill process did not start (%s)\n",
+                demo_wait_str(sp, how, sizeof(how)));
         return 1;
     }
     int res_pipe[2];
@@ -805,10 +821,11 @@ static int cmd_demo(int argc, char **argv)
     printf("%-22s %-9u %-9u %-12llu %-9.3f %-8.2f %s\n", topo, c.requests, res.rooms_ok,
            (unsigned long long)res.bytes, secs, secs > 0 ? res.bytes / secs / 1e9 : 0.0,
            ok ? "yes: every byte and guard" : "NO");
+    char dhow[96], phow[96];
     if (!ok)
-        fprintf(stderr, "demo: FAILED (decode exit %d, prefill exit %d, %u of %u requests "
-                "verified)\n", WIFEXITED(sd) ? WEXITSTATUS(sd) : -1,
-                WIFEXITED(sp) ? WEXITSTATUS(sp) : -1, res.rooms_verified, c.requests);
+        fprintf(stderr, "demo: FAILED (decode %s, prefill %s, %u of %u requests verified)\n",
+                demo_wait_str(sd, dhow, sizeof(dhow)), demo_wait_str(sp, phow, sizeof(phow)),
+                res.rooms_verified, c.requests);
     return ok ? 0 : 1;
 }
 
