@@ -26,12 +26,12 @@
 #include <unistd.h>
 
 #define KVW_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
+#define KVW_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define KVW_MAX(a, b) ((a) > (b) ? (a) : (b))
 /* Exit status of a configuration refused before any transfer, with a message naming
  * the reason: distinct from 1 (a run that failed) so that sweeps can tell a clear
  * refusal from a failure. 2 is a usage error. */
 #define DEMO_REFUSED 3
-#define KVW_MIN(a, b) ((a) < (b) ? (a) : (b))
-#define KVW_MAX(a, b) ((a) > (b) ? (a) : (b))
 
 typedef struct demo_cfg {
     char model[48];
