@@ -2,7 +2,8 @@
 # End to end: `kvwire demo` runs a prefill and a decode instance as separate processes
 # and verifies every destination byte (and the guard bytes around every buffer)
 # against the test kit's independent reference. This script runs it over shm and tcp
-# for the topologies, models and layouts below and fails if any run fails.
+# for the topologies, models and layouts below and fails if any run fails. It also checks
+# the help text, and that configurations the library refuses exit 3 with the reason.
 #
 # Env: KVW_CLI = path of the kvwire binary (set by CTest); KVW_E2E_ONLY = a substring
 # that selects cases by name (for debugging).
@@ -20,6 +21,45 @@ if ! "$CLI" demo --help >/dev/null 2>&1; then
     echo "test_e2e: $CLI has no demo command" >&2
     exit 1
 fi
+
+# The help names every transport the demo accepts (shm, tcp and ucx, whether or not
+# this build has UCX), every transport `kvwire info` says is built in, and both layout
+# options.
+help=$("$CLI" demo --help 2>&1)
+help_bad=0
+tl_line=$(grep -E '^ +--transport ' <<<"$help")
+for word in shm tcp ucx fault:; do
+    if ! grep -qF -- "$word" <<<"$tl_line"; then
+        echo "test_e2e: 'kvwire demo --help' --transport line does not name '$word': $tl_line" >&2
+        help_bad=1
+    fi
+done
+for word in --prefill-layout --decode-layout; do
+    if ! grep -qF -- "$word" <<<"$help"; then
+        echo "test_e2e: 'kvwire demo --help' does not mention '$word'" >&2
+        help_bad=1
+    fi
+done
+# `kvwire info` lists the built-in transports indented under "transports compiled in:".
+built=$("$CLI" info | awk '/^transports compiled in:/ {on = 1; next} on && /^  [a-z_]+$/ {print $1; next} {on = 0}')
+if [[ -z "$built" ]]; then
+    echo "test_e2e: no transports in 'kvwire info'" >&2
+    help_bad=1
+fi
+for t in $built; do
+    if ! grep -F 'Built into this library:' <<<"$help" | grep -qw -- "$t"; then
+        echo "test_e2e: 'kvwire demo --help' does not list built-in transport '$t'" >&2
+        help_bad=1
+    fi
+done
+# An unknown layout is a usage error (exit 2), not a silent NHD.
+err=$("$CLI" demo --prefill-layout nhx 2>&1 >/dev/null)
+rc=$?
+if [[ $rc -ne 2 ]] || ! grep -qF -- "--prefill-layout must be nhd or hnd, not 'nhx'" <<<"$err"; then
+    echo "test_e2e: --prefill-layout nhx: exit $rc, '$err'" >&2
+    help_bad=1
+fi
+[[ $help_bad -eq 0 ]] || exit 1
 
 # Each run is a few seconds; a stuck run is killed rather than hanging CTest.
 PER_RUN_TIMEOUT=60
@@ -39,6 +79,8 @@ CASES=(
     "PP2 TP1 -> PP1 TP2|--prefill-tp 1 --prefill-pp 2 --decode-tp 2 --decode-pp 1"
     "page 16 -> page 64|--prefill-tp 1 --decode-tp 4 --page-size 16 --decode-page-size 64"
     "NHD -> HND 2->4|--prefill-tp 2 --decode-tp 4 --decode-layout hnd"
+    "HND -> NHD 4->2|--prefill-tp 4 --decode-tp 2 --prefill-layout hnd"
+    "HND -> HND qwen3-next 8->2 page 16->64|--model qwen3-next --prefill-tp 8 --decode-tp 2 --prefill-layout hnd --decode-layout hnd --page-size 16 --decode-page-size 64"
 )
 TRANSPORTS=(shm tcp)
 
@@ -83,6 +125,41 @@ for c in "${CASES[@]}"; do
         fi
         rows+=("$(printf '%-34s %-5s %-10s %6ss' "$name" "$t" "$verdict" "$secs")")
     done
+done
+
+# Refusals: a configuration the library would refuse exits 3 before any process starts,
+# with a message naming the reason (the numbers below follow the presets in
+# tools/testkit/model.c: qwen3-next has 2 KV heads and linear-attention state groups of
+# 16, 16 and 32 heads; neither 16 % 6 nor 6 % 16 is 0, likewise for 3).
+REFUSALS=(
+    "qwen3-next decode TP 6|--model qwen3-next --prefill-tp 2 --decode-tp 6|decode TP 6: linear-attention state 0 group 0: 16 heads cannot be split over TP 6"
+    "qwen3-next prefill TP 6|--model qwen3-next --prefill-tp 6 --decode-tp 2|prefill TP 6: linear-attention state 0 group 0: 16 heads cannot be split over TP 6"
+    "qwen3-next state layers only, TP 3|--model qwen3-next --layers 3 --prefill-tp 1 --decode-tp 3|decode TP 3: linear-attention state 0 group 0: 16 heads cannot be split over TP 3"
+    "qwen3-next 6 KV heads, TP 3|--model qwen3-next --kv-heads 6 --prefill-tp 3 --decode-tp 2|prefill TP 3: linear-attention state 0 group 0: 16 heads cannot be split over TP 3"
+    "qwen3-next 2 KV heads, TP 3|--model qwen3-next --prefill-tp 3 --decode-tp 2|2 KV heads cannot be split over TP 3"
+    "PP 3 over 2 layers|--layers 2 --prefill-pp 3 --decode-tp 1|prefill rank tp0/pp2 refused: layer range [2, 2) is empty"
+)
+for c in "${REFUSALS[@]}"; do
+    IFS='|' read -r name args want <<<"$c"
+    if [[ -n "${KVW_E2E_ONLY:-}" && "$name" != *"$KVW_E2E_ONLY"* ]]; then
+        continue
+    fi
+    total=$((total + 1))
+    log="$logdir/run$total.log"
+    # shellcheck disable=SC2086
+    cmd=("$CLI" demo --requests 2 --max-tokens 64 --quiet $args)
+    timeout -k 5 "$PER_RUN_TIMEOUT" "${cmd[@]}" >"$log" 2>&1
+    rc=$?
+    if [[ $rc -eq 3 ]] && grep -qF -- "$want" "$log" && ! grep -q "length 0" "$log"; then
+        verdict="refused"
+    else
+        failed=$((failed + 1))
+        verdict="FAIL($rc)"
+        echo "---- FAILED: $name: expected exit 3 and '$want'" >&2
+        echo "     ${cmd[*]}" >&2
+        sed 's/^/     | /' "$log" | tail -n 10 >&2
+    fi
+    rows+=("$(printf '%-34s %-5s %-10s' "$name" "-" "$verdict")")
 done
 
 echo

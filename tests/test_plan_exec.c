@@ -943,6 +943,98 @@ static void test_validation(void)
     kvt_rank_free(&d);
 }
 
+/*
+ * Linear-attention state groups that do not split over TP are refused by name, before
+ * the buffer length check: the test kit sizes a state buffer from the rank's share of
+ * each group and so describes it with length 0 there, which used to be the only reason
+ * given. qwen3-next's conv state has groups of 16, 16 and 32 heads, its SSM state one
+ * group of 32 (tools/testkit/model.c); layers 0-2 are state layers, layer 3 full
+ * attention with 2 KV heads, and each state layer holds the conv buffer then the SSM
+ * buffer, so buffer 0 is layer 0's conv state.
+ */
+static void expect_split_refusal(const char *what, const kvt_model_t *q, uint32_t tp,
+                                 const char *text)
+{
+    for (uint32_t rank = 0; rank < tp; rank += tp - 1) {
+        kvt_rank_t r;
+        memset(&r, 0, sizeof(r));
+        kvw_status_t st = build_simple(q, tp, rank, NHD, &r);
+        expect_error(what, st, KVW_ERR_INCOMPATIBLE, text,
+                     "(need heads % TP == 0 or TP % heads == 0)");
+        CHECK(!kvt_contains(kvw_last_error(), "length"), "%s: message '%s' is about the length",
+              what, kvw_last_error());
+        CHECK(r.h == NULL, "%s: rank handle written on error", what);
+        kvt_rank_free(&r);
+        if (tp == 1)
+            break;
+    }
+}
+
+static void test_state_group_split(void)
+{
+    kvt_model_t q;
+    kvt_rank_t r;
+    cur_case = "state group split";
+    kvt_model_preset("qwen3-next", &q);
+
+    /* TP 6: the 2 KV heads split (6 % 2 == 0), the 16-head group 0 does not
+     * (16 % 6 == 4, 6 % 16 == 6). Only state layers kept, then all four layers. */
+    kvt_model_truncate(&q, 3);
+    expect_split_refusal("TP 6, state layers only", &q, 6,
+                         "state group 0 of buffer 0 (layer 0): 16 heads cannot be split over "
+                         "TP 6");
+    kvt_model_preset("qwen3-next", &q);
+    kvt_model_truncate(&q, 4);
+    expect_split_refusal("TP 6, with the attention layer", &q, 6,
+                         "state group 0 of buffer 0 (layer 0): 16 heads cannot be split over "
+                         "TP 6");
+    /* TP 3: with 6 KV heads the attention layer splits (6 % 3 == 0); group 0 does not. */
+    q.m.num_kv_heads = 6;
+    expect_split_refusal("TP 3, 6 KV heads", &q, 3,
+                         "state group 0 of buffer 0 (layer 0): 16 heads cannot be split over "
+                         "TP 3");
+    /* The group named is the first that does not split: with 16, 16 and 24 heads,
+     * TP 16 splits groups 0 and 1 and refuses group 2 (24 % 16 == 8, 16 % 24 == 16). */
+    kvt_model_preset("qwen3-next", &q);
+    kvt_model_truncate(&q, 3);
+    q.state[0].groups[2].total_heads = 24;
+    expect_split_refusal("TP 16, third group of 24", &q, 16,
+                         "state group 2 of buffer 0 (layer 0): 24 heads cannot be split over "
+                         "TP 16");
+    /* The same refusal where the caller gave the buffer a length of its own. */
+    kvt_model_preset("qwen3-next", &q);
+    kvt_model_truncate(&q, 4);
+    kvt_rank_spec_t spec = {.model = &q,
+                            .par = {.tp_size = 6, .tp_rank = 1, .pp_size = 1, .layer_end = 4,
+                                    .dp_size = 1},
+                            .layout = NHD,
+                            .page_size = {16, 16},
+                            .num_pages = {8, 8},
+                            .num_slots = 2,
+                            .describe_only = 1};
+    memset(&r, 0, sizeof(r));
+    CHECK(kvt_rank_describe(&spec, &r) == KVW_OK, "describe TP 6");
+    if (r.num_bufs) {
+        r.bufs[0].length = 4096;
+        expect_error("TP 6, buffer of 4096 bytes", kvt_rank_open(&r), KVW_ERR_INCOMPATIBLE,
+                     "state group 0 of buffer 0 (layer 0): 16 heads cannot be split over TP 6",
+                     NULL);
+    }
+    kvt_rank_free(&r);
+
+    /* TP 2, 4 and 8 split every group (16 and 32 are multiples of each) and the 2 KV
+     * heads (2 % 2 == 0, 4 % 2 == 0, 8 % 2 == 0): every rank validates. */
+    static const uint32_t ok_tp[] = {2, 4, 8};
+    for (size_t k = 0; k < sizeof(ok_tp) / sizeof(ok_tp[0]); k++)
+        for (uint32_t rank = 0; rank < ok_tp[k]; rank++) {
+            memset(&r, 0, sizeof(r));
+            kvw_status_t st = build_simple(&q, ok_tp[k], rank, NHD, &r);
+            CHECK(st == KVW_OK, "TP %u rank %u: %s: %s", ok_tp[k], rank, kvw_status_string(st),
+                  kvw_last_error());
+            kvt_rank_free(&r);
+        }
+}
+
 /* The expand callback's status stops the walk. */
 static kvw_status_t stop_cb(void *arg, const kvw_run_t *r)
 {
@@ -1079,6 +1171,7 @@ int main(void)
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
         run_case(&cases[i]);
     test_validation();
+    test_state_group_split();
     test_expand_stop();
     test_compactness();
     printf("%d checks, %d failures\n", checks, failures);

@@ -148,6 +148,41 @@ static int kvw_view_cmp(const void *pa, const void *pb)
     return 0;
 }
 
+/*
+ * Bytes of one state slot of buffer i on this rank: each group's share of units (heads)
+ * times its bytes per unit. Refuses a group whose units do not split over the rank's TP
+ * size, naming the buffer, layer and group.
+ */
+static kvw_status_t kvw_state_slot(const struct kvw_rank *r, uint32_t i, uint64_t *slot_p)
+{
+    const kvw_buffer_desc_t *b = &r->bufs[i];
+    if (b->num_groups == 0 || b->num_groups > KVW_MAX_STATE_GROUPS)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u: %u groups (1..%d)", i,
+                          b->num_groups, KVW_MAX_STATE_GROUPS);
+    uint64_t slot = 0;
+    for (uint32_t g = 0; g < b->num_groups; g++) {
+        uint32_t first, count, heads = b->groups[g].total_heads;
+        if (heads == 0 || heads > 65536)
+            return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u group %u: %u units "
+                              "(1..65536)", i, g, heads);
+        if (b->groups[g].head_bytes == 0)
+            return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u group %u: 0 bytes per unit",
+                              i, g);
+        if (heads % r->par.tp_size != 0 && r->par.tp_size % heads != 0)
+            return kvw__error(KVW_ERR_INCOMPATIBLE,
+                              "state group %u of buffer %u (layer %u): %u heads cannot be split "
+                              "over TP %u (need heads %% TP == 0 or TP %% heads == 0)", g, i,
+                              b->layer, heads, r->par.tp_size);
+        kvw_topo_heads(r->par.tp_size, r->par.tp_rank, heads, &first, &count);
+        slot += (uint64_t)count * b->groups[g].head_bytes;
+        if (slot > (1ull << 48))
+            return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u: a slot of more than "
+                              "2^48 bytes", i);
+    }
+    *slot_p = slot;
+    return KVW_OK;
+}
+
 /* Validates buffer i and appends its component views. */
 static kvw_status_t kvw_rank_add_buffer(struct kvw_rank *r, uint32_t i, uint32_t *state_count)
 {
@@ -178,6 +213,15 @@ static kvw_status_t kvw_rank_add_buffer(struct kvw_rank *r, uint32_t i, uint32_t
         return kvw__error(KVW_ERR_INCOMPATIBLE,
                           "buffer %u: layer %u (%s) belongs to pool %d, not pool %d", i, b->layer,
                           kvw_kind_name(kind), (int)kvw_kind_pool(kind), (int)b->pool);
+    /* A state buffer's groups are checked before its length: a caller that sizes the
+     * buffer from this rank's share of each group gets length 0 where a group does not
+     * split over TP, and the refusal that helps is the split, not the length. */
+    uint64_t slot = 0;
+    if (b->role == KVW_ROLE_STATE) {
+        kvw_status_t st = kvw_state_slot(r, i, &slot);
+        if (st != KVW_OK)
+            return st;
+    }
     if (b->length == 0)
         return kvw__error(KVW_ERR_INVALID_PARAM, "buffer %u (layer %u %s) has length 0", i,
                           b->layer, kvw_role_name(b->role));
@@ -189,29 +233,6 @@ static kvw_status_t kvw_rank_add_buffer(struct kvw_rank *r, uint32_t i, uint32_t
     v->pool = b->pool;
 
     if (b->role == KVW_ROLE_STATE) {
-        if (b->num_groups == 0 || b->num_groups > KVW_MAX_STATE_GROUPS)
-            return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u: %u groups (1..%d)", i,
-                              b->num_groups, KVW_MAX_STATE_GROUPS);
-        uint64_t slot = 0;
-        for (uint32_t g = 0; g < b->num_groups; g++) {
-            uint32_t first, count;
-            if (b->groups[g].total_heads > 65536)
-                return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u group %u: %u units "
-                                  "(at most 65536)", i, g, b->groups[g].total_heads);
-            if (b->groups[g].head_bytes == 0)
-                return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u group %u: 0 bytes per unit",
-                                  i, g);
-            kvw_status_t st = kvw__topo_check(r->par.tp_size, b->groups[g].total_heads,
-                                              "state group");
-            if (st != KVW_OK)
-                return st;
-            kvw_topo_heads(r->par.tp_size, r->par.tp_rank, b->groups[g].total_heads, &first,
-                           &count);
-            slot += (uint64_t)count * b->groups[g].head_bytes;
-            if (slot > (1ull << 48))
-                return kvw__error(KVW_ERR_INVALID_PARAM, "state buffer %u: a slot of more than "
-                                  "2^48 bytes", i);
-        }
         if (b->length % slot)
             return kvw__error(KVW_ERR_INVALID_PARAM,
                               "state buffer %u (layer %u): length %llu is not a multiple of its "

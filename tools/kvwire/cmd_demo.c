@@ -11,6 +11,8 @@
 #include "cmd.h"
 #include "testkit.h"
 
+#include "transport/transport.h" /* kvw__tl_names: the transports built into the library */
+
 #include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
 
@@ -26,6 +28,10 @@
 #define KVW_ARRAY_SIZE(a) (sizeof(a) / sizeof((a)[0]))
 #define KVW_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define KVW_MAX(a, b) ((a) > (b) ? (a) : (b))
+/* Exit status of a configuration refused before any transfer, with a message naming
+ * the reason: distinct from 1 (a run that failed) so that sweeps can tell a clear
+ * refusal from a failure. 2 is a usage error. */
+#define DEMO_REFUSED 3
 
 typedef struct demo_cfg {
     char model[48];
@@ -160,8 +166,14 @@ static void demo_pages_free(demo_pages_t *p, uint32_t n)
     }
 }
 
+/*
+ * Builds the instance's ranks. describe_only: nothing is allocated, every rank is only
+ * described to the library (kvw_rank_create validates it), which is how the driver
+ * refuses a configuration before starting any process. Returns 0, DEMO_REFUSED when the
+ * library refuses a rank's description, or 1.
+ */
 static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, demo_inst_t *inst,
-                      uint64_t fill_seed)
+                      uint64_t fill_seed, bool describe_only)
 {
     inst->tp = prefill ? c->ptp : c->dtp;
     inst->pp = prefill ? c->ppp : c->dpp;
@@ -178,17 +190,25 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
             kvt_rank_spec_t s = {.model = m, .layout = prefill ? c->playout : c->dlayout,
                                  .page_size = {ps, c->swa_page},
                                  .num_pages = {inst->full_pages, KVW_MAX(inst->swa_pages, 1)},
-                                 .num_slots = inst->slots};
+                                 .num_slots = inst->slots, .describe_only = describe_only};
             s.par = (kvw_parallel_t){.tp_size = inst->tp, .tp_rank = t, .pp_size = inst->pp,
                                      .pp_rank = p, .dp_size = 1, .dp_rank = 0};
             kvt_pp_range(m->m.num_layers, inst->pp, NULL, p, &s.par.layer_begin, &s.par.layer_end);
             kvt_rank_t *r = &inst->ranks[p * inst->tp + t];
-            if (kvt_rank_build(&s, r) != KVW_OK) {
-                fprintf(stderr, "demo: cannot build %s rank tp%u/pp%u: %s\n",
-                        prefill ? "prefill" : "decode", t, p, kvw_last_error());
-                return -1;
+            kvw_status_t st = kvt_rank_describe(&s, r);
+            if (st != KVW_OK) {
+                fprintf(stderr, "demo: cannot lay out %s rank tp%u/pp%u: %s\n",
+                        prefill ? "prefill" : "decode", t, p, kvw_status_string(st));
+                return 1;
             }
-            kvt_rank_fill(r, fill_seed + p * 1000 + t);
+            st = kvt_rank_open(r);
+            if (st != KVW_OK) {
+                fprintf(stderr, "demo: %s rank tp%u/pp%u refused: %s\n",
+                        prefill ? "prefill" : "decode", t, p, kvw_last_error());
+                return st == KVW_ERR_NO_MEMORY ? 1 : DEMO_REFUSED;
+            }
+            if (!describe_only)
+                kvt_rank_fill(r, fill_seed + p * 1000 + t);
         }
     return 0;
 }
@@ -309,12 +329,58 @@ static bool demo_terminal(kvw_room_state_t s)
     return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
 }
 
+/*
+ * Refuses, before any process starts, a configuration the library would refuse: heads
+ * (KV heads, and each linear-attention state group) that do not split over a side's TP
+ * size, then anything else kvw_rank_create refuses in either side's rank descriptions.
+ * Returns 0, DEMO_REFUSED with a message naming the reason, or 1.
+ */
+static int demo_validate(const demo_cfg_t *c, const kvt_model_t *m)
+{
+    const char *side[2] = {"prefill", "decode"};
+    const uint32_t tp[2] = {c->ptp, c->dtp};
+    /* As in kvw_rank_create: KV heads matter only where attention layers are kept. */
+    bool attn = false, state = false;
+    for (uint32_t l = 0; l < m->m.num_layers; l++) {
+        attn |= m->layers[l].kind == KVW_LAYER_FULL || m->layers[l].kind == KVW_LAYER_SWA;
+        state |= m->layers[l].kind == KVW_LAYER_STATE;
+    }
+    for (int k = 0; k < 2; k++) {
+        uint32_t f, n;
+        if (attn && kvw_topo_heads(tp[k], 0, m->m.num_kv_heads, &f, &n) != KVW_OK) {
+            fprintf(stderr, "demo: %s TP %u: %s\n", side[k], tp[k], kvw_last_error());
+            return DEMO_REFUSED;
+        }
+        /* Each group of a state tensor is sharded over TP on its own (DESIGN.md, state
+         * layers), so each must split: qwen3-next's groups of 16 and 32 heads do not
+         * split over TP 3 or 6. */
+        for (uint32_t b = 0; state && b < m->num_state_bufs; b++)
+            for (uint32_t g = 0; g < m->state[b].num_groups; g++) {
+                uint32_t h = m->state[b].groups[g].total_heads;
+                if (h % tp[k] != 0 && tp[k] % h != 0) {
+                    fprintf(stderr, "demo: %s TP %u: linear-attention state %u group %u: %u "
+                            "heads cannot be split over TP %u (need heads %% TP == 0 or TP "
+                            "%% heads == 0)\n", side[k], tp[k], b, g, h, tp[k]);
+                    return DEMO_REFUSED;
+                }
+            }
+    }
+    for (int k = 0; k < 2; k++) {
+        demo_inst_t inst = {0};
+        int rc = demo_build(c, m, k == 0, &inst, 0, true);
+        demo_free_inst(&inst);
+        if (rc)
+            return rc;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------ prefill process */
 
 static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, int go_fd)
 {
     demo_inst_t inst = {0};
-    if (demo_build(c, m, true, &inst, c->seed * 7 + 1))
+    if (demo_build(c, m, true, &inst, c->seed * 7 + 1, false))
         return 1;
     if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(true)))
         return 1;
@@ -409,12 +475,12 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
                        demo_result_t *res)
 {
     demo_inst_t inst = {0}, src = {0};
-    if (demo_build(c, m, false, &inst, c->seed * 13 + 5))
+    if (demo_build(c, m, false, &inst, c->seed * 13 + 5, false))
         return 1;
     if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(false)))
         return 1;
     /* The prefill ranks' bytes, rebuilt here for the reference. */
-    if (demo_build(c, m, true, &src, c->seed * 7 + 1))
+    if (demo_build(c, m, true, &src, c->seed * 7 + 1, false))
         return 1;
     kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0);
     if (ctx == NULL)
@@ -532,22 +598,33 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
 
 static void demo_usage(FILE *f)
 {
+    char built[128] = "", models[256] = "";
+    size_t len = 0;
+    for (const char *const *n = kvw__tl_names(); *n && len < sizeof(built); n++)
+        len += (size_t)snprintf(built + len, sizeof(built) - len, "%s%s", len ? ", " : "", *n);
+    len = 0;
+    for (const char *const *n = kvt_model_names(); *n && len < sizeof(models); n++)
+        len += (size_t)snprintf(models + len, sizeof(models) - len, "%s%s", len ? " " : "", *n);
     fprintf(f,
             "usage: kvwire demo [options]\n"
-            "  --model NAME          model preset (default gpt-oss-120b; kvwire plan --help lists them)\n"
+            "  --model NAME          model preset (default gpt-oss-120b), one of:\n"
+            "                        %s\n"
             "  --layers N            keep the first N layers (default 12; 0 = all)\n"
             "  --prefill-tp N        prefill TP size (default 1)\n"
             "  --decode-tp N         decode TP size (default 4)\n"
             "  --prefill-pp N        prefill PP size (default 1)\n"
             "  --decode-pp N         decode PP size (default 1)\n"
-            "  --transport NAME      shm (default) or tcp\n"
+            "  --transport NAME      shm (default), tcp or ucx; fault:NAME wraps one of them\n"
+            "                        with the fault injection KVW_FAULTS describes (--gpu:\n"
+            "                        cuda_ipc). Built into this library: %s\n"
             "  --requests N          requests (default 24)\n"
             "  --concurrency N       rooms in flight per wave (default 8)\n"
             "  --page-size N         prefill full-pool page size (default 64)\n"
             "  --decode-page-size N  decode full-pool page size (default: same)\n"
             "  --max-tokens N        longest request (default 2048)\n"
             "  --kv-heads N          override the preset's KV head count (e.g. 6 for TP 3)\n"
-            "  --decode-layout L     nhd (default) or hnd\n"
+            "  --prefill-layout L    prefill KV layout: nhd (default) or hnd\n"
+            "  --decode-layout L     decode KV layout: nhd (default) or hnd\n"
             "  --seed N              seed of requests, pages and bytes (default 1)\n"
             "  --timeout-ms N        per-room timeout (default 30000)\n"
             "  --gpu                 KV caches in GPU memory (prefill GPU 0, decode GPU 1),\n"
@@ -555,7 +632,23 @@ static void demo_usage(FILE *f)
             "  --role R              both (default), or prefill / decode alone (other hosts)\n"
             "  --bootstrap H:P       prefill: bootstrap to host; decode: bootstrap to use\n"
             "  --listen-host H       address the control and data listeners bind\n"
-            "Exits 0 only if every destination byte and guard byte verified.\n");
+            "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
+            "failed run; 2 a usage error; 3 a configuration refused before any transfer\n"
+            "(the message names the reason, e.g. heads that do not split over a TP size).\n",
+            models, built);
+}
+
+/* How a child process ended, for the failure line: a signal is named, so that a crash
+ * is not mistaken for a failed run. */
+static const char *demo_wait_str(int ws, char *buf, size_t cap)
+{
+    if (WIFEXITED(ws))
+        snprintf(buf, cap, "exit %d", WEXITSTATUS(ws));
+    else if (WIFSIGNALED(ws))
+        snprintf(buf, cap, "killed by signal %d (%s)", WTERMSIG(ws), strsignal(WTERMSIG(ws)));
+    else
+        snprintf(buf, cap, "wait status 0x%x", (unsigned)ws);
+    return buf;
 }
 
 static int cmd_demo(int argc, char **argv)
@@ -570,7 +663,7 @@ static int cmd_demo(int argc, char **argv)
         {"transport", 1, 0, 't'},     {"requests", 1, 0, 'r'},    {"concurrency", 1, 0, 'c'},
         {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
-        {"decode-layout", 1, 0, 'l'}, {"kv-heads", 1, 0, 'H'},
+        {"decode-layout", 1, 0, 'l'}, {"prefill-layout", 1, 0, 'y'}, {"kv-heads", 1, 0, 'H'},
         {"gpu", 0, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
         {0, 0, 0, 0}};
     int o;
@@ -592,7 +685,18 @@ static int cmd_demo(int argc, char **argv)
         case 'x': c.max_tokens = (uint32_t)v; break;
         case 'e': c.seed = v; break;
         case 'T': c.timeout_ms = (uint32_t)v; break;
-        case 'l': c.dlayout = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD; break;
+        case 'l':
+        case 'y': {
+            /* Anything but the two layouts is a usage error, not a silent NHD. */
+            if (strcmp(optarg, "nhd") && strcmp(optarg, "hnd")) {
+                fprintf(stderr, "demo: --%s-layout must be nhd or hnd, not '%s'\n",
+                        o == 'y' ? "prefill" : "decode", optarg);
+                return 2;
+            }
+            kvw_layout_t l = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD;
+            *(o == 'y' ? &c.playout : &c.dlayout) = l;
+            break;
+        }
         case 'q': c.quiet = 1; break;
         case 'H': c.kv_heads = (uint32_t)v; break;
         case 'G': c.gpu = 1; break;
@@ -634,14 +738,9 @@ static int cmd_demo(int argc, char **argv)
     }
     if (c.kv_heads)
         m.m.num_kv_heads = c.kv_heads;
-    /* A model whose heads do not split over the requested TP fails at the handshake;
-     * say so here first, with the numbers. */
-    uint32_t f, n;
-    if (m.m.num_kv_heads && (kvw_topo_heads(c.ptp, 0, m.m.num_kv_heads, &f, &n) != KVW_OK ||
-                             kvw_topo_heads(c.dtp, 0, m.m.num_kv_heads, &f, &n) != KVW_OK)) {
-        fprintf(stderr, "demo: %s\n", kvw_last_error());
-        return 1;
-    }
+    int vr = demo_validate(&c, &m);
+    if (vr)
+        return vr;
 
     if (!strcmp(c.role, "prefill"))
         return demo_prefill(&c, &m, -1, -1);
@@ -681,9 +780,12 @@ static int cmd_demo(int argc, char **argv)
     ssize_t got = read(bs_pipe[0], bs, sizeof(bs) - 1);
     close(bs_pipe[0]);
     if (got <= 0) {
-        fprintf(stderr, "demo: the prefill process did not start\n");
         close(hold[1]);
-        waitpid(pf, NULL, 0);
+        int sp = 0;
+        char how[96];
+        waitpid(pf, &sp, 0);
+        fprintf(stderr, "demo: the prefill process did not start (%s)\n",
+                demo_wait_str(sp, how, sizeof(how)));
         return 1;
     }
     int res_pipe[2];
@@ -719,10 +821,11 @@ static int cmd_demo(int argc, char **argv)
     printf("%-22s %-9u %-9u %-12llu %-9.3f %-8.2f %s\n", topo, c.requests, res.rooms_ok,
            (unsigned long long)res.bytes, secs, secs > 0 ? res.bytes / secs / 1e9 : 0.0,
            ok ? "yes: every byte and guard" : "NO");
+    char dhow[96], phow[96];
     if (!ok)
-        fprintf(stderr, "demo: FAILED (decode exit %d, prefill exit %d, %u of %u requests "
-                "verified)\n", WIFEXITED(sd) ? WEXITSTATUS(sd) : -1,
-                WIFEXITED(sp) ? WEXITSTATUS(sp) : -1, res.rooms_verified, c.requests);
+        fprintf(stderr, "demo: FAILED (decode %s, prefill %s, %u of %u requests verified)\n",
+                demo_wait_str(sd, dhow, sizeof(dhow)), demo_wait_str(sp, phow, sizeof(phow)),
+                res.rooms_verified, c.requests);
     return ok ? 0 : 1;
 }
 
