@@ -29,7 +29,7 @@ static int cmd_info(int argc, char **argv)
 {
     (void)argc;
     (void)argv;
-    printf("kvwire %d.%d\n\ntransports compiled in:\n", KVW_VERSION_MAJOR, KVW_VERSION_MINOR);
+    printf("kvwire %s\n\ntransports compiled in:\n", kvw_version());
     for (const char *const *n = kvw__tl_names(); *n; n++)
         printf("  %s\n", *n);
     printf("\nenvironment:\n");
