@@ -4,7 +4,8 @@
 #  * the files: headers, libkvwire.so with its SONAME links, kvwire.pc, the CMake
 #    package, the CLI;
 #  * the ABI hygiene: SONAME libkvwire.so.MAJOR, every exported symbol a public kvw_
-#    one under the KVWIRE_MAJOR.MINOR version node, no internal kvw__ symbol;
+#    one under the KVWIRE_MAJOR.MINOR version node, no internal kvw__ symbol, no
+#    fault-injection code in the library or the CLI;
 #  * two consumers, one built with `pkg-config --cflags --libs kvwire`, one with a CMake
 #    project that calls find_package(kvwire); both run and check kvw_version() and
 #    real results of the topology API.
@@ -98,6 +99,16 @@ grep -q ' kvw_version@@KVWIRE_'"$major.$minor"'$' "$tmp/syms" ||
 if grep -q ' kvw__' "$tmp/syms"; then
     fail "internal symbols exported: $(grep ' kvw__' "$tmp/syms" | awk '{print $3}' | head -5 | tr '\n' ' ')"
 fi
+# The fault-injection transport belongs to the tests and the soak's CLI, not to the
+# shipped library or CLI (their symbol tables must exist for this to mean anything).
+for f in "$real" "$prefix/bin/kvwire"; do
+    nm "$f" >"$tmp/all-syms" 2>/dev/null
+    if ! grep -q ' kvw__error$' "$tmp/all-syms"; then
+        echo "$name: note: $(basename "$f") has no symbol table; fault code not checked"
+    elif grep -qE ' (kvw__tl_fault_[a-z_]+|fault_[a-z_]+)$' "$tmp/all-syms"; then
+        fail "$(basename "$f") contains fault-injection code"
+    fi
+done
 # Everything exported is the public API or the version node itself.
 others=$(awk '$3 !~ /^kvw_[a-z]/ && $3 !~ /^KVWIRE_/ {print $3}' "$tmp/syms" | head -5)
 [[ -z "$others" ]] || fail "non-API symbols exported: $others"

@@ -1,6 +1,5 @@
 /* The table of transports compiled into this library. */
 #include "transport/transport.h"
-#include "transport/fault/fault.h"
 
 #include <string.h>
 
@@ -35,6 +34,14 @@ static const char *const tl_names[] = {
 _Static_assert(KVW_ARRAY_SIZE(tl_names) == KVW_ARRAY_SIZE(tl_table) + 1,
                "tl_names and tl_table must list the same transports");
 
+/* Atomic only so that a late install is not a data race; see transport.h. */
+static const kvw_tl_resolver_t *tl_resolver;
+
+void kvw__tl_set_resolver(const kvw_tl_resolver_t *resolver)
+{
+    __atomic_store_n(&tl_resolver, resolver, __ATOMIC_RELEASE);
+}
+
 const kvw_tl_ops_t *kvw__tl_find(const char *name)
 {
     if (name == NULL) {
@@ -47,9 +54,9 @@ const kvw_tl_ops_t *kvw__tl_find(const char *name)
     }
     if (strcmp(name, kvw_tl_cuda_ipc_ops.name) == 0)
         return &kvw_tl_cuda_ipc_ops;
-    /* "fault:<transport>[@spec]": the fault-injecting wrapper, for tests and soaks. */
-    if (strncmp(name, "fault:", 6) == 0)
-        return kvw__tl_fault_find(name);
+    const kvw_tl_resolver_t *r = __atomic_load_n(&tl_resolver, __ATOMIC_ACQUIRE);
+    if (r != NULL && strncmp(name, r->prefix, strlen(r->prefix)) == 0)
+        return r->find(name);
     kvw__error(KVW_ERR_NOT_FOUND, "transport '%s' is not compiled into this library", name);
     return NULL;
 }
