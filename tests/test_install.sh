@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Tests `cmake --install`: installs the build into a scratch prefix, then checks what a
 # user of the installed library gets:
-#  * the files: headers, libkvwire.so with its SONAME links, kvwire.pc, the CMake
-#    package, the CLI;
-#  * the ABI hygiene: SONAME libkvwire.so.MAJOR, every exported symbol a public kvw_
-#    one under the KVWIRE_MAJOR.MINOR version node, no internal kvw__ symbol, no
-#    fault-injection code in the library or the CLI;
+#  * the files: headers, libkvwire.so with its SONAME links, the UCX transport module,
+#    kvwire.pc, the CMake package, the CLI;
+#  * the ABI hygiene: no UCX or CUDA among the library's NEEDED entries, SONAME
+#    libkvwire.so.MAJOR, every exported symbol a public kvw_ one under the
+#    KVWIRE_MAJOR.MINOR version node, no internal kvw__ symbol, no fault-injection code
+#    in the library or the CLI;
 #  * two consumers, one built with `pkg-config --cflags --libs kvwire`, one with a CMake
 #    project that calls find_package(kvwire); both run and check kvw_version() and
 #    real results of the topology API.
@@ -88,7 +89,30 @@ else
     fail "bin/kvwire not installed"
 fi
 
+# The UCX transport is a module: installed next to the library when the build made one,
+# and found from there by the installed CLI (bin/ -> lib/).
+if [[ -f "$build/libkvwire-ucx.so" ]]; then
+    [[ -f "$libdir/libkvwire-ucx.so" ]] || fail "libkvwire-ucx.so built but not installed"
+    sed -n '/^transports/,/^$/p' "$tmp/info" | grep -qx '  ucx' ||
+        fail "the installed CLI does not find the ucx module: $(cat "$tmp/info")"
+    # The installed libkvwire.so loads it from its own directory: a context over ucx
+    # (through the Python binding, which opens one on a one-byte rank).
+    if command -v python3 >/dev/null 2>&1; then
+        if ! KVWIRE_LIB=$libdir/libkvwire.so PYTHONPATH=$src/python python3 -c '
+import kvwire, sys
+sys.exit(0 if kvwire.transport_available("ucx") else 1)' >"$tmp/py.log" 2>&1; then
+            fail "the installed libkvwire.so cannot open a ucx context: $(tail -3 "$tmp/py.log")"
+        fi
+    else
+        echo "$name: note: no python3, ucx context through the installed library not checked"
+    fi
+fi
+
 # ---------------------------------------------------------------- ABI
+# The core links no transport library: UCX is loaded with its module, CUDA likewise.
+if readelf -d "$real" | grep -E 'NEEDED.*(libucp|libucs|libuct|libcuda|libcudart)'; then
+    fail "libkvwire.so links UCX or CUDA"
+fi
 soname=$(readelf -d "$real" | sed -n 's/.*(SONAME).*\[\(.*\)\]/\1/p')
 [[ "$soname" == "libkvwire.so.$major" ]] || fail "SONAME is '$soname', expected libkvwire.so.$major"
 nm -D --defined-only "$real" >"$tmp/syms" || fail "nm -D failed on $real"
