@@ -4,6 +4,8 @@ SANBUILD ?= build-asan
 TSANBUILD ?= build-tsan
 JOBS     ?= $(shell nproc)
 CMAKE_FLAGS ?=
+# The project's own builds treat warnings as errors (a plain CMake build does not).
+DEV_FLAGS := -DKVW_DEVELOPER=ON
 # Tests that run threads of the library (contexts, transports). The TSan build leaves UCX
 # out: under TSan the cross-process UCX cases slow past their timeouts (UCX 1.13 needs
 # UCX_MEM_EVENTS=no there at all); the UCX transport's tests run in the release and
@@ -18,9 +20,12 @@ deps:
 	@scripts/install-deps.sh
 
 $(BUILD)/CMakeCache.txt:
-	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS)
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(DEV_FLAGS) $(CMAKE_FLAGS)
 
+# The second configure turns the developer option on in a build directory made before
+# it existed (the cache keeps every other setting).
 build: deps $(BUILD)/CMakeCache.txt
+	cmake -S . -B $(BUILD) $(DEV_FLAGS) >/dev/null
 	cmake --build $(BUILD) -j $(JOBS)
 
 demo: build
@@ -37,14 +42,14 @@ check-fast: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
 
 check-asan: deps
-	cmake -S . -B $(SANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=address,undefined -DKVW_WITH_CUDA=OFF $(CMAKE_FLAGS)
+	cmake -S . -B $(SANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=address,undefined -DKVW_WITH_CUDA=OFF $(DEV_FLAGS) $(CMAKE_FLAGS)
 	cmake --build $(SANBUILD) -j $(JOBS)
 	# One test at a time: the protocol tests' timeouts are tuned for real time, and two
 	# sanitized multi-process tests side by side on a small machine can overrun them.
 	cd $(SANBUILD) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 KVW_SANITIZED=1 ctest --output-on-failure -j 1
 
 check-tsan: deps
-	cmake -S . -B $(TSANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=thread -DKVW_WITH_CUDA=OFF -DKVW_WITH_UCX=OFF $(CMAKE_FLAGS)
+	cmake -S . -B $(TSANBUILD) -DCMAKE_BUILD_TYPE=Debug -DKVW_SANITIZE=thread -DKVW_WITH_CUDA=OFF -DKVW_WITH_UCX=OFF $(DEV_FLAGS) $(CMAKE_FLAGS)
 	cmake --build $(TSANBUILD) -j $(JOBS)
 	cd $(TSANBUILD) && UCX_MEM_EVENTS=no KVW_SANITIZED=1 TSAN_OPTIONS=halt_on_error=1 \
 		ctest --output-on-failure -j $(JOBS) -R '$(TSAN_TESTS)'

@@ -21,7 +21,7 @@ if [ -z "$NVCC" ]; then
     exit 0
 fi
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVW_DEVELOPER=ON >/dev/null
 fi
 if ! grep -q "/kvw_gpu_bench.dir" "$BUILD/CMakeFiles/TargetDirectories.txt" 2>/dev/null; then
     echo "gpu-bench: skipped: $BUILD is configured without the CUDA module"

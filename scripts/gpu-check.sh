@@ -15,7 +15,7 @@ if ! command -v nvcc >/dev/null 2>&1 && [ ! -x /usr/local/cuda/bin/nvcc ]; then
     exit 0
 fi
 if [ ! -f "$BUILD/CMakeCache.txt" ]; then
-    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+    cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVW_DEVELOPER=ON >/dev/null
 fi
 if ! grep -q "/kvw_gpu_check.dir" "$BUILD/CMakeFiles/TargetDirectories.txt" 2>/dev/null; then
     echo "gpu-check: skipped: $BUILD is configured without the CUDA module (KVW_WITH_CUDA=OFF?)"

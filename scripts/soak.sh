@@ -7,15 +7,16 @@
 # What runs, all on 127.0.0.1:
 #  * two long-running fault soakers, `test_fault --soak` over tcp and over shm: prefill
 #    and decode contexts whose prefill transports go through the fault wrapper
-#    (src/transport/fault) with random fault profiles, random topologies (TP2->1, 1->2,
+#    (tests/fault) with random fault profiles, random topologies (TP2->1, 1->2,
 #    2->4), sizes, prefixes and chunking, contexts torn down and rebuilt all along;
 #    every room is checked against the test kit's reference;
 #  * two loops of `kvwire demo --role prefill` + `kvwire demo --role decode` pairs as
 #    separate processes, each pair with a random topology, transport (tcp, shm), model
 #    depth, page size, request count and length; every byte verified by the decode side;
 #    one loop runs few long-lived pairs (thousands of requests each) for the memory check;
-#  * when the library finds "fault:tcp" (the registry hook, see
-#    src/transport/fault/fault.h), a third demo loop with KVW_FAULTS set.
+#  * a third demo loop over "fault:tcp" with KVW_FAULTS set, run by kvwire-faults (the
+#    CLI with the fault wrapper of tests/fault registered; the shipped kvwire and
+#    libkvwire have no fault code).
 # RSS of every process is sampled from /proc once a second. Memory must stay flat: for
 # every process that lived at least half the run, the lowest RSS of the last quarter of
 # its life may exceed the lowest of its second quarter (after warm-up) by at most
@@ -27,8 +28,8 @@
 # Known library bugs that make the fault soaker see a false success are reported apart
 # (XFAIL) unless SOAK_STRICT=1.
 #
-# Env: BUILD (build directory with kvwire and test_fault; default build), SOAK_SEED,
-#      SOAK_RSS_TOL_KB, SOAK_STRICT=1, SOAK_KEEP=1 (keep the work directory).
+# Env: BUILD (build directory with kvwire, kvwire-faults and test_fault; default build),
+#      SOAK_SEED, SOAK_RSS_TOL_KB, SOAK_STRICT=1, SOAK_KEEP=1 (keep the work directory).
 set -u -o pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,8 +43,9 @@ TOL_KB=${SOAK_RSS_TOL_KB:-16384}
 # (or fake) a leak at this tolerance. 16 MiB keeps the same code paths, smaller.
 export KVW_STAGING_MB=${KVW_STAGING_MB:-16}
 CLI=$BUILD/kvwire
+FCLI=$BUILD/kvwire-faults
 TF=$BUILD/test_fault
-for b in "$CLI" "$TF"; do
+for b in "$CLI" "$FCLI" "$TF"; do
     if [ ! -x "$b" ]; then
         echo "soak.sh: $b not found: build first (make build, or BUILD=dir)" >&2
         exit 2
@@ -108,7 +110,7 @@ done
 
 # ---------------------------------------------------------------- demo pairs
 FAULT_DEMO=0
-if KVW_FAULTS="seed=1" timeout 20 "$CLI" demo --transport fault:tcp --requests 1 --layers 2 \
+if KVW_FAULTS="seed=1" timeout 20 "$FCLI" demo --transport fault:tcp --requests 1 --layers 2 \
     --max-tokens 16 --prefill-tp 1 --decode-tp 1 --timeout-ms 5000 >/dev/null 2>&1; then
     FAULT_DEMO=1
 fi
@@ -129,7 +131,9 @@ watchdog() {
 # One loop of demo pairs. $1 name, $2 "tcp shm" or a fault transport, $3 KVW_FAULTS,
 # $4 "long": fewer, longer pairs (thousands of short requests) whose memory is judged.
 demo_loop() {
-    local name=$1 tls=$2 faults=$3 long=${4:-} it=0
+    local name=$1 tls=$2 faults=$3 long=${4:-} it=0 cli=$CLI
+    # Fault transports exist only in the test build of the CLI.
+    [[ $tls == fault:* ]] && cli=$FCLI
     local topos=("1 2" "2 1" "2 4" "1 1" "4 2")
     local rng=$(( SEED * 31 + $(printf '%d' "'${name: -1}") * 7919 ))
     while [ $(( DEADLINE - $(date +%s) )) -ge 12 ]; do
@@ -155,7 +159,7 @@ demo_loop() {
                     --seed "$seed" --timeout-ms "$tmo" --concurrency 8)
         local tag="$name-$it"
         local budget=$(( DEADLINE - $(date +%s) + 30 ))
-        KVW_FAULTS=$faults "$CLI" "${args[@]}" --role prefill \
+        KVW_FAULTS=$faults "$cli" "${args[@]}" --role prefill \
             --bootstrap 127.0.0.1:0 >"$WORK/$tag.p.out" 2>"$WORK/$tag.p.err" &
         local pp=$!
         track "$pp" "$tag-prefill"
@@ -172,7 +176,7 @@ demo_loop() {
             wait "$pp" 2>/dev/null
             continue
         fi
-        KVW_FAULTS=$faults "$CLI" "${args[@]}" --role decode --bootstrap "$bs" \
+        KVW_FAULTS=$faults "$cli" "${args[@]}" --role decode --bootstrap "$bs" \
             >"$WORK/$tag.d.out" 2>"$WORK/$tag.d.err" &
         local dp=$!
         track "$dp" "$tag-decode"
@@ -224,7 +228,7 @@ if [ $FAULT_DEMO = 1 ]; then
 fi
 
 echo "soak.sh: ${SOAK_SECONDS}s, seed $SEED, work directory $WORK"
-echo "soak.sh: fault soakers over tcp and shm; demo pair loops over tcp/shm$([ $FAULT_DEMO = 1 ] && echo '; a demo loop over fault:tcp with KVW_FAULTS' || echo ' (fault:tcp is not in the transport registry here: no KVW_FAULTS demo loop)')"
+echo "soak.sh: fault soakers over tcp and shm; demo pair loops over tcp/shm$([ $FAULT_DEMO = 1 ] && echo '; a demo loop over fault:tcp with KVW_FAULTS' || echo " ($FCLI cannot run fault:tcp here: no KVW_FAULTS demo loop)")"
 # Wait for everything but the sampler.
 for p in "${BG[@]}"; do
     [ "$p" = "$SAMPLER" ] && continue

@@ -12,6 +12,8 @@
 #ifndef KVWIRE_KVWIRE_H
 #define KVWIRE_KVWIRE_H
 
+#include <kvwire/version.h>
+
 #include <stddef.h>
 #include <stdint.h>
 
@@ -24,9 +26,6 @@ extern "C" {
 #else
 #define KVW_API
 #endif
-
-#define KVW_VERSION_MAJOR 0
-#define KVW_VERSION_MINOR 1
 
 /*
  * One status enum. OK is 0, INPROGRESS is 1, errors are negative and grouped by what
@@ -68,6 +67,14 @@ KVW_API const char *kvw_status_string(kvw_status_t status);
 
 /* Detailed message of the last error raised in the calling thread ("" if none). */
 KVW_API const char *kvw_last_error(void);
+
+/* Version of the loaded library, "MAJOR.MINOR.PATCH" (static storage, never NULL). It
+ * may differ from KVW_VERSION_STRING, the version of the headers a program was compiled
+ * against, when the program runs with another build of the shared library. */
+KVW_API const char *kvw_version(void);
+
+/* The same as one number, MAJOR * 10000 + MINOR * 100 + PATCH (see KVW_VERSION_NUMBER). */
+KVW_API uint32_t kvw_version_number(void);
 
 /* ---------------------------------------------------------------- model */
 

@@ -9,9 +9,11 @@ from .core import (Status, LayerKind, Pool, Role, Layout, MemKind, Side, RoomSta
                    CtxField, KvwireError, Layer, Model, Parallel, Buffer, Rank, SidePages,
                    Plan, PlanStats, Run, Context, Sender, Receiver, RoomMetrics, Route,
                    topo_heads, topo_routes, status_string, last_error, kv_cache_buffers,
-                   transport_available, BootstrapServer)
+                   transport_available, BootstrapServer, library_version)
 
-__version__ = "0.1.0"
+# Must equal python/pyproject.toml's version and the library's (include/kvwire/version.h):
+# python/tests/test_api.py checks all three.
+__version__ = "0.2.0"
 
 __all__ = [
     "LibraryNotFound", "load_library", "lib_path",
@@ -19,5 +21,5 @@ __all__ = [
     "RankField", "CtxField", "KvwireError", "Layer", "Model", "Parallel", "Buffer", "Rank",
     "SidePages", "Plan", "PlanStats", "Run", "Context", "Sender", "Receiver", "RoomMetrics",
     "Route", "topo_heads", "topo_routes", "status_string", "last_error", "kv_cache_buffers",
-    "transport_available", "BootstrapServer",
+    "transport_available", "BootstrapServer", "library_version",
 ]

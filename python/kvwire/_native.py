@@ -241,6 +241,8 @@ kvw_run_cb_t = ctypes.CFUNCTYPE(_st, ctypes.c_void_p, _P(kvw_run_t))
 _PROTOTYPES = {
     "kvw_status_string": (ctypes.c_char_p, [_st]),
     "kvw_last_error": (ctypes.c_char_p, []),
+    "kvw_version": (ctypes.c_char_p, []),
+    "kvw_version_number": (ctypes.c_uint32, []),
     "kvw_rank_create": (_st, [_P(kvw_rank_params_t), _P(_h)]),
     "kvw_rank_destroy": (None, [_h]),
     "kvw_rank_model": (_P(kvw_model_t), [_h]),

@@ -139,6 +139,12 @@ def status_string(status):
     return s.decode() if s else "unknown status"
 
 
+def library_version():
+    """kvw_version: "MAJOR.MINOR.PATCH" of the loaded libkvwire (kvwire.__version__ is
+    the package's; the two are released together and must agree)."""
+    return N.load().kvw_version().decode()
+
+
 def last_error():
     """kvw_last_error of the calling thread."""
     s = N.load().kvw_last_error()

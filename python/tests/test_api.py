@@ -3,6 +3,7 @@ DESIGN.md's hand-derived tables, error reporting, buffers, and a local plan chec
 byte for byte against the pure-Python reference."""
 import ctypes
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -174,6 +175,20 @@ class TestErrorsAndBuffers(unittest.TestCase):
         self.assertEqual(e.code, -999)
         self.assertEqual(e.status_text, "unknown status")
         self.assertIsInstance(e, RuntimeError)
+
+    def test_versions_agree(self):
+        # One version for the C header, the loaded library and this package.
+        with open(os.path.join(INCLUDE, "kvwire", "version.h")) as f:
+            hdr = dict(re.findall(r"^#define KVW_VERSION_(MAJOR|MINOR|PATCH) +(\d+)$", f.read(),
+                                  re.M))
+        want = "%s.%s.%s" % (hdr["MAJOR"], hdr["MINOR"], hdr["PATCH"])
+        with open(os.path.join(REPO, "python", "pyproject.toml")) as f:
+            pyproject = re.search(r'^version = "([^"]+)"$', f.read(), re.M).group(1)
+        self.assertEqual(kvwire.library_version(), want)
+        self.assertEqual(kvwire.__version__, want)
+        self.assertEqual(pyproject, want)
+        self.assertEqual(N.load().kvw_version_number(),
+                         int(hdr["MAJOR"]) * 10000 + int(hdr["MINOR"]) * 100 + int(hdr["PATCH"]))
 
     def test_rank_8_heads_on_tp3(self):
         m = U.gptoss_model()

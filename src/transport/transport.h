@@ -155,8 +155,24 @@ typedef struct kvw_tl_ops {
     void *(*rkey_ptr)(kvw_tl_rkey_h rkey);
 } kvw_tl_ops_t;
 
-/* Transports compiled into this library, looked up by name ("tcp", "shm", "ucx"). */
+/* Transports compiled into this library, looked up by name ("tcp", "shm", "ucx"), then
+ * names that the installed resolver claims (see kvw__tl_set_resolver). */
 const kvw_tl_ops_t *kvw__tl_find(const char *name);
+
+/*
+ * A resolver for transport names outside the library's table: names that start with
+ * `prefix` are handed to `find`, which returns a table or NULL with an error. The test
+ * kit's fault-injecting wrapper (tests/fault) installs one for "fault:NAME", so that
+ * tests and the soak can select it by name while the shipped library holds no fault
+ * code. The struct must outlive every lookup (static storage); NULL removes it. Install
+ * it before contexts exist: it is read without a lock on every lookup.
+ */
+typedef struct kvw_tl_resolver {
+    const char *prefix;
+    const kvw_tl_ops_t *(*find)(const char *name);
+} kvw_tl_resolver_t;
+
+void kvw__tl_set_resolver(const kvw_tl_resolver_t *resolver);
 
 /* Names of the compiled-in transports, NULL-terminated. */
 const char *const *kvw__tl_names(void);

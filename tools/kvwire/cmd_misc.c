@@ -16,6 +16,8 @@ static const struct {
 } kvw_env_table[] = {
     {"KVW_CUDA_MODULE", "libkvwire_cuda.so next to libkvwire",
      "path of the CUDA module loaded at run time"},
+    {"KVW_TL_MODULE_DIR", "next to libkvwire, ../lib, loader path",
+     "the only directory searched for transport modules (libkvwire-ucx.so)"},
     {"KVW_UCX_TIMEOUT_MS", "10000", "deadline of every UCX wait (flush, put, notify)"},
     {"KVW_UCX_PUT", "am", "am: writes as active messages the receiver applies; rma: ucp_put"},
     {"KVW_UCX_ERR_MODE", "peer", "peer: detect dead peers (UCX then uses tcp lanes); none"},
@@ -30,7 +32,7 @@ static int cmd_info(int argc, char **argv)
 {
     (void)argc;
     (void)argv;
-    printf("kvwire %d.%d\n\ntransports compiled in:\n", KVW_VERSION_MAJOR, KVW_VERSION_MINOR);
+    printf("kvwire %s\n\ntransports compiled in:\n", kvw_version());
     for (const char *const *n = kvw__tl_names(); *n; n++)
         printf("  %s\n", *n);
     printf("\nenvironment:\n");

@@ -20,9 +20,9 @@ void kvw_cmd_register(kvw_cmd_t *cmd)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "kvwire %d.%d — move KV caches from prefill to decode workers\n\n"
+    fprintf(f, "kvwire %s — move KV caches from prefill to decode workers\n\n"
                "usage: kvwire <command> [options]   (kvwire <command> --help for details)\n\n",
-            KVW_VERSION_MAJOR, KVW_VERSION_MINOR);
+            kvw_version());
     for (kvw_cmd_t *c = kvw_cmds; c; c = c->next)
         fprintf(f, "  %-10s %s\n", c->name, c->help);
 }

@@ -31,11 +31,15 @@
  *
  * Selection: kvw__tl_fault_find("fault:tcp") wraps the transport "tcp" with the spec
  * in the environment variable KVW_FAULTS ("fault:tcp@SPEC" gives the spec inline).
- * The wrapper keeps the inner transport's name, so a wrapped and an unwrapped side
- * still agree at the handshake.
+ * After kvw__tl_fault_register(), the library's own lookup (kvw__tl_find, hence a
+ * context's transport name) finds these names too. The wrapper keeps the inner
+ * transport's name, so a wrapped and an unwrapped side still agree at the handshake.
+ *
+ * This code is linked into tests and the soak's CLI (kvwire-faults) only, never into
+ * libkvwire: the library reaches it through the resolver hook of transport.h.
  */
-#ifndef KVW_TRANSPORT_FAULT_FAULT_H
-#define KVW_TRANSPORT_FAULT_FAULT_H
+#ifndef KVW_TESTS_FAULT_FAULT_H
+#define KVW_TESTS_FAULT_FAULT_H
 
 #include "transport/transport.h"
 
@@ -91,6 +95,10 @@ bool kvw__tl_fault_is(const kvw_tl_ops_t *ops);
  */
 kvw_status_t kvw__tl_fault_attach(const kvw_tl_ops_t *ops, kvw_tl_h inner, const char *spec,
                                   kvw_tl_h *tl_p);
+
+/* Makes kvw__tl_find resolve "fault:NAME[@SPEC]" through kvw__tl_fault_find. Call it
+ * before creating contexts. */
+void kvw__tl_fault_register(void);
 
 /* Process-wide counters of injected faults since start (or the last reset). */
 void kvw__tl_fault_stats(uint64_t counts[KVW_FAULT_NUM_KINDS]);

@@ -8,7 +8,7 @@
  * then report handles the caller knows. Endpoints this wrapper connected are tracked in
  * the slot's endpoint list with their fault state; any other endpoint is passed through.
  */
-#include "transport/fault/fault.h"
+#include "fault/fault.h"
 
 #include <errno.h>
 #include <pthread.h>
@@ -810,4 +810,10 @@ kvw_status_t kvw__tl_fault_attach(const kvw_tl_ops_t *ops, kvw_tl_h inner, const
     if (spec != NULL && fault_parse(spec, &cfg) != KVW_OK)
         return KVW_ERR_INVALID_PARAM;
     return fault_tl_new(s, &cfg, inner, tl_p);
+}
+
+void kvw__tl_fault_register(void)
+{
+    static const kvw_tl_resolver_t resolver = {"fault:", kvw__tl_fault_find};
+    kvw__tl_set_resolver(&resolver);
 }
