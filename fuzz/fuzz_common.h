@@ -350,6 +350,15 @@ __attribute__((unused)) static struct kvw_ctx *fzc_ctx_new(kvw_side_t side, kvw_
         fzc_fail("pipe2 failed");
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
+    pthread_cond_init(&ctx->done_cv, NULL);
+    if (side == KVW_SIDE_DECODE) {
+        /* The context's own prefill instance, connected (its peers are added below). */
+        int i0 = kvw__inst_find_or_add(ctx, ctx->bootstrap_addr);
+        if (i0 != 0)
+            fzc_fail("harness: no prefill instance");
+        ctx->insts[0].gen = 1;
+        ctx->insts[0].state = KVW_INST_READY;
+    }
     return ctx;
 }
 
@@ -392,6 +401,7 @@ __attribute__((unused)) static kvw_peer_t *fzc_peer_add(struct kvw_ctx *ctx, kvw
         kvw_plan_destroy(plan);
     }
     snprintf(p->desc, sizeof(p->desc), "fuzz peer %u (tp%u)", p->id, p->tp);
+    p->inst = 0, p->inst_gen = 1; /* decode: the context's own instance */
     if (ctx->side == KVW_SIDE_PREFILL) {
         p->ep = (kvw_tl_ep_h)(void *)&fzc_ep_dummy;
         p->id_at_remote = p->id;

@@ -116,9 +116,14 @@ int main(void)
     char bs[128];
     snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx));
 
+    char why[512];
+    CHECK(kvw_ctx_refusals(pctx, why, sizeof(why)) == 0 && why[0] == 0, "refusals before any");
     kvw_status_t st = make_ctx(KVW_SIDE_DECODE, &dst, bs, "beta", &dctx);
     CHECK(st == KVW_ERR_AUTH, "wrong secret: got %s", kvw_status_string(st));
     CHECK(kvt_contains(kvw_last_error(), "does not match"), "message: %s", kvw_last_error());
+    /* The prefill side can tell too (the refusal is counted before the answer is sent). */
+    CHECK(kvw_ctx_refusals(pctx, why, sizeof(why)) == 1 && kvt_contains(why, "does not match"),
+          "prefill's view of the refusal: %s", why);
 
     st = make_ctx(KVW_SIDE_DECODE, &dst, bs, NULL, &dctx);
     CHECK(st == KVW_ERR_AUTH, "no secret: got %s", kvw_status_string(st));

@@ -162,6 +162,41 @@ for c in "${REFUSALS[@]}"; do
     rows+=("$(printf '%-34s %-5s %-10s' "$name" "-" "$verdict")")
 done
 
+# A shared secret from a file (mode 600) on both sides: the run verifies. The same file
+# readable by others, or the secret through KVW_SECRET_FILE with a wrong mode, is a usage
+# error naming the file.
+if [[ -z "${KVW_E2E_ONLY:-}" || "secret" == *"$KVW_E2E_ONLY"* ]]; then
+    sf="$logdir/secret"
+    printf 'correct horse battery staple\n' >"$sf"
+    chmod 600 "$sf"
+    for t in "${TRANSPORTS[@]}"; do
+        total=$((total + 1))
+        log="$logdir/run$total.log"
+        cmd=("$CLI" demo "${COMMON[@]}" --prefill-tp 2 --decode-tp 1 --transport "$t" --secret-file "$sf")
+        timeout -k 5 "$PER_RUN_TIMEOUT" "${cmd[@]}" >"$log" 2>&1
+        rc=$?
+        verdict="ok"
+        if [[ $rc -ne 0 ]]; then
+            failed=$((failed + 1))
+            verdict="FAIL($rc)"
+            echo "---- FAILED: secret file over $t (exit $rc)" >&2
+            sed 's/^/     | /' "$log" | tail -n 20 >&2
+        fi
+        rows+=("$(printf '%-34s %-5s %-10s' "shared secret (file)" "$t" "$verdict")")
+    done
+    chmod 640 "$sf"
+    total=$((total + 1))
+    err=$(KVW_SECRET_FILE="$sf" "$CLI" demo --requests 1 --quiet 2>&1 >/dev/null)
+    rc=$?
+    verdict="refused"
+    if [[ $rc -ne 2 ]] || ! grep -qF "is accessible by other users (mode 640)" <<<"$err"; then
+        failed=$((failed + 1))
+        verdict="FAIL($rc)"
+        echo "---- FAILED: a group-readable secret file: exit $rc, '$err'" >&2
+    fi
+    rows+=("$(printf '%-34s %-5s %-10s' "secret file readable by others" "-" "$verdict")")
+fi
+
 echo
 printf '%-34s %-5s %-10s %7s\n' "case" "tl" "result" "time"
 printf '%s\n' "${rows[@]}"

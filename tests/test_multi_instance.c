@@ -285,6 +285,35 @@ static void run(const char *tl)
     expect_room(&bad2, KVW_ROOM_FAILED, "127.0.0.1:1");
     close_room(&bad1);
     close_room(&bad2);
+
+    /* A room aborted while its instance is still being connected (the instance's
+     * bootstrap endpoint is up, its rank not yet): once the rank is there, it hears of
+     * the abort, and its sender fails "aborted" instead of waiting for a timeout. */
+    kvw_bootstrap_h bsc = NULL;
+    CHECK(kvw_bootstrap_start("127.0.0.1:0", &bsc) == KVW_OK, "%s", kvw_last_error());
+    if (bsc) {
+        char c_addr[128];
+        snprintf(c_addr, sizeof(c_addr), "%s", kvw_bootstrap_address(bsc));
+        room_t rc = {.id = 41, .slot = 8};
+        d_open(dctx, &rc, c_addr);
+        CHECK(kvw_receiver_poll(rc.rv) == KVW_ROOM_BOOTSTRAPPING, "room 41 before its instance: %s",
+              kvw_room_state_string(kvw_receiver_poll(rc.rv)));
+        kvw_receiver_abort(rc.rv);
+        CHECK(kvw_receiver_poll(rc.rv) == KVW_ROOM_FAILED, "aborted room 41 is %s",
+              kvw_room_state_string(kvw_receiver_poll(rc.rv)));
+        kvw_receiver_destroy(rc.rv);
+        inst_t c;
+        CHECK(inst_start(&c, 1, 71, c_addr, false) == KVW_OK, "instance C: %s", kvw_last_error());
+        kvw_sender_h s = NULL;
+        CHECK(kvw_sender_create(c.ctx[0], 41, &s) == KVW_OK, "%s", kvw_last_error());
+        kvw_room_state_t ps = kvw_sender_wait(s, 30000);
+        CHECK(ps == KVW_ROOM_FAILED && kvt_contains(kvw_sender_failure(s), "abort"),
+              "[%s] C's sender of the aborted room: %s: %s", g_tl, kvw_room_state_string(ps),
+              kvw_sender_failure(s));
+        kvw_sender_destroy(s);
+        inst_stop(&c);
+        kvw_bootstrap_stop(bsc);
+    }
     verify(&dst, &expect, "the end");
 
     for (int i = 0; i < 2; i++)

@@ -99,6 +99,11 @@ KVW_API void kvw_ctx_destroy(kvw_ctx_h ctx);
 /* The bootstrap endpoint this context hosts ("host:port"), or NULL. */
 KVW_API const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx);
 
+/* Prefill: how many decode registrations this context refused (incompatible model or
+ * layout, wrong secret, malformed...), and the reason of the last one, copied into buf
+ * ("" when none). The refused decode rank gets the same reason. */
+KVW_API uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap);
+
 /*
  * A standalone bootstrap endpoint ("address:port"; port 0 picks one): prefill ranks
  * register there (contexts with host_bootstrap = 0 and this bootstrap_addr), decode

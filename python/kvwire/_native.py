@@ -270,6 +270,7 @@ _PROTOTYPES = {
     "kvw_receiver_create": (_st, [_h, _u64, _u32, _P(_h)]),
     "kvw_receiver_create_from": (_st, [_h, _u64, ctypes.c_char_p, _u32, _P(_h)]),
     "kvw_bootstrap_start": (_st, [ctypes.c_char_p, _P(_h)]),
+    "kvw_ctx_refusals": (_u64, [_h, ctypes.c_char_p, ctypes.c_size_t]),
     "kvw_bootstrap_address": (ctypes.c_char_p, [_h]),
     "kvw_bootstrap_stop": (None, [_h]),
     "kvw_receiver_post": (_st, [_h, _P(kvw_recv_post_t)]),

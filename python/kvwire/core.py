@@ -815,6 +815,12 @@ class Context:
         it destroys the room, aborting it if it has not finished."""
         return Sender(self, room)
 
+    def refusals(self):
+        """(count, last reason): decode registrations this prefill context refused."""
+        buf = ctypes.create_string_buffer(512)
+        n = N.load().kvw_ctx_refusals(self.handle, buf, len(buf))
+        return int(n), buf.value.decode(errors="replace")
+
     def receiver(self, room, prefill_dp_rank=0, bootstrap_addr=None):
         """Opens the receiver of `room` on this (decode) rank, fed by the prefill DP
         group `prefill_dp_rank` of the prefill instance whose bootstrap endpoint is

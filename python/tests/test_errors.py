@@ -52,9 +52,14 @@ class TestErrorPaths(unittest.TestCase):
 
     def test_head_dim_mismatch_rejected(self):
         d = self.decode_rank(head_dim=128)
+        before, _ = self.pctx.refusals()
         with self.assertRaises(kvwire.KvwireError) as cm:
             kvwire.Context(d.rank, "decode", self.addr, prefill_tp=1, bootstrap_timeout_ms=5000)
         e = cm.exception
+        # The prefill rank counted the refusal and can report it.
+        n, why = self.pctx.refusals()
+        self.assertEqual(n, before + 1)
+        self.assertIn("128", why)
         self.assertEqual(e.status, Status.ERR_REJECTED)
         self.assertEqual(e.status_name, "ERR_REJECTED")
         self.assertIn("128", e.message)  # the reason names the differing values

@@ -20,7 +20,11 @@ static _Thread_local char kvw_error_buf[512];
 
 kvw_status_t kvw__verror(kvw_status_t status, const char *fmt, va_list ap)
 {
-    vsnprintf(kvw_error_buf, sizeof(kvw_error_buf), fmt, ap);
+    /* Formatted aside first: callers often wrap the previous message, passing
+     * kvw_last_error() (this very buffer) as an argument. */
+    char tmp[sizeof(kvw_error_buf)];
+    vsnprintf(tmp, sizeof(tmp), fmt, ap);
+    memcpy(kvw_error_buf, tmp, sizeof(tmp));
     return status;
 }
 

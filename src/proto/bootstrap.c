@@ -341,7 +341,7 @@ kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t
         kvw__wb_free(&w);
         /* A malformed address or a host that does not resolve cannot get better. */
         if (st == KVW_ERR_INVALID_PARAM || (fail_fast && st != KVW_OK))
-            return kvw__error(st, "bootstrap %s: %s", bs_addr, kvw_last_error());
+            return kvw__error(st, "bootstrap endpoint %s: %s", bs_addr, kvw_last_error());
         if (st != KVW_OK) {
             snprintf(last, sizeof(last), "%s", kvw_last_error());
             usleep(50000);

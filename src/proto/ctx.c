@@ -580,6 +580,15 @@ reply:
         kvw__wb_u32(&w, (uint32_t)(int32_t)st);
         kvw__wb_str(&w, reason);
     }
+    if (st != KVW_OK && reason[0]) {
+        /* The engine on this side can ask why a decode rank could not register (counted
+         * before the refusal goes out, so the refused side never sees it first). */
+        pthread_mutex_lock(&ctx->mu);
+        ctx->refusals++;
+        snprintf(ctx->last_refusal, sizeof(ctx->last_refusal), "decode instance %llu: %s",
+                 (unsigned long long)instance, reason);
+        pthread_mutex_unlock(&ctx->mu);
+    }
     kvw_status_t sst = kvw__wb_finish(&w);
     if (sst == KVW_OK)
         sst = kvw__sock_send_all(fd, w.p, w.len, deadline);
@@ -896,6 +905,7 @@ static void *kvw_inst_connect_main(void *arg)
                     kvw__peer_dead(ctx, ctx->peers[i], st, "its instance failed to connect");
         }
         kvw_inst_settle(ctx, a->inst, st, why);
+        kvw__late_aborts_flush(ctx, a->inst, a->gen, st == KVW_OK);
     }
     kvw__ctx_wake(ctx); /* poll the new peers' sockets (before the count drops) */
     ctx->connecting--;
@@ -1423,6 +1433,18 @@ err:
     }
 }
 
+uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap)
+{
+    if (ctx == NULL)
+        return 0;
+    pthread_mutex_lock(&ctx->mu);
+    uint64_t n = ctx->refusals;
+    if (buf && cap)
+        snprintf(buf, cap, "%s", ctx->last_refusal);
+    pthread_mutex_unlock(&ctx->mu);
+    return n;
+}
+
 const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx)
 {
     return ctx && ctx->bs ? kvw__bootstrap_addr(ctx->bs) : NULL;
@@ -1473,6 +1495,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     free(ctx->spans);
     free(ctx->waits);
     free(ctx->insts);
+    free(ctx->late);
     free(ctx->hello_rkeys);
     free(ctx->hello_rkey_lens);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */

@@ -265,17 +265,34 @@ struct kvw_ctx {
     char secret[256]; /* shared secret, "" when none */
     uint64_t instance_id;
     uint32_t handshakes; /* registration threads still running (prefill) */
+    uint64_t refusals;       /* prefill: registrations refused, and the last reason */
+    char last_refusal[480];
     /* Decode: prefill instances, the threads connecting to them, and what a
      * registration sends (keys of our buffers and staging area, data address). */
     kvw_inst_t *insts;
     uint32_t num_insts, cap_insts;
     uint32_t connecting;
     _Atomic bool cancel_connects;
+    /* Decode: rooms that ended while their instance was still being connected; their
+     * prefill ranks are told (ABORT) once it is. */
+    struct kvw_late_abort *late;
+    uint32_t num_late, cap_late;
     uint8_t *hello_rkeys;
     size_t *hello_rkey_lens;
     uint8_t hello_addr[KVW_TL_MAX_ADDR];
     size_t hello_addr_len;
 };
+
+typedef struct kvw_late_abort {
+    uint32_t inst, gen, dp;
+    uint64_t room;
+    kvw_status_t status;
+    char reason[160];
+} kvw_late_abort_t;
+
+/* Decode: sends the ABORTs of rooms that ended while instance `inst` (generation `gen`)
+ * was being connected, now that it is (connected) or drops them (not). mu held. */
+void kvw__late_aborts_flush(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, bool connected);
 
 /* Decode: the instance for a bootstrap address, added when new (-1: table full or out
  * of memory, message set). mu held. */

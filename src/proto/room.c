@@ -269,12 +269,46 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
             kvw_send_room_msg(ctx, ctx->peers[room->dsts[i].peer], KVW_MSG_FAILED, room->id, status,
                               room->reason);
         kvw_room_quiesce(ctx, room);
+    } else if (room->pending) {
+        /* Posted while its instance is being connected: no prefill rank knows the room
+         * yet. They hear of the abort once the connection is up. */
+        if (ctx->num_late == ctx->cap_late) {
+            uint32_t cap = ctx->cap_late ? ctx->cap_late * 2 : 16;
+            kvw_late_abort_t *n = cap <= 65536 ? realloc(ctx->late, sizeof(*n) * cap) : NULL;
+            if (n)
+                ctx->late = n, ctx->cap_late = cap;
+        }
+        if (ctx->num_late < ctx->cap_late) {
+            kvw_late_abort_t *a = &ctx->late[ctx->num_late++];
+            *a = (kvw_late_abort_t){.inst = room->inst, .gen = room->inst_gen,
+                                    .dp = room->src_dp, .room = room->id, .status = status};
+            snprintf(a->reason, sizeof(a->reason), "%.150s", room->reason);
+        }
     } else {
         for (uint32_t i = 0; i < room->num_srcs; i++)
             kvw_send_room_msg(ctx, ctx->peers[room->srcs[i].peer], KVW_MSG_ABORT, room->id, status,
                               room->reason);
     }
     pthread_cond_broadcast(&ctx->cv);
+}
+
+void kvw__late_aborts_flush(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, bool connected)
+{
+    uint32_t kept = 0;
+    for (uint32_t i = 0; i < ctx->num_late; i++) {
+        kvw_late_abort_t *a = &ctx->late[i];
+        if (a->inst != inst || a->gen != gen) {
+            ctx->late[kept++] = *a;
+            continue;
+        }
+        for (uint32_t k = 0; connected && k < ctx->num_peers; k++) {
+            kvw_peer_t *p = ctx->peers[k];
+            if (p->inst == inst && p->inst_gen == gen && p->dp == a->dp && !p->dead &&
+                !p->registering)
+                kvw_send_room_msg(ctx, p, KVW_MSG_ABORT, a->room, a->status, a->reason);
+        }
+    }
+    ctx->num_late = kept;
 }
 
 /* What a prefill room still waits for, for its timeout message. */

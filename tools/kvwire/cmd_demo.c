@@ -16,12 +16,14 @@
 #include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
 
+#include <errno.h>
 #include <getopt.h>
 #include <stdbool.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -51,6 +53,7 @@ typedef struct demo_cfg {
     char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
     char listen_host[64];
     int gpu; /* KV caches in GPU memory: prefill on GPU 0, decode on GPU 1 (or 0) */
+    char secret[256]; /* shared secret ("" none), from --secret-file or KVW_SECRET_FILE */
 } demo_cfg_t;
 
 typedef struct demo_req {
@@ -306,6 +309,10 @@ static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool pre
         if (c->listen_host[0]) {
             p.field_mask |= KVW_CTX_FIELD_LISTEN_HOST;
             p.listen_host = c->listen_host;
+        }
+        if (c->secret[0]) {
+            p.field_mask |= KVW_CTX_FIELD_SECRET;
+            p.secret = c->secret;
         }
         kvw_status_t st = kvw_ctx_create(&p, &ctx[i]);
         if (st != KVW_OK) {
@@ -596,6 +603,38 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
 
 /* ------------------------------------------------------------ driver */
 
+/* Reads the shared secret from `path`: its first line, at most 255 bytes. The file must
+ * not be readable by other users (the secret is the whole of the authentication). */
+static int demo_read_secret(const char *path, char *out, size_t cap)
+{
+    struct stat sb;
+    FILE *f = fopen(path, "r");
+    if (f == NULL || fstat(fileno(f), &sb) != 0) {
+        fprintf(stderr, "demo: cannot read the secret file %s: %s\n", path, strerror(errno));
+        if (f)
+            fclose(f);
+        return -1;
+    }
+    if (sb.st_mode & (S_IRWXG | S_IRWXO)) {
+        fprintf(stderr, "demo: the secret file %s is accessible by other users (mode %03o); "
+                "chmod 600 it\n", path, (unsigned)(sb.st_mode & 0777));
+        fclose(f);
+        return -1;
+    }
+    char line[512];
+    if (fgets(line, sizeof(line), f) == NULL)
+        line[0] = 0;
+    fclose(f);
+    line[strcspn(line, "\r\n")] = 0;
+    if (!line[0] || strlen(line) >= cap) {
+        fprintf(stderr, "demo: the secret file %s must hold one line of 1 to %zu bytes\n", path,
+                cap - 1);
+        return -1;
+    }
+    snprintf(out, cap, "%s", line);
+    return 0;
+}
+
 static void demo_usage(FILE *f)
 {
     char built[128] = "", models[256] = "";
@@ -632,6 +671,8 @@ static void demo_usage(FILE *f)
             "  --role R              both (default), or prefill / decode alone (other hosts)\n"
             "  --bootstrap H:P       prefill: bootstrap to host; decode: bootstrap to use\n"
             "  --listen-host H       address the control and data listeners bind\n"
+            "  --secret-file PATH    shared secret (first line; the file must be mode 600)\n"
+            "                        authenticating every session; also KVW_SECRET_FILE\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
             "failed run; 2 a usage error; 3 a configuration refused before any transfer\n"
             "(the message names the reason, e.g. heads that do not split over a TP size).\n",
@@ -665,6 +706,7 @@ static int cmd_demo(int argc, char **argv)
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
         {"decode-layout", 1, 0, 'l'}, {"prefill-layout", 1, 0, 'y'}, {"kv-heads", 1, 0, 'H'},
         {"gpu", 0, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
+        {"secret-file", 1, 0, 'K'},
         {0, 0, 0, 0}};
     int o;
     optind = 1;
@@ -703,10 +745,17 @@ static int cmd_demo(int argc, char **argv)
         case 'R': snprintf(c.role, sizeof(c.role), "%s", optarg); break;
         case 'B': snprintf(c.bootstrap, sizeof(c.bootstrap), "%s", optarg); break;
         case 'I': snprintf(c.listen_host, sizeof(c.listen_host), "%s", optarg); break;
+        case 'K':
+            if (demo_read_secret(optarg, c.secret, sizeof(c.secret)))
+                return 2;
+            break;
         case 'h': demo_usage(stdout); return 0;
         default: demo_usage(stderr); return 2;
         }
     }
+    if (!c.secret[0] && getenv("KVW_SECRET_FILE") && getenv("KVW_SECRET_FILE")[0] &&
+        demo_read_secret(getenv("KVW_SECRET_FILE"), c.secret, sizeof(c.secret)))
+        return 2;
     if (!c.dpage)
         c.dpage = c.ppage;
     if (c.gpu) {
