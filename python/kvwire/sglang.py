@@ -256,18 +256,6 @@ class KVManager:
             raise ValueError("KVArgs.page_size must be positive")
         self.swa_page_size = int(getattr(args, "swa_page_size", None) or self.page_size)
 
-        tp = int(getattr(server_args, "tp_size", 1) or 1)
-        dp = int(getattr(server_args, "dp_size", 1) or 1)
-        attn_tp = tp // dp if getattr(server_args, "enable_dp_attention", False) else tp
-        pp = int(getattr(server_args, "pp_size", 1) or 1)
-        dp_attn = bool(getattr(server_args, "enable_dp_attention", False))
-        dp_rank = int(getattr(args, "system_dp_rank", 0) or 0) if dp_attn else 0
-        begin = int(getattr(args, "prefill_start_layer", 0) or 0)
-        end = getattr(args, "prefill_end_layer", None)
-        end = len(layers) if end is None else int(end)
-        self.parallel = Parallel(attn_tp, int(args.engine_rank), pp, int(args.pp_rank or 0),
-                                 begin, end, dp if dp_attn else 1, dp_rank)
-
         state_types = [StateType(getattr(t, "value", t)) for t in (args.state_types or [])]
         self.state_types = state_types
         for t in state_types:
@@ -283,6 +271,36 @@ class KVManager:
                 kinds.append(("full", 0))
             else:
                 kinds.append((l.kind, l.window))
+
+        tp = int(getattr(server_args, "tp_size", 1) or 1)
+        dp = int(getattr(server_args, "dp_size", 1) or 1)
+        dp_attn = bool(getattr(server_args, "enable_dp_attention", False))
+        attn_tp = tp // dp if dp_attn else tp
+        pp = int(getattr(server_args, "pp_size", 1) or 1)
+        dp_rank = int(getattr(args, "system_dp_rank", 0) or 0) if dp_attn else 0
+        begin = int(getattr(args, "prefill_start_layer", 0) or 0)
+        end = getattr(args, "prefill_end_layer", None)
+        if end is not None:
+            end = int(end)
+        elif pp == 1:
+            end = len(layers)
+        else:
+            # The stage's layers are those its buffers hold, from its first layer on.
+            n_full = len(args.kv_data_ptrs) // (1 if self.is_mla_backend else 2)
+            n_swa = len(args.state_data_ptrs[state_types.index(StateType.SWA)]) // 2 \
+                if has_swa_pool else 0
+            end = begin
+            while end < len(layers) and (n_full or n_swa):
+                if kinds[end][0] == LayerKind.SWA:
+                    n_swa -= 1
+                else:
+                    n_full -= 1
+                if n_full < 0 or n_swa < 0:
+                    break
+                end += 1
+        self.parallel = Parallel(attn_tp, int(args.engine_rank), pp, int(args.pp_rank or 0),
+                                 begin, end, dp if dp_attn else 1, dp_rank)
+
         stage = range(begin, end)
         full_ids = [i for i in stage if kinds[i][0] in (LayerKind.FULL, LayerKind.MLA)]
         swa_ids = [i for i in stage if kinds[i][0] == LayerKind.SWA]

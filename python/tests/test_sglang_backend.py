@@ -44,12 +44,18 @@ class SglRank:
     """One engine rank: a guarded kvtest_util.HostRank plus guarded aux buffers,
     described to the backend only through SGLang's flat pointer lists."""
 
-    def __init__(self, model, tp, rank, seed, kinds, swa_pool=True):
-        self.hr = U.HostRank(model, tp, rank, page_size=PS, swa_page_size=PS,
-                             full_pages=FULL_PAGES, swa_pages=SWA_PAGES, seed=seed,
-                             describe=False)
+    def __init__(self, model, tp, rank, seed, kinds, swa_pool=True, host_rank=None,
+                 stage=None):
+        """stage: (pp_rank, first layer, end layer or None) of a PP stage whose
+        buffers are those layers of host_rank (shared by the stages)."""
+        self.hr = host_rank or U.HostRank(model, tp, rank, page_size=PS, swa_page_size=PS,
+                                          full_pages=FULL_PAGES, swa_pages=SWA_PAGES,
+                                          seed=seed, describe=False)
         self._keep = []
         planes = self.hr.planes
+        if stage is not None:
+            pp_rank, first, end = stage
+            planes = [p for p in planes if first <= p.layer < (end or model.num_layers)]
         full = [p for p in planes if not (swa_pool and p.pool == kvwire.Pool.SWA)]
         swa = [p for p in planes if swa_pool and p.pool == kvwire.Pool.SWA]
 
@@ -72,6 +78,8 @@ class SglRank:
         a.aux_data_ptrs = [self.addr(b) + U.GUARD for b in self.aux]
         a.aux_data_lens = [AUX_SLOTS * item for item in AUX_ITEMS]
         a.aux_item_lens = list(AUX_ITEMS)
+        if stage is not None:
+            a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = stage
         self.args = a
 
     def addr(self, mem):
@@ -102,14 +110,26 @@ def reduce_min(polls):
 
 
 class Instance:
-    """A prefill instance: its bootstrap server and one KVManager per TP rank."""
+    """A prefill instance: its bootstrap server and one KVManager per rank (TP ranks,
+    or the PP stages of one TP rank when pp_stages is given). srcs: the HostRanks
+    of its TP group, for the reference."""
 
-    def __init__(self, name, tp, seed, kinds, model):
+    def __init__(self, name, tp, seed, kinds, model, pp_stages=None):
         self.name, self.tp = name, tp
         self.server = KVBootstrapServer("127.0.0.1", 0)
         self.addr = self.server.address
-        self.ranks = [SglRank(model, tp, r, seed, kinds) for r in range(tp)]
-        sa = server_args(tp, self.server.port)
+        if pp_stages is None:
+            self.ranks = [SglRank(model, tp, r, seed, kinds) for r in range(tp)]
+            sa = server_args(tp, self.server.port)
+        else:
+            assert tp == 1
+            hr = U.HostRank(model, 1, 0, page_size=PS, swa_page_size=PS, full_pages=FULL_PAGES,
+                            swa_pages=SWA_PAGES, seed=seed, describe=False)
+            self.ranks = [SglRank(model, 1, 0, seed, kinds, host_rank=hr, stage=st)
+                          for st in pp_stages]
+            sa = server_args(1, self.server.port)
+            sa.pp_size = len(pp_stages)
+        self.srcs = [self.ranks[0].hr] if pp_stages else [r.hr for r in self.ranks]
         self.mgrs = []
         for r in self.ranks:
             self.mgrs.append(KVManager(r.args, "prefill", sa, model_config=model_config(kinds),
@@ -134,6 +154,8 @@ class TestSGLangBackend(unittest.TestCase):
     def test_two_prefill_instances_one_decode_instance(self):
         kinds = ["swa", "full", "swa", "full"]
         model = U.gptoss_model(WINDOW)
+        inst = {"A": self.instance("A", 1, 101, kinds, model),
+                "B": self.instance("B", 2, 202, kinds, model)}
         # owner, chunk ends (every one but the last page aligned, as SGLang sends them)
         reqs = [
             {"room": 201, "n": 1, "prefix": 0, "chunks": [1], "owner": "A"},
@@ -147,17 +169,40 @@ class TestSGLangBackend(unittest.TestCase):
             {"room": 208, "n": 70, "prefix": 0, "chunks": [32, 70], "owner": "B",
              "abort": "prefill"},
         ]
+        self.drive(model, kinds, reqs, inst, decode_tp=2)
+
+    def test_pp2_prefill_instance(self):
+        # One TP1 prefill instance in two PP stages (uneven: layers [0, 1) and [1, 4);
+        # the second stage's end is left for the backend to infer from its buffers),
+        # one TP2 decode instance.
+        kinds = ["swa", "full", "swa", "full"]
+        model = U.gptoss_model(WINDOW)
+        inst = {"P": self.instance("P", 1, 303, kinds, model,
+                                   pp_stages=[(0, 0, 1), (1, 1, None)])}
+        reqs = [
+            {"room": 601, "n": 90, "prefix": 0, "chunks": [32, 90], "owner": "P"},
+            {"room": 602, "n": 17, "prefix": 16, "chunks": [17], "owner": "P"},
+            {"room": 603, "n": 64, "prefix": 0, "chunks": [64], "owner": "P"},
+        ]
+        self.assertEqual(inst["P"].mgrs[1].parallel.layer_end, 4)
+        self.drive(model, kinds, reqs, inst, decode_tp=2)
+
+    def instance(self, *args, **kw):
+        i = Instance(*args, **kw)
+        self.addCleanup(i.close)
+        return i
+
+    def drive(self, model, kinds, reqs, inst, decode_tp):
+        """Runs the requests through both schedulers' queues and checks everything."""
         for r in reqs:
             r["chunks"] = [(0 if i == 0 else r["chunks"][i - 1], e)
                            for i, e in enumerate(r["chunks"])]
         by_room = {r["room"]: r for r in reqs}
-        inst = {"A": Instance("A", 1, 101, kinds, model),
-                "B": Instance("B", 2, 202, kinds, model)}
-        dranks = [SglRank(model, 2, r, U.DECODE_SEED, kinds) for r in range(2)]
+        dranks = [SglRank(model, decode_tp, r, U.DECODE_SEED, kinds) for r in range(decode_tp)]
         dmgrs = []
         try:
             for d in dranks:
-                dmgrs.append(KVManager(d.args, "decode", server_args(2, port=31000),
+                dmgrs.append(KVManager(d.args, "decode", server_args(decode_tp, port=31000),
                                        model_config=model_config(kinds), transport=TRANSPORT,
                                        wait_timeout_ms=30000))
             spages = req_pages(reqs, 31)    # every rank of an instance shares its page table
@@ -293,7 +338,8 @@ class TestSGLangBackend(unittest.TestCase):
                         ss[0].failure_exception()
                     self.assertIn(inst[by_room[room]["owner"]].addr, str(cm.exception))
             # A cleared sender keeps its final state.
-            self.assertEqual(p_done[201][1][0].poll(), KVPoll.Success)
+            ok = [room for room in p_done if not by_room[room].get("abort")]
+            self.assertEqual(p_done[ok[0]][1][0].poll(), KVPoll.Success)
 
             # Aux data: written at the decode's own slot, nothing else touched.
             for k, d in enumerate(dranks):
@@ -325,7 +371,7 @@ class TestSGLangBackend(unittest.TestCase):
                                 expect[j][o:o + p.page_bytes] = snap[j][o:o + p.page_bytes]
                         continue
                     i = inst[r["owner"]]
-                    srcs = [pr.hr for pr in i.ranks]
+                    srcs = i.srcs
                     U.ref_apply(model, srcs, [s.snapshot() for s in srcs],
                                 [spages] * i.tp, d.hr, expect, dpages, r)
                 for j, p in enumerate(d.hr.planes):
@@ -342,8 +388,6 @@ class TestSGLangBackend(unittest.TestCase):
         finally:
             for m in dmgrs:
                 m.close()
-            for i in inst.values():
-                i.close()
 
 
 class TestSGLangBackendUnits(unittest.TestCase):
