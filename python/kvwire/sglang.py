@@ -89,7 +89,7 @@ class KVArgs:
         self.swa_page_size = None
         self.system_dp_rank = 0
         self.pp_rank = 0
-        self.prefill_start_layer = 0
+        self.prefill_start_layer = None
         self.prefill_end_layer = None
         self.gpu_id = 0
         self.ib_device = None
@@ -278,7 +278,13 @@ class KVManager:
         attn_tp = tp // dp if dp_attn else tp
         pp = int(getattr(server_args, "pp_size", 1) or 1)
         dp_rank = int(getattr(args, "system_dp_rank", 0) or 0) if dp_attn else 0
-        begin = int(getattr(args, "prefill_start_layer", 0) or 0)
+        begin = getattr(args, "prefill_start_layer", None)
+        if begin is None:
+            if pp > 1 and int(args.pp_rank or 0) > 0:
+                raise ValueError("PP stage %d: KVArgs.prefill_start_layer (the stage's first "
+                                 "layer) is required" % args.pp_rank)
+            begin = 0
+        begin = int(begin)
         end = getattr(args, "prefill_end_layer", None)
         if end is not None:
             end = int(end)

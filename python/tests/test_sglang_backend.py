@@ -498,6 +498,12 @@ class TestSGLangBackendUnits(unittest.TestCase):
             bad = KVArgs(**d.args.__dict__)
             bad.kv_head_num = 4
             KVManager(bad, "decode", server_args(1), model_config=model_config(kinds))
+        with self.assertRaisesRegex(ValueError, "PP stage 1: KVArgs.prefill_start_layer"):
+            bad = KVArgs(**d.args.__dict__)
+            bad.pp_rank = 1
+            sa = server_args(1)
+            sa.pp_size = 2
+            KVManager(bad, "decode", sa, model_config=model_config(kinds))
         with self.assertRaisesRegex(ValueError, "mamba.*not supported"):
             bad = KVArgs(**d.args.__dict__)
             bad.state_types = ["swa", "mamba"]
