@@ -45,9 +45,10 @@ class SglRank:
     described to the backend only through SGLang's flat pointer lists."""
 
     def __init__(self, model, tp, rank, seed, kinds, swa_pool=True, host_rank=None,
-                 stage=None):
+                 stage=None, mla=False):
         """stage: (pp_rank, first layer, end layer or None) of a PP stage whose
-        buffers are those layers of host_rank (shared by the stages)."""
+        buffers are those layers of host_rank (shared by the stages). mla: the K
+        planes (of a one-head model) are the latent buffers; the V planes stay out."""
         self.hr = host_rank or U.HostRank(model, tp, rank, page_size=PS, swa_page_size=PS,
                                           full_pages=FULL_PAGES, swa_pages=SWA_PAGES,
                                           seed=seed, describe=False)
@@ -62,13 +63,14 @@ class SglRank:
         def flat(ps):
             ks = [p for p in ps if p.role == kvwire.Role.K]
             vs = [p for p in ps if p.role == kvwire.Role.V]
-            ordered = ks + vs
+            ordered = ks if mla else ks + vs
             return ([self.addr(p.mem) + p.guard for p in ordered],
                     [p.length for p in ordered], [p.page_bytes for p in ordered])
 
         a = KVArgs()
         a.engine_rank, a.page_size = rank, PS
-        a.kv_head_num, a.total_kv_head_num = self.hr.heads, model.num_kv_heads
+        if not mla:
+            a.kv_head_num, a.total_kv_head_num = self.hr.heads, model.num_kv_heads
         a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens = flat(full)
         if swa:
             a.state_types = [StateType.SWA]
@@ -114,12 +116,12 @@ class Instance:
     or the PP stages of one TP rank when pp_stages is given). srcs: the HostRanks
     of its TP group, for the reference."""
 
-    def __init__(self, name, tp, seed, kinds, model, pp_stages=None):
+    def __init__(self, name, tp, seed, kinds, model, pp_stages=None, mla=False):
         self.name, self.tp = name, tp
         self.server = KVBootstrapServer("127.0.0.1", 0)
         self.addr = self.server.address
         if pp_stages is None:
-            self.ranks = [SglRank(model, tp, r, seed, kinds) for r in range(tp)]
+            self.ranks = [SglRank(model, tp, r, seed, kinds, mla=mla) for r in range(tp)]
             sa = server_args(tp, self.server.port)
         else:
             assert tp == 1
@@ -130,9 +132,21 @@ class Instance:
             sa = server_args(1, self.server.port)
             sa.pp_size = len(pp_stages)
         self.srcs = [self.ranks[0].hr] if pp_stages else [r.hr for r in self.ranks]
+        if mla:
+            # Every TP rank holds the same latent cache, as in an MLA engine.
+            for r in self.ranks[1:]:
+                for p, p0 in zip(r.hr.planes, self.ranks[0].hr.planes):
+                    p.mem[:] = p0.mem
+            # The reference's view: one TP1 rank holding that cache.
+            ref = U.HostRank(model, 1, 0, page_size=PS, swa_page_size=PS,
+                             full_pages=FULL_PAGES, swa_pages=SWA_PAGES, describe=False)
+            for p, p0 in zip(ref.planes, self.ranks[0].hr.planes):
+                p.mem[:] = p0.mem
+            self.srcs, self.tp = [ref], 1
         self.mgrs = []
         for r in self.ranks:
-            self.mgrs.append(KVManager(r.args, "prefill", sa, model_config=model_config(kinds),
+            self.mgrs.append(KVManager(r.args, "prefill", sa, mla,
+                                       model_config=model_config(kinds),
                                        transport=TRANSPORT, wait_timeout_ms=30000))
 
     def close(self):
@@ -187,23 +201,43 @@ class TestSGLangBackend(unittest.TestCase):
         self.assertEqual(inst["P"].mgrs[1].parallel.layer_end, 4)
         self.drive(model, kinds, reqs, inst, decode_tp=2)
 
+    def test_mla_tp1_and_tp2_to_tp2(self):
+        # MLA: every decode rank receives whole latent rows from one prefill rank.
+        kinds = ["full", "full", "full"]
+        model = kvwire.Model(kinds, num_kv_heads=1, head_dim=144, elem_size=2)
+        inst = {"A": self.instance("A", 1, 404, kinds, model, mla=True),
+                "B": self.instance("B", 2, 505, kinds, model, mla=True)}
+        reqs = [
+            {"room": 701, "n": 33, "prefix": 0, "chunks": [16, 33], "owner": "A"},
+            {"room": 702, "n": 64, "prefix": 32, "chunks": [64], "owner": "B"},
+            {"room": 703, "n": 5, "prefix": 0, "chunks": [5], "owner": "B"},
+        ]
+        self.assertEqual(inst["A"].mgrs[0].model.kinds, [kvwire.LayerKind.MLA] * 3)
+        self.drive(model, kinds, reqs, inst, decode_tp=2, mla=True)
+
     def instance(self, *args, **kw):
         i = Instance(*args, **kw)
         self.addCleanup(i.close)
         return i
 
-    def drive(self, model, kinds, reqs, inst, decode_tp):
+    def drive(self, model, kinds, reqs, inst, decode_tp, mla=False):
         """Runs the requests through both schedulers' queues and checks everything."""
         for r in reqs:
             r["chunks"] = [(0 if i == 0 else r["chunks"][i - 1], e)
                            for i, e in enumerate(r["chunks"])]
         by_room = {r["room"]: r for r in reqs}
-        dranks = [SglRank(model, decode_tp, r, U.DECODE_SEED, kinds) for r in range(decode_tp)]
+
+        def states(swa_pages):
+            """state_indices as SGLang builds them: one entry per state type."""
+            return [swa_pages] if "swa" in kinds else []
+        dranks = [SglRank(model, decode_tp, r, U.DECODE_SEED, kinds, mla=mla)
+                  for r in range(decode_tp)]
         dmgrs = []
         try:
             for d in dranks:
                 dmgrs.append(KVManager(d.args, "decode", server_args(decode_tp, port=31000),
-                                       model_config=model_config(kinds), transport=TRANSPORT,
+                                       mla, model_config=model_config(kinds),
+                                       transport=TRANSPORT,
                                        wait_timeout_ms=30000))
             spages = req_pages(reqs, 31)    # every rank of an instance shares its page table
             dpages = req_pages(reqs, 37)
@@ -242,7 +276,7 @@ class TestSGLangBackend(unittest.TestCase):
                     self.assertEqual(st, KVPoll.WaitingForInput, r["room"])
                     full, swa, _ = dpages[r["room"]]
                     for rv in rvs:
-                        rv.send_metadata(full[r["prefix"] // PS:], d_aux[r["room"]], [swa],
+                        rv.send_metadata(full[r["prefix"] // PS:], d_aux[r["room"]], states(swa),
                                          decode_prefix_len=r["prefix"], num_tokens=r["n"])
                     d_transfer.append((r, rvs))
                 d_prealloc = keep
@@ -279,7 +313,7 @@ class TestSGLangBackend(unittest.TestCase):
                             pr.set_aux(p_aux[r["room"]], aux_payload(r["room"]))
                     for s in ss:
                         if s.should_send_kv_chunk(len(pages), last):
-                            s.send(pages, [swa] if last else None)
+                            s.send(pages, states(swa) if last else None)
                     if r.get("abort") == "prefill" and k == 0:
                         for s in ss:
                             s.abort()
@@ -374,6 +408,12 @@ class TestSGLangBackend(unittest.TestCase):
                     srcs = i.srcs
                     U.ref_apply(model, srcs, [s.snapshot() for s in srcs],
                                 [spages] * i.tp, d.hr, expect, dpages, r)
+                if mla:
+                    # MLA: whole latent rows (the K planes of a one-head model, so the
+                    # reference's rule applies); the V planes are no buffers at all.
+                    for j, p in enumerate(d.hr.planes):
+                        if p.role == kvwire.Role.V:
+                            expect[j] = bytearray(before[k][j])
                 for j, p in enumerate(d.hr.planes):
                     self.assertEqual(snap[j][:U.GUARD], before[k][j][:U.GUARD])
                     self.assertEqual(snap[j][-U.GUARD:], before[k][j][-U.GUARD:])
