@@ -510,6 +510,7 @@ class _Request:
         self._room = None
         self._error = None      # (reason, status) of a failure found here
         self._final = None      # KVPoll kept after clear()
+        self._metric = None     # KVTransferMetric kept after clear()
         self.num_tokens = None
 
     def _fail(self, reason, status=None):
@@ -544,12 +545,15 @@ class _Request:
         poll() keeps returning the last state."""
         if self._room is not None:
             self._final = self.poll()
+            self._metric = self.get_transfer_metric()
             self._room.close()
             self._room = None
 
     def get_transfer_metric(self):
+        """KVTransferMetric: transfer latency and bytes (kept after clear(), which
+        SGLang's prefill calls first)."""
         if self._room is None:
-            return KVTransferMetric()
+            return self._metric or KVTransferMetric()
         m = self._room.metrics()
         return KVTransferMetric(m.seconds or None, None, m.bytes)
 
@@ -565,7 +569,10 @@ class KVSender(_Request):
         if not mgr.is_prefill:
             raise ValueError("KVSender needs a prefill KVManager")
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
-        self._room = mgr.context.sender(self.bootstrap_room)
+        try:
+            self._room = mgr.context.sender(self.bootstrap_room)
+        except KvwireError as e:        # e.g. the room is already open on this rank
+            self._fail(e.message or str(e), e.status)
         self.num_kv_indices = None
         self.aux_index = None
         self._pages_sent = 0
@@ -625,6 +632,9 @@ class KVSender(_Request):
             raise ValueError("room %d: state indices come with the last chunk only"
                              % self.bootstrap_room)
         end_tok = self.num_tokens if last else end_page * ps
+        if self._room is None:
+            self._pages_sent, self._last_sent = end_page, last
+            return
         try:
             if last and self.kv_mgr.aux and self.aux_index is not None:
                 self._room.set_metadata(self.kv_mgr.read_aux(self.aux_index))
@@ -640,7 +650,9 @@ class KVSender(_Request):
         """KVPoll: Bootstrapping until a decode rank posted its pages for the room,
         then WaitingForInput, Transferring, Success or Failed."""
         if self._room is None:
-            return self._final if self._final is not None else KVPoll.Failed
+            if self._final is not None:
+                return self._final
+            return KVPoll.Failed
         st = self._room.poll()
         if self._error is not None or st == RoomState.FAILED:
             return KVPoll.Failed

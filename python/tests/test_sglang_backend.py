@@ -371,6 +371,8 @@ class TestSGLangBackend(unittest.TestCase):
                     with self.assertRaises(KVTransferError) as cm:
                         ss[0].failure_exception()
                     self.assertIn(inst[by_room[room]["owner"]].addr, str(cm.exception))
+                else:   # cleared already: the metric survives clear(), as SGLang needs
+                    self.assertGreater(ss[0].get_transfer_metric().transfer_total_bytes, 0)
             # A cleared sender keeps its final state.
             ok = [room for room in p_done if not by_room[room].get("abort")]
             self.assertEqual(p_done[ok[0]][1][0].poll(), KVPoll.Success)
@@ -493,6 +495,12 @@ class TestSGLangBackendUnits(unittest.TestCase):
                            model_config=model_config(kinds), transport=TRANSPORT)
             try:
                 s = KVSender(pm, server.address, 401, [0], 0)
+                dup = KVSender(pm, server.address, 401, [0], 0)   # room already open here
+                self.assertEqual(dup.poll(), KVPoll.Failed)
+                with self.assertRaises(KVTransferError) as cm:
+                    dup.failure_exception()
+                self.assertEqual(cm.exception.status, kvwire.Status.ERR_BUSY)
+                self.assertIn(server.address, str(cm.exception))
                 with self.assertRaisesRegex(ValueError, "num_tokens=len"):
                     s.init(3, 0)                       # a page count alone: refused
                 with self.assertRaisesRegex(ValueError, "does not fit 3 pages"):
