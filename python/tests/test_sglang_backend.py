@@ -116,11 +116,21 @@ class Instance:
     or the PP stages of one TP rank when pp_stages is given). srcs: the HostRanks
     of its TP group, for the reference."""
 
-    def __init__(self, name, tp, seed, kinds, model, pp_stages=None, mla=False):
-        self.name, self.tp = name, tp
+    def __init__(self, name, tp, seed, kinds, model, pp_stages=None, mla=False, dp=1):
+        """dp > 1: DP attention, dp groups of tp ranks (server tp_size = tp * dp)."""
+        self.name, self.tp, self.dp = name, tp, dp
         self.server = KVBootstrapServer("127.0.0.1", 0)
         self.addr = self.server.address
-        if pp_stages is None:
+        if dp > 1:
+            self.ranks = []
+            for g in range(dp):
+                for r in range(tp):
+                    sr = SglRank(model, tp, r, seed + 7 * g, kinds)
+                    sr.args.system_dp_rank = g
+                    self.ranks.append(sr)
+            sa = server_args(tp * dp, self.server.port)
+            sa.dp_size, sa.enable_dp_attention = dp, True
+        elif pp_stages is None:
             self.ranks = [SglRank(model, tp, r, seed, kinds, mla=mla) for r in range(tp)]
             sa = server_args(tp, self.server.port)
         else:
@@ -148,6 +158,17 @@ class Instance:
             self.mgrs.append(KVManager(r.args, "prefill", sa, mla,
                                        model_config=model_config(kinds),
                                        transport=TRANSPORT, wait_timeout_ms=30000))
+
+    def group(self, dp_rank):
+        """The ranks (SglRank, KVManager) of DP group dp_rank."""
+        k = dp_rank * self.tp if self.dp > 1 else 0
+        n = self.tp if self.dp > 1 else len(self.ranks)
+        return self.ranks[k:k + n], self.mgrs[k:k + n]
+
+    def group_srcs(self, dp_rank):
+        if self.dp == 1:
+            return self.srcs
+        return [r.hr for r in self.group(dp_rank)[0]]
 
     def close(self):
         for m in self.mgrs:
@@ -201,6 +222,21 @@ class TestSGLangBackend(unittest.TestCase):
         self.assertEqual(inst["P"].mgrs[1].parallel.layer_end, 4)
         self.drive(model, kinds, reqs, inst, decode_tp=2)
 
+    def test_dp_attention_prefill_instance(self):
+        # A prefill instance with DP attention (2 groups of TP2; SGLang routes a room
+        # to group room % dp) and a TP1 prefill instance feed one TP1 decode instance;
+        # receivers name the group per room.
+        kinds = ["swa", "full", "swa", "full"]
+        model = U.gptoss_model(WINDOW)
+        inst = {"D": self.instance("D", 2, 606, kinds, model, dp=2),
+                "A": self.instance("A", 1, 707, kinds, model)}
+        reqs = [{"room": room, "n": n, "prefix": 0, "chunks": ch, "owner": "D",
+                 "dp": room % 2} for room, n, ch in ((800, 45, [16, 45]), (801, 33, [33]),
+                                                     (802, 96, [64, 96]), (803, 8, [8]))]
+        reqs.append({"room": 804, "n": 60, "prefix": 16, "chunks": [60], "owner": "A"})
+        self.assertEqual(inst["D"].mgrs[3].parallel.dp_rank, 1)
+        self.drive(model, kinds, reqs, inst, decode_tp=1)
+
     def test_mla_tp1_and_tp2_to_tp2(self):
         # MLA: every decode rank receives whole latent rows from one prefill rank.
         kinds = ["full", "full", "full"]
@@ -251,13 +287,15 @@ class TestSGLangBackend(unittest.TestCase):
             p_boot, d_prealloc, d_rooms = [], [], {}
             for r in reqs:
                 i = inst[r["owner"]]
-                ss = [KVSender(m, i.addr, r["room"], [k], 0) for k, m in enumerate(i.mgrs)]
+                g = r.get("dp", 0)
+                ss = [KVSender(m, i.addr, r["room"], [k], 0)
+                      for k, m in enumerate(i.group(g)[1])]
                 self.assertEqual(reduce_min(s.poll() for s in ss), KVPoll.Bootstrapping)
                 p_boot.append((r, ss))
                 rvs = [KVReceiver(m, i.addr, r["room"]) for m in dmgrs]
                 self.assertEqual(reduce_min(rv.poll() for rv in rvs), KVPoll.Bootstrapping)
                 for rv in rvs:
-                    rv.init(0)          # the scheduler's fast path: dp size 1
+                    rv.init(g)          # the scheduler's fast path (dp rank known)
                 d_prealloc.append((r, rvs))
                 d_rooms[r["room"]] = rvs
             p_wait, p_inflight, d_transfer = [], [], []
@@ -309,7 +347,7 @@ class TestSGLangBackend(unittest.TestCase):
                     full, swa, _ = spages[r["room"]]
                     pages = full[b // PS:-(-e // PS)]
                     if last:
-                        for pr in inst[r["owner"]].ranks:
+                        for pr in inst[r["owner"]].group(r.get("dp", 0))[0]:
                             pr.set_aux(p_aux[r["room"]], aux_payload(r["room"]))
                     for s in ss:
                         if s.should_send_kv_chunk(len(pages), last):
@@ -407,9 +445,9 @@ class TestSGLangBackend(unittest.TestCase):
                                 expect[j][o:o + p.page_bytes] = snap[j][o:o + p.page_bytes]
                         continue
                     i = inst[r["owner"]]
-                    srcs = i.srcs
+                    srcs = i.group_srcs(r.get("dp", 0))
                     U.ref_apply(model, srcs, [s.snapshot() for s in srcs],
-                                [spages] * i.tp, d.hr, expect, dpages, r)
+                                [spages] * len(srcs), d.hr, expect, dpages, r)
                 if mla:
                     # MLA: whole latent rows (the K planes of a one-head model, so the
                     # reference's rule applies); the V planes are no buffers at all.
@@ -438,6 +476,43 @@ class TestSGLangBackendUnits(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         U.library_or_skip()
+
+    def test_interface_matches_sglang(self):
+        """Positional parameters, in order, as SGLang's base classes declare them
+        (sglang.srt.disaggregation.base.conn); extensions are keyword-only."""
+        import inspect
+
+        def positional(f):
+            return [p.name for p in inspect.signature(f).parameters.values()
+                    if p.kind == inspect.Parameter.POSITIONAL_OR_KEYWORD][1:]
+
+        def keyword_only(f):
+            return [p.name for p in inspect.signature(f).parameters.values()
+                    if p.kind == inspect.Parameter.KEYWORD_ONLY]
+        self.assertEqual(positional(KVManager.__init__),
+                         ["args", "disaggregation_mode", "server_args", "is_mla_backend"])
+        self.assertEqual(positional(KVSender.__init__),
+                         ["mgr", "bootstrap_addr", "bootstrap_room", "dest_tp_ranks", "pp_rank",
+                          "req_has_disagg_prefill_dp_rank"])
+        self.assertEqual(positional(KVSender.init), ["num_kv_indices", "aux_index"])
+        self.assertEqual(keyword_only(KVSender.init), ["num_tokens"])
+        self.assertEqual(positional(KVSender.send),
+                         ["kv_indices", "state_indices", "token_position_offset"])
+        self.assertEqual(positional(KVReceiver.__init__),
+                         ["mgr", "bootstrap_addr", "bootstrap_room", "prefill_dp_rank"])
+        self.assertEqual(positional(KVReceiver.init), ["prefill_dp_rank"])
+        self.assertEqual(positional(KVReceiver.send_metadata),
+                         ["kv_indices", "aux_index", "state_indices", "decode_prefix_len"])
+        self.assertEqual(keyword_only(KVReceiver.send_metadata), ["num_tokens"])
+        self.assertEqual(positional(KVBootstrapServer.__init__), ["host", "port"])
+        for cls in (KVSender, KVReceiver):
+            for m in ("poll", "failure_exception", "abort", "clear", "get_transfer_metric"):
+                self.assertEqual(positional(getattr(cls, m)), [], m)
+        self.assertEqual([(k.name, int(k)) for k in KVPoll],
+                         [("Failed", 0), ("Bootstrapping", 1), ("WaitingForInput", 2),
+                          ("Transferring", 3), ("Success", 4)])
+        self.assertEqual(StateType.SWA.value, "swa")
+        self.assertEqual(StateType.MAMBA.value, "mamba")
 
     def test_whole_pages_without_token_hint(self):
         # No sliding-window pool: SGLang's page counts are enough; a 40-token request
