@@ -648,9 +648,8 @@ class TestSGLangBackendUnits(unittest.TestCase):
                 rv.send_metadata([1], 0)
                 while rv.poll() != KVPoll.Failed:
                     self.assertNotEqual(rv.poll(), KVPoll.Success)
-                    self.assertLess(time.monotonic() - t0, 30, addr)
+                    self.assertLess(time.monotonic() - t0, 15, addr)
                     time.sleep(0.001)
-                self.assertLess(time.monotonic() - t0, 30)
                 with self.assertRaises(KVTransferError) as cm:
                     rv.failure_exception()
                 self.assertIn(addr, str(cm.exception))
