@@ -35,10 +35,12 @@ manager is built.
 Aux data (first output token, logprobs, hidden states) at ``aux_index`` of the
 prefill's aux buffers travels as kvwire per-room metadata and is written into the
 decode's aux buffers at its own ``aux_index`` when the room reaches Success (before
-``poll`` first returns ``KVPoll.Success``).
+``poll`` first returns ``KVPoll.Success``). The payload starts with the aux layout
+(buffer count and item lengths); a decode whose layout differs fails the room.
 """
 import ctypes
 import enum
+import struct
 import zlib
 
 from .connector import KVPoll, kvpoll, _side
@@ -397,9 +399,12 @@ class KVManager:
         if not (len(self.aux) == len(args.aux_data_ptrs or []) == len(args.aux_item_lens or [])):
             raise ValueError("aux_data_ptrs/lens/item_lens have different lengths")
         self.aux_bytes = sum(item for _, _, item in self.aux)
-        if self.aux_bytes > MAX_AUX_BYTES:
+        self._aux_header = struct.pack("<%dI" % (len(self.aux) + 1), len(self.aux),
+                                       *[item for _, _, item in self.aux])
+        if len(self._aux_header) + self.aux_bytes > MAX_AUX_BYTES:
             raise ValueError("aux items take %d bytes per request; kvwire carries at most %d "
-                             "per room" % (self.aux_bytes, MAX_AUX_BYTES))
+                             "per room" % (len(self._aux_header) + self.aux_bytes,
+                                           MAX_AUX_BYTES))
 
         self.rank = Rank(self.model, self.parallel, buffers)
         try:
@@ -451,8 +456,10 @@ class KVManager:
         return num_tokens
 
     def read_aux(self, aux_index):
-        """The request's aux bytes: item aux_index of every aux buffer, concatenated."""
-        out = []
+        """The request's aux payload: a header (the number of aux buffers and each
+        one's item length, uint32 little-endian) then item aux_index of every aux
+        buffer, concatenated."""
+        out = [self._aux_header]
         for ptr, length, item in self.aux:
             off = int(aux_index) * item
             if aux_index < 0 or off + item > length:
@@ -462,11 +469,17 @@ class KVManager:
         return b"".join(out)
 
     def write_aux(self, aux_index, data):
-        """Writes read_aux()'s layout into item aux_index of every aux buffer."""
-        if len(data) != self.aux_bytes:
-            raise ValueError("aux data of %d bytes, this rank's aux items take %d"
-                             % (len(data), self.aux_bytes))
-        pos = 0
+        """Writes a read_aux() payload into item aux_index of every aux buffer; the
+        prefill's aux layout must be this rank's (else ValueError, nothing written)."""
+        hdr = self._aux_header
+        if len(data) < 4 or data[:4] != hdr[:4] or data[:len(hdr)] != hdr or \
+                len(data) != len(hdr) + self.aux_bytes:
+            n = struct.unpack_from("<I", data)[0] if len(data) >= 4 else 0
+            theirs = list(struct.unpack_from("<%dI" % n, data, 4)) \
+                if len(data) >= 4 * (n + 1) else "unreadable"
+            raise ValueError("the prefill's aux items %s (bytes each) differ from this rank's %s"
+                             % (theirs, [item for _, _, item in self.aux]))
+        pos = len(hdr)
         for ptr, length, item in self.aux:
             off = int(aux_index) * item
             if aux_index < 0 or off + item > length:

@@ -45,7 +45,7 @@ class SglRank:
     described to the backend only through SGLang's flat pointer lists."""
 
     def __init__(self, model, tp, rank, seed, kinds, swa_pool=True, host_rank=None,
-                 stage=None, mla=False):
+                 stage=None, mla=False, aux_items=AUX_ITEMS):
         """stage: (pp_rank, first layer, end layer or None) of a PP stage whose
         buffers are those layers of host_rank (shared by the stages). mla: the K
         planes (of a one-head model) are the latent buffers; the V planes stay out."""
@@ -76,10 +76,11 @@ class SglRank:
             a.state_types = [StateType.SWA]
             p, l, i = flat(swa)
             a.state_data_ptrs, a.state_data_lens, a.state_item_lens = [p], [l], [i]
-        self.aux = [bytearray(os.urandom(AUX_SLOTS * item + 2 * U.GUARD)) for item in AUX_ITEMS]
+        self.aux_items = aux_items
+        self.aux = [bytearray(os.urandom(AUX_SLOTS * item + 2 * U.GUARD)) for item in aux_items]
         a.aux_data_ptrs = [self.addr(b) + U.GUARD for b in self.aux]
-        a.aux_data_lens = [AUX_SLOTS * item for item in AUX_ITEMS]
-        a.aux_item_lens = list(AUX_ITEMS)
+        a.aux_data_lens = [AUX_SLOTS * item for item in aux_items]
+        a.aux_item_lens = list(aux_items)
         if stage is not None:
             a.pp_rank, a.prefill_start_layer, a.prefill_end_layer = stage
         self.args = a
@@ -92,14 +93,14 @@ class SglRank:
     def set_aux(self, slot, data):
         """What SGLang's MetadataBuffers.set_buf does before the last chunk."""
         pos = 0
-        for buf, item in zip(self.aux, AUX_ITEMS):
+        for buf, item in zip(self.aux, self.aux_items):
             o = U.GUARD + slot * item
             buf[o:o + item] = data[pos:pos + item]
             pos += item
 
     def get_aux(self, slot):
         return b"".join(bytes(buf[U.GUARD + slot * item:U.GUARD + (slot + 1) * item])
-                        for buf, item in zip(self.aux, AUX_ITEMS))
+                        for buf, item in zip(self.aux, self.aux_items))
 
 
 def aux_payload(room):
@@ -554,6 +555,44 @@ class TestSGLangBackendUnits(unittest.TestCase):
                 for j, pl in enumerate(d.hr.planes):
                     self.assertTrue(pl.mem == expect[j], U.first_difference(pl.mem, expect[j]))
                 self.assertNotEqual([bytes(x) for x in before], [bytes(x.mem) for x in d.hr.planes])
+            finally:
+                dm.close()
+                pm.close()
+
+    def test_aux_layout_mismatch_fails_closed(self):
+        # Same total aux bytes, different split: the decode must not scatter them.
+        kinds = ["full"]
+        model = kvwire.Model(["full"], num_kv_heads=8, head_dim=64, elem_size=2)
+        with KVBootstrapServer("127.0.0.1", 0) as server:
+            p = SglRank(model, 1, 0, 11, kinds)
+            d = SglRank(model, 1, 0, 12, kinds, aux_items=tuple(reversed(AUX_ITEMS)))
+            pm = KVManager(p.args, "prefill", server_args(1, server.port),
+                           model_config=model_config(kinds), transport=TRANSPORT)
+            dm = KVManager(d.args, "decode", server_args(1), model_config=model_config(kinds),
+                           transport=TRANSPORT)
+            try:
+                aux_before = [bytes(b) for b in d.aux]
+                rv = KVReceiver(dm, server.address, 901)
+                rv.init(0)
+                rv.send_metadata([4, 5], 2, [])
+                s = KVSender(pm, server.address, 901, [0], 0)
+                t_end = time.monotonic() + DEADLINE
+                while s.poll() == KVPoll.Bootstrapping:
+                    self.assertLess(time.monotonic(), t_end)
+                    time.sleep(0.001)
+                s.init(2, 0)
+                p.set_aux(0, aux_payload(901))
+                s.send([7, 8], [])
+                while rv.poll() not in (KVPoll.Success, KVPoll.Failed):
+                    self.assertLess(time.monotonic(), t_end)
+                    time.sleep(0.001)
+                self.assertEqual(rv.poll(), KVPoll.Failed)
+                with self.assertRaisesRegex(KVTransferError, r"aux items \[64, 200\].*"
+                                            r"\[200, 64\]"):
+                    rv.failure_exception()
+                self.assertEqual([bytes(b) for b in d.aux], aux_before)
+                s.clear()
+                rv.clear()
             finally:
                 dm.close()
                 pm.close()
