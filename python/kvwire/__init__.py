@@ -2,7 +2,8 @@
 
 Python bindings (ctypes, standard library only) over libkvwire.so. The library is
 found through $KVWIRE_LIB, the package directory, <repo>/build, then the system's
-dynamic loader. See kvwire.connector for the engine-facing adapter.
+dynamic loader. See kvwire.connector for a token-counting engine adapter and
+kvwire.sglang for a backend with SGLang's disaggregation interface.
 """
 from ._native import LibraryNotFound, load as load_library, lib_path
 from .core import (Status, LayerKind, Pool, Role, Layout, MemKind, Side, RoomState, RankField,

@@ -3,16 +3,26 @@
 * KVManager: one per rank (per TP/PP/DP worker process), built once at start-up from
   the engine's KV cache buffers. Wraps a kvwire Rank and Context; on the prefill side
   the first rank of the instance hosts the bootstrap endpoint.
-* KVSender: one per request on each prefill rank: init(num_tokens), send(pages) per
-  chunk as prefill proceeds, poll() until KVPoll.Success or KVPoll.Failed.
-* KVReceiver: one per request on each decode rank: init(num_tokens, prefix_len),
-  send_metadata(pages, ...) once its pages are allocated, poll().
+* KVSender: one per request on each prefill rank: init_tokens(num_tokens),
+  send(pages, chunk_end=...) per chunk as prefill proceeds, poll() until
+  KVPoll.Success or KVPoll.Failed.
+* KVReceiver: one per request on each decode rank: init_tokens(num_tokens,
+  prefix_len=...), send_metadata(pages, swa_pages=..., ...) once its pages are
+  allocated, poll().
+
+This adapter counts tokens. SGLang's backend interface uses the same method names
+with other units and argument orders (init(num_pages, aux_index),
+send_metadata(kv_indices, aux_index, ...), state indices per state type); that
+interface is kvwire.sglang. To keep a call written for one from silently meaning
+something else here, this module has no init() and takes everything after the page
+list as keywords.
 
 KVPoll uses the numbering engines use (Failed=0 ... Success=4), which differs from
 kvwire's own RoomState; kvpoll() maps one to the other.
 
-kvwire moves KV pages and state slots only; engine metadata that other connectors
-carry in "aux" buffers (first output token, logprobs) is not transferred here.
+kvwire moves KV pages and state slots here; per-room metadata ("aux" data: first
+output token, logprobs) goes through kvwire.Sender.set_metadata /
+Receiver.metadata, which kvwire.sglang uses.
 """
 import enum
 
@@ -215,14 +225,14 @@ class KVSender(_Request):
         self._sent = 0
         self._next_page = 0
 
-    def init(self, num_tokens, aux_index=None):
-        """Announces the request's length (tokens of the prompt that prefill computes)."""
+    def init_tokens(self, num_tokens):
+        """Announces the request's length in tokens (the prompt that prefill computes)."""
         self.num_tokens = int(num_tokens)
         self._sent = 0
         self._next_page = 0
 
-    def send(self, page_indices, chunk_end=None, last=None, *, first_page=None,
-             swa_pages=None, swa_first_token=None, state_slot=None, state_indices=None):
+    def send(self, page_indices, *, chunk_end=None, last=None, first_page=None,
+             swa_pages=None, swa_first_token=None, state_slot=None):
         """Sends the next chunk: tokens [end of the previous chunk, chunk_end).
 
         page_indices: this rank's full-pool pages holding the chunk, starting with the
@@ -232,9 +242,9 @@ class KVSender(_Request):
         at num_tokens); last defaults to chunk_end == num_tokens. The last chunk also
         carries the sliding-window pages (swa_pages, starting at swa_first_token,
         default manager.swa_window_start(num_tokens)) and the state slot
-        (state_slot, or state_indices[0])."""
+        (state_slot)."""
         if self.num_tokens is None:
-            raise RuntimeError("KVSender.init(num_tokens) must come before send()")
+            raise RuntimeError("KVSender.init_tokens(num_tokens) must come before send()")
         ps = self.mgr.page_size or 1
         pages = page_indices.tolist() if hasattr(page_indices, "tolist") else list(page_indices)
         fp = self._next_page if first_page is None else int(first_page)
@@ -243,8 +253,6 @@ class KVSender(_Request):
         chunk_end = int(chunk_end)
         if last is None:
             last = chunk_end >= self.num_tokens
-        if state_slot is None and state_indices is not None and len(state_indices):
-            state_slot = int(state_indices[0])
         swa = ()
         swa_first = 0
         if last:
@@ -272,32 +280,31 @@ class KVReceiver(_Request):
             (data_parallel_rank or 0)
         self.prefix_len = 0
 
-    def init(self, num_tokens, prefix_len=0, prefill_dp_rank=None):
+    def init_tokens(self, num_tokens, *, prefix_len=0, prefill_dp_rank=None):
         """Opens the request on this rank: num_tokens of the prompt, of which the first
         prefix_len are already cached here (they are not sent)."""
         if self._room is not None:
-            raise RuntimeError("KVReceiver.init called twice")
+            raise RuntimeError("KVReceiver.init_tokens called twice")
         if prefill_dp_rank is not None:
             self.prefill_dp_rank = int(prefill_dp_rank)
         self.num_tokens = int(num_tokens)
         self.prefix_len = int(prefix_len)
         self._room = self.mgr.context.receiver(self.bootstrap_room, self.prefill_dp_rank)
 
-    def send_metadata(self, page_indices, prefix_len=None, swa_pages=None, state_slot=None, *,
-                      swa_first_token=None, first_page=0, state_indices=None):
+    def send_metadata(self, page_indices, *, prefix_len=None, swa_pages=None, state_slot=None,
+                      swa_first_token=None, first_page=0):
         """Tells the prefill ranks where to write.
 
         page_indices: this rank's full-pool pages of the request from page first_page
         (default 0: the whole request, cached prefix included). swa_pages: the
         sliding-window pool's pages from swa_first_token (default
-        manager.swa_window_start(num_tokens)). state_slot (or state_indices[0]): the
-        request's slot in state buffers."""
+        manager.swa_window_start(num_tokens)). state_slot: the request's slot in
+        state buffers. prefix_len overrides init_tokens'."""
         if self._room is None:
-            raise RuntimeError("KVReceiver.init(num_tokens) must come before send_metadata()")
+            raise RuntimeError("KVReceiver.init_tokens(num_tokens) must come before "
+                               "send_metadata()")
         if prefix_len is not None:
             self.prefix_len = int(prefix_len)
-        if state_slot is None and state_indices is not None and len(state_indices):
-            state_slot = int(state_indices[0])
         ps = self.mgr.page_size or 1
         swa = () if swa_pages is None else swa_pages
         swa_first = 0

@@ -256,10 +256,10 @@ def prefill_worker(conn, cfg):
                 else:
                     from kvwire.connector import KVSender
                     s = KVSender(ctxs[k], bootstrap_addr=addr, bootstrap_room=r["room"])
-                    s.init(r["n"])
+                    s.init_tokens(r["n"])
                     for (b, e) in r["chunks"]:
                         fp = b // FULL_PS
-                        s.send(full[fp:_pages_needed(0, e, FULL_PS)], e,
+                        s.send(full[fp:_pages_needed(0, e, FULL_PS)], chunk_end=e,
                                swa_pages=swa if e == r["n"] else None)
                 rooms.append((r["room"], hr.tp_rank, s))
         results = []

@@ -92,7 +92,7 @@ class TestEndToEnd(unittest.TestCase):
                     for r in reqs:
                         full, swa, swa0 = pages[r["room"]]
                         rv = KVReceiver(mgr, addr, r["room"])
-                        rv.init(r["n"], r["prefix"])
+                        rv.init_tokens(r["n"], prefix_len=r["prefix"])
                         rv.send_metadata(full, swa_pages=swa)  # SWA start: the default
                         self.assertEqual(swa0, mgr.swa_window_start(r["n"]))
                         rooms.append((r["room"], d.tp_rank, rv))

@@ -1,6 +1,7 @@
 """Error paths: every failure surfaces as KvwireError with kvwire's status, or as a
 FAILED room with a reason; nothing hangs. Prefill and decode contexts share this
 process here (the library's threads do the work while ctypes releases the GIL)."""
+import inspect
 import time
 import unittest
 
@@ -154,7 +155,16 @@ class TestErrorPaths(unittest.TestCase):
             self.assertEqual(rv.poll(), KVPoll.Bootstrapping)
             with self.assertRaises(RuntimeError):
                 rv.send_metadata([0])
-            rv.init(20)
+            # SGLang-shaped calls (page counts, aux_index in second place) are refused
+            # instead of meaning tokens here; kvwire.sglang is that interface.
+            self.assertFalse(hasattr(rv, "init"))
+            self.assertFalse(hasattr(KVSender, "init"))
+            for p in ("chunk_end", "last"):
+                self.assertEqual(inspect.signature(KVSender.send).parameters[p].kind,
+                                 inspect.Parameter.KEYWORD_ONLY)
+            rv.init_tokens(20)
+            with self.assertRaises(TypeError):
+                rv.send_metadata([3, 4], 5)         # send_metadata(kv_indices, aux_index)
             rv.send_metadata([3, 4], swa_pages=[1, 2])
             self.assertEqual(rv.poll(), KVPoll.WaitingForInput)
             rv.abort()
