@@ -121,6 +121,10 @@ kvw_status_t kvw__cuda_plan_in_make(const struct kvw_plan *plan, unsigned uses,
                                     kvwc_map_in_t *maps, kvwc_plan_in_t *in_p);
 void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
 
+/* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */
+struct kvw_cuda_profile;
+void kvw__cuda_profile_add(const struct kvw_cuda_profile *d);
+
 #ifdef __cplusplus
 }
 #endif

@@ -12,6 +12,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -388,4 +389,30 @@ kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream)
     st = kvw_cuda_ret(ops, ops->plan_exec_once(&in, stream));
     kvw__cuda_plan_in_free(&in);
     return st;
+}
+
+/* ---------------------------------------------------------------- profile */
+
+/* Relaxed atomics: workers add their steps concurrently; a reader only needs totals. */
+static _Atomic uint64_t kvw_prof[8];
+
+void kvw__cuda_profile_add(const kvw_cuda_profile_t *d)
+{
+    const uint64_t v[8] = {d->steps, d->bytes, d->plan_ns, d->launch_ns, d->upload_dev_ns,
+                           d->kernel_dev_ns, d->wait_ns, d->notify_ns};
+    for (int i = 0; i < 8; i++)
+        if (v[i])
+            atomic_fetch_add_explicit(&kvw_prof[i], v[i], memory_order_relaxed);
+}
+
+void kvw_cuda_profile(kvw_cuda_profile_t *out, int reset)
+{
+    uint64_t v[8];
+    for (int i = 0; i < 8; i++)
+        v[i] = reset ? atomic_exchange_explicit(&kvw_prof[i], 0, memory_order_relaxed)
+                     : atomic_load_explicit(&kvw_prof[i], memory_order_relaxed);
+    if (out)
+        *out = (kvw_cuda_profile_t){.steps = v[0], .bytes = v[1], .plan_ns = v[2],
+                                    .launch_ns = v[3], .upload_dev_ns = v[4],
+                                    .kernel_dev_ns = v[5], .wait_ns = v[6], .notify_ns = v[7]};
 }

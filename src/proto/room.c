@@ -2,6 +2,7 @@
  * Rooms: the per-request state machines on both sides, the frames that drive them,
  * the prefill worker that moves bytes, and the decode side's transport callbacks.
  */
+#include "cuda/module.h"
 #include "plan/walk.h"
 #include "proto/proto.h"
 
@@ -712,15 +713,21 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     if (peer->mapped) {
         /* The decode buffers are mapped here (CUDA IPC): one fused kernel writes them
          * directly, and the notification goes out only after it completed. */
+        kvw_cuda_profile_t prof = {.steps = 1};
+        uint64_t t0 = kvw__now_ns();
         if ((st = kvw_plan_create(ctx->rank, peer->mapped, &c, &q->pages, &d->pages, &plan)) !=
             KVW_OK)
             return st;
         *bytes_p = plan->bytes;
         int dev = kvw__rank_cuda_device(ctx->rank);
+        uint64_t t1 = kvw__now_ns(), t2 = t1, t3 = t1;
         if (dev >= 0) {
             if ((st = kvw_cuda_set_device(dev)) == KVW_OK &&
-                (st = kvw_plan_exec_cuda(plan, NULL)) == KVW_OK)
+                (st = kvw_plan_exec_cuda(plan, NULL)) == KVW_OK) {
+                t2 = kvw__now_ns();
                 st = kvw_cuda_stream_sync(NULL);
+            }
+            t3 = kvw__now_ns();
         } else {
             st = kvw_plan_exec_cpu(plan);
         }
@@ -730,6 +737,14 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             if ((st = kvw__wb_finish(&w)) == KVW_OK)
                 st = ctx->tl_ops->notify(peer->ep, w.p, w.len);
             kvw__wb_free(&w);
+        }
+        if (dev >= 0) {
+            prof.bytes = plan->bytes;
+            prof.plan_ns = t1 - t0;
+            prof.launch_ns = t2 - t1;
+            prof.wait_ns = t3 - t2;
+            prof.notify_ns = kvw__now_ns() - t3;
+            kvw__cuda_profile_add(&prof);
         }
         *runs_p = plan->num_segs;
         kvw_plan_destroy(plan);

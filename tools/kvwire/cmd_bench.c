@@ -1642,6 +1642,7 @@ static void b_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvwire bench [options]\n"
+            "  --gpu                 KV caches in GPU memory over cuda_ipc (kvwire bench --gpu --help)\n"
             "  --transport LIST      shm, tcp, ucx, a comma list, or all (default: all compiled in)\n"
             "  --model NAME          model preset (default gpt-oss-120b)\n"
             "  --layers N            keep the first N layers (default 12; 0 = all)\n"
@@ -1695,8 +1696,14 @@ static bool b_tl_compiled(const char *name)
     return false;
 }
 
+int kvw_bench_gpu(int argc, char **argv); /* cmd_bench_gpu.c */
+
 static int cmd_bench(int argc, char **argv)
 {
+    /* KV caches in GPU memory: a separate benchmark with its own options. */
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--gpu"))
+            return kvw_bench_gpu(argc, argv);
     bench_cfg_t c = {.model = "gpt-oss-120b", .layers = 12, .ptp = 1, .dtp = 4,
                      .lengths = {64, 256, 1024, 4096, 8192}, .num_lengths = 5, .reps = 5,
                      .page = 64, .rate_rooms = 2000, .rate_inflight = 64, .mem_rooms = 1000,
