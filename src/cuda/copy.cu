@@ -9,6 +9,7 @@
 #include "cuda/internal.h"
 
 #include <stdlib.h>
+#include <time.h>
 
 struct kvwc_plan {
     int device;
@@ -152,13 +153,11 @@ static kvw_status_t kvwc_layout_of(const kvwc_plan_in_t *in, kvwc_layout_t *L)
     return KVW_OK;
 }
 
-/* Writes the host image of the device plan for device address `dev_base`. */
-static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, const kvwc_layout_t *L,
-                                 uint64_t dev_base, void **host_p, kvwc_plan *p)
+/* Writes the host image of the device plan for device address `dev_base` into `host`
+ * (L->size bytes) and points `p` at the device copy-to-be. */
+static void kvwc_fill(const kvwc_plan_in_t *in, const kvwc_layout_t *L, uint64_t dev_base,
+                      void *host, kvwc_plan *p)
 {
-    void *host = malloc(L->size ? L->size : 1);
-    if (host == NULL)
-        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory laying out a device plan");
     kvwc_blob_fill(in, L, host, dev_base);
     p->dsegs = (const kvwc_dseg_t *)(uintptr_t)dev_base;
     p->job_seg = (const uint32_t *)(uintptr_t)(dev_base + L->jobs_off);
@@ -166,6 +165,16 @@ static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, const kvwc_layout_t *
     p->num_jobs = L->num_jobs;
     p->bytes = in->bytes;
     p->uses = in->uses;
+}
+
+/* The same into a new heap buffer. */
+static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, const kvwc_layout_t *L,
+                                 uint64_t dev_base, void **host_p, kvwc_plan *p)
+{
+    void *host = malloc(L->size ? L->size : 1);
+    if (host == NULL)
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory laying out a device plan");
+    kvwc_fill(in, L, dev_base, host, p);
     *host_p = host;
     return KVW_OK;
 }
@@ -286,7 +295,7 @@ kvw_status_t kvwc_plan_exec_once(const kvwc_plan_in_t *in, void *stream)
     cudaError_t e = cudaMallocAsync(&p.dmem, L.size, s);
     if (e != cudaSuccess)
         return kvwc_cuda_error(e, "cudaMallocAsync for a device plan");
-    void *host;
+    void *host = NULL;
     st = kvwc_prepare(in, &L, (uint64_t)(uintptr_t)p.dmem, &host, &p);
     if (st != KVW_OK)
         goto err_free_dev;
@@ -304,4 +313,130 @@ err_free_dev:
     if (st == KVW_OK && e != cudaSuccess)
         st = kvwc_cuda_error(e, "cudaFreeAsync for a device plan");
     return st;
+}
+
+/* ---------------------------------------------------------------- executors */
+
+struct kvwc_exec {
+    int device, grid;
+    cudaStream_t stream;
+    cudaEvent_t ev[3]; /* before the upload, before the kernel, after the kernel */
+    void *host;        /* pinned: the plan image, copied asynchronously */
+    void *dmem;        /* the device plan */
+    uint64_t cap;      /* bytes of each */
+};
+
+static uint64_t kvwc_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void kvwc_exec_destroy(kvwc_exec_h x)
+{
+    if (x == NULL)
+        return;
+    if (x->stream)
+        cudaStreamSynchronize(x->stream);
+    for (int i = 0; i < 3; i++)
+        if (x->ev[i])
+            cudaEventDestroy(x->ev[i]);
+    if (x->stream)
+        cudaStreamDestroy(x->stream);
+    if (x->host)
+        cudaFreeHost(x->host);
+    if (x->dmem)
+        cudaFree(x->dmem);
+    free(x);
+}
+
+kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
+{
+    kvwc_exec *x = (kvwc_exec *)calloc(1, sizeof(*x));
+    if (x == NULL)
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA executor");
+    kvwc_plan p = {};
+    kvw_status_t st = kvwc_plan_device(&p);
+    cudaError_t e = cudaSuccess;
+    const char *what = NULL;
+    x->device = p.device;
+    x->grid = p.grid;
+    /* Non-blocking: the legacy default stream would serialise every worker thread's
+     * kernels and synchronise with them implicitly. */
+    if (st == KVW_OK && (e = cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking)) !=
+                            cudaSuccess)
+        what = "cudaStreamCreateWithFlags";
+    for (int i = 0; st == KVW_OK && what == NULL && i < 3; i++)
+        if ((e = cudaEventCreate(&x->ev[i])) != cudaSuccess)
+            what = "cudaEventCreate";
+    if (what)
+        st = kvwc_cuda_error(e, what);
+    if (st != KVW_OK) {
+        kvwc_exec_destroy(x);
+        return st;
+    }
+    *exec_p = x;
+    return KVW_OK;
+}
+
+kvw_status_t kvwc_exec_run(kvwc_exec_h x, const kvwc_plan_in_t *in, kvwc_step_prof_t *prof)
+{
+    uint64_t t0 = kvwc_now_ns();
+    *prof = (kvwc_step_prof_t){};
+    kvwc_layout_t L;
+    kvw_status_t st = kvwc_layout_of(in, &L);
+    if (st != KVW_OK || L.num_jobs == 0)
+        return st;
+    if (!(in->uses & KVWC_USE_DIRECT))
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "an executor runs direct copies only");
+    cudaError_t e;
+    if (L.size > x->cap) {
+        /* Grown only for a plan larger than any this executor ran (by doubling), so the
+         * steady state allocates nothing. The previous step has completed: each run
+         * returns only after its kernel. */
+        uint64_t cap = L.size > 2 * x->cap ? L.size : 2 * x->cap;
+        if (cap < (1u << 20))
+            cap = 1u << 20;
+        if (x->host)
+            cudaFreeHost(x->host);
+        if (x->dmem)
+            cudaFree(x->dmem);
+        x->host = x->dmem = NULL;
+        x->cap = 0;
+        if ((e = cudaHostAlloc(&x->host, cap, cudaHostAllocDefault)) != cudaSuccess)
+            return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
+        if ((e = cudaMalloc(&x->dmem, cap)) != cudaSuccess)
+            return kvwc_cuda_error(e, "cudaMalloc for device plans");
+        x->cap = cap;
+    }
+    kvwc_plan p = {};
+    p.device = x->device;
+    p.grid = x->grid;
+    kvwc_fill(in, &L, (uint64_t)(uintptr_t)x->dmem, x->host, &p);
+    const char *what = NULL;
+    if ((e = cudaEventRecord(x->ev[0], x->stream)) != cudaSuccess)
+        what = "cudaEventRecord";
+    else if ((e = cudaMemcpyAsync(x->dmem, x->host, L.size, cudaMemcpyHostToDevice,
+                                  x->stream)) != cudaSuccess)
+        what = "cudaMemcpyAsync uploading a device plan";
+    else if ((e = cudaEventRecord(x->ev[1], x->stream)) != cudaSuccess)
+        what = "cudaEventRecord";
+    if (what)
+        return kvwc_cuda_error(e, what);
+    if ((st = kvwc_launch(&p, KVWC_MODE_DIRECT, 0, x->stream)) != KVW_OK)
+        return st;
+    if ((e = cudaEventRecord(x->ev[2], x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaEventRecord");
+    uint64_t t1 = kvwc_now_ns();
+    prof->launch_ns = t1 - t0;
+    /* The caller notifies the receiver next, so the bytes must have landed: wait for
+     * this stream's last event only, not for the device or other threads' work. */
+    if ((e = cudaEventSynchronize(x->ev[2])) != cudaSuccess)
+        return kvwc_cuda_error(e, "the copy kernel (cudaEventSynchronize)");
+    prof->wait_ns = kvwc_now_ns() - t1;
+    if (cudaEventElapsedTime(&prof->upload_ms, x->ev[0], x->ev[1]) != cudaSuccess ||
+        cudaEventElapsedTime(&prof->kernel_ms, x->ev[1], x->ev[2]) != cudaSuccess)
+        prof->upload_ms = prof->kernel_ms = 0;
+    return KVW_OK;
 }

@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 2
+#define KVWC_ABI_VERSION 3
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -70,6 +70,18 @@ typedef struct kvwc_plan_in {
 
 typedef struct kvwc_plan *kvwc_plan_h;
 
+/* A worker thread's executor: its own non-blocking stream, events, and a pinned host
+ * and a device buffer for plan images that grow to the largest plan seen and are then
+ * reused, so that a step allocates nothing and waits only for its own work. */
+typedef struct kvwc_exec *kvwc_exec_h;
+
+/* What one executor step cost: host clock for enqueueing and waiting, CUDA events on
+ * the executor's stream for the upload and the kernel. */
+typedef struct kvwc_step_prof {
+    uint64_t launch_ns, wait_ns;
+    float upload_ms, kernel_ms;
+} kvwc_step_prof_t;
+
 #define KVWC_IPC_HANDLE_SIZE 64
 
 typedef struct kvwc_ops {
@@ -106,6 +118,12 @@ typedef struct kvwc_ops {
                                  void *stream);
     /* Upload, run the direct copy and release the device copy, all ordered on `stream`. */
     kvw_status_t (*plan_exec_once)(const kvwc_plan_in_t *in, void *stream);
+    /* An executor on the current device (see kvwc_exec_h); exec_destroy waits for its
+     * stream first. exec_run uploads the plan into the executor's buffers, runs the
+     * direct copy on its stream and returns once the kernel has completed. */
+    kvw_status_t (*exec_create)(kvwc_exec_h *exec_p);
+    void (*exec_destroy)(kvwc_exec_h exec);
+    kvw_status_t (*exec_run)(kvwc_exec_h exec, const kvwc_plan_in_t *in, kvwc_step_prof_t *prof);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -117,12 +135,18 @@ typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
  * KVW_MEM_CUDA with addresses. Errors: INVALID_PARAM, NO_MEMORY.
  */
 struct kvw_plan;
+struct kvw_cuda_profile;
 kvw_status_t kvw__cuda_plan_in_make(const struct kvw_plan *plan, unsigned uses,
                                     kvwc_map_in_t *maps, kvwc_plan_in_t *in_p);
 void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
 
+/* The protocol's GPU step: runs a plan's direct copy on the calling thread's executor
+ * (created on first use, and again when the current device changed; released when the
+ * thread exits) and returns once the bytes have landed. Adds launch, wait and the
+ * device times to *prof. Errors as kvw_cuda_plan_upload, plus the kernel's. */
+kvw_status_t kvw__cuda_exec_step(const struct kvw_plan *plan, struct kvw_cuda_profile *prof);
+
 /* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */
-struct kvw_cuda_profile;
 void kvw__cuda_profile_add(const struct kvw_cuda_profile *d);
 
 #ifdef __cplusplus

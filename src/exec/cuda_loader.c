@@ -391,6 +391,90 @@ kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream)
     return st;
 }
 
+/* ---------------------------------------------------------------- per-thread executors */
+
+typedef struct kvw_texec {
+    const kvwc_ops_t *ops;
+    kvwc_exec_h ex;
+    int device;
+} kvw_texec_t;
+
+static pthread_key_t kvw_texec_key;
+static pthread_once_t kvw_texec_once = PTHREAD_ONCE_INIT;
+static int kvw_texec_key_ok;
+
+/* At thread exit: the executor waits for its stream, then releases everything. */
+static void kvw_texec_free(void *p)
+{
+    kvw_texec_t *t = p;
+    if (t) {
+        t->ops->exec_destroy(t->ex);
+        free(t);
+    }
+}
+
+static void kvw_texec_init(void)
+{
+    kvw_texec_key_ok = pthread_key_create(&kvw_texec_key, kvw_texec_free) == 0;
+}
+
+static kvw_status_t kvw_texec_get(const kvwc_ops_t *ops, kvw_texec_t **t_p)
+{
+    pthread_once(&kvw_texec_once, kvw_texec_init);
+    if (!kvw_texec_key_ok)
+        return kvw__error(KVW_ERR_INTERNAL, "cannot create the CUDA executors' thread key");
+    int dev = -1;
+    kvw_status_t st = kvw_cuda_ret(ops, ops->get_device(&dev));
+    if (st != KVW_OK)
+        return st;
+    kvw_texec_t *t = pthread_getspecific(kvw_texec_key);
+    if (t && t->device == dev) {
+        *t_p = t;
+        return KVW_OK;
+    }
+    if (t) {
+        /* Another device is current now: executors are tied to theirs. */
+        t->ops->exec_destroy(t->ex);
+    } else if ((t = calloc(1, sizeof(*t))) == NULL) {
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA executor");
+    }
+    t->ops = ops;
+    t->device = dev;
+    if ((st = kvw_cuda_ret(ops, ops->exec_create(&t->ex))) != KVW_OK) {
+        free(t);
+        pthread_setspecific(kvw_texec_key, NULL);
+        return st;
+    }
+    pthread_setspecific(kvw_texec_key, t);
+    *t_p = t;
+    return KVW_OK;
+}
+
+kvw_status_t kvw__cuda_exec_step(const struct kvw_plan *plan, kvw_cuda_profile_t *prof)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw_texec_get(ops, &t);
+    if (st != KVW_OK)
+        return st;
+    uint64_t t0 = kvw__now_ns();
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    if ((st = kvw__cuda_plan_in_make(plan, KVWC_USE_DIRECT, maps, &in)) != KVW_OK)
+        return st;
+    uint64_t flat = kvw__now_ns() - t0;
+    kvwc_step_prof_t sp;
+    st = kvw_cuda_ret(ops, ops->exec_run(t->ex, &in, &sp));
+    kvw__cuda_plan_in_free(&in);
+    prof->launch_ns += flat + sp.launch_ns;
+    prof->wait_ns += sp.wait_ns;
+    prof->upload_dev_ns += (uint64_t)(sp.upload_ms * 1e6);
+    prof->kernel_dev_ns += (uint64_t)(sp.kernel_ms * 1e6);
+    return st;
+}
+
 /* ---------------------------------------------------------------- profile */
 
 /* Relaxed atomics: workers add their steps concurrently; a reader only needs totals. */

@@ -720,13 +720,12 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             return st;
         *bytes_p = plan->bytes;
         int dev = kvw__rank_cuda_device(ctx->rank);
-        uint64_t t1 = kvw__now_ns(), t2 = t1, t3 = t1;
+        uint64_t t1 = kvw__now_ns(), t3 = t1;
         if (dev >= 0) {
-            if ((st = kvw_cuda_set_device(dev)) == KVW_OK &&
-                (st = kvw_plan_exec_cuda(plan, NULL)) == KVW_OK) {
-                t2 = kvw__now_ns();
-                st = kvw_cuda_stream_sync(NULL);
-            }
+            /* This thread's own stream and reused plan buffers; the wait is for this
+             * step's kernel alone (kvw__cuda_exec_step). */
+            if ((st = kvw_cuda_set_device(dev)) == KVW_OK)
+                st = kvw__cuda_exec_step(plan, &prof);
             t3 = kvw__now_ns();
         } else {
             st = kvw_plan_exec_cpu(plan);
@@ -741,8 +740,6 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         if (dev >= 0) {
             prof.bytes = plan->bytes;
             prof.plan_ns = t1 - t0;
-            prof.launch_ns = t2 - t1;
-            prof.wait_ns = t3 - t2;
             prof.notify_ns = kvw__now_ns() - t3;
             kvw__cuda_profile_add(&prof);
         }
