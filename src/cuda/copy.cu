@@ -317,13 +317,19 @@ err_free_dev:
 
 /* ---------------------------------------------------------------- executors */
 
-struct kvwc_exec {
-    int device, grid;
-    cudaStream_t stream;
-    cudaEvent_t ev[3]; /* before the upload, before the kernel, after the kernel */
+struct kvwc_slot {
     void *host;        /* pinned: the plan image, copied asynchronously */
     void *dmem;        /* the device plan */
     uint64_t cap;      /* bytes of each */
+    cudaEvent_t ev[3]; /* before the upload, before the kernel, after the kernel */
+    int busy;          /* launched, not reaped yet */
+};
+
+struct kvwc_exec {
+    int device, grid;
+    cudaStream_t stream;
+    kvwc_slot slot[KVWC_EXEC_SLOTS];
+    unsigned next; /* slots are used, and reaped, in turn */
 };
 
 static uint64_t kvwc_now_ns(void)
@@ -339,15 +345,18 @@ void kvwc_exec_destroy(kvwc_exec_h x)
         return;
     if (x->stream)
         cudaStreamSynchronize(x->stream);
-    for (int i = 0; i < 3; i++)
-        if (x->ev[i])
-            cudaEventDestroy(x->ev[i]);
+    for (int k = 0; k < KVWC_EXEC_SLOTS; k++) {
+        kvwc_slot *s = &x->slot[k];
+        for (int i = 0; i < 3; i++)
+            if (s->ev[i])
+                cudaEventDestroy(s->ev[i]);
+        if (s->host)
+            cudaFreeHost(s->host);
+        if (s->dmem)
+            cudaFree(s->dmem);
+    }
     if (x->stream)
         cudaStreamDestroy(x->stream);
-    if (x->host)
-        cudaFreeHost(x->host);
-    if (x->dmem)
-        cudaFree(x->dmem);
     free(x);
 }
 
@@ -367,9 +376,10 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
     if (st == KVW_OK && (e = cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking)) !=
                             cudaSuccess)
         what = "cudaStreamCreateWithFlags";
-    for (int i = 0; st == KVW_OK && what == NULL && i < 3; i++)
-        if ((e = cudaEventCreate(&x->ev[i])) != cudaSuccess)
-            what = "cudaEventCreate";
+    for (int k = 0; st == KVW_OK && what == NULL && k < KVWC_EXEC_SLOTS; k++)
+        for (int i = 0; what == NULL && i < 3; i++)
+            if ((e = cudaEventCreate(&x->slot[k].ev[i])) != cudaSuccess)
+                what = "cudaEventCreate";
     if (what)
         st = kvwc_cuda_error(e, what);
     if (st != KVW_OK) {
@@ -380,63 +390,96 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
     return KVW_OK;
 }
 
-kvw_status_t kvwc_exec_run(kvwc_exec_h x, const kvwc_plan_in_t *in, kvwc_step_prof_t *prof)
+kvw_status_t kvwc_exec_launch(kvwc_exec_h x, const kvwc_plan_in_t *in, int *slot_p,
+                              kvwc_step_prof_t *prof)
 {
     uint64_t t0 = kvwc_now_ns();
-    *prof = (kvwc_step_prof_t){};
+    *slot_p = -1;
     kvwc_layout_t L;
     kvw_status_t st = kvwc_layout_of(in, &L);
     if (st != KVW_OK || L.num_jobs == 0)
         return st;
     if (!(in->uses & KVWC_USE_DIRECT))
         return kvwc_error(KVW_ERR_INVALID_PARAM, "an executor runs direct copies only");
+    int k = (int)(x->next % KVWC_EXEC_SLOTS);
+    kvwc_slot *s = &x->slot[k];
+    if (s->busy)
+        return kvwc_error(KVW_ERR_BUSY, "CUDA executor: slot %d is still in flight (reap "
+                          "steps before launching more than %d)", k, KVWC_EXEC_SLOTS);
     cudaError_t e;
-    if (L.size > x->cap) {
-        /* Grown only for a plan larger than any this executor ran (by doubling), so the
-         * steady state allocates nothing. The previous step has completed: each run
-         * returns only after its kernel. */
-        uint64_t cap = L.size > 2 * x->cap ? L.size : 2 * x->cap;
+    if (L.size > s->cap) {
+        /* Grown only for a plan larger than any this slot ran (by doubling), so the
+         * steady state allocates nothing. The slot's last kernel has completed: it was
+         * reaped. */
+        uint64_t cap = L.size > 2 * s->cap ? L.size : 2 * s->cap;
         if (cap < (1u << 20))
             cap = 1u << 20;
-        if (x->host)
-            cudaFreeHost(x->host);
-        if (x->dmem)
-            cudaFree(x->dmem);
-        x->host = x->dmem = NULL;
-        x->cap = 0;
-        if ((e = cudaHostAlloc(&x->host, cap, cudaHostAllocDefault)) != cudaSuccess)
+        if (s->host)
+            cudaFreeHost(s->host);
+        if (s->dmem)
+            cudaFree(s->dmem);
+        s->host = NULL;
+        s->dmem = NULL;
+        s->cap = 0;
+        if ((e = cudaHostAlloc(&s->host, cap, cudaHostAllocDefault)) != cudaSuccess)
             return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
-        if ((e = cudaMalloc(&x->dmem, cap)) != cudaSuccess)
+        if ((e = cudaMalloc(&s->dmem, cap)) != cudaSuccess)
             return kvwc_cuda_error(e, "cudaMalloc for device plans");
-        x->cap = cap;
+        s->cap = cap;
     }
     kvwc_plan p = {};
     p.device = x->device;
     p.grid = x->grid;
-    kvwc_fill(in, &L, (uint64_t)(uintptr_t)x->dmem, x->host, &p);
+    kvwc_fill(in, &L, (uint64_t)(uintptr_t)s->dmem, s->host, &p);
     const char *what = NULL;
-    if ((e = cudaEventRecord(x->ev[0], x->stream)) != cudaSuccess)
+    if ((e = cudaEventRecord(s->ev[0], x->stream)) != cudaSuccess)
         what = "cudaEventRecord";
-    else if ((e = cudaMemcpyAsync(x->dmem, x->host, L.size, cudaMemcpyHostToDevice,
+    else if ((e = cudaMemcpyAsync(s->dmem, s->host, L.size, cudaMemcpyHostToDevice,
                                   x->stream)) != cudaSuccess)
         what = "cudaMemcpyAsync uploading a device plan";
-    else if ((e = cudaEventRecord(x->ev[1], x->stream)) != cudaSuccess)
+    else if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
         what = "cudaEventRecord";
     if (what)
         return kvwc_cuda_error(e, what);
     if ((st = kvwc_launch(&p, KVWC_MODE_DIRECT, 0, x->stream)) != KVW_OK)
         return st;
-    if ((e = cudaEventRecord(x->ev[2], x->stream)) != cudaSuccess)
+    if ((e = cudaEventRecord(s->ev[2], x->stream)) != cudaSuccess)
         return kvwc_cuda_error(e, "cudaEventRecord");
-    uint64_t t1 = kvwc_now_ns();
-    prof->launch_ns = t1 - t0;
-    /* The caller notifies the receiver next, so the bytes must have landed: wait for
-     * this stream's last event only, not for the device or other threads' work. */
-    if ((e = cudaEventSynchronize(x->ev[2])) != cudaSuccess)
-        return kvwc_cuda_error(e, "the copy kernel (cudaEventSynchronize)");
-    prof->wait_ns = kvwc_now_ns() - t1;
-    if (cudaEventElapsedTime(&prof->upload_ms, x->ev[0], x->ev[1]) != cudaSuccess ||
-        cudaEventElapsedTime(&prof->kernel_ms, x->ev[1], x->ev[2]) != cudaSuccess)
-        prof->upload_ms = prof->kernel_ms = 0;
+    s->busy = 1;
+    x->next++;
+    *slot_p = k;
+    prof->launch_ns += kvwc_now_ns() - t0;
+    return KVW_OK;
+}
+
+kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
+                            kvwc_step_prof_t *prof)
+{
+    *done_p = 0;
+    if (slot < 0 || slot >= KVWC_EXEC_SLOTS || !x->slot[slot].busy)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "CUDA executor: slot %d is not in flight",
+                          slot);
+    kvwc_slot *s = &x->slot[slot];
+    cudaError_t e;
+    if (block) {
+        /* The step's own last event: neither the device nor other threads' work. */
+        uint64_t t0 = kvwc_now_ns();
+        e = cudaEventSynchronize(s->ev[2]);
+        prof->wait_ns += kvwc_now_ns() - t0;
+    } else {
+        e = cudaEventQuery(s->ev[2]);
+        if (e == cudaErrorNotReady)
+            return KVW_OK;
+    }
+    s->busy = 0;
+    *done_p = 1;
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "the copy kernel");
+    float up = 0, kern = 0;
+    if (cudaEventElapsedTime(&up, s->ev[0], s->ev[1]) == cudaSuccess &&
+        cudaEventElapsedTime(&kern, s->ev[1], s->ev[2]) == cudaSuccess) {
+        prof->upload_ms += up;
+        prof->kernel_ms += kern;
+    }
     return KVW_OK;
 }

@@ -397,6 +397,7 @@ typedef struct kvw_texec {
     const kvwc_ops_t *ops;
     kvwc_exec_h ex;
     int device;
+    uint32_t inflight; /* launched, not reaped */
 } kvw_texec_t;
 
 static pthread_key_t kvw_texec_key;
@@ -432,6 +433,9 @@ static kvw_status_t kvw_texec_get(const kvwc_ops_t *ops, kvw_texec_t **t_p)
         *t_p = t;
         return KVW_OK;
     }
+    if (t && t->inflight)
+        return kvw__error(KVW_ERR_INTERNAL, "CUDA executor: device %d is current, but %u steps "
+                          "are still in flight on device %d", dev, t->inflight, t->device);
     if (t) {
         /* Another device is current now: executors are tied to theirs. */
         t->ops->exec_destroy(t->ex);
@@ -450,10 +454,20 @@ static kvw_status_t kvw_texec_get(const kvwc_ops_t *ops, kvw_texec_t **t_p)
     return KVW_OK;
 }
 
-kvw_status_t kvw__cuda_exec_step(const struct kvw_plan *plan, kvw_cuda_profile_t *prof)
+static void kvw_prof_add_step(kvw_cuda_profile_t *prof, const kvwc_step_prof_t *sp)
+{
+    prof->launch_ns += sp->launch_ns;
+    prof->wait_ns += sp->wait_ns;
+    prof->upload_dev_ns += (uint64_t)(sp->upload_ms * 1e6);
+    prof->kernel_dev_ns += (uint64_t)(sp->kernel_ms * 1e6);
+}
+
+kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
+                                   kvw_cuda_profile_t *prof)
 {
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
+    *slot_p = -1;
     kvw_status_t st = kvw_cuda_get(&ops);
     if (st == KVW_OK)
         st = kvw_texec_get(ops, &t);
@@ -464,14 +478,27 @@ kvw_status_t kvw__cuda_exec_step(const struct kvw_plan *plan, kvw_cuda_profile_t
     kvwc_plan_in_t in;
     if ((st = kvw__cuda_plan_in_make(plan, KVWC_USE_DIRECT, maps, &in)) != KVW_OK)
         return st;
-    uint64_t flat = kvw__now_ns() - t0;
-    kvwc_step_prof_t sp;
-    st = kvw_cuda_ret(ops, ops->exec_run(t->ex, &in, &sp));
+    kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
+    st = kvw_cuda_ret(ops, ops->exec_launch(t->ex, &in, slot_p, &sp));
     kvw__cuda_plan_in_free(&in);
-    prof->launch_ns += flat + sp.launch_ns;
-    prof->wait_ns += sp.wait_ns;
-    prof->upload_dev_ns += (uint64_t)(sp.upload_ms * 1e6);
-    prof->kernel_dev_ns += (uint64_t)(sp.kernel_ms * 1e6);
+    kvw_prof_add_step(prof, &sp);
+    if (st == KVW_OK && *slot_p >= 0)
+        t->inflight++;
+    return st;
+}
+
+kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_profile_t *prof)
+{
+    pthread_once(&kvw_texec_once, kvw_texec_init);
+    kvw_texec_t *t = kvw_texec_key_ok ? pthread_getspecific(kvw_texec_key) : NULL;
+    *done_p = 0;
+    if (t == NULL)
+        return kvw__error(KVW_ERR_INTERNAL, "CUDA executor: no step was launched on this thread");
+    kvwc_step_prof_t sp = {0};
+    kvw_status_t st = kvw_cuda_ret(t->ops, t->ops->exec_reap(t->ex, slot, block, done_p, &sp));
+    kvw_prof_add_step(prof, &sp);
+    if (*done_p)
+        t->inflight--;
     return st;
 }
 
