@@ -408,24 +408,30 @@ kvw_status_t kvwc_exec_launch(kvwc_exec_h x, const kvwc_plan_in_t *in, int *slot
                           "steps before launching more than %d)", k, KVWC_EXEC_SLOTS);
     cudaError_t e;
     if (L.size > s->cap) {
-        /* Grown only for a plan larger than any this slot ran (by doubling), so the
-         * steady state allocates nothing. The slot's last kernel has completed: it was
-         * reaped. */
+        /* Grown only for a plan larger than any this slot ran (by doubling), and every
+         * idle slot with it: cudaFree and cudaFreeHost synchronise the whole device, so
+         * this must happen once, on a first step, not on each slot's first use. An idle
+         * slot's last kernel has completed: it was reaped. */
         uint64_t cap = L.size > 2 * s->cap ? L.size : 2 * s->cap;
         if (cap < (1u << 20))
             cap = 1u << 20;
-        if (s->host)
-            cudaFreeHost(s->host);
-        if (s->dmem)
-            cudaFree(s->dmem);
-        s->host = NULL;
-        s->dmem = NULL;
-        s->cap = 0;
-        if ((e = cudaHostAlloc(&s->host, cap, cudaHostAllocDefault)) != cudaSuccess)
-            return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
-        if ((e = cudaMalloc(&s->dmem, cap)) != cudaSuccess)
-            return kvwc_cuda_error(e, "cudaMalloc for device plans");
-        s->cap = cap;
+        for (int j = 0; j < KVWC_EXEC_SLOTS; j++) {
+            kvwc_slot *o = &x->slot[j];
+            if (o->busy || o->cap >= cap)
+                continue;
+            if (o->host)
+                cudaFreeHost(o->host);
+            if (o->dmem)
+                cudaFree(o->dmem);
+            o->host = NULL;
+            o->dmem = NULL;
+            o->cap = 0;
+            if ((e = cudaHostAlloc(&o->host, cap, cudaHostAllocDefault)) != cudaSuccess)
+                return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
+            if ((e = cudaMalloc(&o->dmem, cap)) != cudaSuccess)
+                return kvwc_cuda_error(e, "cudaMalloc for device plans");
+            o->cap = cap;
+        }
     }
     kvwc_plan p = {};
     p.device = x->device;

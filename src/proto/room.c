@@ -718,6 +718,7 @@ typedef struct kvw_gpu_step {
 typedef struct kvw_gpu_q {
     kvw_gpu_step_t q[KVWC_EXEC_SLOTS];
     uint32_t head, n;
+    uint32_t depth; /* steps in flight at most: KVW_GPU_INFLIGHT, 1..KVWC_EXEC_SLOTS */
     uint64_t seq, reaped; /* last sequence number given out and reaped */
 } kvw_gpu_q_t;
 
@@ -805,8 +806,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
          * kernel; kvw_gpu_reap sends it once the bytes have landed. */
         kvw_cuda_profile_t prof = {.steps = 1, .bytes = plan->bytes,
                                    .plan_ns = kvw__now_ns() - t0};
-        if (g->n == KVWC_EXEC_SLOTS)
-            kvw_gpu_reap(ctx, g, true); /* every slot in flight: wait for the oldest */
+        if (g->n >= g->depth)
+            kvw_gpu_reap(ctx, g, true); /* as many in flight as allowed: wait for the oldest */
         kvw_gpu_step_t *e = &g->q[(g->head + g->n) % KVWC_EXEC_SLOTS];
         *e = (kvw_gpu_step_t){.r = r, .di = di, .peer = peer, .slot = -1};
         if ((st = kvw_cuda_set_device(dev)) == KVW_OK)
@@ -886,6 +887,11 @@ void *kvw__worker_main(void *arg)
     struct kvw_ctx *ctx = arg;
     kvw_gpu_q_t g;
     memset(&g, 0, sizeof(g));
+    /* Kernels in flight per worker (default all slots); 1 waits for each kernel before
+     * the next launch, as a step that synchronises would. */
+    const char *genv = getenv("KVW_GPU_INFLIGHT");
+    long depth = genv && *genv ? strtol(genv, NULL, 10) : KVWC_EXEC_SLOTS;
+    g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
         while (!ctx->stopping && ctx->q_head == NULL) {
