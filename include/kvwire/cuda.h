@@ -155,6 +155,9 @@ typedef struct kvw_cuda_profile {
     uint64_t kernel_dev_ns; /* device: the copy kernel (0 where it is not measured) */
     uint64_t wait_ns;       /* host: waiting for the kernel to complete */
     uint64_t notify_ns;     /* host: sending the completion notice */
+    /* Monotonic clock (CLOCK_MONOTONIC, comparable across processes of one host): the
+     * earliest step start and the latest completion notice sent; 0 when none. */
+    uint64_t first_start_ns, last_done_ns;
 } kvw_cuda_profile_t;
 
 /* Copies the totals into *out (if not NULL), then zeroes them if `reset`. */

@@ -504,8 +504,10 @@ kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_prof
 
 /* ---------------------------------------------------------------- profile */
 
-/* Relaxed atomics: workers add their steps concurrently; a reader only needs totals. */
-static _Atomic uint64_t kvw_prof[8];
+/* Relaxed atomics: workers add their steps concurrently; a reader only needs totals.
+ * The last two slots are the earliest start (a minimum) and the latest notice (a
+ * maximum). */
+static _Atomic uint64_t kvw_prof[10];
 
 void kvw__cuda_profile_add(const kvw_cuda_profile_t *d)
 {
@@ -514,16 +516,33 @@ void kvw__cuda_profile_add(const kvw_cuda_profile_t *d)
     for (int i = 0; i < 8; i++)
         if (v[i])
             atomic_fetch_add_explicit(&kvw_prof[i], v[i], memory_order_relaxed);
+    if (d->first_start_ns) {
+        uint64_t cur = atomic_load_explicit(&kvw_prof[8], memory_order_relaxed);
+        while ((cur == 0 || d->first_start_ns < cur) &&
+               !atomic_compare_exchange_weak_explicit(&kvw_prof[8], &cur, d->first_start_ns,
+                                                      memory_order_relaxed,
+                                                      memory_order_relaxed)) {
+        }
+    }
+    if (d->last_done_ns) {
+        uint64_t cur = atomic_load_explicit(&kvw_prof[9], memory_order_relaxed);
+        while (d->last_done_ns > cur &&
+               !atomic_compare_exchange_weak_explicit(&kvw_prof[9], &cur, d->last_done_ns,
+                                                      memory_order_relaxed,
+                                                      memory_order_relaxed)) {
+        }
+    }
 }
 
 void kvw_cuda_profile(kvw_cuda_profile_t *out, int reset)
 {
-    uint64_t v[8];
-    for (int i = 0; i < 8; i++)
+    uint64_t v[10];
+    for (int i = 0; i < 10; i++)
         v[i] = reset ? atomic_exchange_explicit(&kvw_prof[i], 0, memory_order_relaxed)
                      : atomic_load_explicit(&kvw_prof[i], memory_order_relaxed);
     if (out)
         *out = (kvw_cuda_profile_t){.steps = v[0], .bytes = v[1], .plan_ns = v[2],
                                     .launch_ns = v[3], .upload_dev_ns = v[4],
-                                    .kernel_dev_ns = v[5], .wait_ns = v[6], .notify_ns = v[7]};
+                                    .kernel_dev_ns = v[5], .wait_ns = v[6], .notify_ns = v[7],
+                                    .first_start_ns = v[8], .last_done_ns = v[9]};
 }

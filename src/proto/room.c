@@ -742,7 +742,8 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
         if (st == KVW_OK) {
             uint64_t t0 = kvw__now_ns();
             st = ctx->tl_ops->notify(e->peer->ep, e->done.p, e->done.len);
-            prof.notify_ns = kvw__now_ns() - t0;
+            prof.last_done_ns = kvw__now_ns();
+            prof.notify_ns = prof.last_done_ns - t0;
         }
         char msg[512] = "";
         if (st != KVW_OK)
@@ -805,7 +806,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         /* On the GPU: launch on this worker's stream and queue the DONE behind the
          * kernel; kvw_gpu_reap sends it once the bytes have landed. */
         kvw_cuda_profile_t prof = {.steps = 1, .bytes = plan->bytes,
-                                   .plan_ns = kvw__now_ns() - t0};
+                                   .plan_ns = kvw__now_ns() - t0, .first_start_ns = t0};
         if (g->n >= g->depth)
             kvw_gpu_reap(ctx, g, true); /* as many in flight as allowed: wait for the oldest */
         kvw_gpu_step_t *e = &g->q[(g->head + g->n) % KVWC_EXEC_SLOTS];

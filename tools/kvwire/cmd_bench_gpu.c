@@ -70,7 +70,8 @@ typedef struct g_result {
     uint64_t ns[G_MAX_REPS];
     uint64_t base_ns[G_MAX_REPS];
     int verified;
-    kvw_cuda_profile_t prof; /* prefill process, timed repetitions */
+    uint64_t t0[G_MAX_REPS], t1[G_MAX_REPS]; /* decode: first post, last SUCCESS seen */
+    kvw_cuda_profile_t prof[G_MAX_REPS];     /* prefill process, per timed repetition */
 } g_result_t;
 
 enum { G_OP_ARM = 1, G_OP_PROFILE = 2, G_OP_QUIT = 3 };
@@ -372,6 +373,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
         rc = 1;
     close(bs_fd);
     kvw_sender_h *snd = calloc((size_t)t->rooms * in.n, sizeof(*snd));
+    static kvw_cuda_profile_t per[G_MAX_REPS];
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's polls only */
     while (rc == 0) {
         g_cmd_t cmd;
@@ -382,16 +384,20 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             (void)g_write(ack_fd, &a, 1);
             break;
         }
+        /* A repetition's profile is read when the next one starts (or at the end): its
+         * last notices are counted right after they went out, which can be after the
+         * room reached SUCCESS here. The untimed first repetition is dropped. */
+        if (cmd.op == G_OP_PROFILE || cmd.rep >= 2) {
+            uint32_t k = cmd.op == G_OP_PROFILE ? cmd.rep : cmd.rep - 2;
+            kvw_cuda_profile(k < G_MAX_REPS ? &per[k] : NULL, 1);
+        } else {
+            kvw_cuda_profile(NULL, 1);
+        }
         if (cmd.op == G_OP_PROFILE) {
-            kvw_cuda_profile_t p;
-            kvw_cuda_profile(&p, 0);
-            if (g_write(ack_fd, &p, sizeof(p)))
+            if (g_write(ack_fd, per, sizeof(per)))
                 rc = 1;
             continue;
         }
-        /* The timed repetitions alone go into the profile. */
-        if (cmd.rep == 1)
-            kvw_cuda_profile(NULL, 1);
         for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
             kvw_send_chunk_t sc = {.num_tokens = t->tokens, .chunk_begin = 0,
                                    .chunk_end = t->tokens, .last_chunk = 1,
@@ -557,6 +563,8 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
             while (!g_terminal(kvw_receiver_poll(rcv[i])))
                 g_nap();
         uint64_t t1 = kvt_now_ns(), bytes = 0;
+        if (rep > 0)
+            res->t0[rep - 1] = t0, res->t1[rep - 1] = t1;
         for (uint32_t i = 0; i < t->rooms * in.n; i++) {
             if (rcv[i] == NULL)
                 continue;
@@ -616,8 +624,8 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         }
     }
     if (rc == 0) {
-        g_cmd_t cmd = {.op = G_OP_PROFILE};
-        if (g_write(cmd_fd, &cmd, sizeof(cmd)) || g_read(ack_fd, &res->prof, sizeof(res->prof)))
+        g_cmd_t cmd = {.op = G_OP_PROFILE, .rep = res->reps - 1};
+        if (g_write(cmd_fd, &cmd, sizeof(cmd)) || g_read(ack_fd, res->prof, sizeof(res->prof)))
             rc = -1, snprintf(err, cap, "the prefill process did not report its profile");
     }
     g_cmd_t q = {.op = G_OP_QUIT};
@@ -703,6 +711,42 @@ static double g_gbps(uint64_t bytes, uint64_t ns)
 static double g_ms(uint64_t ns)
 {
     return (double)ns / 1e6;
+}
+
+/* Medians over the timed repetitions of the three wall-clock phases, and the prefill
+ * workers' step sums over all of them. */
+typedef struct g_split {
+    uint64_t in, gpu, out;
+    kvw_cuda_profile_t sum;
+} g_split_t;
+
+static g_split_t g_split(const g_result_t *r)
+{
+    g_split_t sp;
+    uint64_t a[G_MAX_REPS], b[G_MAX_REPS], c[G_MAX_REPS];
+    uint32_t n = 0;
+    memset(&sp, 0, sizeof(sp));
+    for (uint32_t k = 0; k < r->reps; k++) {
+        const kvw_cuda_profile_t *p = &r->prof[k];
+        sp.sum.steps += p->steps;
+        sp.sum.plan_ns += p->plan_ns;
+        sp.sum.launch_ns += p->launch_ns;
+        sp.sum.upload_dev_ns += p->upload_dev_ns;
+        sp.sum.kernel_dev_ns += p->kernel_dev_ns;
+        sp.sum.wait_ns += p->wait_ns;
+        sp.sum.notify_ns += p->notify_ns;
+        if (p->first_start_ns < r->t0[k] || p->last_done_ns < p->first_start_ns ||
+            r->t1[k] < p->last_done_ns)
+            continue; /* no GPU step in this repetition */
+        a[n] = p->first_start_ns - r->t0[k];
+        b[n] = p->last_done_ns - p->first_start_ns;
+        c[n] = r->t1[k] - p->last_done_ns;
+        n++;
+    }
+    sp.in = g_median(a, n);
+    sp.gpu = g_median(b, n);
+    sp.out = g_median(c, n);
+    return sp;
 }
 
 static void g_usage(FILE *f)
@@ -810,7 +854,7 @@ int kvw_bench_gpu(int argc, char **argv)
         for (uint32_t i = 0; i < c.num_topo; i++) {
             const g_topo_t *t = &c.topo[i];
             const g_result_t *r = &res[i];
-            const kvw_cuda_profile_t *p = &r->prof;
+            g_split_t sp = g_split(r);
             uint64_t mn = g_median(r->ns, r->reps), mb = g_median(r->base_ns, r->reps);
             fprintf(jf, "%s\n  {\"prefill_tp\": %u, \"decode_tp\": %u, \"rooms\": %u, "
                     "\"tokens\": %llu, \"ok\": %s, \"verified\": %s, \"devices\": %d, "
@@ -823,47 +867,72 @@ int kvw_bench_gpu(int argc, char **argv)
             for (uint32_t k = 0; k < r->reps; k++)
                 fprintf(jf, "%s%llu", k ? ", " : "", (unsigned long long)r->base_ns[k]);
             fprintf(jf, "], \"protocol_gbps\": %.2f, \"baseline_gbps\": %.2f, \"ratio\": %.3f, "
-                    "\"prefill_profile\": {\"steps\": %llu, \"plan_ns\": %llu, "
-                    "\"launch_ns\": %llu, \"upload_dev_ns\": %llu, \"kernel_dev_ns\": %llu, "
-                    "\"wait_ns\": %llu, \"notify_ns\": %llu}}",
+                    "\"median_ns\": {\"post_to_first_step\": %llu, \"first_step_to_last_done\": "
+                    "%llu, \"last_done_to_success\": %llu}, \"per_rep_sum_ns\": {\"steps\": "
+                    "%llu, \"plan\": %llu, \"launch\": %llu, \"upload_dev\": %llu, "
+                    "\"kernel_dev\": %llu, \"wait\": %llu, \"notify\": %llu}}",
                     g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
-                    mb && mn ? (double)mb / (double)mn : 0.0, (unsigned long long)p->steps,
-                    (unsigned long long)p->plan_ns, (unsigned long long)p->launch_ns,
-                    (unsigned long long)p->upload_dev_ns, (unsigned long long)p->kernel_dev_ns,
-                    (unsigned long long)p->wait_ns, (unsigned long long)p->notify_ns);
+                    mb && mn ? (double)mb / (double)mn : 0.0, (unsigned long long)sp.in,
+                    (unsigned long long)sp.gpu, (unsigned long long)sp.out,
+                    (unsigned long long)sp.sum.steps, (unsigned long long)sp.sum.plan_ns,
+                    (unsigned long long)sp.sum.launch_ns,
+                    (unsigned long long)sp.sum.upload_dev_ns,
+                    (unsigned long long)sp.sum.kernel_dev_ns, (unsigned long long)sp.sum.wait_ns,
+                    (unsigned long long)sp.sum.notify_ns);
         }
         fprintf(jf, "\n]}\n");
         fclose(jf);
     }
 
-    printf("\nkvwire bench --gpu: %s (%u layers, page %u), %d GPU(s): prefill GPU 0 -> decode "
-           "GPU %d over cuda_ipc; medians of %u repetitions\n", c.model, m.m.num_layers, c.page,
-           res[0].devices, res[0].devices > 1 ? 1 : 0, c.reps);
-    printf("time per repetition, prefill process, summed over its worker steps (ms): plan = "
-           "building the plan on the host; launch = upload + kernel enqueue (host);\n"
-           "upload/kernel = CUDA events on the worker's stream; wait = host wait for the "
-           "kernel; notify = sending the completion notice\n");
-    printf("%-8s %-10s %8s %9s %9s %6s %7s | %6s %6s %6s %6s %6s %6s %s\n", "topology",
-           "rooms x tok", "MB", "proto GB/s", "base GB/s", "ratio", "ms", "plan", "launch",
-           "upload", "kernel", "wait", "notify", "verified");
+    printf("\nwhere the time goes (ms per repetition). Wall clock, medians: in = decode's first "
+           "post to the prefill's first GPU step;\nsteps = first step to the last completion "
+           "notice sent; out = that notice to SUCCESS seen on every decode rank.\nPrefill "
+           "worker steps, summed over steps (concurrent workers add up): plan = building the "
+           "plan; launch = flattening,\nupload and kernel enqueue (host); upload, kernel = CUDA "
+           "events on the worker's stream; wait = host blocked on a kernel;\nnotify = sending "
+           "completion notices\n");
+    printf("%-8s %-11s %6s | %6s %6s %6s | %5s %6s %6s %6s %7s %7s %6s\n", "topology",
+           "rooms x tok", "ms", "in", "steps", "out", "steps", "plan", "launch", "upload",
+           "kernel", "wait", "notify");
     for (uint32_t i = 0; i < c.num_topo; i++) {
         const g_topo_t *t = &c.topo[i];
         const g_result_t *r = &res[i];
-        const kvw_cuda_profile_t *p = &r->prof;
+        if (!r->ok || r->reps == 0)
+            continue;
+        g_split_t sp = g_split(r);
+        double per = (double)r->reps;
+        char topo[16], rt[24];
+        snprintf(topo, sizeof(topo), "TP%u->TP%u", t->ptp, t->dtp);
+        snprintf(rt, sizeof(rt), "%ux%llu", t->rooms, (unsigned long long)t->tokens);
+        printf("%-8s %-11s %6.3f | %6.3f %6.3f %6.3f | %5.0f %6.3f %6.3f %6.3f %7.3f %7.3f "
+               "%6.3f\n", topo, rt, g_ms(g_median(r->ns, r->reps)), g_ms(sp.in), g_ms(sp.gpu),
+               g_ms(sp.out), (double)sp.sum.steps / per, g_ms(sp.sum.plan_ns) / per,
+               g_ms(sp.sum.launch_ns) / per, g_ms(sp.sum.upload_dev_ns) / per,
+               g_ms(sp.sum.kernel_dev_ns) / per, g_ms(sp.sum.wait_ns) / per,
+               g_ms(sp.sum.notify_ns) / per);
+    }
+
+    printf("\nkvwire bench --gpu: %s (%u layers, page %u), %d GPU(s): prefill GPU 0 -> decode "
+           "GPU %d over cuda_ipc;\npost to SUCCESS on every decode rank against one %s copy of "
+           "the same bytes, medians of %u repetitions\n", c.model, m.m.num_layers, c.page,
+           res[0].devices, res[0].devices > 1 ? 1 : 0,
+           res[0].devices > 1 ? "peer (GPU 0 -> GPU 1)" : "device-to-device", c.reps);
+    printf("%-8s %-11s %8s %10s %9s %6s %7s  %s\n", "topology", "rooms x tok", "MB",
+           "proto GB/s", "base GB/s", "ratio", "ms", "verified");
+    for (uint32_t i = 0; i < c.num_topo; i++) {
+        const g_topo_t *t = &c.topo[i];
+        const g_result_t *r = &res[i];
         char topo[16], rt[24];
         snprintf(topo, sizeof(topo), "TP%u->TP%u", t->ptp, t->dtp);
         snprintf(rt, sizeof(rt), "%ux%llu", t->rooms, (unsigned long long)t->tokens);
         if (!r->ok || r->reps == 0) {
-            printf("%-8s %-10s FAILED: %s\n", topo, rt, r->err);
+            printf("%-8s %-11s FAILED: %s\n", topo, rt, r->err);
             continue;
         }
         uint64_t mn = g_median(r->ns, r->reps), mb = g_median(r->base_ns, r->reps);
-        double per = (double)r->reps;
-        printf("%-8s %-10s %8.1f %9.1f %9.1f %6.3f %7.3f | %6.3f %6.3f %6.3f %6.3f %6.3f %6.3f "
-               "%s\n", topo, rt, (double)r->bytes / 1e6, g_gbps(r->bytes, mn),
-               g_gbps(r->bytes, mb), mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn),
-               g_ms(p->plan_ns) / per, g_ms(p->launch_ns) / per, g_ms(p->upload_dev_ns) / per,
-               g_ms(p->kernel_dev_ns) / per, g_ms(p->wait_ns) / per, g_ms(p->notify_ns) / per,
+        printf("%-8s %-11s %8.1f %10.1f %9.1f %6.3f %7.3f  %s\n", topo, rt,
+               (double)r->bytes / 1e6, g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
+               mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn),
                r->verified ? "yes: every byte and guard" : "no");
     }
     printf("reproduce: kvwire bench --gpu --reps %u (JSON: %s)\n", c.reps, c.json);
