@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# GPU throughput of the CUDA executor against cudaMemcpyPeer, per-run cudaMemcpyAsync,
-# cudaMemcpyBatchAsync and same-GPU device-to-device copies, measured in one run
-# (kvw_gpu_bench, see bench/gpu/gpu_bench.cu). Without nvcc or a GPU it prints
-# "skipped: ..." and exits 0.
+# GPU throughput in two parts, each against a copy of the same bytes measured in the same
+# run. First the CUDA executor's kernels alone against cudaMemcpyPeer, per-run
+# cudaMemcpyAsync, cudaMemcpyBatchAsync and same-GPU device-to-device copies
+# (kvw_gpu_bench, see bench/gpu/gpu_bench.cu); then the whole protocol, prefill and
+# decode processes over cuda_ipc, timed from post to Success with every byte of one run
+# per topology verified (kvwire bench --gpu, see tools/kvwire/cmd_bench_gpu.c). Without
+# nvcc or a GPU it prints "skipped: ..." and exits 0.
 #
 #   scripts/gpu-bench.sh [--tokens N] [--reps N] [--quick]     BUILD=dir, JOBS=n
+#   KVW_GPU_PROTO_ARGS="--reps 9 --topo 1:4:8:8192"   options of kvwire bench --gpu
+#   KVW_GPU_PROTO_JSON=file                            its JSON (default $BUILD/bench-gpu.json)
 #
 # KVW_BENCH_VARIANTS="name:NVCC FLAGS;name2:FLAGS" also builds the module with each set
 # of -D flags (the tunables of src/cuda/copy_core.h) and runs the bench (--quick) on each
@@ -27,7 +32,7 @@ if ! grep -q "/kvw_gpu_bench.dir" "$BUILD/CMakeFiles/TargetDirectories.txt" 2>/d
     echo "gpu-bench: skipped: $BUILD is configured without the CUDA module"
     exit 0
 fi
-if ! cmake --build "$BUILD" -j "$JOBS" --target kvwire_cuda kvw_gpu_bench >"$BUILD/gpu-build.log" 2>&1; then
+if ! cmake --build "$BUILD" -j "$JOBS" --target kvwire_cuda kvw_gpu_bench kvwire_cli >"$BUILD/gpu-build.log" 2>&1; then
     tail -n 40 "$BUILD/gpu-build.log"
     echo "${0##*/}: FAILED to build (log: $BUILD/gpu-build.log)"
     exit 1
@@ -58,3 +63,8 @@ if [ -n "${KVW_BENCH_VARIANTS:-}" ]; then
     echo "=== default build"
 fi
 run "$BUILD/kvw_gpu_bench" "$@"
+
+# The whole protocol; its table comes last.
+# shellcheck disable=SC2086
+run "$BUILD/kvwire" bench --gpu --json "${KVW_GPU_PROTO_JSON:-$BUILD/bench-gpu.json}" \
+    ${KVW_GPU_PROTO_ARGS:-}

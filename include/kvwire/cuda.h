@@ -139,6 +139,30 @@ KVW_API kvw_status_t kvw_cuda_plan_scatter(kvw_cuda_plan_h cplan, const void *st
  */
 KVW_API kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream);
 
+/* ---------------------------------------------------------------- where the time goes */
+
+/*
+ * Process-wide totals over the protocol's GPU steps (a prefill worker writing one
+ * decode rank's share of a chunk into mapped peer memory), for benchmarks. Host times
+ * come from the monotonic clock, device times from CUDA events on the worker's stream;
+ * steps of concurrent workers add up, so totals can exceed the wall time.
+ */
+typedef struct kvw_cuda_profile {
+    uint64_t steps, bytes;
+    uint64_t plan_ns;       /* host: building and flattening the plan */
+    uint64_t launch_ns;     /* host: enqueueing the plan upload and the kernel */
+    uint64_t upload_dev_ns; /* device: the plan upload (0 where it is not measured) */
+    uint64_t kernel_dev_ns; /* device: the copy kernel (0 where it is not measured) */
+    uint64_t wait_ns;       /* host: waiting for the kernel to complete */
+    uint64_t notify_ns;     /* host: sending the completion notice */
+    /* Monotonic clock (CLOCK_MONOTONIC, comparable across processes of one host): the
+     * earliest step start and the latest completion notice sent; 0 when none. */
+    uint64_t first_start_ns, last_done_ns;
+} kvw_cuda_profile_t;
+
+/* Copies the totals into *out (if not NULL), then zeroes them if `reset`. */
+KVW_API void kvw_cuda_profile(kvw_cuda_profile_t *out, int reset);
+
 #ifdef __cplusplus
 }
 #endif

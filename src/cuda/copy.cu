@@ -9,6 +9,7 @@
 #include "cuda/internal.h"
 
 #include <stdlib.h>
+#include <time.h>
 
 struct kvwc_plan {
     int device;
@@ -152,13 +153,11 @@ static kvw_status_t kvwc_layout_of(const kvwc_plan_in_t *in, kvwc_layout_t *L)
     return KVW_OK;
 }
 
-/* Writes the host image of the device plan for device address `dev_base`. */
-static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, const kvwc_layout_t *L,
-                                 uint64_t dev_base, void **host_p, kvwc_plan *p)
+/* Writes the host image of the device plan for device address `dev_base` into `host`
+ * (L->size bytes) and points `p` at the device copy-to-be. */
+static void kvwc_fill(const kvwc_plan_in_t *in, const kvwc_layout_t *L, uint64_t dev_base,
+                      void *host, kvwc_plan *p)
 {
-    void *host = malloc(L->size ? L->size : 1);
-    if (host == NULL)
-        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory laying out a device plan");
     kvwc_blob_fill(in, L, host, dev_base);
     p->dsegs = (const kvwc_dseg_t *)(uintptr_t)dev_base;
     p->job_seg = (const uint32_t *)(uintptr_t)(dev_base + L->jobs_off);
@@ -166,6 +165,16 @@ static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, const kvwc_layout_t *
     p->num_jobs = L->num_jobs;
     p->bytes = in->bytes;
     p->uses = in->uses;
+}
+
+/* The same into a new heap buffer. */
+static kvw_status_t kvwc_prepare(const kvwc_plan_in_t *in, const kvwc_layout_t *L,
+                                 uint64_t dev_base, void **host_p, kvwc_plan *p)
+{
+    void *host = malloc(L->size ? L->size : 1);
+    if (host == NULL)
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory laying out a device plan");
+    kvwc_fill(in, L, dev_base, host, p);
     *host_p = host;
     return KVW_OK;
 }
@@ -286,7 +295,7 @@ kvw_status_t kvwc_plan_exec_once(const kvwc_plan_in_t *in, void *stream)
     cudaError_t e = cudaMallocAsync(&p.dmem, L.size, s);
     if (e != cudaSuccess)
         return kvwc_cuda_error(e, "cudaMallocAsync for a device plan");
-    void *host;
+    void *host = NULL;
     st = kvwc_prepare(in, &L, (uint64_t)(uintptr_t)p.dmem, &host, &p);
     if (st != KVW_OK)
         goto err_free_dev;
@@ -304,4 +313,179 @@ err_free_dev:
     if (st == KVW_OK && e != cudaSuccess)
         st = kvwc_cuda_error(e, "cudaFreeAsync for a device plan");
     return st;
+}
+
+/* ---------------------------------------------------------------- executors */
+
+struct kvwc_slot {
+    void *host;        /* pinned: the plan image, copied asynchronously */
+    void *dmem;        /* the device plan */
+    uint64_t cap;      /* bytes of each */
+    cudaEvent_t ev[3]; /* before the upload, before the kernel, after the kernel */
+    int busy;          /* launched, not reaped yet */
+};
+
+struct kvwc_exec {
+    int device, grid;
+    cudaStream_t stream;
+    kvwc_slot slot[KVWC_EXEC_SLOTS];
+    unsigned next; /* slots are used, and reaped, in turn */
+};
+
+static uint64_t kvwc_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void kvwc_exec_destroy(kvwc_exec_h x)
+{
+    if (x == NULL)
+        return;
+    if (x->stream)
+        cudaStreamSynchronize(x->stream);
+    for (int k = 0; k < KVWC_EXEC_SLOTS; k++) {
+        kvwc_slot *s = &x->slot[k];
+        for (int i = 0; i < 3; i++)
+            if (s->ev[i])
+                cudaEventDestroy(s->ev[i]);
+        if (s->host)
+            cudaFreeHost(s->host);
+        if (s->dmem)
+            cudaFree(s->dmem);
+    }
+    if (x->stream)
+        cudaStreamDestroy(x->stream);
+    free(x);
+}
+
+kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
+{
+    kvwc_exec *x = (kvwc_exec *)calloc(1, sizeof(*x));
+    if (x == NULL)
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA executor");
+    kvwc_plan p = {};
+    kvw_status_t st = kvwc_plan_device(&p);
+    cudaError_t e = cudaSuccess;
+    const char *what = NULL;
+    x->device = p.device;
+    x->grid = p.grid;
+    /* Non-blocking: the legacy default stream would serialise every worker thread's
+     * kernels and synchronise with them implicitly. */
+    if (st == KVW_OK && (e = cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking)) !=
+                            cudaSuccess)
+        what = "cudaStreamCreateWithFlags";
+    for (int k = 0; st == KVW_OK && what == NULL && k < KVWC_EXEC_SLOTS; k++)
+        for (int i = 0; what == NULL && i < 3; i++)
+            if ((e = cudaEventCreate(&x->slot[k].ev[i])) != cudaSuccess)
+                what = "cudaEventCreate";
+    if (what)
+        st = kvwc_cuda_error(e, what);
+    if (st != KVW_OK) {
+        kvwc_exec_destroy(x);
+        return st;
+    }
+    *exec_p = x;
+    return KVW_OK;
+}
+
+kvw_status_t kvwc_exec_launch(kvwc_exec_h x, const kvwc_plan_in_t *in, int *slot_p,
+                              kvwc_step_prof_t *prof)
+{
+    uint64_t t0 = kvwc_now_ns();
+    *slot_p = -1;
+    kvwc_layout_t L;
+    kvw_status_t st = kvwc_layout_of(in, &L);
+    if (st != KVW_OK || L.num_jobs == 0)
+        return st;
+    if (!(in->uses & KVWC_USE_DIRECT))
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "an executor runs direct copies only");
+    int k = (int)(x->next % KVWC_EXEC_SLOTS);
+    kvwc_slot *s = &x->slot[k];
+    if (s->busy)
+        return kvwc_error(KVW_ERR_BUSY, "CUDA executor: slot %d is still in flight (reap "
+                          "steps before launching more than %d)", k, KVWC_EXEC_SLOTS);
+    cudaError_t e;
+    if (L.size > s->cap) {
+        /* Grown only for a plan larger than any this slot ran (by doubling), and every
+         * idle slot with it: cudaFree and cudaFreeHost synchronise the whole device, so
+         * this must happen once, on a first step, not on each slot's first use. An idle
+         * slot's last kernel has completed: it was reaped. */
+        uint64_t cap = L.size > 2 * s->cap ? L.size : 2 * s->cap;
+        if (cap < (1u << 20))
+            cap = 1u << 20;
+        for (int j = 0; j < KVWC_EXEC_SLOTS; j++) {
+            kvwc_slot *o = &x->slot[j];
+            if (o->busy || o->cap >= cap)
+                continue;
+            if (o->host)
+                cudaFreeHost(o->host);
+            if (o->dmem)
+                cudaFree(o->dmem);
+            o->host = NULL;
+            o->dmem = NULL;
+            o->cap = 0;
+            if ((e = cudaHostAlloc(&o->host, cap, cudaHostAllocDefault)) != cudaSuccess)
+                return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
+            if ((e = cudaMalloc(&o->dmem, cap)) != cudaSuccess)
+                return kvwc_cuda_error(e, "cudaMalloc for device plans");
+            o->cap = cap;
+        }
+    }
+    kvwc_plan p = {};
+    p.device = x->device;
+    p.grid = x->grid;
+    kvwc_fill(in, &L, (uint64_t)(uintptr_t)s->dmem, s->host, &p);
+    const char *what = NULL;
+    if ((e = cudaEventRecord(s->ev[0], x->stream)) != cudaSuccess)
+        what = "cudaEventRecord";
+    else if ((e = cudaMemcpyAsync(s->dmem, s->host, L.size, cudaMemcpyHostToDevice,
+                                  x->stream)) != cudaSuccess)
+        what = "cudaMemcpyAsync uploading a device plan";
+    else if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
+        what = "cudaEventRecord";
+    if (what)
+        return kvwc_cuda_error(e, what);
+    if ((st = kvwc_launch(&p, KVWC_MODE_DIRECT, 0, x->stream)) != KVW_OK)
+        return st;
+    if ((e = cudaEventRecord(s->ev[2], x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaEventRecord");
+    s->busy = 1;
+    x->next++;
+    *slot_p = k;
+    prof->launch_ns += kvwc_now_ns() - t0;
+    return KVW_OK;
+}
+
+kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
+                            kvwc_step_prof_t *prof)
+{
+    *done_p = 0;
+    if (slot < 0 || slot >= KVWC_EXEC_SLOTS || !x->slot[slot].busy)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "CUDA executor: slot %d is not in flight",
+                          slot);
+    kvwc_slot *s = &x->slot[slot];
+    cudaError_t e;
+    if (block) {
+        /* The step's own last event: neither the device nor other threads' work. */
+        uint64_t t0 = kvwc_now_ns();
+        e = cudaEventSynchronize(s->ev[2]);
+        prof->wait_ns += kvwc_now_ns() - t0;
+    } else {
+        e = cudaEventQuery(s->ev[2]);
+        if (e == cudaErrorNotReady)
+            return KVW_OK;
+    }
+    s->busy = 0;
+    *done_p = 1;
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "the copy kernel");
+    float up = 0, kern = 0;
+    if (cudaEventElapsedTime(&up, s->ev[0], s->ev[1]) == cudaSuccess &&
+        cudaEventElapsedTime(&kern, s->ev[1], s->ev[2]) == cudaSuccess) {
+        prof->upload_ms += up;
+        prof->kernel_ms += kern;
+    }
+    return KVW_OK;
 }

@@ -28,5 +28,11 @@ kvw_status_t kvwc_plan_gather(kvwc_plan_h plan, void *staging, uint64_t size, vo
 kvw_status_t kvwc_plan_scatter(kvwc_plan_h plan, const void *staging, uint64_t size,
                                void *stream);
 kvw_status_t kvwc_plan_exec_once(const kvwc_plan_in_t *in, void *stream);
+kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p);
+void kvwc_exec_destroy(kvwc_exec_h exec);
+kvw_status_t kvwc_exec_launch(kvwc_exec_h exec, const kvwc_plan_in_t *in, int *slot_p,
+                              kvwc_step_prof_t *prof);
+kvw_status_t kvwc_exec_reap(kvwc_exec_h exec, int slot, int block, int *done_p,
+                            kvwc_step_prof_t *prof);
 
 #endif

@@ -246,6 +246,10 @@ static const kvwc_ops_t kvwc_ops = {
     .plan_gather = kvwc_plan_gather,
     .plan_scatter = kvwc_plan_scatter,
     .plan_exec_once = kvwc_plan_exec_once,
+    .exec_create = kvwc_exec_create,
+    .exec_destroy = kvwc_exec_destroy,
+    .exec_launch = kvwc_exec_launch,
+    .exec_reap = kvwc_exec_reap,
 };
 
 extern "C" __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)

@@ -26,7 +26,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 2
+#define KVWC_ABI_VERSION 3
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -70,6 +70,21 @@ typedef struct kvwc_plan_in {
 
 typedef struct kvwc_plan *kvwc_plan_h;
 
+/* A worker thread's executor: its own non-blocking stream and KVWC_EXEC_SLOTS slots,
+ * each with a pinned host and a device buffer for plan images (grown to the largest
+ * plan it ran, then reused) and events. A step allocates nothing in the steady state,
+ * and up to KVWC_EXEC_SLOTS steps can be in flight: the caller prepares the next plan
+ * while earlier kernels run, and reaps steps in launch order. */
+typedef struct kvwc_exec *kvwc_exec_h;
+#define KVWC_EXEC_SLOTS 8
+
+/* What one executor step cost: host clock for enqueueing and for a blocking reap, CUDA
+ * events on the executor's stream for the upload and the kernel. */
+typedef struct kvwc_step_prof {
+    uint64_t launch_ns, wait_ns;
+    float upload_ms, kernel_ms;
+} kvwc_step_prof_t;
+
 #define KVWC_IPC_HANDLE_SIZE 64
 
 typedef struct kvwc_ops {
@@ -106,6 +121,19 @@ typedef struct kvwc_ops {
                                  void *stream);
     /* Upload, run the direct copy and release the device copy, all ordered on `stream`. */
     kvw_status_t (*plan_exec_once)(const kvwc_plan_in_t *in, void *stream);
+    /* An executor on the current device (see kvwc_exec_h); exec_destroy waits for its
+     * stream first. exec_launch uploads the plan into the next slot and runs the direct
+     * copy on the executor's stream without waiting; *slot_p is -1 when the plan moves
+     * nothing (nothing was launched), BUSY when that slot was not reaped yet.
+     * exec_reap checks (or, with `block`, waits for) a launched slot: *done_p 0 while
+     * its kernel runs; once done the slot is free again and the status is the
+     * kernel's. */
+    kvw_status_t (*exec_create)(kvwc_exec_h *exec_p);
+    void (*exec_destroy)(kvwc_exec_h exec);
+    kvw_status_t (*exec_launch)(kvwc_exec_h exec, const kvwc_plan_in_t *in, int *slot_p,
+                                kvwc_step_prof_t *prof);
+    kvw_status_t (*exec_reap)(kvwc_exec_h exec, int slot, int block, int *done_p,
+                              kvwc_step_prof_t *prof);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -117,9 +145,23 @@ typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
  * KVW_MEM_CUDA with addresses. Errors: INVALID_PARAM, NO_MEMORY.
  */
 struct kvw_plan;
+struct kvw_cuda_profile;
 kvw_status_t kvw__cuda_plan_in_make(const struct kvw_plan *plan, unsigned uses,
                                     kvwc_map_in_t *maps, kvwc_plan_in_t *in_p);
 void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
+
+/* The protocol's GPU steps, on the calling thread's executor (created on first use;
+ * released when the thread exits). step_launch enqueues a plan's direct copy and
+ * returns at once (*slot_p -1: nothing to move); step_reap checks, or with `block`
+ * waits for, a launched slot, in launch order; *done_p tells whether the bytes have
+ * landed. Both add their figures to *prof. Errors as kvw_cuda_plan_upload, plus the
+ * kernel's. */
+kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
+                                   struct kvw_cuda_profile *prof);
+kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, struct kvw_cuda_profile *prof);
+
+/* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */
+void kvw__cuda_profile_add(const struct kvw_cuda_profile *d);
 
 #ifdef __cplusplus
 }

@@ -12,6 +12,7 @@
 
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -388,4 +389,160 @@ kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream)
     st = kvw_cuda_ret(ops, ops->plan_exec_once(&in, stream));
     kvw__cuda_plan_in_free(&in);
     return st;
+}
+
+/* ---------------------------------------------------------------- per-thread executors */
+
+typedef struct kvw_texec {
+    const kvwc_ops_t *ops;
+    kvwc_exec_h ex;
+    int device;
+    uint32_t inflight; /* launched, not reaped */
+} kvw_texec_t;
+
+static pthread_key_t kvw_texec_key;
+static pthread_once_t kvw_texec_once = PTHREAD_ONCE_INIT;
+static int kvw_texec_key_ok;
+
+/* At thread exit: the executor waits for its stream, then releases everything. */
+static void kvw_texec_free(void *p)
+{
+    kvw_texec_t *t = p;
+    if (t) {
+        t->ops->exec_destroy(t->ex);
+        free(t);
+    }
+}
+
+static void kvw_texec_init(void)
+{
+    kvw_texec_key_ok = pthread_key_create(&kvw_texec_key, kvw_texec_free) == 0;
+}
+
+static kvw_status_t kvw_texec_get(const kvwc_ops_t *ops, kvw_texec_t **t_p)
+{
+    pthread_once(&kvw_texec_once, kvw_texec_init);
+    if (!kvw_texec_key_ok)
+        return kvw__error(KVW_ERR_INTERNAL, "cannot create the CUDA executors' thread key");
+    int dev = -1;
+    kvw_status_t st = kvw_cuda_ret(ops, ops->get_device(&dev));
+    if (st != KVW_OK)
+        return st;
+    kvw_texec_t *t = pthread_getspecific(kvw_texec_key);
+    if (t && t->device == dev) {
+        *t_p = t;
+        return KVW_OK;
+    }
+    if (t && t->inflight)
+        return kvw__error(KVW_ERR_INTERNAL, "CUDA executor: device %d is current, but %u steps "
+                          "are still in flight on device %d", dev, t->inflight, t->device);
+    if (t) {
+        /* Another device is current now: executors are tied to theirs. */
+        t->ops->exec_destroy(t->ex);
+    } else if ((t = calloc(1, sizeof(*t))) == NULL) {
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA executor");
+    }
+    t->ops = ops;
+    t->device = dev;
+    if ((st = kvw_cuda_ret(ops, ops->exec_create(&t->ex))) != KVW_OK) {
+        free(t);
+        pthread_setspecific(kvw_texec_key, NULL);
+        return st;
+    }
+    pthread_setspecific(kvw_texec_key, t);
+    *t_p = t;
+    return KVW_OK;
+}
+
+static void kvw_prof_add_step(kvw_cuda_profile_t *prof, const kvwc_step_prof_t *sp)
+{
+    prof->launch_ns += sp->launch_ns;
+    prof->wait_ns += sp->wait_ns;
+    prof->upload_dev_ns += (uint64_t)(sp->upload_ms * 1e6);
+    prof->kernel_dev_ns += (uint64_t)(sp->kernel_ms * 1e6);
+}
+
+kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
+                                   kvw_cuda_profile_t *prof)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    *slot_p = -1;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw_texec_get(ops, &t);
+    if (st != KVW_OK)
+        return st;
+    uint64_t t0 = kvw__now_ns();
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    if ((st = kvw__cuda_plan_in_make(plan, KVWC_USE_DIRECT, maps, &in)) != KVW_OK)
+        return st;
+    kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
+    st = kvw_cuda_ret(ops, ops->exec_launch(t->ex, &in, slot_p, &sp));
+    kvw__cuda_plan_in_free(&in);
+    kvw_prof_add_step(prof, &sp);
+    if (st == KVW_OK && *slot_p >= 0)
+        t->inflight++;
+    return st;
+}
+
+kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_profile_t *prof)
+{
+    pthread_once(&kvw_texec_once, kvw_texec_init);
+    kvw_texec_t *t = kvw_texec_key_ok ? pthread_getspecific(kvw_texec_key) : NULL;
+    *done_p = 0;
+    if (t == NULL)
+        return kvw__error(KVW_ERR_INTERNAL, "CUDA executor: no step was launched on this thread");
+    kvwc_step_prof_t sp = {0};
+    kvw_status_t st = kvw_cuda_ret(t->ops, t->ops->exec_reap(t->ex, slot, block, done_p, &sp));
+    kvw_prof_add_step(prof, &sp);
+    if (*done_p)
+        t->inflight--;
+    return st;
+}
+
+/* ---------------------------------------------------------------- profile */
+
+/* Relaxed atomics: workers add their steps concurrently; a reader only needs totals.
+ * The last two slots are the earliest start (a minimum) and the latest notice (a
+ * maximum). */
+static _Atomic uint64_t kvw_prof[10];
+
+void kvw__cuda_profile_add(const kvw_cuda_profile_t *d)
+{
+    const uint64_t v[8] = {d->steps, d->bytes, d->plan_ns, d->launch_ns, d->upload_dev_ns,
+                           d->kernel_dev_ns, d->wait_ns, d->notify_ns};
+    for (int i = 0; i < 8; i++)
+        if (v[i])
+            atomic_fetch_add_explicit(&kvw_prof[i], v[i], memory_order_relaxed);
+    if (d->first_start_ns) {
+        uint64_t cur = atomic_load_explicit(&kvw_prof[8], memory_order_relaxed);
+        while ((cur == 0 || d->first_start_ns < cur) &&
+               !atomic_compare_exchange_weak_explicit(&kvw_prof[8], &cur, d->first_start_ns,
+                                                      memory_order_relaxed,
+                                                      memory_order_relaxed)) {
+        }
+    }
+    if (d->last_done_ns) {
+        uint64_t cur = atomic_load_explicit(&kvw_prof[9], memory_order_relaxed);
+        while (d->last_done_ns > cur &&
+               !atomic_compare_exchange_weak_explicit(&kvw_prof[9], &cur, d->last_done_ns,
+                                                      memory_order_relaxed,
+                                                      memory_order_relaxed)) {
+        }
+    }
+}
+
+void kvw_cuda_profile(kvw_cuda_profile_t *out, int reset)
+{
+    uint64_t v[10];
+    for (int i = 0; i < 10; i++)
+        v[i] = reset ? atomic_exchange_explicit(&kvw_prof[i], 0, memory_order_relaxed)
+                     : atomic_load_explicit(&kvw_prof[i], memory_order_relaxed);
+    if (out)
+        *out = (kvw_cuda_profile_t){.steps = v[0], .bytes = v[1], .plan_ns = v[2],
+                                    .launch_ns = v[3], .upload_dev_ns = v[4],
+                                    .kernel_dev_ns = v[5], .wait_ns = v[6], .notify_ns = v[7],
+                                    .first_start_ns = v[8], .last_done_ns = v[9]};
 }

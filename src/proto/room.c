@@ -2,6 +2,7 @@
  * Rooms: the per-request state machines on both sides, the frames that drive them,
  * the prefill worker that moves bytes, and the decode side's transport callbacks.
  */
+#include "cuda/module.h"
 #include "plan/walk.h"
 #include "proto/proto.h"
 
@@ -759,10 +760,83 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     return st;
 }
 
+/*
+ * GPU steps in flight on one worker: the kernel runs on the worker's own stream while
+ * the worker prepares the next job; each step's DONE goes out once its kernel completed,
+ * in launch order (so one decode rank's chunks stay in order). A job (room, decode
+ * rank) whose steps are still in flight keeps the room pinned (inflight) and its decode
+ * rank busy until its last step is reaped.
+ */
+typedef struct kvw_gpu_step {
+    kvw_room_t *r;
+    uint32_t di;
+    kvw_peer_t *peer;
+    int slot;        /* executor slot; -1: nothing launched, the DONE waits its turn */
+    bool closes_job; /* releases the (room, decode rank) once reaped */
+    uint64_t seq;
+    kvw_wbuf_t done; /* the DONE message, finished */
+} kvw_gpu_step_t;
+
+typedef struct kvw_gpu_q {
+    kvw_gpu_step_t q[KVWC_EXEC_SLOTS];
+    uint32_t head, n;
+    uint32_t depth; /* steps in flight at most: KVW_GPU_INFLIGHT, 1..KVWC_EXEC_SLOTS */
+    uint64_t seq, reaped; /* last sequence number given out and reaped */
+} kvw_gpu_q_t;
+
+static void kvw_sender_update(struct kvw_ctx *ctx, kvw_room_t *r);
+static void kvw_job_release(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di);
+
+/* Reaps finished steps in order, sending their DONEs; with `block`, waits for the
+ * oldest first. Called without ctx->mu. */
+static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
+{
+    while (g->n) {
+        kvw_gpu_step_t *e = &g->q[g->head];
+        kvw_cuda_profile_t prof = {0};
+        int done = 1;
+        kvw_status_t st = KVW_OK;
+        if (e->slot >= 0)
+            st = kvw__cuda_step_reap(e->slot, block, &done, &prof);
+        if (!done)
+            return;
+        block = false;
+        uint64_t t0 = kvw__now_ns();
+        if (st == KVW_OK) {
+            st = ctx->tl_ops->notify(e->peer->ep, e->done.p, e->done.len);
+            prof.last_done_ns = kvw__now_ns();
+            prof.notify_ns = prof.last_done_ns - t0;
+        }
+        char msg[512] = "";
+        if (st != KVW_OK)
+            snprintf(msg, sizeof(msg), "%s", kvw_last_error());
+        kvw__cuda_profile_add(&prof);
+        kvw__wb_free(&e->done);
+        kvw_gpu_step_t done_e = *e;
+        g->head = (g->head + 1) % KVWC_EXEC_SLOTS;
+        g->n--;
+        g->reaped = done_e.seq;
+        pthread_mutex_lock(&ctx->mu);
+        if (st == KVW_OK)
+            done_e.r->hop_ns[KVW_HOP_BYTES_OUT] = t0;
+        if (st != KVW_OK) {
+            if (done_e.r->state != KVW_ROOM_FAILED)
+                kvw__room_fail(ctx, done_e.r, st, true, "sending to %s failed: %s",
+                               done_e.peer->desc, msg);
+            if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
+                kvw__peer_dead(ctx, done_e.peer, st, msg);
+        }
+        if (done_e.closes_job)
+            kvw_job_release(ctx, done_e.r, done_e.di);
+        pthread_mutex_unlock(&ctx->mu);
+    }
+}
+
 static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
                                     const kvw_room_dst_t *d, const kvw_qchunk_t *q,
                                     kvw_peer_t *peer, uint64_t *bytes_p, uint64_t *runs_p,
-                                    bool *staged_p, uint64_t *out_ns_p, uint32_t meta_len)
+                                    bool *staged_p, uint64_t *out_ns_p, uint32_t meta_len,
+                                    kvw_gpu_q_t *g, uint64_t *seq_p)
 {
     kvw_chunk_t c = q->c;
     c.prefix_len = d->prefix_len;
@@ -774,27 +848,55 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     if (peer->mapped) {
         /* The decode buffers are mapped here (CUDA IPC): one fused kernel writes them
          * directly, and the notification goes out only after it completed. */
+        uint64_t t0 = kvw__now_ns();
         if ((st = kvw_plan_create(ctx->rank, peer->mapped, &c, &q->pages, &d->pages, &plan)) !=
             KVW_OK)
             return st;
         *bytes_p = plan->bytes;
-        int dev = kvw__rank_cuda_device(ctx->rank);
-        if (dev >= 0) {
-            if ((st = kvw_cuda_set_device(dev)) == KVW_OK &&
-                (st = kvw_plan_exec_cuda(plan, NULL)) == KVW_OK)
-                st = kvw_cuda_stream_sync(NULL);
-        } else {
-            st = kvw_plan_exec_cpu(plan);
-        }
-        if (st == KVW_OK) {
-            kvw_wbuf_t w;
-            kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true,
-                         meta_len);
-            st = kvw_notify_done(ctx, peer, &w, out_ns_p);
-        }
         *runs_p = plan->num_segs;
+        int dev = kvw__rank_cuda_device(ctx->rank);
+        if (dev < 0) {
+            st = kvw_plan_exec_cpu(plan);
+            if (st == KVW_OK) {
+                kvw_wbuf_t w;
+                kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
+                             true, meta_len);
+                st = kvw_notify_done(ctx, peer, &w, out_ns_p);
+            }
+            kvw_plan_destroy(plan);
+            return st;
+        }
+        /* On the GPU: launch on this worker's stream and queue the DONE behind the
+         * kernel; kvw_gpu_reap sends it once the bytes have landed. */
+        kvw_cuda_profile_t prof = {.steps = 1, .bytes = plan->bytes,
+                                   .plan_ns = kvw__now_ns() - t0, .first_start_ns = t0};
+        if (g->n >= g->depth)
+            kvw_gpu_reap(ctx, g, true); /* as many in flight as allowed: wait for the oldest */
+        kvw_gpu_step_t *e = &g->q[(g->head + g->n) % KVWC_EXEC_SLOTS];
+        *e = (kvw_gpu_step_t){.r = r, .di = di, .peer = peer, .slot = -1};
+        if ((st = kvw_cuda_set_device(dev)) == KVW_OK)
+            st = kvw__cuda_step_launch(plan, &e->slot, &prof);
+        if (st == KVW_OK) {
+            kvw_put_done(&e->done, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
+                         true, meta_len);
+            if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
+                kvw__wb_free(&e->done);
+        }
+        kvw__cuda_profile_add(&prof);
         kvw_plan_destroy(plan);
-        return st;
+        if (st != KVW_OK) {
+            if (e->slot >= 0) {
+                /* Launched, but no DONE can follow: let the kernel finish first. */
+                kvw_cuda_profile_t p2 = {0};
+                int done = 0;
+                (void)kvw__cuda_step_reap(e->slot, 1, &done, &p2);
+            }
+            return st;
+        }
+        e->seq = ++g->seq;
+        *seq_p = e->seq;
+        g->n++;
+        return KVW_OK;
     }
     st = kvw_plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
     if (st != KVW_OK)
@@ -833,12 +935,36 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
  * room in parallel (a TP1 prefill rank feeding four decode ranks gathers for all four
  * at once), while the chunks for one decode rank go out in order, from one worker.
  */
+/* A job (room, decode rank) is over: the decode rank may be served again. */
+static void kvw_job_release(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di)
+{
+    r->dsts[di].busy = false;
+    r->inflight--;
+    kvw_room_quiesce(ctx, r);
+    kvw_sender_update(ctx, r);
+    pthread_cond_broadcast(&ctx->cv);
+}
+
 void *kvw__worker_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
+    kvw_gpu_q_t g;
+    memset(&g, 0, sizeof(g));
+    /* Kernels in flight per worker (default all slots); 1 waits for each kernel before
+     * the next launch, as a step that synchronises would. */
+    const char *genv = getenv("KVW_GPU_INFLIGHT");
+    long depth = genv && *genv ? strtol(genv, NULL, 10) : KVWC_EXEC_SLOTS;
+    g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
         while (!ctx->stopping && ctx->q_head == NULL) {
+            if (g.n) {
+                /* Nothing else to do: wait for this worker's oldest kernel. */
+                pthread_mutex_unlock(&ctx->mu);
+                kvw_gpu_reap(ctx, &g, true);
+                pthread_mutex_lock(&ctx->mu);
+                continue;
+            }
             if (ctx->busy_poll_ns) {
                 uint32_t seen = atomic_load_explicit(&ctx->q_gen, memory_order_acquire);
                 pthread_mutex_unlock(&ctx->mu);
@@ -849,8 +975,22 @@ void *kvw__worker_main(void *arg)
             }
             pthread_cond_wait(&ctx->cv, &ctx->mu);
         }
-        if (ctx->stopping)
+        if (ctx->stopping) {
+            while (g.n) {
+                pthread_mutex_unlock(&ctx->mu);
+                kvw_gpu_reap(ctx, &g, true);
+                pthread_mutex_lock(&ctx->mu);
+            }
             break;
+        }
+        if (g.n) {
+            /* Send the DONEs of kernels that finished meanwhile. */
+            pthread_mutex_unlock(&ctx->mu);
+            kvw_gpu_reap(ctx, &g, false);
+            pthread_mutex_lock(&ctx->mu);
+            if (ctx->q_head == NULL)
+                continue;
+        }
         kvw_room_t *r = ctx->q_head;
         ctx->q_head = r->qnext;
         if (ctx->q_head == NULL)
@@ -869,6 +1009,7 @@ void *kvw__worker_main(void *arg)
             r->start_ns = kvw__now_ns();
         if (kvw_room_next_dst(r) >= 0)
             kvw__queue_room(ctx, r); /* another worker takes the next decode rank */
+        uint64_t job_seq = 0; /* this job's last GPU step still to be reaped, if any */
         while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
             kvw_room_dst_t *d = &r->dsts[i];
             kvw_peer_t *peer = ctx->peers[d->peer];
@@ -888,8 +1029,11 @@ void *kvw__worker_main(void *arg)
             pthread_mutex_unlock(&ctx->mu);
             uint64_t bytes = 0, runs = 0, out_ns = 0;
             bool staged = false;
+            uint64_t seq = 0;
             kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, peer, &bytes, &runs,
-                                              &staged, &out_ns, meta_len);
+                                              &staged, &out_ns, meta_len, &g, &seq);
+            if (seq)
+                job_seq = seq;
             char msg[512];
             snprintf(msg, sizeof(msg), "%s", kvw_last_error());
             pthread_mutex_lock(&ctx->mu);
@@ -904,17 +1048,21 @@ void *kvw__worker_main(void *arg)
             r->bytes += bytes;
             r->runs += runs;
             r->path = staged ? "staged" : "direct";
-            r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
+            if (out_ns) /* GPU steps stamp it when their completion goes out */
+                r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
             kvw__room_touch(ctx, r);
             if (q.c.last_chunk)
                 d->last_sent = true;
             d->next_chunk++;
         }
-        r->dsts[i].busy = false;
-        r->inflight--;
-        kvw_room_quiesce(ctx, r);
-        kvw_sender_update(ctx, r);
-        pthread_cond_broadcast(&ctx->cv);
+        if (job_seq > g.reaped) {
+            /* Its last step is still in flight: released when that one is reaped. */
+            for (uint32_t k = 0; k < g.n; k++)
+                if (g.q[(g.head + k) % KVWC_EXEC_SLOTS].seq == job_seq)
+                    g.q[(g.head + k) % KVWC_EXEC_SLOTS].closes_job = true;
+        } else {
+            kvw_job_release(ctx, r, i);
+        }
     }
     pthread_mutex_unlock(&ctx->mu);
     return NULL;

@@ -1641,7 +1641,10 @@ static const char *b_ucx_reference(const uint64_t *bytes, uint32_t n, bool quick
 static void b_usage(FILE *f)
 {
     fprintf(f,
-            "usage: kvwire bench [options]   (kvwire bench --latency --help: small-room latency)\n"
+            "usage: kvwire bench [options]\n"
+            "  --gpu                 KV caches in GPU memory over cuda_ipc (kvwire bench --gpu --help)\n"
+            "  --latency             small-room latency against the raw round trip\n"
+            "                        (kvwire bench --latency --help)\n"
             "  --transport LIST      shm, tcp, ucx, a comma list, or all (default: all compiled in)\n"
             "  --model NAME          model preset (default gpt-oss-120b)\n"
             "  --layers N            keep the first N layers (default 12; 0 = all)\n"
@@ -1695,11 +1698,18 @@ static bool b_tl_compiled(const char *name)
     return false;
 }
 
+int kvw_bench_gpu(int argc, char **argv); /* cmd_bench_gpu.c */
+
 static int cmd_bench(int argc, char **argv)
 {
-    for (int i = 1; i < argc; i++)
+    /* KV caches in GPU memory, and small-room latency: separate benchmarks with their
+     * own options. */
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--gpu"))
+            return kvw_bench_gpu(argc, argv);
         if (!strcmp(argv[i], "--latency"))
             return kvw_bench_latency(argc, argv);
+    }
     bench_cfg_t c = {.model = "gpt-oss-120b", .layers = 12, .ptp = 1, .dtp = 4,
                      .lengths = {64, 256, 1024, 4096, 8192}, .num_lengths = 5, .reps = 5,
                      .page = 64, .rate_rooms = 2000, .rate_inflight = 64, .mem_rooms = 1000,

@@ -22,6 +22,7 @@ static const struct {
     {"KVW_UCX_PUT", "am", "am: writes as active messages the receiver applies; rma: ucp_put"},
     {"KVW_UCX_ERR_MODE", "peer", "peer: detect dead peers (UCX then uses tcp lanes); none"},
     {"KVW_WORKERS", "4", "prefill sender threads per context (decode ranks served in parallel)"},
+    {"KVW_GPU_INFLIGHT", "8", "GPU copy kernels in flight per sender thread (1..8; 1 waits for each)"},
     {"KVW_STAGING_MB", "64", "decode staging area for gathered head slices, per rank"},
     {"KVW_PATH", "auto", "direct | staged: force the data path of every plan"},
     {"KVW_BUSY_POLL_US", "0", "spin this long for the next event before sleeping (latency)"},

@@ -1,0 +1,941 @@
+/*
+ * kvwire bench --gpu: the whole protocol with KV caches in GPU memory, next to a plain
+ * copy of the same bytes measured in the same run.
+ *
+ * Per topology a prefill process and a decode process run (GPU 0 -> GPU 1 when there
+ * are two GPUs, both on GPU 0 otherwise), joined over cuda_ipc as in serving. The decode
+ * process drives: for each repetition it asks the prefill process to arm every room
+ * (senders created, each room's one chunk sent), then times from its own first post to
+ * SUCCESS of every room on every decode rank. Right after, it times one copy of the same
+ * byte count (cudaMemcpyPeer-like GPU 0 -> GPU 1, or device to device on one GPU).
+ *
+ * The first repetition of every topology is untimed: its destination bytes are copied
+ * back and compared, every byte and every guard byte, with the test kit's naive
+ * reference (tools/testkit/ref.c) applied to the prefill ranks' bytes rebuilt here from
+ * the same seed. The prefill process reports where its time went (kvw_cuda_profile).
+ *
+ * Output: a table (last), the command that reproduces it, and JSON.
+ */
+#include "cmd.h"
+#include "testkit.h"
+
+#include <kvwire/cuda.h>
+#include <kvwire/xfer.h>
+
+#include <errno.h>
+#include <getopt.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#define G_MAX_TOPO 16
+#define G_MAX_REPS 64
+#define G_MIN(a, b) ((a) < (b) ? (a) : (b))
+#define G_MAX(a, b) ((a) > (b) ? (a) : (b))
+
+typedef struct g_topo {
+    uint32_t ptp, dtp, rooms;
+    uint64_t tokens;
+} g_topo_t;
+
+typedef struct g_cfg {
+    char model[48];
+    uint32_t layers; /* 0: all */
+    uint32_t page;
+    uint32_t reps;   /* timed repetitions per topology (one untimed, verified run first) */
+    uint32_t timeout_ms;
+    g_topo_t topo[G_MAX_TOPO];
+    uint32_t num_topo;
+    char json[512];
+    int no_verify;
+} g_cfg_t;
+
+/* The issue's topologies: gpt-oss-120b, 36 layers, page 64. */
+static const g_topo_t g_default_topo[] = {
+    {1, 4, 8, 8192}, {1, 1, 8, 8192}, {4, 1, 8, 8192},
+    {2, 2, 4, 32768}, {1, 4, 1, 131072}, {1, 4, 64, 1024},
+};
+
+typedef struct g_result {
+    int ok;
+    char err[512];
+    int devices;
+    uint64_t bytes; /* per repetition, confirmed by every decode rank */
+    uint32_t reps;
+    uint64_t ns[G_MAX_REPS];
+    uint64_t base_ns[G_MAX_REPS];
+    int verified;
+    uint64_t t0[G_MAX_REPS], t1[G_MAX_REPS]; /* decode: first post, last SUCCESS seen */
+    kvw_cuda_profile_t prof[G_MAX_REPS];     /* prefill process, per timed repetition */
+} g_result_t;
+
+enum { G_OP_ARM = 1, G_OP_PROFILE = 2, G_OP_QUIT = 3 };
+
+typedef struct g_cmd {
+    uint32_t op;
+    uint32_t rep;
+} g_cmd_t;
+
+static int g_write(int fd, const void *buf, size_t len)
+{
+    const uint8_t *p = buf;
+    while (len) {
+        ssize_t n = write(fd, p, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int g_read(int fd, void *buf, size_t len)
+{
+    uint8_t *p = buf;
+    while (len) {
+        ssize_t n = read(fd, p, len);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return -1;
+        p += n, len -= (size_t)n;
+    }
+    return 0;
+}
+
+static int g_cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static uint64_t g_median(const uint64_t *v, uint32_t n)
+{
+    uint64_t t[G_MAX_REPS];
+    if (n == 0)
+        return 0;
+    memcpy(t, v, sizeof(uint64_t) * n);
+    qsort(t, n, sizeof(uint64_t), g_cmp_u64);
+    return n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2;
+}
+
+static bool g_terminal(kvw_room_state_t s)
+{
+    return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
+}
+
+/* Short sleeps between polls: the timed region is a few milliseconds, and 16 cores
+ * leave the library's threads room. */
+static void g_nap(void)
+{
+    struct timespec ts = {0, 5000};
+    nanosleep(&ts, NULL);
+}
+
+static uint64_t g_window(const kvt_model_t *m)
+{
+    uint64_t w = 0;
+    for (uint32_t l = 0; l < m->m.num_layers; l++)
+        if (m->layers[l].kind == KVW_LAYER_SWA)
+            w = G_MAX(w, m->layers[l].window);
+    return w;
+}
+
+static uint32_t g_pages(uint64_t b, uint64_t e, uint32_t ps)
+{
+    return b >= e ? 0 : (uint32_t)((e + ps - 1) / ps - b / ps);
+}
+
+/* ------------------------------------------------------------ instances */
+
+typedef struct g_inst {
+    uint32_t n;
+    kvt_rank_t *ranks;
+    uint8_t ***dev; /* per rank, per buffer: guarded device copy */
+    uint32_t full_pages, swa_pages;
+    kvt_req_pages_t *pg; /* per room */
+} g_inst_t;
+
+static uint64_t g_fill_seed(bool prefill, uint32_t rank)
+{
+    return (prefill ? 0x9e3779b97f4a7c15ull : 0x5851f42d4c957f2dull) + rank;
+}
+
+/* The ranks of one side with host buffers (filled), sized for every room at once. */
+static int g_build(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, bool prefill,
+                   g_inst_t *in, char *err, size_t cap)
+{
+    uint32_t tp = prefill ? t->ptp : t->dtp;
+    uint64_t window = g_window(m);
+    memset(in, 0, sizeof(*in));
+    in->n = tp;
+    in->full_pages = t->rooms * g_pages(0, t->tokens, c->page) + 1;
+    in->swa_pages = window ? t->rooms * (g_pages(0, window, c->page) + 1) + 1 : 1;
+    in->ranks = calloc(tp, sizeof(*in->ranks));
+    if (in->ranks == NULL)
+        return snprintf(err, cap, "out of memory"), -1;
+    for (uint32_t r = 0; r < tp; r++) {
+        kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD,
+                             .page_size = {c->page, c->page},
+                             .num_pages = {in->full_pages, in->swa_pages}, .num_slots = 1};
+        s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = r, .pp_size = 1, .pp_rank = 0,
+                                 .layer_begin = 0, .layer_end = m->m.num_layers,
+                                 .dp_size = 1, .dp_rank = 0};
+        if (kvt_rank_build(&s, &in->ranks[r]) != KVW_OK) {
+            snprintf(err, cap, "cannot build %s rank %u of TP%u: %s",
+                     prefill ? "prefill" : "decode", r, tp, kvw_last_error());
+            return -1;
+        }
+        kvt_rank_fill(&in->ranks[r], g_fill_seed(prefill, r));
+    }
+    return 0;
+}
+
+/*
+ * Page lists of every room: a random permutation of each pool, sliced so that rooms in
+ * flight together never share a page. Deterministic in the seed, so the decode process
+ * rebuilds the prefill side's lists for the reference.
+ */
+static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g_inst_t *in,
+                    uint64_t seed)
+{
+    kvt_rng_t rng = {seed};
+    uint64_t window = g_window(m);
+    uint32_t *pf = malloc(sizeof(uint32_t) * in->full_pages);
+    uint32_t *ps = malloc(sizeof(uint32_t) * in->swa_pages);
+    in->pg = calloc(t->rooms, sizeof(*in->pg));
+    int rc = pf && ps && in->pg ? 0 : -1;
+    if (rc == 0)
+        rc = kvt_pages_random(&rng, in->full_pages, in->full_pages, pf) ||
+             kvt_pages_random(&rng, in->swa_pages, in->swa_pages, ps);
+    uint32_t uf = 0, us = 0;
+    for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
+        uint64_t n = t->tokens;
+        uint64_t swb = window && n > window ? (n - window) / c->page * c->page : 0;
+        uint32_t nf = g_pages(0, n, c->page), ns = window ? g_pages(swb, n, c->page) : 0;
+        kvt_req_pages_t *p = &in->pg[i];
+        p->full = malloc(sizeof(uint32_t) * (nf + 1));
+        p->swa = malloc(sizeof(uint32_t) * (ns + 1));
+        if (!p->full || !p->swa || uf + nf > in->full_pages || us + ns > in->swa_pages) {
+            rc = -1;
+            break;
+        }
+        memcpy(p->full, pf + uf, sizeof(uint32_t) * nf);
+        memcpy(p->swa, ps + us, sizeof(uint32_t) * ns);
+        uf += nf, us += ns;
+        p->side.full = (kvw_pages_t){p->full, nf, 0};
+        p->side.swa = (kvw_pages_t){p->swa, ns, swb};
+        p->side.state_slot = -1;
+    }
+    free(pf);
+    free(ps);
+    return rc;
+}
+
+/* Device copies of every buffer (guards included); the ranks are re-described with the
+ * device addresses. The host copies stay for the reference and the check. */
+static int g_attach(g_inst_t *in, int device, char *err, size_t cap)
+{
+    if (kvw_cuda_set_device(device) != KVW_OK)
+        goto fail;
+    in->dev = calloc(in->n, sizeof(*in->dev));
+    if (in->dev == NULL)
+        goto fail;
+    for (uint32_t k = 0; k < in->n; k++) {
+        kvt_rank_t *r = &in->ranks[k];
+        in->dev[k] = calloc(r->num_bufs, sizeof(uint8_t *));
+        if (in->dev[k] == NULL)
+            goto fail;
+        for (uint32_t i = 0; i < r->num_bufs; i++) {
+            uint64_t total = r->alloc_len[i] + 2ull * r->guard;
+            void *d;
+            if (kvw_cuda_malloc(total, &d) != KVW_OK)
+                goto fail;
+            in->dev[k][i] = d;
+            if (kvw_cuda_memcpy(d, r->mem[i], total, NULL) != KVW_OK)
+                goto fail;
+            r->bufs[i].addr = (uint8_t *)d + r->guard;
+            r->bufs[i].mem_kind = KVW_MEM_CUDA;
+            r->bufs[i].device = device;
+        }
+        kvw_rank_destroy(r->h);
+        r->h = NULL;
+        if (kvt_rank_open(r) != KVW_OK)
+            goto fail;
+    }
+    return 0;
+fail:
+    snprintf(err, cap, "GPU %d: %s", device, kvw_last_error());
+    return -1;
+}
+
+static void g_free(g_inst_t *in, uint32_t rooms)
+{
+    for (uint32_t k = 0; in->dev && k < in->n; k++) {
+        for (uint32_t i = 0; in->dev[k] && i < in->ranks[k].num_bufs; i++)
+            if (in->dev[k][i])
+                kvw_cuda_free(in->dev[k][i]);
+        free(in->dev[k]);
+    }
+    free(in->dev);
+    for (uint32_t i = 0; in->pg && i < rooms; i++)
+        kvt_req_pages_free(&in->pg[i]);
+    free(in->pg);
+    for (uint32_t i = 0; in->ranks && i < in->n; i++)
+        kvt_rank_free(&in->ranks[i]);
+    free(in->ranks);
+    memset(in, 0, sizeof(*in));
+}
+
+static kvw_ctx_h *g_contexts(const g_cfg_t *c, const g_topo_t *t, g_inst_t *in, bool prefill,
+                             const char *bs_addr, char *bs_out, size_t bs_cap, char *err,
+                             size_t cap)
+{
+    kvw_ctx_h *ctx = calloc(in->n, sizeof(*ctx));
+    for (uint32_t i = 0; ctx && i < in->n; i++) {
+        kvw_ctx_params_t p = {
+            .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
+                          KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
+                          KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
+            .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
+            .rank = in->ranks[i].h,
+            .transport = "cuda_ipc",
+            .bootstrap_addr = bs_addr,
+            .host_bootstrap = prefill && i == 0,
+            .wait_timeout_ms = c->timeout_ms,
+            .bootstrap_timeout_ms = c->timeout_ms,
+            .prefill_tp = t->ptp,
+            .prefill_pp = 1,
+            .prefill_dp = 1};
+        kvw_status_t st = kvw_ctx_create(&p, &ctx[i]);
+        if (st != KVW_OK) {
+            snprintf(err, cap, "%s rank %u: kvw_ctx_create: %s: %s",
+                     prefill ? "prefill" : "decode", i, kvw_status_string(st),
+                     kvw_last_error());
+            for (uint32_t j = 0; j < i; j++)
+                kvw_ctx_destroy(ctx[j]);
+            free(ctx);
+            return NULL;
+        }
+        if (prefill && i == 0) {
+            snprintf(bs_out, bs_cap, "%s", kvw_ctx_bootstrap_addr(ctx[0]));
+            bs_addr = bs_out;
+        }
+    }
+    return ctx;
+}
+
+static void g_ctx_free(kvw_ctx_h *ctx, uint32_t n)
+{
+    for (uint32_t i = 0; ctx && i < n; i++)
+        kvw_ctx_destroy(ctx[i]);
+    free(ctx);
+}
+
+static int g_device(bool prefill, int *count_p)
+{
+    int n = 0;
+    if (kvw_cuda_device_count(&n) != KVW_OK || n < 1)
+        return -1;
+    if (count_p)
+        *count_p = n;
+    return prefill || n < 2 ? 0 : 1;
+}
+
+static uint64_t g_room_id(const g_topo_t *t, uint32_t rep, uint32_t i)
+{
+    return 1000 + (uint64_t)rep * t->rooms + i;
+}
+
+/* ------------------------------------------------------------ prefill process */
+
+static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, int bs_fd,
+                     int cmd_fd, int ack_fd)
+{
+    char err[512] = "", bs[160] = "";
+    g_inst_t in;
+    kvw_ctx_h *ctx = NULL;
+    int rc = 0;
+    if (g_build(c, m, t, true, &in, err, sizeof(err)) || g_assign(c, m, t, &in, 31) ||
+        g_attach(&in, g_device(true, NULL), err, sizeof(err)) ||
+        (ctx = g_contexts(c, t, &in, true, "127.0.0.1:0", bs, sizeof(bs), err,
+                          sizeof(err))) == NULL) {
+        fprintf(stderr, "bench --gpu: prefill: %s\n", err[0] ? err : "setup failed");
+        rc = 1;
+    }
+    if (g_write(bs_fd, bs, sizeof(bs)))
+        rc = 1;
+    close(bs_fd);
+    kvw_sender_h *snd = calloc((size_t)t->rooms * in.n, sizeof(*snd));
+    static kvw_cuda_profile_t per[G_MAX_REPS];
+    (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's polls only */
+    while (rc == 0) {
+        g_cmd_t cmd;
+        if (g_read(cmd_fd, &cmd, sizeof(cmd)))
+            break;
+        if (cmd.op == G_OP_QUIT) {
+            char a = 'q';
+            (void)g_write(ack_fd, &a, 1);
+            break;
+        }
+        /* A repetition's profile is read when the next one starts (or at the end): its
+         * last notices are counted right after they went out, which can be after the
+         * room reached SUCCESS here. The untimed first repetition is dropped. */
+        if (cmd.op == G_OP_PROFILE || cmd.rep >= 2) {
+            uint32_t k = cmd.op == G_OP_PROFILE ? cmd.rep : cmd.rep - 2;
+            kvw_cuda_profile(k < G_MAX_REPS ? &per[k] : NULL, 1);
+        } else {
+            kvw_cuda_profile(NULL, 1);
+        }
+        if (cmd.op == G_OP_PROFILE) {
+            if (g_write(ack_fd, per, sizeof(per)))
+                rc = 1;
+            continue;
+        }
+        for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
+            kvw_send_chunk_t sc = {.num_tokens = t->tokens, .chunk_begin = 0,
+                                   .chunk_end = t->tokens, .last_chunk = 1,
+                                   .pages = in.pg[i].side};
+            for (uint32_t k = 0; k < in.n && rc == 0; k++) {
+                kvw_sender_h *s = &snd[i * in.n + k];
+                if (kvw_sender_create(ctx[k], g_room_id(t, cmd.rep, i), s) != KVW_OK ||
+                    kvw_sender_send(*s, &sc) != KVW_OK) {
+                    fprintf(stderr, "bench --gpu: prefill room: %s\n", kvw_last_error());
+                    rc = 1;
+                }
+            }
+        }
+        char a = rc ? 'x' : 'k';
+        if (g_write(ack_fd, &a, 1))
+            rc = 1;
+        for (uint32_t i = 0; i < t->rooms * in.n; i++) {
+            if (snd[i] == NULL)
+                continue;
+            while (rc == 0 && !g_terminal(kvw_sender_poll(snd[i])))
+                g_nap();
+            if (rc == 0 && kvw_sender_poll(snd[i]) != KVW_ROOM_SUCCESS) {
+                fprintf(stderr, "bench --gpu: prefill room failed: %s\n",
+                        kvw_sender_failure(snd[i]));
+                rc = 1;
+            }
+            kvw_sender_destroy(snd[i]);
+            snd[i] = NULL;
+        }
+    }
+    free(snd);
+    g_ctx_free(ctx, in.n);
+    g_free(&in, t->rooms);
+    return rc;
+}
+
+/* ------------------------------------------------------------ decode process */
+
+/* Copies the device buffers back and compares every byte and guard byte with the
+ * reference transfer of every room applied to the initial contents. */
+static int g_verify(const kvt_model_t *m, const g_topo_t *t, g_inst_t *in, const g_inst_t *src,
+                    const kvt_copy_t *init, char *err, size_t cap)
+{
+    for (uint32_t k = 0; k < in->n; k++) {
+        kvt_rank_t *r = &in->ranks[k];
+        for (uint32_t i = 0; i < r->num_bufs; i++)
+            if (kvw_cuda_memcpy(r->mem[i], in->dev[k][i], r->alloc_len[i] + 2ull * r->guard,
+                                NULL) != KVW_OK)
+                return snprintf(err, cap, "copying GPU buffers back: %s", kvw_last_error()), -1;
+    }
+    kvt_ref_side_t *ss = calloc(src->n, sizeof(*ss));
+    uint8_t ***sd = calloc(src->n, sizeof(*sd));
+    int rc = ss && sd ? 0 : -1;
+    for (uint32_t s = 0; s < src->n && rc == 0; s++) {
+        sd[s] = calloc(src->ranks[s].num_bufs, sizeof(uint8_t *));
+        if (sd[s] == NULL) {
+            rc = -1;
+            break;
+        }
+        for (uint32_t b = 0; b < src->ranks[s].num_bufs; b++)
+            sd[s][b] = kvt_rank_data(&src->ranks[s], b);
+    }
+    for (uint32_t k = 0; k < in->n && rc == 0; k++) {
+        kvt_copy_t exp;
+        if (kvt_copy_make(&in->ranks[k], &exp) != KVW_OK) {
+            rc = -1;
+            break;
+        }
+        /* Expected = the initial contents plus what the reference writes. */
+        for (uint32_t b = 0; b < exp.num_bufs; b++)
+            memcpy(exp.data[b], init[k].data[b], exp.len[b]);
+        for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
+            for (uint32_t s = 0; s < src->n; s++)
+                ss[s] = kvt_ref_side(&src->ranks[s], &src->pg[i].side, sd[s]);
+            kvt_ref_side_t ds = kvt_ref_side(&in->ranks[k], &in->pg[i].side, exp.data);
+            kvw_chunk_t ch = {.num_tokens = t->tokens, .chunk_begin = 0,
+                              .chunk_end = t->tokens, .prefix_len = 0, .last_chunk = 1};
+            char msg[400];
+            if (kvt_ref_transfer(&m->m, ss, src->n, &ds, &ch, NULL, NULL, msg, sizeof(msg))) {
+                snprintf(err, cap, "reference: %s", msg);
+                rc = -1;
+            }
+        }
+        char msg[400];
+        if (rc == 0 && kvt_copy_compare(&in->ranks[k], &exp, "decode buffers", msg,
+                                        sizeof(msg))) {
+            snprintf(err, cap, "decode rank %u: WRONG BYTES: %s", k, msg);
+            rc = -1;
+        }
+        if (rc == 0 && kvt_rank_check_guards(&in->ranks[k], msg, sizeof(msg))) {
+            snprintf(err, cap, "decode rank %u: guard bytes changed: %s", k, msg);
+            rc = -1;
+        }
+        kvt_copy_free(&exp);
+    }
+    for (uint32_t s = 0; sd && s < src->n; s++)
+        free(sd[s]);
+    free(sd);
+    free(ss);
+    if (rc && !err[0])
+        snprintf(err, cap, "out of memory verifying");
+    return rc;
+}
+
+static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, const char *bs,
+                    int cmd_fd, int ack_fd, g_result_t *res)
+{
+    g_inst_t in, src;
+    memset(&src, 0, sizeof(src));
+    kvt_copy_t *init = NULL;
+    kvw_ctx_h *ctx = NULL;
+    char *err = res->err;
+    size_t cap = sizeof(res->err);
+    int dev = g_device(false, &res->devices);
+    int rc = 0;
+    if (g_build(c, m, t, false, &in, err, cap) || g_assign(c, m, t, &in, 37))
+        rc = -1;
+    /* The prefill ranks' bytes and pages, rebuilt here for the reference. */
+    if (rc == 0 && !c->no_verify &&
+        (g_build(c, m, t, true, &src, err, cap) || g_assign(c, m, t, &src, 31)))
+        rc = -1;
+    if (rc == 0 && !c->no_verify) {
+        init = calloc(in.n, sizeof(*init));
+        for (uint32_t k = 0; init && k < in.n && rc == 0; k++)
+            if (kvt_copy_make(&in.ranks[k], &init[k]) != KVW_OK)
+                rc = -1;
+        if (init == NULL || rc)
+            rc = -1, snprintf(err, cap, "out of memory");
+    }
+    if (rc == 0 && g_attach(&in, dev, err, cap))
+        rc = -1;
+    if (rc == 0 && (ctx = g_contexts(c, t, &in, false, bs, NULL, 0, err, cap)) == NULL)
+        rc = -1;
+    /* The baseline's buffers: source on the prefill GPU, destination on this one. */
+    void *bsrc = NULL, *bdst = NULL, *stream = NULL;
+    uint64_t bcap = 0;
+    kvw_receiver_h *rcv = calloc((size_t)t->rooms * in.n, sizeof(*rcv));
+    uint32_t nrep = G_MIN(c->reps, (uint32_t)G_MAX_REPS);
+    /* The default 50 us timer slack would add up to that much to each timed wait. */
+    (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    for (uint32_t rep = 0; rep <= nrep && rc == 0; rep++) {
+        g_cmd_t cmd = {.op = G_OP_ARM, .rep = rep};
+        char a = 0;
+        if (g_write(cmd_fd, &cmd, sizeof(cmd)) || g_read(ack_fd, &a, 1) || a != 'k') {
+            snprintf(err, cap, "the prefill process failed to arm repetition %u", rep);
+            rc = -1;
+            break;
+        }
+        uint64_t t0 = kvt_now_ns();
+        for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
+            kvw_recv_post_t post = {.num_tokens = t->tokens, .prefix_len = 0,
+                                    .pages = in.pg[i].side};
+            for (uint32_t k = 0; k < in.n && rc == 0; k++) {
+                kvw_receiver_h *r = &rcv[i * in.n + k];
+                if (kvw_receiver_create(ctx[k], g_room_id(t, rep, i), 0, r) != KVW_OK ||
+                    kvw_receiver_post(*r, &post) != KVW_OK) {
+                    snprintf(err, cap, "posting room %u: %s", i, kvw_last_error());
+                    rc = -1;
+                }
+            }
+        }
+        for (uint32_t i = 0; i < t->rooms * in.n && rc == 0; i++)
+            while (!g_terminal(kvw_receiver_poll(rcv[i])))
+                g_nap();
+        uint64_t t1 = kvt_now_ns(), bytes = 0;
+        if (rep > 0)
+            res->t0[rep - 1] = t0, res->t1[rep - 1] = t1;
+        for (uint32_t i = 0; i < t->rooms * in.n; i++) {
+            if (rcv[i] == NULL)
+                continue;
+            if (rc == 0 && kvw_receiver_poll(rcv[i]) != KVW_ROOM_SUCCESS) {
+                snprintf(err, cap, "room %u failed on decode rank %u: %s", i / in.n, i % in.n,
+                         kvw_receiver_failure(rcv[i]));
+                rc = -1;
+            }
+            kvw_room_metrics_t mt;
+            kvw_receiver_metrics(rcv[i], &mt);
+            bytes += mt.bytes;
+            kvw_receiver_destroy(rcv[i]);
+            rcv[i] = NULL;
+        }
+        if (rc)
+            break;
+        if (rep == 0) {
+            res->bytes = bytes;
+            if (!c->no_verify) {
+                if (g_verify(m, t, &in, &src, init, err, cap)) {
+                    rc = -1;
+                    break;
+                }
+                res->verified = 1;
+            }
+            /* Baseline buffers, sized now that the byte count is known. */
+            bcap = G_MAX(bytes, 1);
+            if (kvw_cuda_set_device(0) != KVW_OK || kvw_cuda_malloc(bcap, &bsrc) != KVW_OK ||
+                kvw_cuda_memset(bsrc, 0x3c, bcap, NULL) != KVW_OK ||
+                kvw_cuda_set_device(dev) != KVW_OK || kvw_cuda_malloc(bcap, &bdst) != KVW_OK ||
+                kvw_cuda_stream_create(&stream) != KVW_OK) {
+                snprintf(err, cap, "baseline buffers: %s", kvw_last_error());
+                rc = -1;
+                break;
+            }
+        } else if (bytes != res->bytes) {
+            snprintf(err, cap, "repetition %u moved %llu bytes, the first %llu", rep,
+                     (unsigned long long)bytes, (unsigned long long)res->bytes);
+            rc = -1;
+            break;
+        }
+        /* The same bytes as one copy (peer, or device to device), timed the same way:
+         * host clock from the call to completion. A first copy warms up. */
+        for (int w = rep == 0 ? 0 : 1; w < 2 && rc == 0; w++) {
+            uint64_t b0 = kvt_now_ns();
+            if (kvw_cuda_memcpy(bdst, bsrc, bytes, stream) != KVW_OK ||
+                kvw_cuda_stream_sync(stream) != KVW_OK) {
+                snprintf(err, cap, "baseline copy: %s", kvw_last_error());
+                rc = -1;
+            }
+            if (rep > 0)
+                res->base_ns[rep - 1] = kvt_now_ns() - b0;
+        }
+        if (rep > 0) {
+            res->ns[rep - 1] = t1 - t0;
+            res->reps = rep;
+        }
+    }
+    if (rc == 0) {
+        g_cmd_t cmd = {.op = G_OP_PROFILE, .rep = res->reps - 1};
+        if (g_write(cmd_fd, &cmd, sizeof(cmd)) || g_read(ack_fd, res->prof, sizeof(res->prof)))
+            rc = -1, snprintf(err, cap, "the prefill process did not report its profile");
+    }
+    g_cmd_t q = {.op = G_OP_QUIT};
+    char a;
+    if (g_write(cmd_fd, &q, sizeof(q)) == 0)
+        (void)g_read(ack_fd, &a, 1);
+    if (stream)
+        kvw_cuda_stream_destroy(stream);
+    if (bsrc)
+        kvw_cuda_free(bsrc);
+    if (bdst)
+        kvw_cuda_free(bdst);
+    free(rcv);
+    g_ctx_free(ctx, in.n);
+    for (uint32_t k = 0; init && k < in.n; k++)
+        kvt_copy_free(&init[k]);
+    free(init);
+    g_free(&in, t->rooms);
+    g_free(&src, t->rooms);
+    res->ok = rc == 0;
+    return rc;
+}
+
+/* ------------------------------------------------------------ driver */
+
+/* One topology: a prefill and a decode process. */
+static int g_run_topo(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g_result_t *res)
+{
+    int bs_pipe[2], cmd_pipe[2], ack_pipe[2], res_pipe[2];
+    memset(res, 0, sizeof(*res));
+    if (pipe(bs_pipe) || pipe(cmd_pipe) || pipe(ack_pipe) || pipe(res_pipe))
+        return snprintf(res->err, sizeof(res->err), "pipe: %s", strerror(errno)), -1;
+    fflush(stdout);
+    fflush(stderr);
+    pid_t pf = fork();
+    if (pf == 0) {
+        close(bs_pipe[0]), close(cmd_pipe[1]), close(ack_pipe[0]), close(res_pipe[0]);
+        close(res_pipe[1]);
+        exit(g_prefill(c, m, t, bs_pipe[1], cmd_pipe[0], ack_pipe[1]));
+    }
+    close(bs_pipe[1]), close(cmd_pipe[0]), close(ack_pipe[1]);
+    char bs[160] = "";
+    if (g_read(bs_pipe[0], bs, sizeof(bs)) || !bs[0]) {
+        snprintf(res->err, sizeof(res->err), "the prefill process did not start");
+        close(cmd_pipe[1]), close(ack_pipe[0]), close(res_pipe[0]), close(res_pipe[1]);
+        close(bs_pipe[0]);
+        waitpid(pf, NULL, 0);
+        return -1;
+    }
+    close(bs_pipe[0]);
+    pid_t pd = fork();
+    if (pd == 0) {
+        close(res_pipe[0]);
+        g_result_t r;
+        memset(&r, 0, sizeof(r));
+        int rc = g_decode(c, m, t, bs, cmd_pipe[1], ack_pipe[0], &r);
+        if (g_write(res_pipe[1], &r, sizeof(r)))
+            rc = 1;
+        exit(rc ? 1 : 0);
+    }
+    close(cmd_pipe[1]), close(ack_pipe[0]), close(res_pipe[1]);
+    int got = g_read(res_pipe[0], res, sizeof(*res));
+    close(res_pipe[0]);
+    int sd = 0, sp = 0;
+    waitpid(pd, &sd, 0);
+    waitpid(pf, &sp, 0);
+    if (got) {
+        snprintf(res->err, sizeof(res->err), "the decode process died (status %d)", sd);
+        res->ok = 0;
+    }
+    if (res->ok && !(WIFEXITED(sp) && WEXITSTATUS(sp) == 0)) {
+        snprintf(res->err, sizeof(res->err), "the prefill process failed (status %d)", sp);
+        res->ok = 0;
+    }
+    return res->ok ? 0 : -1;
+}
+
+static double g_gbps(uint64_t bytes, uint64_t ns)
+{
+    return ns ? (double)bytes / (double)ns : 0.0;
+}
+
+static double g_ms(uint64_t ns)
+{
+    return (double)ns / 1e6;
+}
+
+/* Medians over the timed repetitions of the three wall-clock phases, and the prefill
+ * workers' step sums over all of them. */
+typedef struct g_split {
+    uint64_t in, gpu, out;
+    kvw_cuda_profile_t sum;
+} g_split_t;
+
+static g_split_t g_split(const g_result_t *r)
+{
+    g_split_t sp;
+    uint64_t a[G_MAX_REPS], b[G_MAX_REPS], c[G_MAX_REPS];
+    uint32_t n = 0;
+    memset(&sp, 0, sizeof(sp));
+    for (uint32_t k = 0; k < r->reps; k++) {
+        const kvw_cuda_profile_t *p = &r->prof[k];
+        sp.sum.steps += p->steps;
+        sp.sum.plan_ns += p->plan_ns;
+        sp.sum.launch_ns += p->launch_ns;
+        sp.sum.upload_dev_ns += p->upload_dev_ns;
+        sp.sum.kernel_dev_ns += p->kernel_dev_ns;
+        sp.sum.wait_ns += p->wait_ns;
+        sp.sum.notify_ns += p->notify_ns;
+        if (p->first_start_ns < r->t0[k] || p->last_done_ns < p->first_start_ns ||
+            r->t1[k] < p->last_done_ns)
+            continue; /* no GPU step in this repetition */
+        a[n] = p->first_start_ns - r->t0[k];
+        b[n] = p->last_done_ns - p->first_start_ns;
+        c[n] = r->t1[k] - p->last_done_ns;
+        n++;
+    }
+    sp.in = g_median(a, n);
+    sp.gpu = g_median(b, n);
+    sp.out = g_median(c, n);
+    return sp;
+}
+
+static void g_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: kvwire bench --gpu [options]\n"
+            "  --model NAME      model preset (default gpt-oss-120b)\n"
+            "  --layers N        keep the first N layers (default 0 = all)\n"
+            "  --page-size N     tokens per page (default 64)\n"
+            "  --reps N          timed repetitions per topology (default 5, at most %d)\n"
+            "  --topo P:D:R:T    prefill TP, decode TP, rooms, tokens per room (repeatable;\n"
+            "                    default: the six topologies of the issue)\n"
+            "  --no-verify       skip the byte check of the first repetition\n"
+            "  --json FILE       results (default bench-gpu.json)\n"
+            "Prefill on GPU 0, decode on GPU 1 (GPU 0 when only one exists), over cuda_ipc.\n"
+            "Exits 77 without a GPU.\n",
+            G_MAX_REPS);
+}
+
+int kvw_bench_gpu(int argc, char **argv);
+
+int kvw_bench_gpu(int argc, char **argv)
+{
+    g_cfg_t c = {.model = "gpt-oss-120b", .layers = 0, .page = 64, .reps = 5,
+                 .timeout_ms = 60000, .json = "bench-gpu.json"};
+    static const struct option opts[] = {
+        {"gpu", 0, 0, 'G'},        {"model", 1, 0, 'm'}, {"layers", 1, 0, 'L'},
+        {"page-size", 1, 0, 's'},  {"reps", 1, 0, 'r'},  {"topo", 1, 0, 'T'},
+        {"no-verify", 0, 0, 'n'},  {"json", 1, 0, 'j'},  {"help", 0, 0, 'h'},
+        {0, 0, 0, 0}};
+    int o;
+    optind = 1;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        unsigned long v = optarg ? strtoul(optarg, NULL, 10) : 0;
+        switch (o) {
+        case 'G': break;
+        case 'm': snprintf(c.model, sizeof(c.model), "%s", optarg); break;
+        case 'L': c.layers = (uint32_t)v; break;
+        case 's': c.page = (uint32_t)v; break;
+        case 'r': c.reps = (uint32_t)v; break;
+        case 'T': {
+            g_topo_t t;
+            unsigned long long tok = 0;
+            if (c.num_topo == G_MAX_TOPO ||
+                sscanf(optarg, "%u:%u:%u:%llu", &t.ptp, &t.dtp, &t.rooms, &tok) != 4 ||
+                !t.ptp || !t.dtp || !t.rooms || !tok) {
+                fprintf(stderr, "bench --gpu: bad --topo '%s' (P:D:ROOMS:TOKENS)\n", optarg);
+                return 2;
+            }
+            t.tokens = tok;
+            c.topo[c.num_topo++] = t;
+            break;
+        }
+        case 'n': c.no_verify = 1; break;
+        case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
+        case 'h': g_usage(stdout); return 0;
+        default: g_usage(stderr); return 2;
+        }
+    }
+    if (!c.reps || c.reps > G_MAX_REPS || !c.page) {
+        g_usage(stderr);
+        return 2;
+    }
+    if (c.num_topo == 0) {
+        c.num_topo = sizeof(g_default_topo) / sizeof(g_default_topo[0]);
+        memcpy(c.topo, g_default_topo, sizeof(g_default_topo));
+    }
+    /* Checked in a child: CUDA state must not exist before the forks. */
+    pid_t probe = fork();
+    if (probe == 0)
+        exit(kvw_cuda_available() == KVW_OK ? 0 : 3);
+    int ps = 0;
+    waitpid(probe, &ps, 0);
+    if (!WIFEXITED(ps) || WEXITSTATUS(ps) != 0) {
+        printf("bench --gpu: skipped: no GPU (no CUDA device, driver or kvwire CUDA module)\n");
+        return 77;
+    }
+    kvt_model_t m;
+    if (kvt_model_preset(c.model, &m)) {
+        fprintf(stderr, "bench --gpu: unknown model '%s'\n", c.model);
+        return 2;
+    }
+    if (c.layers && c.layers < m.m.num_layers && kvt_model_truncate(&m, c.layers)) {
+        fprintf(stderr, "bench --gpu: cannot keep %u layers\n", c.layers);
+        return 2;
+    }
+    g_result_t *res = calloc(c.num_topo, sizeof(*res));
+    if (res == NULL)
+        return 1;
+    int fail = 0;
+    for (uint32_t i = 0; i < c.num_topo; i++) {
+        const g_topo_t *t = &c.topo[i];
+        if (g_run_topo(&c, &m, t, &res[i])) {
+            fprintf(stderr, "bench --gpu: TP%u->TP%u %ux%llu: FAILED: %s\n", t->ptp, t->dtp,
+                    t->rooms, (unsigned long long)t->tokens, res[i].err);
+            fail = 1;
+        }
+        fflush(stderr);
+    }
+
+    FILE *jf = fopen(c.json, "w");
+    if (jf) {
+        fprintf(jf, "{\"model\": \"%s\", \"layers\": %u, \"page\": %u, \"reps\": %u, "
+                "\"topologies\": [", c.model, m.m.num_layers, c.page, c.reps);
+        for (uint32_t i = 0; i < c.num_topo; i++) {
+            const g_topo_t *t = &c.topo[i];
+            const g_result_t *r = &res[i];
+            g_split_t sp = g_split(r);
+            uint64_t mn = g_median(r->ns, r->reps), mb = g_median(r->base_ns, r->reps);
+            fprintf(jf, "%s\n  {\"prefill_tp\": %u, \"decode_tp\": %u, \"rooms\": %u, "
+                    "\"tokens\": %llu, \"ok\": %s, \"verified\": %s, \"devices\": %d, "
+                    "\"bytes\": %llu, \"protocol_ns\": [", i ? "," : "", t->ptp, t->dtp,
+                    t->rooms, (unsigned long long)t->tokens, r->ok ? "true" : "false",
+                    r->verified ? "true" : "false", r->devices, (unsigned long long)r->bytes);
+            for (uint32_t k = 0; k < r->reps; k++)
+                fprintf(jf, "%s%llu", k ? ", " : "", (unsigned long long)r->ns[k]);
+            fprintf(jf, "], \"baseline_ns\": [");
+            for (uint32_t k = 0; k < r->reps; k++)
+                fprintf(jf, "%s%llu", k ? ", " : "", (unsigned long long)r->base_ns[k]);
+            fprintf(jf, "], \"protocol_gbps\": %.2f, \"baseline_gbps\": %.2f, \"ratio\": %.3f, "
+                    "\"median_ns\": {\"post_to_first_step\": %llu, \"first_step_to_last_done\": "
+                    "%llu, \"last_done_to_success\": %llu}, \"per_rep_sum_ns\": {\"steps\": "
+                    "%llu, \"plan\": %llu, \"launch\": %llu, \"upload_dev\": %llu, "
+                    "\"kernel_dev\": %llu, \"wait\": %llu, \"notify\": %llu}}",
+                    g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
+                    mb && mn ? (double)mb / (double)mn : 0.0, (unsigned long long)sp.in,
+                    (unsigned long long)sp.gpu, (unsigned long long)sp.out,
+                    (unsigned long long)sp.sum.steps, (unsigned long long)sp.sum.plan_ns,
+                    (unsigned long long)sp.sum.launch_ns,
+                    (unsigned long long)sp.sum.upload_dev_ns,
+                    (unsigned long long)sp.sum.kernel_dev_ns, (unsigned long long)sp.sum.wait_ns,
+                    (unsigned long long)sp.sum.notify_ns);
+        }
+        fprintf(jf, "\n]}\n");
+        fclose(jf);
+    }
+
+    printf("\nwhere the time goes (ms per repetition). Wall clock, medians: in = decode's first "
+           "post to the prefill's first GPU step;\nsteps = first step to the last completion "
+           "notice sent; out = that notice to SUCCESS seen on every decode rank.\nPrefill "
+           "worker steps, summed over steps (concurrent workers add up): plan = building the "
+           "plan; launch = flattening,\nupload and kernel enqueue (host); upload, kernel = CUDA "
+           "events on the worker's stream; wait = host blocked on a kernel;\nnotify = sending "
+           "completion notices\n");
+    printf("%-8s %-11s %6s | %6s %6s %6s | %5s %6s %6s %6s %7s %7s %6s\n", "topology",
+           "rooms x tok", "ms", "in", "steps", "out", "steps", "plan", "launch", "upload",
+           "kernel", "wait", "notify");
+    for (uint32_t i = 0; i < c.num_topo; i++) {
+        const g_topo_t *t = &c.topo[i];
+        const g_result_t *r = &res[i];
+        if (!r->ok || r->reps == 0)
+            continue;
+        g_split_t sp = g_split(r);
+        double per = (double)r->reps;
+        char topo[16], rt[24];
+        snprintf(topo, sizeof(topo), "TP%u->TP%u", t->ptp, t->dtp);
+        snprintf(rt, sizeof(rt), "%ux%llu", t->rooms, (unsigned long long)t->tokens);
+        printf("%-8s %-11s %6.3f | %6.3f %6.3f %6.3f | %5.0f %6.3f %6.3f %6.3f %7.3f %7.3f "
+               "%6.3f\n", topo, rt, g_ms(g_median(r->ns, r->reps)), g_ms(sp.in), g_ms(sp.gpu),
+               g_ms(sp.out), (double)sp.sum.steps / per, g_ms(sp.sum.plan_ns) / per,
+               g_ms(sp.sum.launch_ns) / per, g_ms(sp.sum.upload_dev_ns) / per,
+               g_ms(sp.sum.kernel_dev_ns) / per, g_ms(sp.sum.wait_ns) / per,
+               g_ms(sp.sum.notify_ns) / per);
+    }
+
+    printf("\nkvwire bench --gpu: %s (%u layers, page %u), %d GPU(s): prefill GPU 0 -> decode "
+           "GPU %d over cuda_ipc;\npost to SUCCESS on every decode rank against one %s copy of "
+           "the same bytes, medians of %u repetitions\n", c.model, m.m.num_layers, c.page,
+           res[0].devices, res[0].devices > 1 ? 1 : 0,
+           res[0].devices > 1 ? "peer (GPU 0 -> GPU 1)" : "device-to-device", c.reps);
+    printf("%-8s %-11s %8s %10s %9s %6s %7s  %s\n", "topology", "rooms x tok", "MB",
+           "proto GB/s", "base GB/s", "ratio", "ms", "verified");
+    for (uint32_t i = 0; i < c.num_topo; i++) {
+        const g_topo_t *t = &c.topo[i];
+        const g_result_t *r = &res[i];
+        char topo[16], rt[24];
+        snprintf(topo, sizeof(topo), "TP%u->TP%u", t->ptp, t->dtp);
+        snprintf(rt, sizeof(rt), "%ux%llu", t->rooms, (unsigned long long)t->tokens);
+        if (!r->ok || r->reps == 0) {
+            printf("%-8s %-11s FAILED: %s\n", topo, rt, r->err);
+            continue;
+        }
+        uint64_t mn = g_median(r->ns, r->reps), mb = g_median(r->base_ns, r->reps);
+        printf("%-8s %-11s %8.1f %10.1f %9.1f %6.3f %7.3f  %s\n", topo, rt,
+               (double)r->bytes / 1e6, g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
+               mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn),
+               r->verified ? "yes: every byte and guard" : "no");
+    }
+    printf("reproduce: kvwire bench --gpu --reps %u (JSON: %s)\n", c.reps, c.json);
+    free(res);
+    return fail;
+}
