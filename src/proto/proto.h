@@ -5,6 +5,7 @@
 #include <kvwire/xfer.h>
 
 #include "plan/rank.h"
+#include "proto/ivlog.h"
 #include "proto/wire.h"
 #include "transport/transport.h"
 
@@ -138,6 +139,8 @@ typedef struct kvw_room {
     uint32_t num_granted[KVW_NUM_POOLS];
     uint64_t prefix_len;
     uint64_t landed; /* decode: bytes the receiver saw land (mediated transports) */
+    kvw_ivlog_t writes;     /* decode: where they landed (direct, and staged until scattered) */
+    uint64_t staged_exact;  /* decode: staged bytes whose window was covered exactly once */
     kvw_side_pages_t post_pages; /* the decode's pages, for scattering staged data */
     uint32_t *post_store;
     const char *path;            /* "direct" or "staged" (what the last chunk used) */

@@ -89,6 +89,7 @@ void kvw__room_free(kvw_room_t *r)
     for (int p = 0; p < KVW_NUM_POOLS; p++)
         free(r->granted[p]);
     free(r->post_store);
+    kvw__ivlog_free(&r->writes);
     free(r);
 }
 
@@ -1156,6 +1157,31 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
         uint64_t want = 0;
         for (uint32_t i = 0; i < r->num_srcs; i++)
             want += r->srcs[i].expected;
+        /* Page-exact: no byte written twice, and the distinct bytes (direct writes plus
+         * staged windows each covered exactly once) are what the plans imply. A byte
+         * count alone let one page written twice stand in for one never written. */
+        kvw_iv_t a, b;
+        uint64_t distinct = 0;
+        if (!kvw__ivlog_check(&r->writes, &a, &b, &distinct)) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: buffer %llu bytes [%llu, %llu) were written twice "
+                           "(overlapping writes [%llu, %llu) and [%llu, %llu))",
+                           (unsigned long long)r->id, (unsigned long long)b.region,
+                           (unsigned long long)b.lo,
+                           (unsigned long long)(b.hi < a.hi ? b.hi : a.hi),
+                           (unsigned long long)a.lo, (unsigned long long)a.hi,
+                           (unsigned long long)b.lo, (unsigned long long)b.hi);
+            return;
+        }
+        if (distinct + r->staged_exact != want) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: %llu distinct bytes landed, the plans expect %llu "
+                           "(part of the room's pages was never written)",
+                           (unsigned long long)r->id,
+                           (unsigned long long)(distinct + r->staged_exact),
+                           (unsigned long long)want);
+            return;
+        }
         if (r->landed != want) {
             kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
                            "room %llu: %llu bytes landed, the plans expect %llu",
@@ -1174,6 +1200,10 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
                            (unsigned long long)r->srcs[i].expected);
             return;
         }
+    if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED)
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            kvw_send_room_msg(ctx, ctx->peers[r->srcs[i].peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK,
+                              "");
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
 }
 
@@ -1263,6 +1293,21 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
                            (unsigned long long)slen);
             goto out;
         }
+        /* On tcp the window must have been written exactly once, all of it, before it is
+         * scattered: stale staging bytes would otherwise land in the room's pages. */
+        if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) {
+            uint64_t got = 0;
+            if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
+                got != slen) {
+                kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                               "room %llu: staged window [%llu, +%llu) was %s",
+                               (unsigned long long)id, (unsigned long long)goff,
+                               (unsigned long long)slen,
+                               got == slen ? "partly written twice" : "not written exactly once");
+                goto out;
+            }
+            r->staged_exact += slen;
+        }
         c.num_tokens = r->num_tokens;
         c.prefix_len = r->prefix_len;
         kvw_rank_h src = ctx->peers[peer_id]->remote;
@@ -1291,7 +1336,9 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     r->bytes += bytes;
     if (final)
         s->done = c.last_chunk;
-    if (s->done && s->got == s->expected)
+    /* On tcp the confirmation waits for the room-wide check of where the bytes landed
+     * (kvw_receiver_done): a sender's own count cannot vouch for that. */
+    if (s->done && s->got == s->expected && !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
         kvw_send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, id, KVW_OK, "");
     kvw_receiver_done(ctx, r);
 out:
@@ -1312,6 +1359,28 @@ static bool kvw_granted(const kvw_room_t *r, int pool, uint32_t page)
             hi = mid;
     }
     return false;
+}
+
+/* Records an admitted write (mu held). More bytes than the plans imply fail the room at
+ * once, which also bounds the record's size by the room's own byte count. */
+static kvw_status_t kvw_note_write(struct kvw_ctx *ctx, kvw_room_t *r, uint64_t key,
+                                   uint64_t off, uint64_t len)
+{
+    uint64_t want = 0;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        want += r->srcs[i].expected;
+    kvw_status_t st = KVW_OK;
+    if (len > want - KVW_MIN(r->landed, want))
+        st = kvw__error(KVW_ERR_BYTE_MISMATCH, "room %llu: writes exceed the %llu bytes the "
+                        "plans expect", (unsigned long long)r->id, (unsigned long long)want);
+    else
+        st = kvw__ivlog_add(&r->writes, key, off, len);
+    if (st != KVW_OK) {
+        kvw__room_fail(ctx, r, st, true, "%s", kvw_last_error());
+        return st;
+    }
+    r->landed += len;
+    return KVW_OK;
 }
 
 kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
@@ -1338,7 +1407,7 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
             if (ctx->spans[i].room == room && off >= ctx->spans[i].off &&
                 off - ctx->spans[i].off <= ctx->spans[i].len &&
                 len <= ctx->spans[i].len - (off - ctx->spans[i].off)) {
-                r->landed += len;
+                st = kvw_note_write(ctx, r, KVW_IV_STAGED | ctx->spans[i].off, off, len);
                 goto out;
             }
         st = KVW_ERR_OUT_OF_RANGE;
@@ -1369,7 +1438,7 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
             break;
         }
     if (st == KVW_OK)
-        r->landed += len;
+        st = kvw_note_write(ctx, r, region, off, len);
 out:
     pthread_mutex_unlock(&ctx->mu);
     return st;
