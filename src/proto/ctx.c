@@ -335,6 +335,21 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
         snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
         goto reply;
     }
+    /* Bind the data connection to this session first: completions that arrive on a
+     * connection that never proved it read this registration's challenge are refused. */
+    {
+        kvw_wbuf_t bw;
+        kvw__wb_init(&bw, KVW_MSG_BIND);
+        kvw__wb_u32(&bw, id_at_remote);
+        kvw_wb_raw(&bw, dnonce, sizeof(dnonce));
+        if ((st = kvw__wb_finish(&bw)) == KVW_OK)
+            st = ctx->tl_ops->notify(ep, bw.p, bw.len);
+        kvw__wb_free(&bw);
+        if (st != KVW_OK) {
+            snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
+            goto reply;
+        }
+    }
     for (uint32_t i = 0; i < nb; i++) {
         size_t kl = 0;
         const void *k = kvw__rb_bytes(&r, KVW_TL_MAX_RKEY, &kl);
@@ -563,6 +578,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
     }
     peer->remote = remote;
+    memcpy(peer->bind_nonce, dnonce, sizeof(peer->bind_nonce));
     peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
     peer->needed = kvw_pair_needed(remote, ctx->rank);
     snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s", e->dp, e->tp,
@@ -1038,6 +1054,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     }
     free(ctx->spans);
     free(ctx->waits);
+    free(ctx->binds);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
         kvw_room_t *r = ctx->rooms[b];

@@ -75,7 +75,18 @@ typedef struct kvw_peer {
     kvw_rank_h mapped; /* prefill: the decode rank's buffers as mapped here (rkey_ptr) */
     kvw_tl_rkey_h staging_rkey; /* the decode rank's staging area, or NULL */
     uint64_t staging_len;
+    /* Decode: the challenge this rank sent in its registration. Only the prefill rank that
+     * read it can bind a data connection to this peer (KVW_MSG_BIND). */
+    uint8_t bind_nonce[32];
 } kvw_peer_t;
+
+/* Decode: a data connection (accepted transport endpoint) and the peer it claimed to be
+ * in its BIND; checked against that peer's nonce when a completion arrives. */
+typedef struct kvw_bind {
+    kvw_tl_ep_h ep;
+    uint32_t peer;
+    uint8_t nonce[32];
+} kvw_bind_t;
 
 /* One chunk queued by the prefill engine. */
 typedef struct kvw_qchunk {
@@ -203,6 +214,8 @@ struct kvw_ctx {
     char secret[256]; /* shared secret, "" when none */
     uint64_t instance_id;
     uint32_t handshakes; /* registration threads still running (prefill) */
+    kvw_bind_t *binds; /* decode: data connections bound to peers (see KVW_MSG_BIND) */
+    uint32_t num_binds, cap_binds;
 };
 
 #define KVW_PATH_AUTO 0

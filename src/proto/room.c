@@ -1238,6 +1238,53 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
     return st;
 }
 
+/* A data connection says which peer it belongs to (KVW_MSG_BIND, its first message).
+ * The claim is only recorded here; kvw_bound checks it against the peer's nonce when a
+ * completion arrives, since the BIND can overtake the registration that creates the peer. */
+static void kvw_on_bind(struct kvw_ctx *ctx, kvw_tl_ep_h ep, kvw_rbuf_t *rb)
+{
+    kvw_bind_t b = {.ep = ep};
+    b.peer = kvw__rb_u32(rb);
+    for (size_t i = 0; i < sizeof(b.nonce); i++)
+        b.nonce[i] = kvw__rb_u8(rb);
+    if (kvw__rb_done(rb, "bind") != KVW_OK)
+        return;
+    pthread_mutex_lock(&ctx->mu);
+    bool known = false;
+    for (uint32_t i = 0; i < ctx->num_binds; i++)
+        known |= ctx->binds[i].ep == ep;
+    if (!known && ctx->num_binds == ctx->cap_binds) {
+        uint32_t cap = ctx->cap_binds ? ctx->cap_binds * 2 : 16;
+        kvw_bind_t *v = realloc(ctx->binds, sizeof(*v) * cap);
+        if (v) {
+            ctx->binds = v;
+            ctx->cap_binds = cap;
+        }
+    }
+    /* One claim per connection: a second BIND cannot re-point it. */
+    if (!known && ctx->num_binds < ctx->cap_binds)
+        ctx->binds[ctx->num_binds++] = b;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+/* Whether `ep` is the data connection of peer `peer_id` (mu held). */
+static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
+{
+    if (peer_id >= ctx->num_peers)
+        return false;
+    const kvw_peer_t *p = ctx->peers[peer_id];
+    for (uint32_t i = 0; i < ctx->num_binds; i++) {
+        const kvw_bind_t *b = &ctx->binds[i];
+        if (b->ep != ep)
+            continue;
+        uint8_t diff = (uint8_t)(b->peer != peer_id);
+        for (size_t k = 0; k < sizeof(b->nonce); k++)
+            diff |= b->nonce[k] ^ p->bind_nonce[k];
+        return diff == 0;
+    }
+    return false;
+}
+
 void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
 {
     struct kvw_ctx *ctx = arg;
@@ -1246,11 +1293,15 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         return;
     uint8_t type = 0;
     uint32_t plen;
-    if (kvw__wire_header(msg, &type, &plen) != KVW_OK || type != KVW_MSG_DONE ||
-        plen != len - KVW_WIRE_HDR)
+    if (kvw__wire_header(msg, &type, &plen) != KVW_OK ||
+        (type != KVW_MSG_DONE && type != KVW_MSG_BIND) || plen != len - KVW_WIRE_HDR)
         return;
     kvw_rbuf_t rb;
     kvw__rb_init(&rb, (const uint8_t *)msg + KVW_WIRE_HDR, plen);
+    if (type == KVW_MSG_BIND) {
+        kvw_on_bind(ctx, ep, &rb);
+        return;
+    }
     uint64_t id = kvw__rb_u64(&rb);
     uint32_t peer_id = kvw__rb_u32(&rb);
     kvw_chunk_t c = {0};
@@ -1267,6 +1318,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw_room_t *r = kvw__room_find(ctx, id);
     kvw_room_src_t *s = NULL;
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
+        goto out;
+    /* A completion counts only on the data connection its peer bound (any local process
+     * can reach a shm socket, any host a tcp port): anything else is refused, and the
+     * room carries on waiting for its real sender. */
+    if (!kvw_bound(ctx, ep, peer_id))
         goto out;
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer_id)
@@ -1446,12 +1502,20 @@ out:
 
 void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason)
 {
-    /* Data connections are anonymous; the control channel of the same peer notices the
-     * failure (closed socket or missing heartbeats) and fails its rooms with a name. */
-    (void)arg;
-    (void)ep;
+    /* The control channel of the same peer notices the failure (closed socket or missing
+     * heartbeats) and fails its rooms with a name. Here the connection only loses its
+     * binding: the transport frees the endpoint after this returns, and its address may
+     * be reused by a later connection. */
+    struct kvw_ctx *ctx = arg;
     (void)status;
     (void)reason;
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t i = 0; i < ctx->num_binds; i++)
+        if (ctx->binds[i].ep == ep) {
+            ctx->binds[i] = ctx->binds[--ctx->num_binds];
+            break;
+        }
+    pthread_mutex_unlock(&ctx->mu);
 }
 
 /* ------------------------------------------------------------ frames */
