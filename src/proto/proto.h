@@ -15,7 +15,9 @@
 void kvw__wire_put_rank(kvw_wbuf_t *w, kvw_rank_h rank);
 kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p);
 void kvw__wire_put_pages(kvw_wbuf_t *w, const kvw_pages_t *pl);
-kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p);
+/* Page lists longer than max_pages are OUT_OF_RANGE (nothing allocated). */
+kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p,
+                                 uint64_t max_pages);
 
 /* Plan without page lists: segments and byte count only (pages are not checked). */
 kvw_status_t kvw__plan_create_nopages(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,

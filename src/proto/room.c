@@ -429,8 +429,21 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
     d.num_tokens = kvw__rb_u64(rb);
     d.prefix_len = kvw__rb_u64(rb);
     uint32_t *s1 = NULL, *s2 = NULL;
-    if (kvw__wire_get_pages(rb, &d.pages.full, &s1) != KVW_OK ||
-        kvw__wire_get_pages(rb, &d.pages.swa, &s2) != KVW_OK) {
+    /* Bounded by the decode rank's own pools (a pool without buffers: by the full one). */
+    const struct kvw_rank *dr = peer->remote;
+    uint64_t cap_full = dr->pool_capacity[KVW_POOL_FULL];
+    uint64_t cap_swa = dr->pool_page_size[KVW_POOL_SWA] ? dr->pool_capacity[KVW_POOL_SWA]
+                                                        : cap_full;
+    kvw_status_t st = kvw__wire_get_pages(rb, &d.pages.full, &s1, cap_full);
+    if (st == KVW_OK)
+        st = kvw__wire_get_pages(rb, &d.pages.swa, &s2, cap_swa);
+    if (st == KVW_ERR_OUT_OF_RANGE) {
+        /* Only this request is refused; the peer stays. */
+        free(s1);
+        kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, st, kvw_last_error());
+        return;
+    }
+    if (st != KVW_OK) {
         free(s1);
         kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "malformed request frame");
         return;
