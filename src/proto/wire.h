@@ -37,6 +37,7 @@ typedef enum kvw_msg_type {
     KVW_MSG_BS_OK = 21,
     KVW_MSG_BS_LOOKUP = 22,   /* decode -> bootstrap */
     KVW_MSG_BS_TABLE = 23,
+    KVW_MSG_BS_ERROR = 24,    /* bootstrap -> client: status, reason (e.g. table full) */
     KVW_MSG_CHALLENGE = 30,   /* prefill -> decode: nonce for the shared secret */
     KVW_MSG_MAX = 31
 } kvw_msg_type_t;
