@@ -251,6 +251,7 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
     if (st != KVW_OK)
         return st;
+    kvw__handshake_heard(ctx, fd);
     if (type != KVW_MSG_HELLO) {
         free(p);
         return kvw__error(KVW_ERR_MALFORMED, "expected a registration, got frame type %u", type);
@@ -677,15 +678,31 @@ static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer)
 typedef struct kvw_hs_arg {
     struct kvw_ctx *ctx;
     int fd;
+    uint32_t slot;
 } kvw_hs_arg_t;
+
+void kvw__handshake_heard(struct kvw_ctx *ctx, int fd)
+{
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
+        if (ctx->hs[i].fd == fd)
+            ctx->hs[i].heard = true;
+    pthread_mutex_unlock(&ctx->mu);
+}
 
 static void *kvw_handshake_main(void *arg)
 {
     kvw_hs_arg_t *a = arg;
     struct kvw_ctx *ctx = a->ctx;
     kvw_peer_t *peer;
+    kvw_status_t st = kvw__prefill_handshake(ctx, a->fd, &peer);
+    /* Free the slot before the fd can be closed: the control thread only shuts down
+     * fds that are still in a slot, so it never touches a reused descriptor. */
+    pthread_mutex_lock(&ctx->mu);
+    ctx->hs[a->slot].fd = -1;
+    pthread_mutex_unlock(&ctx->mu);
     /* A bad or refused registration only closes this connection. */
-    if (kvw__prefill_handshake(ctx, a->fd, &peer) != KVW_OK)
+    if (st != KVW_OK)
         close(a->fd);
     else
         fcntl(a->fd, F_SETFL, fcntl(a->fd, F_GETFL) | O_NONBLOCK);
@@ -707,9 +724,36 @@ static void kvw_start_handshake(struct kvw_ctx *ctx, int fd)
     pthread_attr_t attr;
     pthread_t t;
     pthread_mutex_lock(&ctx->mu);
-    bool refuse = ctx->stopping || ctx->handshakes >= 64 || a == NULL;
-    if (!refuse)
+    /* At most KVW_MAX_HANDSHAKES live registrations. When they are all taken, the oldest
+     * connection that has not sent its registration yet is shut down to make room (it
+     * would time out anyway): silent connections cannot lock honest peers out. Threads
+     * of displaced connections still hold one of the spare slots until they leave. */
+    uint32_t live = 0, free_slot = UINT32_MAX, oldest = UINT32_MAX;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++) {
+        if (ctx->hs[i].fd < 0) {
+            free_slot = free_slot == UINT32_MAX ? i : free_slot;
+            continue;
+        }
+        if (ctx->hs[i].evicted)
+            continue;
+        live++;
+        if (!ctx->hs[i].heard &&
+            (oldest == UINT32_MAX || ctx->hs[i].started_ns < ctx->hs[oldest].started_ns))
+            oldest = i;
+    }
+    bool refuse = ctx->stopping || a == NULL || free_slot == UINT32_MAX ||
+                  (live >= KVW_MAX_HANDSHAKES && oldest == UINT32_MAX);
+    if (!refuse && live >= KVW_MAX_HANDSHAKES) {
+        shutdown(ctx->hs[oldest].fd, SHUT_RDWR);
+        ctx->hs[oldest].evicted = true;
+    }
+    if (!refuse) {
         ctx->handshakes++;
+        ctx->hs[free_slot].fd = fd;
+        ctx->hs[free_slot].started_ns = kvw__now_ns();
+        ctx->hs[free_slot].heard = false;
+        ctx->hs[free_slot].evicted = false;
+    }
     pthread_mutex_unlock(&ctx->mu);
     if (refuse) {
         free(a);
@@ -718,14 +762,16 @@ static void kvw_start_handshake(struct kvw_ctx *ctx, int fd)
     }
     a->ctx = ctx;
     a->fd = fd;
+    a->slot = free_slot;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, kvw_handshake_main, a) != 0) {
-        free(a);
-        close(fd);
         pthread_mutex_lock(&ctx->mu);
+        ctx->hs[free_slot].fd = -1;
         ctx->handshakes--;
         pthread_mutex_unlock(&ctx->mu);
+        free(a);
+        close(fd);
     }
     pthread_attr_destroy(&attr);
 }
@@ -858,6 +904,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     if (fm & KVW_CTX_FIELD_INSTANCE)
         ctx->instance_id = params->instance_id;
     ctx->listen_fd = -1;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
+        ctx->hs[i].fd = -1;
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
              (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host

@@ -172,6 +172,7 @@ typedef struct kvw_stage_wait {
 } kvw_stage_wait_t;
 
 #define KVW_ROOM_BUCKETS 1024
+#define KVW_MAX_HANDSHAKES 64 /* registrations served at once (prefill) */
 
 struct kvw_ctx {
     kvw_side_t side;
@@ -216,6 +217,14 @@ struct kvw_ctx {
     char secret[256]; /* shared secret, "" when none */
     uint64_t instance_id;
     uint32_t handshakes; /* registration threads still running (prefill) */
+    /* Prefill: the connections those threads serve. A connection that has not sent its
+     * registration yet can be displaced by a new one when the slots are full. */
+    struct {
+        int fd; /* -1: free */
+        uint64_t started_ns;
+        bool heard;   /* its registration frame arrived */
+        bool evicted; /* displaced: its thread is on its way out */
+    } hs[2 * KVW_MAX_HANDSHAKES];
     kvw_bind_t *binds; /* decode: data connections bound to peers (see KVW_MSG_BIND) */
     uint32_t num_binds, cap_binds;
 };
@@ -260,6 +269,8 @@ void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room);
 
 /* Prefill: handles a HELLO on a fresh connection (blocking, before polling it). */
 kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p);
+/* Prefill: the registration frame of handshake connection `fd` arrived (takes mu). */
+void kvw__handshake_heard(struct kvw_ctx *ctx, int fd);
 
 /* Transport callbacks (decode). */
 void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);
