@@ -126,6 +126,43 @@ static void kvw_peer_free(struct kvw_ctx *ctx, kvw_peer_t *p)
     free(p);
 }
 
+/* Releases a dead peer's socket and data path once no worker can still use them (mu
+ * held, control thread only: it alone sends on peer sockets, so no send is in flight).
+ * The peer's entry stays, since rooms and ids refer to it, but it no longer holds fds,
+ * an endpoint, remote keys or mappings: register-and-leave cycles do not accumulate. */
+static void kvw_peer_release(struct kvw_ctx *ctx, kvw_peer_t *p)
+{
+    if (p->fd < 0 && p->ep == NULL && p->mapped == NULL)
+        return;
+    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
+        for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
+            if (r->inflight == 0)
+                continue;
+            for (uint32_t i = 0; i < r->num_dsts; i++)
+                if (r->dsts[i].peer == p->id)
+                    return; /* a worker may be writing to it: next time */
+        }
+    if (p->fd >= 0)
+        close(p->fd);
+    p->fd = -1;
+    for (uint32_t i = 0; i < p->num_rkeys; i++)
+        if (p->rkeys[i])
+            ctx->tl_ops->rkey_release(p->rkeys[i]);
+    free(p->rkeys);
+    p->rkeys = NULL;
+    p->num_rkeys = 0;
+    if (p->staging_rkey)
+        ctx->tl_ops->rkey_release(p->staging_rkey);
+    p->staging_rkey = NULL;
+    if (p->ep)
+        ctx->tl_ops->ep_close(p->ep);
+    p->ep = NULL;
+    kvw_rank_destroy(p->mapped);
+    p->mapped = NULL;
+    free(p->payload);
+    p->payload = NULL;
+}
+
 int kvw__rank_cuda_device(kvw_rank_h rank)
 {
     for (uint32_t i = 0; i < kvw_rank_num_buffers(rank); i++)
@@ -864,6 +901,9 @@ static void *kvw_ctrl_main(void *arg)
         if (now - last_timeout_scan > 10000000ull) {
             kvw__check_timeouts(ctx, now);
             last_timeout_scan = now;
+            for (uint32_t i = 0; i < ctx->num_peers; i++)
+                if (ctx->peers[i]->dead)
+                    kvw_peer_release(ctx, ctx->peers[i]);
         }
         /* Peers with queued frames, copied under the lock: registration threads may
          * grow the peer table meanwhile. Peers are never freed before the context. */
