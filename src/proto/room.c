@@ -489,6 +489,17 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
             r->dst_dp = (int32_t)dp;
             r->dst_instance = peer->instance;
         }
+        if ((uint32_t)r->dst_dp != dp || r->dst_instance != peer->instance) {
+            /* A second claimant fails the room for everyone, itself included. */
+            char why[320];
+            snprintf(why, sizeof(why), "room %llu: %s (decode instance %llu) posted for DP "
+                     "group %u, but the room belongs to instance %llu group %d",
+                     (unsigned long long)id, peer->desc, (unsigned long long)peer->instance,
+                     dp, (unsigned long long)r->dst_instance, r->dst_dp);
+            kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true, "%s", why);
+            kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_INVALID_PARAM, r->reason);
+            return;
+        }
         kvw_sender_update(ctx, r);
         return;
     }
@@ -1598,7 +1609,19 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
         if (st >= 0 || st < -100)
             st = KVW_ERR_REMOTE_FAILED;
         kvw_room_t *r = kvw__room_find(ctx, id);
-        if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
+        if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL && r && r->dst_dp >= 0 &&
+            (peer->instance != r->dst_instance || peer->dp != (uint32_t)r->dst_dp)) {
+            /* Only the decode instance and DP group that own a room may abort it: without
+             * a secret any decode can send this frame. The owner's room carries on; the
+             * sender learns why (and is not left waiting for an acknowledgement). */
+            char why[320];
+            snprintf(why, sizeof(why), "room %llu belongs to decode instance %llu group %d: "
+                     "an abort from %s (instance %llu group %u) is refused",
+                     (unsigned long long)id, (unsigned long long)r->dst_instance, r->dst_dp,
+                     peer->desc, (unsigned long long)peer->instance, peer->dp);
+            kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_REJECTED, why);
+            kvw_send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "refused");
+        } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
             if (r == NULL)
                 r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
             /* The room's other decode ranks hear of it too (FAILED). */
