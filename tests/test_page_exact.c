@@ -3,6 +3,7 @@
  * A sender whose byte count is right but which writes one range twice and leaves another
  * unwritten (the fault wrapper's mislay_put) must fail the room on both sides with a
  * reason that says so, instead of reaching Success with stale bytes in the room's pages.
+ * A staged window that was only partly written fails the room before it is scattered.
  * Honest transfers, direct and staged, still succeed with the bytes the test kit's
  * reference computes, and nothing outside the room's pages changes.
  *
@@ -70,7 +71,7 @@ static bool terminal(kvw_room_state_t s)
  * "staged"); `spec` the prefill's faults. With `hostile` the room must fail on both
  * sides naming `needle`; otherwise it must succeed with verified bytes. */
 static void run_room(const char *path, const char *spec, bool hostile, const char *needle,
-                     uint64_t seed)
+                     kvw_fault_kind_t kind, uint64_t seed)
 {
     setenv("KVW_PATH", path, 1);
     kvt_rank_t src = {0}, dst = {0};
@@ -134,7 +135,7 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
     if (hostile) {
         uint64_t f[KVW_FAULT_NUM_KINDS];
         kvw__tl_fault_stats(f);
-        CHECK(f[KVW_FAULT_MISLAY_PUT] > 0, "the fault was never injected (%s, %s)", path, spec);
+        CHECK(f[kind] > 0, "the fault was never injected (%s, %s)", path, spec);
         CHECK(rst == KVW_ROOM_FAILED, "decode room ended %s with a mislaid put (%s)",
               kvw_room_state_string(rst), path);
         const char *why = kvw_receiver_failure(rcv);
@@ -187,10 +188,15 @@ int main(void)
         fprintf(stderr, "test_page_exact: no gpt-oss-120b preset\n");
         return 1;
     }
-    run_room("direct", "", false, NULL, 11);
-    run_room("staged", "", false, NULL, 21);
+    run_room("direct", "", false, NULL, 0, 11);
+    run_room("staged", "", false, NULL, 0, 21);
     kvw__tl_fault_stats_reset();
-    run_room("direct", "mislay_put=1", true, "written twice", 31);
+    run_room("direct", "mislay_put=1", true, "written twice", KVW_FAULT_MISLAY_PUT, 31);
+    /* A staged window only partly written is refused before it is scattered (stale
+     * staging bytes would otherwise land in the room's pages). */
+    kvw__tl_fault_stats_reset();
+    run_room("staged", "trunc_put=1", true, "not written exactly once", KVW_FAULT_TRUNC_PUT,
+             41);
 
     if (failures) {
         fprintf(stderr, "test_page_exact: %d failures\n", failures);
