@@ -3,7 +3,10 @@
  *  - a room posted by two decode instances fails for both, with a reason that names the
  *    owner and the second claimant; the prefill side fails it too;
  *  - an abort of decode A's room sent by decode B is refused: A's room still succeeds
- *    with the reference bytes, and B is told the room is not its own.
+ *    with the reference bytes, and B is told the room is not its own;
+ *  - a registration that reuses A's live identity (instance and rank) is refused with
+ *    BUSY and a reason, A keeps working, and once A is gone the identity registers again
+ *    (the new registration retries while A's departure is being noticed).
  *
  * Exit: 0 pass, 1 fail.
  */
@@ -202,6 +205,7 @@ int main(void)
     kvw_recv_post_t post = {.num_tokens = TOKENS, .prefix_len = 0, .pages = pa.side};
     CHECK(kvw_receiver_create(a, 5, 0, &ra) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(ra, &post) == KVW_OK, "%s", kvw_last_error());
+    wait_prefill_room(5); /* A's request is the first the prefill rank sees */
     post.pages = pb.side;
     CHECK(kvw_receiver_create(g_b, 5, 0, &rb) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rb, &post) == KVW_OK, "%s", kvw_last_error());
@@ -231,8 +235,37 @@ int main(void)
     kvw_receiver_destroy(g_bsync);
     kvt_req_pages_free(&bp);
 
-    kvw_ctx_destroy(g_b);
+    /* 3. A's identity, reused while A lives. */
+    kvt_rank_t dc = {0};
+    CHECK(make_rank(&dc) == KVW_OK, "%s", kvw_last_error());
+    kvt_rank_fill(&dc, 5);
+    kvw_ctx_h c = NULL;
+    p.rank = dc.h;
+    p.instance_id = 1;
+    p.bootstrap_timeout_ms = 1500; /* BUSY is retried until then */
+    kvw_status_t st = kvw_ctx_create(&p, &c);
+    CHECK(st == KVW_ERR_BUSY, "a second registration of a live identity: %s",
+          kvw_status_string(st));
+    CHECK(kvt_contains(kvw_last_error(), "decode instance 1 rank dp0/tp0/pp0 is already "
+                                         "registered here and alive"),
+          "message: %s", kvw_last_error());
+    if (c)
+        kvw_ctx_destroy(c);
+    c = NULL;
+    one_room(pctx, &src, a, &da, 8, false);
     kvw_ctx_destroy(a);
+    a = NULL;
+    p.bootstrap_timeout_ms = 10000;
+    st = kvw_ctx_create(&p, &c);
+    CHECK(st == KVW_OK, "the identity once its holder left: %s: %s", kvw_status_string(st),
+          kvw_last_error());
+    if (c) {
+        one_room(pctx, &src, c, &dc, 9, false);
+        kvw_ctx_destroy(c);
+    }
+    kvt_rank_free(&dc);
+
+    kvw_ctx_destroy(g_b);
     kvw_ctx_destroy(pctx);
     kvt_rank_free(&src);
     kvt_rank_free(&da);

@@ -364,6 +364,25 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             goto reply;
         }
     }
+    /* A registration may not take over an identity (instance and rank) whose peer is
+     * still alive: that cut the live one off. A restarted rank whose old connection has
+     * not been noticed dead yet retries until it is (BUSY). */
+    {
+        const kvw_parallel_t *ip = kvw_rank_parallel(remote);
+        pthread_mutex_lock(&ctx->mu);
+        for (uint32_t i = 0; i < ctx->num_peers && st == KVW_OK; i++) {
+            const kvw_peer_t *o = ctx->peers[i];
+            if (!o->dead && o->instance == instance && o->dp == ip->dp_rank &&
+                o->tp == ip->tp_rank && o->pp == ip->pp_rank) {
+                st = KVW_ERR_BUSY;
+                snprintf(reason, sizeof(reason), "%s is already registered here and alive (two "
+                         "decode instances need distinct instance ids)", o->desc);
+            }
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        if (st != KVW_OK)
+            goto reply;
+    }
     /* GPU handles open in the current device's context: the one holding our buffers. */
     if (local_dev >= 0 && (st = kvw_cuda_set_device(local_dev)) != KVW_OK) {
         snprintf(reason, sizeof(reason), "cannot select GPU %d: %s", local_dev, kvw_last_error());
@@ -564,7 +583,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         kvw__rb_str(&r, reason, sizeof(reason));
         free(p);
         close(fd);
-        return kvw__error(why == KVW_ERR_AUTH ? KVW_ERR_AUTH : KVW_ERR_REJECTED,
+        return kvw__error(why == KVW_ERR_AUTH || why == KVW_ERR_BUSY ? why : KVW_ERR_REJECTED,
                           "prefill rank dp%u/tp%u/pp%u rejected this decode rank: %s", e->dp,
                           e->tp, e->pp, reason);
     }
@@ -1066,10 +1085,18 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                                         params->prefill_pp, params->prefill_dp, deadline, &entries,
                                         &ne)) != KVW_OK)
             goto err_decode;
-        for (uint32_t i = 0; i < ne; i++)
-            if ((st = kvw_decode_connect(ctx, &entries[i], rkeys, rkey_lens, addr, addr_len,
-                                         deadline)) != KVW_OK)
+        for (uint32_t i = 0; i < ne; i++) {
+            /* BUSY: this rank's previous registration is not known dead yet; back off. */
+            uint64_t backoff_ms = 20;
+            while ((st = kvw_decode_connect(ctx, &entries[i], rkeys, rkey_lens, addr,
+                                            addr_len, deadline)) == KVW_ERR_BUSY &&
+                   kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
+                usleep((useconds_t)(backoff_ms * 1000));
+                backoff_ms = KVW_MIN(backoff_ms * 2, 500);
+            }
+            if (st != KVW_OK)
                 goto err_decode;
+        }
         for (uint32_t i = 0; i < ctx->num_peers; i++)
             fcntl(ctx->peers[i]->fd, F_SETFL, fcntl(ctx->peers[i]->fd, F_GETFL) | O_NONBLOCK);
         if (pthread_create(&ctx->ctrl_thread, NULL, kvw_ctrl_main, ctx) != 0)
