@@ -92,7 +92,7 @@ static void fzf_parsers(fzc_in_t *in)
         case 6: {
             kvw_pages_t pl;
             uint32_t *store = NULL;
-            if (kvw__wire_get_pages(&r, &pl, &store) == KVW_OK) {
+            if (kvw__wire_get_pages(&r, &pl, &store, UINT32_MAX) == KVW_OK) {
                 if (store == NULL || pl.pages != store)
                     fzc_fail("get_pages returned no storage");
                 uint64_t acc = 0;

@@ -1,12 +1,21 @@
 /*
  * The bootstrap endpoint: prefill ranks register their control address; decode ranks
- * look the table up. One thread, poll() over its connections; a malformed frame drops
- * only the connection that sent it.
+ * look the table up. One thread, poll() over non-blocking connections that it reads and
+ * answers incrementally, so a slow or silent client delays no one else. Bounds:
+ *  - a connection must deliver each frame within KVW_BS_FRAME_MS of its accept or of its
+ *    previous answer, or it is closed (silent connections go the same way);
+ *  - at most KVW_BS_MAX_CONNS connections, KVW_BS_MAX_PER_SOURCE from one address; when
+ *    either is reached, a new connection displaces the oldest one that has sent nothing
+ *    yet, or is closed when every connection is busy with a frame (honest clients send
+ *    their one frame as soon as they connect, so silent ones are the ones that go);
+ *  - a full table refuses a new rank with an error answer (KVW_MSG_BS_ERROR).
+ * A malformed frame drops only the connection that sent it.
  */
 #include "proto/proto.h"
 
 #include <errno.h>
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
@@ -14,7 +23,24 @@
 #include <unistd.h>
 
 #define KVW_BS_MAX_CONNS 256
+#define KVW_BS_MAX_PER_SOURCE 64
 #define KVW_BS_MAX_ENTRIES 4096
+#define KVW_BS_FRAME_MS 5000
+/* Requests are small; a table answer is at most 4096 entries of ~150 bytes. */
+#define KVW_BS_MAX_REQUEST 4096
+
+typedef struct kvw_bs_conn {
+    int fd;
+    struct sockaddr_storage src; /* source address (port ignored) */
+    uint64_t accepted_ns, deadline_ns;
+    bool heard; /* some byte arrived since accept */
+    uint8_t hdr[KVW_WIRE_HDR];
+    uint32_t hdr_got;
+    uint8_t *payload;
+    uint32_t payload_len, payload_got;
+    uint8_t *out; /* answer being sent */
+    size_t out_len, out_sent;
+} kvw_bs_conn_t;
 
 struct kvw_bootstrap {
     int listen_fd;
@@ -48,8 +74,9 @@ static void kvw_bs_get_entry(kvw_rbuf_t *r, kvw_bs_entry_t *e)
     kvw__rb_str(r, e->addr, sizeof(e->addr));
 }
 
-/* Handles one frame; returns false to drop the connection. */
-static bool kvw_bs_handle(kvw_bootstrap_t *bs, int fd, uint8_t type, const uint8_t *p, uint32_t len)
+/* Handles one frame into an answer *w; returns false to drop the connection. */
+static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_wbuf_t *wp, uint8_t type, const uint8_t *p,
+                          uint32_t len)
 {
     kvw_rbuf_t r;
     kvw_wbuf_t w;
@@ -76,13 +103,23 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, int fd, uint8_t type, const uint8
         for (i = 0; i < bs->num_entries; i++)
             if (bs->entries[i].dp == e.dp && bs->entries[i].tp == e.tp && bs->entries[i].pp == e.pp)
                 break;
-        if (i < bs->num_entries || bs->num_entries < KVW_BS_MAX_ENTRIES) {
+        bool full = i == bs->num_entries && bs->num_entries >= KVW_BS_MAX_ENTRIES;
+        if (!full) {
             bs->entries[i] = e; /* a restarted rank replaces its old entry */
             if (i == bs->num_entries)
                 bs->num_entries++;
         }
         pthread_mutex_unlock(&bs->mu);
-        kvw__wb_init(&w, KVW_MSG_BS_OK);
+        if (full) {
+            char why[160];
+            snprintf(why, sizeof(why), "the bootstrap table is full (%u entries): rank "
+                     "dp%u/tp%u/pp%u was not registered", KVW_BS_MAX_ENTRIES, e.dp, e.tp, e.pp);
+            kvw__wb_init(&w, KVW_MSG_BS_ERROR);
+            kvw__wb_u32(&w, (uint32_t)(int32_t)KVW_ERR_BUSY);
+            kvw__wb_str(&w, why);
+        } else {
+            kvw__wb_init(&w, KVW_MSG_BS_OK);
+        }
     } else if (type == KVW_MSG_BS_LOOKUP) {
         if (kvw__rb_done(&r, "bootstrap lookup") != KVW_OK)
             return false;
@@ -95,54 +132,214 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, int fd, uint8_t type, const uint8
     } else {
         return false;
     }
-    bool ok = kvw__wb_finish(&w) == KVW_OK &&
-              kvw__sock_send_all(fd, w.p, w.len, kvw__now_ns() + 2000000000ull) == KVW_OK;
-    kvw__wb_free(&w);
-    return ok;
+    if (kvw__wb_finish(&w) != KVW_OK) {
+        kvw__wb_free(&w);
+        return false;
+    }
+    *wp = w;
+    return true;
+}
+
+static void kvw_bs_close(kvw_bs_conn_t *c)
+{
+    close(c->fd);
+    free(c->payload);
+    free(c->out);
+    *c = (kvw_bs_conn_t){.fd = -1};
+}
+
+static bool kvw_bs_same_source(const struct sockaddr_storage *a, const struct sockaddr_storage *b)
+{
+    if (a->ss_family != b->ss_family)
+        return false;
+    if (a->ss_family == AF_INET)
+        return ((const struct sockaddr_in *)a)->sin_addr.s_addr ==
+               ((const struct sockaddr_in *)b)->sin_addr.s_addr;
+    if (a->ss_family == AF_INET6)
+        return !memcmp(&((const struct sockaddr_in6 *)a)->sin6_addr,
+                       &((const struct sockaddr_in6 *)b)->sin6_addr, sizeof(struct in6_addr));
+    return true;
+}
+
+/* Makes room for a connection from `src`: returns false when it must be refused. */
+static bool kvw_bs_make_room(kvw_bs_conn_t *conns, int *n_p, const struct sockaddr_storage *src)
+{
+    int n = *n_p, same = 0;
+    int oldest_any = -1, oldest_same = -1;
+    for (int i = 0; i < n; i++) {
+        bool s = kvw_bs_same_source(&conns[i].src, src);
+        same += s;
+        if (conns[i].heard)
+            continue;
+        if (oldest_any < 0 || conns[i].accepted_ns < conns[oldest_any].accepted_ns)
+            oldest_any = i;
+        if (s && (oldest_same < 0 || conns[i].accepted_ns < conns[oldest_same].accepted_ns))
+            oldest_same = i;
+    }
+    int victim = -1;
+    if (same >= KVW_BS_MAX_PER_SOURCE) {
+        if (oldest_same < 0)
+            return false;
+        victim = oldest_same;
+    } else if (n >= KVW_BS_MAX_CONNS) {
+        if (oldest_any < 0)
+            return false;
+        victim = oldest_any;
+    }
+    if (victim >= 0) {
+        kvw_bs_close(&conns[victim]);
+        conns[victim] = conns[--n];
+    }
+    *n_p = n;
+    return true;
+}
+
+/* Reads what a connection has; answers a complete frame. Returns false to drop it. */
+static bool kvw_bs_read(kvw_bootstrap_t *bs, kvw_bs_conn_t *c)
+{
+    for (;;) {
+        if (c->out)
+            return true; /* one request at a time: answer first */
+        ssize_t k;
+        if (c->hdr_got < KVW_WIRE_HDR)
+            k = recv(c->fd, c->hdr + c->hdr_got, KVW_WIRE_HDR - c->hdr_got, MSG_DONTWAIT);
+        else if (c->payload_got < c->payload_len)
+            k = recv(c->fd, c->payload + c->payload_got, c->payload_len - c->payload_got,
+                     MSG_DONTWAIT);
+        else
+            k = 0; /* a complete frame with an empty payload: handle it below */
+        if (k < 0)
+            return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+        if (k == 0 && !(c->hdr_got == KVW_WIRE_HDR && c->payload_got == c->payload_len))
+            return false; /* closed by the client */
+        c->heard = true;
+        if (c->hdr_got < KVW_WIRE_HDR) {
+            c->hdr_got += (uint32_t)k;
+            if (c->hdr_got < KVW_WIRE_HDR)
+                continue;
+            uint8_t type;
+            if (kvw__wire_header(c->hdr, &type, &c->payload_len) != KVW_OK ||
+                c->payload_len > KVW_BS_MAX_REQUEST)
+                return false;
+            c->payload = malloc(c->payload_len ? c->payload_len : 1);
+            if (c->payload == NULL)
+                return false;
+            c->payload_got = 0;
+            if (c->payload_len)
+                continue;
+        } else {
+            c->payload_got += (uint32_t)k;
+            if (c->payload_got < c->payload_len)
+                continue;
+        }
+        uint8_t type;
+        uint32_t len;
+        kvw__wire_header(c->hdr, &type, &len);
+        kvw_wbuf_t w;
+        bool ok = kvw_bs_handle(bs, &w, type, c->payload, c->payload_len);
+        free(c->payload);
+        c->payload = NULL;
+        c->hdr_got = 0;
+        c->payload_len = c->payload_got = 0;
+        if (!ok)
+            return false;
+        c->out = w.p; /* the answer's buffer now belongs to the connection */
+        c->out_len = w.len;
+        c->out_sent = 0;
+        return true;
+    }
+}
+
+/* Sends what the socket takes of a pending answer. Returns false to drop it. */
+static bool kvw_bs_write(kvw_bs_conn_t *c)
+{
+    while (c->out && c->out_sent < c->out_len) {
+        ssize_t k = send(c->fd, c->out + c->out_sent, c->out_len - c->out_sent,
+                         MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (k < 0)
+            return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+        c->out_sent += (size_t)k;
+    }
+    if (c->out) {
+        free(c->out);
+        c->out = NULL;
+        /* The next frame gets a fresh deadline. */
+        c->deadline_ns = kvw__now_ns() + KVW_BS_FRAME_MS * 1000000ull;
+        c->heard = false;
+        c->accepted_ns = kvw__now_ns();
+    }
+    return true;
 }
 
 static void *kvw_bs_main(void *arg)
 {
     kvw_bootstrap_t *bs = arg;
     struct pollfd pfd[KVW_BS_MAX_CONNS + 2];
-    int conns[KVW_BS_MAX_CONNS];
+    kvw_bs_conn_t *conns = calloc(KVW_BS_MAX_CONNS, sizeof(*conns));
     int n = 0;
+    uint64_t pause_until = 0; /* accept paused (out of fds) until then */
+    if (conns == NULL)
+        return NULL;
     for (;;) {
+        uint64_t now = kvw__now_ns();
+        uint64_t next = now + 1000000000ull;
+        if (pause_until > now && pause_until < next)
+            next = pause_until;
         pfd[0] = (struct pollfd){.fd = bs->wake[0], .events = POLLIN};
-        pfd[1] = (struct pollfd){.fd = bs->listen_fd, .events = POLLIN};
-        for (int i = 0; i < n; i++)
-            pfd[2 + i] = (struct pollfd){.fd = conns[i], .events = POLLIN};
-        if (poll(pfd, (nfds_t)(n + 2), -1) < 0 && errno != EINTR)
+        pfd[1] = (struct pollfd){.fd = pause_until > now ? -1 : bs->listen_fd, .events = POLLIN};
+        for (int i = 0; i < n; i++) {
+            pfd[2 + i] = (struct pollfd){.fd = conns[i].fd,
+                                         .events = conns[i].out ? POLLOUT : POLLIN};
+            if (conns[i].deadline_ns < next)
+                next = conns[i].deadline_ns;
+        }
+        int wait_ms = next > now ? (int)((next - now + 999999) / 1000000) : 0;
+        if (poll(pfd, (nfds_t)(n + 2), wait_ms) < 0 && errno != EINTR)
             break;
         if (pfd[0].revents)
             break;
+        now = kvw__now_ns();
         for (int i = n - 1; i >= 0; i--) {
-            if (!pfd[2 + i].revents)
-                continue;
-            uint8_t type, *payload = NULL;
-            uint32_t len = 0;
-            /* A frame must arrive whole within a second once it starts. */
-            bool keep = kvw__sock_recv_frame(conns[i], kvw__now_ns() + 1000000000ull, &type,
-                                             &payload, &len) == KVW_OK &&
-                        kvw_bs_handle(bs, conns[i], type, payload, len);
-            free(payload);
+            kvw_bs_conn_t *c = &conns[i];
+            bool keep = true;
+            if (pfd[2 + i].revents & POLLOUT)
+                keep = kvw_bs_write(c);
+            else if (pfd[2 + i].revents)
+                keep = kvw_bs_read(bs, c) && kvw_bs_write(c);
+            /* A frame (or the reading of its answer) that misses its deadline ends the
+             * connection, as does a connection that never says anything. */
+            if (keep && c->deadline_ns <= now)
+                keep = false;
             if (!keep) {
-                close(conns[i]);
+                kvw_bs_close(c);
                 conns[i] = conns[--n];
             }
         }
         if (pfd[1].revents) {
-            int fd = accept4(bs->listen_fd, NULL, NULL, SOCK_CLOEXEC);
-            if (fd >= 0) {
-                if (n < KVW_BS_MAX_CONNS)
-                    conns[n++] = fd;
-                else
+            for (int k = 0; k < 64; k++) {
+                struct sockaddr_storage src;
+                socklen_t sl = sizeof(src);
+                int fd = accept4(bs->listen_fd, (struct sockaddr *)&src, &sl,
+                                 SOCK_CLOEXEC | SOCK_NONBLOCK);
+                if (fd < 0) {
+                    if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS ||
+                        errno == ENOMEM)
+                        pause_until = kvw__now_ns() + 100000000ull;
+                    break;
+                }
+                if (!kvw_bs_make_room(conns, &n, &src)) {
                     close(fd);
+                    continue;
+                }
+                uint64_t t = kvw__now_ns();
+                conns[n++] = (kvw_bs_conn_t){.fd = fd, .src = src, .accepted_ns = t,
+                                             .deadline_ns = t + KVW_BS_FRAME_MS * 1000000ull};
             }
         }
     }
     for (int i = 0; i < n; i++)
-        close(conns[i]);
+        kvw_bs_close(&conns[i]);
+    free(conns);
     return NULL;
 }
 
@@ -157,6 +354,12 @@ kvw_status_t kvw__bootstrap_start(const char *host, uint16_t port, kvw_bootstrap
     uint16_t bound;
     if ((st = kvw__tcp_listen(host, port, &bs->listen_fd, &bound)) != KVW_OK)
         goto err_free;
+    /* The thread accepts until EAGAIN: the listening socket must not block. */
+    int fl = fcntl(bs->listen_fd, F_GETFL);
+    if (fl < 0 || fcntl(bs->listen_fd, F_SETFL, fl | O_NONBLOCK) < 0) {
+        st = kvw__error(KVW_ERR_IO, "bootstrap: fcntl: %s", strerror(errno));
+        goto err_close_listen;
+    }
     if (pipe2(bs->wake, O_CLOEXEC) < 0) {
         st = kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
         goto err_close_listen;
@@ -235,8 +438,24 @@ static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t dea
         (st = kvw__sock_send_all(fd, w->p, w->len, deadline_ns)) == KVW_OK &&
         (st = kvw__sock_recv_frame(fd, deadline_ns, &type, payload_p, len_p)) == KVW_OK &&
         type != want) {
+        if (type == KVW_MSG_BS_ERROR) {
+            /* The endpoint refused with a reason: pass it on (no retry can cure it). */
+            kvw_rbuf_t r;
+            char why[256];
+            kvw__rb_init(&r, *payload_p, *len_p);
+            kvw_status_t code = (kvw_status_t)(int32_t)kvw__rb_u32(&r);
+            kvw__rb_str(&r, why, sizeof(why));
+            if (r.bad || code >= 0)
+                code = KVW_ERR_MALFORMED;
+            st = kvw__error(code, "bootstrap %s refused: %s", bs_addr,
+                            r.bad ? "(malformed answer)" : why);
+            st = st == KVW_ERR_BUSY ? KVW_ERR_BUSY : KVW_ERR_REJECTED;
+        } else {
+            st = kvw__error(KVW_ERR_MALFORMED, "bootstrap %s answered frame type %u", bs_addr,
+                            type);
+        }
         free(*payload_p);
-        st = kvw__error(KVW_ERR_MALFORMED, "bootstrap %s answered frame type %u", bs_addr, type);
+        *payload_p = NULL;
     }
     close(fd);
     return st;
@@ -257,6 +476,8 @@ kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *
         free(p);
         if (st == KVW_OK)
             return KVW_OK;
+        if (st == KVW_ERR_BUSY || st == KVW_ERR_REJECTED)
+            return st; /* refused with a reason (kvw_last_error) */
         usleep(50000); /* the endpoint may not be up yet */
     } while (kvw__now_ns() < deadline_ns);
     return kvw__error(KVW_ERR_TIMEOUT, "cannot register with the bootstrap endpoint %s: %s",

@@ -139,13 +139,19 @@ void kvw__wire_put_pages(kvw_wbuf_t *w, const kvw_pages_t *pl)
         kvw__wb_u32(w, pl->pages[i]);
 }
 
-kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p)
+kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p,
+                                 uint64_t max_pages)
 {
     pl->first_token = kvw__rb_u64(r);
     pl->num_pages = kvw__rb_u32(r);
     if (r->bad || pl->num_pages > (r->len - r->pos) / 4)
         return kvw__error(KVW_ERR_MALFORMED, "page list: %u pages do not fit the frame",
                           pl->num_pages);
+    /* Refused before anything is copied: a list longer than the pool cannot name distinct
+     * pages, and a peer must not make this rank hold megabytes per request. */
+    if (pl->num_pages > max_pages)
+        return kvw__error(KVW_ERR_OUT_OF_RANGE, "page list of %u pages is longer than the "
+                          "pool (%llu pages)", pl->num_pages, (unsigned long long)max_pages);
     uint32_t *s = malloc(sizeof(uint32_t) * (pl->num_pages ? pl->num_pages : 1));
     if (s == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory decoding pages");

@@ -433,6 +433,7 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
     if (st != KVW_OK)
         return st;
+    kvw__handshake_heard(ctx, fd);
     if (type != KVW_MSG_HELLO) {
         free(p);
         return kvw__error(KVW_ERR_MALFORMED, "expected a registration, got frame type %u", type);
@@ -514,6 +515,25 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             goto reply;
         }
     }
+    /* A registration may not take over an identity (instance and rank) whose peer is
+     * still alive: that cut the live one off. A restarted rank whose old connection has
+     * not been noticed dead yet retries until it is (BUSY). */
+    {
+        const kvw_parallel_t *ip = kvw_rank_parallel(remote);
+        pthread_mutex_lock(&ctx->mu);
+        for (uint32_t i = 0; i < ctx->num_peers && st == KVW_OK; i++) {
+            const kvw_peer_t *o = ctx->peers[i];
+            if (!o->dead && o->instance == instance && o->dp == ip->dp_rank &&
+                o->tp == ip->tp_rank && o->pp == ip->pp_rank) {
+                st = KVW_ERR_BUSY;
+                snprintf(reason, sizeof(reason), "%.200s is already registered here and alive "
+                         "(two decode instances need distinct instance ids)", o->desc);
+            }
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        if (st != KVW_OK)
+            goto reply;
+    }
     /* GPU handles open in the current device's context: the one holding our buffers. */
     if (local_dev >= 0 && (st = kvw_cuda_set_device(local_dev)) != KVW_OK) {
         snprintf(reason, sizeof(reason), "cannot select GPU %d: %s", local_dev, kvw_last_error());
@@ -522,6 +542,21 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     if ((st = ctx->tl_ops->connect(ctx->tl, addr, addr_len, &ep)) != KVW_OK) {
         snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
         goto reply;
+    }
+    /* Bind the data connection to this session first: completions that arrive on a
+     * connection that never proved it read this registration's challenge are refused. */
+    {
+        kvw_wbuf_t bw;
+        kvw__wb_init(&bw, KVW_MSG_BIND);
+        kvw__wb_u32(&bw, id_at_remote);
+        kvw_wb_raw(&bw, dnonce, sizeof(dnonce));
+        if ((st = kvw__wb_finish(&bw)) == KVW_OK)
+            st = ctx->tl_ops->notify(ep, bw.p, bw.len);
+        kvw__wb_free(&bw);
+        if (st != KVW_OK) {
+            snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
+            goto reply;
+        }
     }
     for (uint32_t i = 0; i < nb; i++) {
         size_t kl = 0;
@@ -753,7 +788,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         kvw__rb_str(&r, reason, sizeof(reason));
         free(p);
         kvw_decode_unreserve(ctx, peer);
-        return kvw__error(why == KVW_ERR_AUTH ? KVW_ERR_AUTH : KVW_ERR_REJECTED,
+        return kvw__error(why == KVW_ERR_AUTH || why == KVW_ERR_BUSY ? why : KVW_ERR_REJECTED,
                           "prefill rank dp%u/tp%u/pp%u rejected this decode rank: %s", e->dp,
                           e->tp, e->pp, reason);
     }
@@ -808,12 +843,29 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     peer->registering = false;
     peer->last_rx_ns = peer->last_tx_ns = kvw__now_ns();
     peer->remote = remote;
+    memcpy(peer->bind_nonce, dnonce, sizeof(peer->bind_nonce));
     peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
     peer->needed = kvw_pair_needed(remote, ctx->rank);
     snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s (instance %.60s)",
              e->dp, e->tp, e->pp, e->addr, inst < ctx->num_insts ? ctx->insts[inst].addr : "?");
     pthread_mutex_unlock(&ctx->mu);
     return KVW_OK;
+}
+
+/* Registers with one prefill rank; BUSY means this rank's previous registration is not
+ * known dead there yet (a restart): back off and try again until the deadline. */
+static kvw_status_t kvw_decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
+                                             uint32_t inst, uint32_t gen, uint64_t deadline)
+{
+    uint64_t backoff_ms = 20;
+    kvw_status_t st;
+    while ((st = kvw_decode_connect(ctx, e, inst, gen, deadline)) == KVW_ERR_BUSY &&
+           !atomic_load(&ctx->cancel_connects) &&
+           kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
+        usleep((useconds_t)(backoff_ms * 1000));
+        backoff_ms = KVW_MIN(backoff_ms * 2, 500);
+    }
+    return st;
 }
 
 /* ------------------------------------------------------------ prefill instances (decode) */
@@ -887,7 +939,7 @@ static void *kvw_inst_connect_main(void *arg)
     kvw_status_t st = kvw__bootstrap_lookup_ex(a->addr, 0, 0, 0, deadline, true,
                                                &ctx->cancel_connects, &entries, &ne);
     for (uint32_t i = 0; st == KVW_OK && i < ne; i++)
-        st = kvw_decode_connect(ctx, &entries[i], a->inst, a->gen, deadline);
+        st = kvw_decode_connect_retry(ctx, &entries[i], a->inst, a->gen, deadline);
     free(entries);
     char why[400];
     snprintf(why, sizeof(why), "%s", st == KVW_OK ? "" : kvw_last_error());
@@ -1053,15 +1105,31 @@ static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer)
 typedef struct kvw_hs_arg {
     struct kvw_ctx *ctx;
     int fd;
+    uint32_t slot;
 } kvw_hs_arg_t;
+
+void kvw__handshake_heard(struct kvw_ctx *ctx, int fd)
+{
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
+        if (ctx->hs[i].fd == fd)
+            ctx->hs[i].heard = true;
+    pthread_mutex_unlock(&ctx->mu);
+}
 
 static void *kvw_handshake_main(void *arg)
 {
     kvw_hs_arg_t *a = arg;
     struct kvw_ctx *ctx = a->ctx;
     kvw_peer_t *peer;
+    kvw_status_t st = kvw__prefill_handshake(ctx, a->fd, &peer);
+    /* Free the slot before the fd can be closed: the control thread only shuts down
+     * fds that are still in a slot, so it never touches a reused descriptor. */
+    pthread_mutex_lock(&ctx->mu);
+    ctx->hs[a->slot].fd = -1;
+    pthread_mutex_unlock(&ctx->mu);
     /* A bad or refused registration only closes this connection. */
-    if (kvw__prefill_handshake(ctx, a->fd, &peer) != KVW_OK)
+    if (st != KVW_OK)
         close(a->fd);
     else
         fcntl(a->fd, F_SETFL, fcntl(a->fd, F_GETFL) | O_NONBLOCK);
@@ -1083,9 +1151,36 @@ static void kvw_start_handshake(struct kvw_ctx *ctx, int fd)
     pthread_attr_t attr;
     pthread_t t;
     pthread_mutex_lock(&ctx->mu);
-    bool refuse = ctx->stopping || ctx->handshakes >= 64 || a == NULL;
-    if (!refuse)
+    /* At most KVW_MAX_HANDSHAKES live registrations. When they are all taken, the oldest
+     * connection that has not sent its registration yet is shut down to make room (it
+     * would time out anyway): silent connections cannot lock honest peers out. Threads
+     * of displaced connections still hold one of the spare slots until they leave. */
+    uint32_t live = 0, free_slot = UINT32_MAX, oldest = UINT32_MAX;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++) {
+        if (ctx->hs[i].fd < 0) {
+            free_slot = free_slot == UINT32_MAX ? i : free_slot;
+            continue;
+        }
+        if (ctx->hs[i].evicted)
+            continue;
+        live++;
+        if (!ctx->hs[i].heard &&
+            (oldest == UINT32_MAX || ctx->hs[i].started_ns < ctx->hs[oldest].started_ns))
+            oldest = i;
+    }
+    bool refuse = ctx->stopping || a == NULL || free_slot == UINT32_MAX ||
+                  (live >= KVW_MAX_HANDSHAKES && oldest == UINT32_MAX);
+    if (!refuse && live >= KVW_MAX_HANDSHAKES) {
+        shutdown(ctx->hs[oldest].fd, SHUT_RDWR);
+        ctx->hs[oldest].evicted = true;
+    }
+    if (!refuse) {
         ctx->handshakes++;
+        ctx->hs[free_slot].fd = fd;
+        ctx->hs[free_slot].started_ns = kvw__now_ns();
+        ctx->hs[free_slot].heard = false;
+        ctx->hs[free_slot].evicted = false;
+    }
     pthread_mutex_unlock(&ctx->mu);
     if (refuse) {
         free(a);
@@ -1094,14 +1189,16 @@ static void kvw_start_handshake(struct kvw_ctx *ctx, int fd)
     }
     a->ctx = ctx;
     a->fd = fd;
+    a->slot = free_slot;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, kvw_handshake_main, a) != 0) {
-        free(a);
-        close(fd);
         pthread_mutex_lock(&ctx->mu);
+        ctx->hs[free_slot].fd = -1;
         ctx->handshakes--;
         pthread_mutex_unlock(&ctx->mu);
+        free(a);
+        close(fd);
     }
     pthread_attr_destroy(&attr);
 }
@@ -1255,6 +1352,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     if (fm & KVW_CTX_FIELD_INSTANCE)
         ctx->instance_id = params->instance_id;
     ctx->listen_fd = -1;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
+        ctx->hs[i].fd = -1;
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
              (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host
@@ -1405,8 +1504,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                                             &entries, &ne)) != KVW_OK)
                 goto err_decode;
             for (uint32_t i = 0; i < ne; i++)
-                if ((st = kvw_decode_connect(ctx, &entries[i], (uint32_t)i0, 1, deadline)) !=
-                    KVW_OK)
+                if ((st = kvw_decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
+                                                   deadline)) != KVW_OK)
                     goto err_decode;
             ctx->insts[i0].state = KVW_INST_READY;
         }
@@ -1498,6 +1597,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     free(ctx->late);
     free(ctx->hello_rkeys);
     free(ctx->hello_rkey_lens);
+    free(ctx->binds);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
         kvw_room_t *r = ctx->rooms[b];

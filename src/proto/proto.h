@@ -5,6 +5,7 @@
 #include <kvwire/xfer.h>
 
 #include "plan/rank.h"
+#include "proto/ivlog.h"
 #include "proto/wire.h"
 #include "transport/transport.h"
 
@@ -15,7 +16,9 @@
 void kvw__wire_put_rank(kvw_wbuf_t *w, kvw_rank_h rank);
 kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p);
 void kvw__wire_put_pages(kvw_wbuf_t *w, const kvw_pages_t *pl);
-kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p);
+/* Page lists longer than max_pages are OUT_OF_RANGE (nothing allocated). */
+kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p,
+                                 uint64_t max_pages);
 
 /* Plan without page lists: segments and byte count only (pages are not checked). */
 kvw_status_t kvw__plan_create_nopages(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
@@ -96,7 +99,18 @@ typedef struct kvw_peer {
     kvw_rank_h mapped; /* prefill: the decode rank's buffers as mapped here (rkey_ptr) */
     kvw_tl_rkey_h staging_rkey; /* the decode rank's staging area, or NULL */
     uint64_t staging_len;
+    /* Decode: the challenge this rank sent in its registration. Only the prefill rank that
+     * read it can bind a data connection to this peer (KVW_MSG_BIND). */
+    uint8_t bind_nonce[32];
 } kvw_peer_t;
+
+/* Decode: a data connection (accepted transport endpoint) and the peer it claimed to be
+ * in its BIND; checked against that peer's nonce when a completion arrives. */
+typedef struct kvw_bind {
+    kvw_tl_ep_h ep;
+    uint32_t peer;
+    uint8_t nonce[32];
+} kvw_bind_t;
 
 /* One chunk queued by the prefill engine. */
 typedef struct kvw_qchunk {
@@ -162,6 +176,8 @@ typedef struct kvw_room {
     uint32_t num_granted[KVW_NUM_POOLS];
     uint64_t prefix_len;
     uint64_t landed; /* decode: bytes the receiver saw land (mediated transports) */
+    kvw_ivlog_t writes;     /* decode: where they landed (direct, and staged until scattered) */
+    uint64_t staged_exact;  /* decode: staged bytes whose window was covered exactly once */
     kvw_side_pages_t post_pages; /* the decode's pages, for scattering staged data */
     uint32_t *post_store;
     const char *path;            /* "direct" or "staged" (what the last chunk used) */
@@ -215,6 +231,7 @@ typedef struct kvw_inst {
     int state;
     char why[400]; /* why it went down */
 } kvw_inst_t;
+#define KVW_MAX_HANDSHAKES 64 /* registrations served at once (prefill) */
 
 struct kvw_ctx {
     kvw_side_t side;
@@ -281,6 +298,16 @@ struct kvw_ctx {
     size_t *hello_rkey_lens;
     uint8_t hello_addr[KVW_TL_MAX_ADDR];
     size_t hello_addr_len;
+    /* Prefill: the connections those threads serve. A connection that has not sent its
+     * registration yet can be displaced by a new one when the slots are full. */
+    struct {
+        int fd; /* -1: free */
+        uint64_t started_ns;
+        bool heard;   /* its registration frame arrived */
+        bool evicted; /* displaced: its thread is on its way out */
+    } hs[2 * KVW_MAX_HANDSHAKES];
+    kvw_bind_t *binds; /* decode: data connections bound to peers (see KVW_MSG_BIND) */
+    uint32_t num_binds, cap_binds;
 };
 
 typedef struct kvw_late_abort {
@@ -358,6 +385,8 @@ void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room);
 
 /* Prefill: handles a HELLO on a fresh connection (blocking, before polling it). */
 kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p);
+/* Prefill: the registration frame of handshake connection `fd` arrived (takes mu). */
+void kvw__handshake_heard(struct kvw_ctx *ctx, int fd);
 
 /* Transport callbacks (decode). */
 void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);

@@ -93,6 +93,7 @@ void kvw__room_free(kvw_room_t *r)
     free(r->post_store);
     free(r->meta);
     free(r->pend_store);
+    kvw__ivlog_free(&r->writes);
     free(r);
 }
 
@@ -475,8 +476,21 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
     d.num_tokens = kvw__rb_u64(rb);
     d.prefix_len = kvw__rb_u64(rb);
     uint32_t *s1 = NULL, *s2 = NULL;
-    if (kvw__wire_get_pages(rb, &d.pages.full, &s1) != KVW_OK ||
-        kvw__wire_get_pages(rb, &d.pages.swa, &s2) != KVW_OK) {
+    /* Bounded by the decode rank's own pools (a pool without buffers: by the full one). */
+    const struct kvw_rank *dr = peer->remote;
+    uint64_t cap_full = dr->pool_capacity[KVW_POOL_FULL];
+    uint64_t cap_swa = dr->pool_page_size[KVW_POOL_SWA] ? dr->pool_capacity[KVW_POOL_SWA]
+                                                        : cap_full;
+    kvw_status_t st = kvw__wire_get_pages(rb, &d.pages.full, &s1, cap_full);
+    if (st == KVW_OK)
+        st = kvw__wire_get_pages(rb, &d.pages.swa, &s2, cap_swa);
+    if (st == KVW_ERR_OUT_OF_RANGE) {
+        /* Only this request is refused; the peer stays. */
+        free(s1);
+        kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, st, kvw_last_error());
+        return;
+    }
+    if (st != KVW_OK) {
         free(s1);
         kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "malformed request frame");
         return;
@@ -523,6 +537,17 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
         if (r->dst_dp < 0) {
             r->dst_dp = (int32_t)dp;
             r->dst_instance = peer->instance;
+        }
+        if ((uint32_t)r->dst_dp != dp || r->dst_instance != peer->instance) {
+            /* A second claimant fails the room for everyone, itself included. */
+            char why[320];
+            snprintf(why, sizeof(why), "room %llu: %.160s (decode instance %llu) posted for DP "
+                     "group %u, but the room belongs to instance %llu group %d",
+                     (unsigned long long)id, peer->desc, (unsigned long long)peer->instance,
+                     dp, (unsigned long long)r->dst_instance, r->dst_dp);
+            kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true, "%s", why);
+            kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_INVALID_PARAM, r->reason);
+            return;
         }
         kvw_sender_update(ctx, r);
         return;
@@ -1204,6 +1229,8 @@ static void kvw_handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *r
         r->has_meta = true;
     }
     s->meta_got = true;
+    if (s->done && s->got == s->expected && !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
+        kvw_send_room_msg(ctx, peer, KVW_MSG_ROOM_DONE, id, KVW_OK, "");
     kvw_receiver_done(ctx, r);
 }
 
@@ -1562,6 +1589,31 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
         uint64_t want = 0;
         for (uint32_t i = 0; i < r->num_srcs; i++)
             want += r->srcs[i].expected;
+        /* Page-exact: no byte written twice, and the distinct bytes (direct writes plus
+         * staged windows each covered exactly once) are what the plans imply. A byte
+         * count alone let one page written twice stand in for one never written. */
+        kvw_iv_t a, b;
+        uint64_t distinct = 0;
+        if (!kvw__ivlog_check(&r->writes, &a, &b, &distinct)) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: buffer %llu bytes [%llu, %llu) were written twice "
+                           "(overlapping writes [%llu, %llu) and [%llu, %llu))",
+                           (unsigned long long)r->id, (unsigned long long)b.region,
+                           (unsigned long long)b.lo,
+                           (unsigned long long)(b.hi < a.hi ? b.hi : a.hi),
+                           (unsigned long long)a.lo, (unsigned long long)a.hi,
+                           (unsigned long long)b.lo, (unsigned long long)b.hi);
+            return;
+        }
+        if (distinct + r->staged_exact != want) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: %llu distinct bytes landed, the plans expect %llu "
+                           "(part of the room's pages was never written)",
+                           (unsigned long long)r->id,
+                           (unsigned long long)(distinct + r->staged_exact),
+                           (unsigned long long)want);
+            return;
+        }
         if (r->landed != want) {
             kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
                            "room %llu: %llu bytes landed, the plans expect %llu",
@@ -1580,6 +1632,10 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
                            (unsigned long long)r->srcs[i].expected);
             return;
         }
+    if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED)
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            kvw_send_room_msg(ctx, ctx->peers[r->srcs[i].peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK,
+                              "");
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
 }
 
@@ -1614,6 +1670,53 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
     return st;
 }
 
+/* A data connection says which peer it belongs to (KVW_MSG_BIND, its first message).
+ * The claim is only recorded here; kvw_bound checks it against the peer's nonce when a
+ * completion arrives, since the BIND can overtake the registration that creates the peer. */
+static void kvw_on_bind(struct kvw_ctx *ctx, kvw_tl_ep_h ep, kvw_rbuf_t *rb)
+{
+    kvw_bind_t b = {.ep = ep};
+    b.peer = kvw__rb_u32(rb);
+    for (size_t i = 0; i < sizeof(b.nonce); i++)
+        b.nonce[i] = kvw__rb_u8(rb);
+    if (kvw__rb_done(rb, "bind") != KVW_OK)
+        return;
+    pthread_mutex_lock(&ctx->mu);
+    bool known = false;
+    for (uint32_t i = 0; i < ctx->num_binds; i++)
+        known |= ctx->binds[i].ep == ep;
+    if (!known && ctx->num_binds == ctx->cap_binds) {
+        uint32_t cap = ctx->cap_binds ? ctx->cap_binds * 2 : 16;
+        kvw_bind_t *v = realloc(ctx->binds, sizeof(*v) * cap);
+        if (v) {
+            ctx->binds = v;
+            ctx->cap_binds = cap;
+        }
+    }
+    /* One claim per connection: a second BIND cannot re-point it. */
+    if (!known && ctx->num_binds < ctx->cap_binds)
+        ctx->binds[ctx->num_binds++] = b;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+/* Whether `ep` is the data connection of peer `peer_id` (mu held). */
+static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
+{
+    if (peer_id >= ctx->num_peers)
+        return false;
+    const kvw_peer_t *p = ctx->peers[peer_id];
+    for (uint32_t i = 0; i < ctx->num_binds; i++) {
+        const kvw_bind_t *b = &ctx->binds[i];
+        if (b->ep != ep)
+            continue;
+        uint8_t diff = (uint8_t)(b->peer != peer_id);
+        for (size_t k = 0; k < sizeof(b->nonce); k++)
+            diff |= b->nonce[k] ^ p->bind_nonce[k];
+        return diff == 0;
+    }
+    return false;
+}
+
 void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
 {
     struct kvw_ctx *ctx = arg;
@@ -1622,11 +1725,15 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         return;
     uint8_t type = 0;
     uint32_t plen;
-    if (kvw__wire_header(msg, &type, &plen) != KVW_OK || type != KVW_MSG_DONE ||
-        plen != len - KVW_WIRE_HDR)
+    if (kvw__wire_header(msg, &type, &plen) != KVW_OK ||
+        (type != KVW_MSG_DONE && type != KVW_MSG_BIND) || plen != len - KVW_WIRE_HDR)
         return;
     kvw_rbuf_t rb;
     kvw__rb_init(&rb, (const uint8_t *)msg + KVW_WIRE_HDR, plen);
+    if (type == KVW_MSG_BIND) {
+        kvw_on_bind(ctx, ep, &rb);
+        return;
+    }
     uint64_t id = kvw__rb_u64(&rb);
     uint32_t peer_id = kvw__rb_u32(&rb);
     kvw_chunk_t c = {0};
@@ -1644,6 +1751,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw_room_t *r = kvw__room_find(ctx, id);
     kvw_room_src_t *s = NULL;
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
+        goto out;
+    /* A completion counts only on the data connection its peer bound (any local process
+     * can reach a shm socket, any host a tcp port): anything else is refused, and the
+     * room carries on waiting for its real sender. */
+    if (!kvw_bound(ctx, ep, peer_id))
         goto out;
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer_id)
@@ -1670,6 +1782,21 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
                            (unsigned long long)id, (unsigned long long)goff,
                            (unsigned long long)slen);
             goto out;
+        }
+        /* On tcp the window must have been written exactly once, all of it, before it is
+         * scattered: stale staging bytes would otherwise land in the room's pages. */
+        if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) {
+            uint64_t got = 0;
+            if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
+                got != slen) {
+                kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                               "room %llu: staged window [%llu, +%llu) was %s",
+                               (unsigned long long)id, (unsigned long long)goff,
+                               (unsigned long long)slen,
+                               got == slen ? "partly written twice" : "not written exactly once");
+                goto out;
+            }
+            r->staged_exact += slen;
         }
         c.num_tokens = r->num_tokens;
         c.prefix_len = r->prefix_len;
@@ -1702,7 +1829,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         if (c.last_chunk)
             s->meta_expected = meta_len;
     }
-    if (s->done && s->got == s->expected)
+    /* On tcp the confirmation waits for the room-wide check of where the bytes landed
+     * (kvw_receiver_done): a sender's own count cannot vouch for that. It also waits for
+     * the metadata this sender announced. */
+    if (s->done && s->got == s->expected && !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) &&
+        (!s->meta_expected || s->meta_got))
         kvw_send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, id, KVW_OK, "");
     kvw_receiver_done(ctx, r);
 out:
@@ -1723,6 +1854,28 @@ static bool kvw_granted(const kvw_room_t *r, int pool, uint32_t page)
             hi = mid;
     }
     return false;
+}
+
+/* Records an admitted write (mu held). More bytes than the plans imply fail the room at
+ * once, which also bounds the record's size by the room's own byte count. */
+static kvw_status_t kvw_note_write(struct kvw_ctx *ctx, kvw_room_t *r, uint64_t key,
+                                   uint64_t off, uint64_t len)
+{
+    uint64_t want = 0;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        want += r->srcs[i].expected;
+    kvw_status_t st = KVW_OK;
+    if (len > want - KVW_MIN(r->landed, want))
+        st = kvw__error(KVW_ERR_BYTE_MISMATCH, "room %llu: writes exceed the %llu bytes the "
+                        "plans expect", (unsigned long long)r->id, (unsigned long long)want);
+    else
+        st = kvw__ivlog_add(&r->writes, key, off, len);
+    if (st != KVW_OK) {
+        kvw__room_fail(ctx, r, st, true, "%s", kvw_last_error());
+        return st;
+    }
+    r->landed += len;
+    return KVW_OK;
 }
 
 kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
@@ -1749,7 +1902,7 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
             if (ctx->spans[i].room == room && off >= ctx->spans[i].off &&
                 off - ctx->spans[i].off <= ctx->spans[i].len &&
                 len <= ctx->spans[i].len - (off - ctx->spans[i].off)) {
-                r->landed += len;
+                st = kvw_note_write(ctx, r, KVW_IV_STAGED | ctx->spans[i].off, off, len);
                 goto out;
             }
         st = KVW_ERR_OUT_OF_RANGE;
@@ -1780,7 +1933,7 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
             break;
         }
     if (st == KVW_OK)
-        r->landed += len;
+        st = kvw_note_write(ctx, r, region, off, len);
 out:
     pthread_mutex_unlock(&ctx->mu);
     return st;
@@ -1788,12 +1941,20 @@ out:
 
 void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason)
 {
-    /* Data connections are anonymous; the control channel of the same peer notices the
-     * failure (closed socket or missing heartbeats) and fails its rooms with a name. */
-    (void)arg;
-    (void)ep;
+    /* The control channel of the same peer notices the failure (closed socket or missing
+     * heartbeats) and fails its rooms with a name. Here the connection only loses its
+     * binding: the transport frees the endpoint after this returns, and its address may
+     * be reused by a later connection. */
+    struct kvw_ctx *ctx = arg;
     (void)status;
     (void)reason;
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t i = 0; i < ctx->num_binds; i++)
+        if (ctx->binds[i].ep == ep) {
+            ctx->binds[i] = ctx->binds[--ctx->num_binds];
+            break;
+        }
+    pthread_mutex_unlock(&ctx->mu);
 }
 
 /* ------------------------------------------------------------ frames */
@@ -1870,7 +2031,19 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
         if (st >= 0 || st < -100)
             st = KVW_ERR_REMOTE_FAILED;
         kvw_room_t *r = kvw__room_find(ctx, id);
-        if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
+        if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL && r && r->dst_dp >= 0 &&
+            (peer->instance != r->dst_instance || peer->dp != (uint32_t)r->dst_dp)) {
+            /* Only the decode instance and DP group that own a room may abort it: without
+             * a secret any decode can send this frame. The owner's room carries on; the
+             * sender learns why (and is not left waiting for an acknowledgement). */
+            char why[320];
+            snprintf(why, sizeof(why), "room %llu belongs to decode instance %llu group %d: "
+                     "an abort from %.120s (instance %llu group %u) is refused",
+                     (unsigned long long)id, (unsigned long long)r->dst_instance, r->dst_dp,
+                     peer->desc, (unsigned long long)peer->instance, peer->dp);
+            kvw_send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_REJECTED, why);
+            kvw_send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "refused");
+        } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
             if (r == NULL)
                 r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
             /* The room's other decode ranks hear of it too (FAILED). */

@@ -31,10 +31,13 @@ typedef enum kvw_msg_type {
     KVW_MSG_STAGE_ASK = 10,   /* prefill -> decode: room, bytes of staging space wanted */
     KVW_MSG_STAGE_GRANT = 11, /* decode -> prefill: room, offset, length granted */
     KVW_MSG_ROOM_DONE = 12,   /* decode -> prefill: every byte of the room from you landed */
+    KVW_MSG_BIND = 13,        /* prefill -> decode through the transport, first: binds that
+                                 data connection to the control session (peer id, nonce) */
     KVW_MSG_BS_REGISTER = 20, /* prefill rank -> bootstrap */
     KVW_MSG_BS_OK = 21,
     KVW_MSG_BS_LOOKUP = 22,   /* decode -> bootstrap */
     KVW_MSG_BS_TABLE = 23,
+    KVW_MSG_BS_ERROR = 24,    /* bootstrap -> client: status, reason (e.g. table full) */
     KVW_MSG_CHALLENGE = 30,   /* prefill -> decode: nonce for the shared secret */
     KVW_MSG_META = 13,        /* prefill -> decode: room, the room's metadata bytes */
     KVW_MSG_MAX = 31

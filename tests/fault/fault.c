@@ -23,7 +23,7 @@
 
 typedef struct fault_cfg {
     uint64_t seed;
-    double delay, drop_put, trunc_put, dup_put, reorder_put, fail_put;
+    double delay, drop_put, trunc_put, dup_put, reorder_put, fail_put, mislay_put;
     double drop_notify, dup_notify, reorder_notify, corrupt_notify, fail_notify, fail_connect;
     uint32_t delay_ms, reorder_ms;
     uint64_t close_after_puts, close_after_notifies;
@@ -127,6 +127,7 @@ static kvw_status_t fault_parse(const char *spec, fault_cfg_t *c)
         {"trunc_put", offsetof(fault_cfg_t, trunc_put)},
         {"dup_put", offsetof(fault_cfg_t, dup_put)},
         {"reorder_put", offsetof(fault_cfg_t, reorder_put)},
+        {"mislay_put", offsetof(fault_cfg_t, mislay_put)},
         {"fail_put", offsetof(fault_cfg_t, fail_put)},
         {"drop_notify", offsetof(fault_cfg_t, drop_notify)},
         {"dup_notify", offsetof(fault_cfg_t, dup_notify)},
@@ -494,7 +495,7 @@ static kvw_status_t fault_put(fault_slot_t *s, kvw_tl_ep_h ep, uint64_t room,
                              "the endpoint closed after its put calls");
     if (fault_hit(t, c->fail_put))
         return fault_fail_ep(s, e, KVW_FAULT_FAIL_PUT, KVW_ERR_IO, "put failed");
-    bool mangle = c->drop_put > 0 || c->trunc_put > 0 || c->reorder_put > 0;
+    bool mangle = c->drop_put > 0 || c->trunc_put > 0 || c->reorder_put > 0 || c->mislay_put > 0;
     if (!mangle || n == 0) {
         st = s->inner->put(ep, room, puts, n);
     } else {
@@ -513,6 +514,18 @@ static kvw_status_t fault_put(fault_slot_t *s, kvw_tl_ep_h ep, uint64_t room,
                 fault_count(KVW_FAULT_TRUNC_PUT, 1);
                 v[m].len = fault_below(t, v[m].len);
             }
+            /* Land on an earlier put's destination of the same length: the byte count
+             * stays right while one range is written twice and another never. */
+            for (size_t j = 0; j < m && v[m].len > 0; j++)
+                if (v[j].len == v[m].len &&
+                    (v[j].rkey != v[m].rkey || v[j].dst_off != v[m].dst_off)) {
+                    if (fault_hit(t, c->mislay_put)) {
+                        fault_count(KVW_FAULT_MISLAY_PUT, 1);
+                        v[m].rkey = v[j].rkey;
+                        v[m].dst_off = v[j].dst_off;
+                    }
+                    break;
+                }
             m++;
         }
         if (m > 1 && fault_hit(t, c->reorder_put)) {

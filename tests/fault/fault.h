@@ -14,6 +14,8 @@
  *   trunc_put=P          each put of a batch moves only a random prefix of its bytes
  *   dup_put=P            a batch is posted twice
  *   reorder_put=P        the puts of a batch are posted in a shuffled order
+ *   mislay_put=P         a put lands on the destination of an earlier put of the same
+ *                        batch and length: same byte count, one range twice, one never
  *   fail_put=P           the call fails with IO and the endpoint is closed for good
  *   drop_notify=P        a notification is silently dropped
  *   dup_notify=P         a notification is delivered twice
@@ -52,6 +54,7 @@
     X(TRUNC_PUT, "trunc_put")                                                             \
     X(DUP_PUT, "dup_put")                                                                 \
     X(REORDER_PUT, "reorder_put")                                                         \
+    X(MISLAY_PUT, "mislay_put")                                                           \
     X(FAIL_PUT, "fail_put")                                                               \
     X(DROP_NOTIFY, "drop_notify")                                                         \
     X(DUP_NOTIFY, "dup_notify")                                                           \

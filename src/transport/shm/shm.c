@@ -18,7 +18,10 @@
  * presents the region's random secret, which travels inside the rkey.
  *
  * Notifications travel over a SOCK_SEQPACKET Unix socket (abstract name derived from
- * the receiver's pid and a random token), one message each. Puts complete
+ * the receiver's pid and a random token), one message each. Abstract names are public
+ * and have no file permissions, so the receiver checks SO_PEERCRED on accept: only
+ * its own user or root may connect. Which connection may complete which room is the
+ * protocol layer's business (it binds each data connection to a control session). Puts complete
  * synchronously before put() returns, so a notification sent afterwards is naturally
  * ordered after them. The receiver runs one thread that accepts connections, answers
  * rkey fetches, reads notifications and reports failures; the same thread watches the
@@ -440,17 +443,19 @@ static void accept_all(shm_iface_t *tl, uint64_t *pause_until_p)
         pthread_mutex_lock(&tl->mu);
         bool full = tl->num_accepted >= SHM_MAX_CONNS;
         pthread_mutex_unlock(&tl->mu);
-        shm_ep_t *ep = full ? NULL : calloc(1, sizeof(*ep));
+        /* Abstract socket names are visible to every local user (/proc/net/unix) and
+         * carry no permissions: only the receiver's own user, or root, may connect.
+         * Anyone else is closed before a byte is read. */
+        struct ucred cr;
+        socklen_t cl = sizeof(cr);
+        bool allowed = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) == 0 &&
+                       (cr.uid == geteuid() || cr.uid == 0);
+        shm_ep_t *ep = full || !allowed ? NULL : calloc(1, sizeof(*ep));
         if (ep == NULL) {
             close(fd);
             continue;
         }
-        struct ucred cr;
-        socklen_t cl = sizeof(cr);
-        if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) == 0)
-            snprintf(ep->peer, sizeof(ep->peer), "pid %d", (int)cr.pid);
-        else
-            snprintf(ep->peer, sizeof(ep->peer), "pid ?");
+        snprintf(ep->peer, sizeof(ep->peer), "pid %d", (int)cr.pid);
         ep->tl = tl;
         ep->fd = fd;
         ep->accepted = true;

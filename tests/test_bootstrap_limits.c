@@ -1,0 +1,189 @@
+/*
+ * The bootstrap endpoint under hostile clients (raw sockets on loopback):
+ *  - a silent connection, and one that stops in the middle of a frame, are closed by
+ *    the endpoint (frame deadline, a few seconds; the test waits up to 60 s);
+ *  - 300 silent connections and 10 slow senders held open do not stop a registration
+ *    and a lookup from succeeding (10 s deadline each, generous on a loaded machine);
+ *  - a full table refuses a new rank with an error answer naming the cause, while a
+ *    rank already in the table can still re-register;
+ *  - the endpoint leaves no fd behind when it stops.
+ *
+ * Exit: 0 pass, 1 fail.
+ */
+#include "testkit.h"
+
+#include "proto/proto.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+static int failures;
+#define CHECK(c, ...)                                                                    \
+    do {                                                                                 \
+        if (!(c)) {                                                                      \
+            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
+            fprintf(stderr, __VA_ARGS__);                                                \
+            fprintf(stderr, "\n");                                                       \
+            failures++;                                                                  \
+        }                                                                                \
+    } while (0)
+
+#define SILENT 300
+#define SLOW 10
+#define SEC 1000000000ull
+
+static int count_fds(void)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (d == NULL)
+        return -1;
+    for (struct dirent *e; (e = readdir(d)) != NULL;)
+        n += e->d_name[0] != '.';
+    closedir(d);
+    return n - 1; /* the directory's own fd */
+}
+
+static uint16_t port_of(const char *addr)
+{
+    const char *c = strrchr(addr, ':');
+    return c ? (uint16_t)atoi(c + 1) : 0;
+}
+
+/* A raw connection to 127.0.0.1:port; -1 on failure. Waits up to 10 s. */
+static int raw_connect(uint16_t port)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return -1;
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 && errno != EINPROGRESS) {
+        close(fd);
+        return -1;
+    }
+    struct pollfd p = {.fd = fd, .events = POLLOUT};
+    int err = 0;
+    socklen_t el = sizeof(err);
+    if (poll(&p, 1, 10000) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+/* Waits until the endpoint closed `fd` (EOF or reset), up to timeout_ms. */
+static bool closed_by_peer(int fd, int timeout_ms)
+{
+    uint64_t end = kvt_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    for (;;) {
+        uint64_t now = kvt_now_ns();
+        if (now >= end)
+            return false;
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, (int)((end - now) / 1000000ull) + 1) < 0 && errno != EINTR)
+            return false;
+        char b[64];
+        ssize_t k = recv(fd, b, sizeof(b), MSG_DONTWAIT);
+        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+            return true;
+    }
+}
+
+static kvw_bs_entry_t entry(uint32_t tp, uint32_t tp_size)
+{
+    kvw_bs_entry_t e = {.tp = tp, .tp_size = tp_size, .dp_size = 1, .pp_size = 1};
+    snprintf(e.addr, sizeof(e.addr), "127.0.0.1:%u", 20000 + tp % 1000);
+    return e;
+}
+
+int main(void)
+{
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    int fds_before = count_fds();
+    kvw_bootstrap_t *bs = NULL;
+    CHECK(kvw__bootstrap_start("127.0.0.1", 0, &bs) == KVW_OK, "%s", kvw_last_error());
+    if (bs == NULL)
+        return 1;
+    char addr[128];
+    snprintf(addr, sizeof(addr), "%s", kvw__bootstrap_addr(bs));
+    uint16_t port = port_of(addr);
+
+    /* 1. Silent and half-frame connections are closed by the endpoint. */
+    int quiet = raw_connect(port), half = raw_connect(port);
+    CHECK(quiet >= 0 && half >= 0, "connect: %s", strerror(errno));
+    CHECK(send(half, "KVW", 3, MSG_NOSIGNAL) == 3, "send: %s", strerror(errno));
+    CHECK(closed_by_peer(quiet, 60000), "a silent connection was never closed");
+    CHECK(closed_by_peer(half, 60000), "a connection stuck inside a frame was never closed");
+    close(quiet);
+    close(half);
+    printf("silent and half-frame connections closed\n");
+
+    /* 2. Many silent connections and slow senders: registration and lookup still work. */
+    int silent[SILENT], slow[SLOW];
+    int opened = 0;
+    for (int i = 0; i < SILENT; i++)
+        opened += (silent[i] = raw_connect(port)) >= 0;
+    for (int i = 0; i < SLOW; i++) {
+        slow[i] = raw_connect(port);
+        if (slow[i] >= 0 && send(slow[i], "K", 1, MSG_NOSIGNAL) != 1) {
+            close(slow[i]);
+            slow[i] = -1;
+        }
+    }
+    printf("%d silent connections and %d slow senders open\n", opened, SLOW);
+    kvw_bs_entry_t e = entry(0, 1);
+    kvw_status_t st = kvw__bootstrap_register(addr, &e, kvt_now_ns() + 10 * SEC);
+    CHECK(st == KVW_OK, "register beside silent connections: %s: %s", kvw_status_string(st),
+          kvw_last_error());
+    kvw_bs_entry_t *tab = NULL;
+    uint32_t n = 0;
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, kvt_now_ns() + 10 * SEC, &tab, &n);
+    CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, e.addr),
+          "lookup beside silent connections: %s: %s", kvw_status_string(st), kvw_last_error());
+    free(tab);
+    for (int i = 0; i < SILENT; i++)
+        if (silent[i] >= 0)
+            close(silent[i]);
+    for (int i = 0; i < SLOW; i++)
+        if (slow[i] >= 0)
+            close(slow[i]);
+
+    /* 3. A full table refuses a new rank with a reason; known ranks re-register. */
+    uint32_t ok = 0;
+    for (uint32_t i = 0; i < 4096; i++) {
+        e = entry(i, 8192);
+        ok += kvw__bootstrap_register(addr, &e, kvt_now_ns() + 10 * SEC) == KVW_OK;
+    }
+    CHECK(ok == 4096, "only %u of 4096 registrations succeeded: %s", ok, kvw_last_error());
+    e = entry(4096, 8192);
+    st = kvw__bootstrap_register(addr, &e, kvt_now_ns() + 10 * SEC);
+    CHECK(st == KVW_ERR_BUSY, "registration into a full table: %s", kvw_status_string(st));
+    CHECK(kvt_contains(kvw_last_error(), "bootstrap table is full (4096 entries): rank "
+                                         "dp0/tp4096/pp0 was not registered"),
+          "message: %s", kvw_last_error());
+    e = entry(7, 8192);
+    st = kvw__bootstrap_register(addr, &e, kvt_now_ns() + 10 * SEC);
+    CHECK(st == KVW_OK, "re-registration into a full table: %s: %s", kvw_status_string(st),
+          kvw_last_error());
+
+    kvw__bootstrap_stop(bs);
+    int fds_after = count_fds();
+    CHECK(fds_after == fds_before, "fds: %d before the endpoint, %d after it stopped",
+          fds_before, fds_after);
+    if (failures) {
+        fprintf(stderr, "test_bootstrap_limits: %d failures\n", failures);
+        return 1;
+    }
+    printf("test_bootstrap_limits: all checks passed\n");
+    return 0;
+}
