@@ -139,6 +139,18 @@ void kvw__wire_put_pages(kvw_wbuf_t *w, const kvw_pages_t *pl)
         kvw__wb_u32(w, pl->pages[i]);
 }
 
+kvw_status_t kvw__wire_skip_pages(kvw_rbuf_t *r, kvw_pages_t *pl)
+{
+    pl->first_token = kvw__rb_u64(r);
+    uint32_t n = kvw__rb_u32(r);
+    if (r->bad || n > (r->len - r->pos) / 4)
+        return kvw__error(KVW_ERR_MALFORMED, "page list: %u pages do not fit the frame", n);
+    r->pos += (size_t)n * 4;
+    pl->pages = NULL;
+    pl->num_pages = 0;
+    return KVW_OK;
+}
+
 kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p,
                                  uint64_t max_pages)
 {

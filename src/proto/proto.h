@@ -19,6 +19,8 @@ void kvw__wire_put_pages(kvw_wbuf_t *w, const kvw_pages_t *pl);
 /* Page lists longer than max_pages are OUT_OF_RANGE (nothing allocated). */
 kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **store_p,
                                  uint64_t max_pages);
+/* Reads past a page list (bounds-checked) and leaves *pl empty. */
+kvw_status_t kvw__wire_skip_pages(kvw_rbuf_t *r, kvw_pages_t *pl);
 
 /* Plan without page lists: segments and byte count only (pages are not checked). */
 kvw_status_t kvw__plan_create_nopages(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,

@@ -476,14 +476,18 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
     d.num_tokens = kvw__rb_u64(rb);
     d.prefix_len = kvw__rb_u64(rb);
     uint32_t *s1 = NULL, *s2 = NULL;
-    /* Bounded by the decode rank's own pools (a pool without buffers: by the full one). */
+    /* Bounded by the decode rank's own pools. A pool the decode rank has no buffers in
+     * (a PP stage without sliding-window or full-attention layers) receives nothing: its
+     * list is read past and dropped, never kept. */
     const struct kvw_rank *dr = peer->remote;
-    uint64_t cap_full = dr->pool_capacity[KVW_POOL_FULL];
-    uint64_t cap_swa = dr->pool_page_size[KVW_POOL_SWA] ? dr->pool_capacity[KVW_POOL_SWA]
-                                                        : cap_full;
-    kvw_status_t st = kvw__wire_get_pages(rb, &d.pages.full, &s1, cap_full);
+    kvw_status_t st = dr->pool_page_size[KVW_POOL_FULL]
+                          ? kvw__wire_get_pages(rb, &d.pages.full, &s1,
+                                                dr->pool_capacity[KVW_POOL_FULL])
+                          : kvw__wire_skip_pages(rb, &d.pages.full);
     if (st == KVW_OK)
-        st = kvw__wire_get_pages(rb, &d.pages.swa, &s2, cap_swa);
+        st = dr->pool_page_size[KVW_POOL_SWA]
+                 ? kvw__wire_get_pages(rb, &d.pages.swa, &s2, dr->pool_capacity[KVW_POOL_SWA])
+                 : kvw__wire_skip_pages(rb, &d.pages.swa);
     if (st == KVW_ERR_OUT_OF_RANGE) {
         /* Only this request is refused; the peer stays. */
         free(s1);
@@ -505,8 +509,11 @@ static void kvw_handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb
     /* One allocation per destination keeps the room's frees simple. */
     d.store = malloc(sizeof(uint32_t) * ((size_t)d.pages.full.num_pages + d.pages.swa.num_pages + 1));
     if (d.store) {
-        memcpy(d.store, s1, sizeof(uint32_t) * d.pages.full.num_pages);
-        memcpy(d.store + d.pages.full.num_pages, s2, sizeof(uint32_t) * d.pages.swa.num_pages);
+        if (d.pages.full.num_pages) /* a skipped list has no storage at all */
+            memcpy(d.store, s1, sizeof(uint32_t) * d.pages.full.num_pages);
+        if (d.pages.swa.num_pages)
+            memcpy(d.store + d.pages.full.num_pages, s2,
+                   sizeof(uint32_t) * d.pages.swa.num_pages);
         d.pages.full.pages = d.store;
         d.pages.swa.pages = d.store + d.pages.full.num_pages;
     }
