@@ -81,15 +81,21 @@ void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
         }
     }
     kvw_outmsg_t *m = malloc(sizeof(*m));
-    if (m == NULL) {
+    bool full = peer->out_bytes + (w->len - off) > KVW_MAX_OUT_BYTES;
+    if (m == NULL || full) {
+        char why[160];
+        snprintf(why, sizeof(why), full ? "stopped reading: more than %u MiB of frames queued"
+                                        : "out of memory queueing a frame",
+                 KVW_MAX_OUT_BYTES >> 20);
+        free(m);
         kvw__wb_free(w);
-        if (off)
-            kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory queueing a frame");
+        kvw__peer_dead(ctx, peer, full ? KVW_ERR_PEER_DEAD : KVW_ERR_NO_MEMORY, why);
         return;
     }
     m->w = *w;
     m->off = off;
     m->next = NULL;
+    peer->out_bytes += w->len - off;
     if (peer->out_tail)
         peer->out_tail->next = m;
     else
@@ -107,6 +113,7 @@ static void kvw_peer_drop_out(kvw_peer_t *peer)
         free(m);
     }
     peer->out_tail = NULL;
+    peer->out_bytes = 0;
 }
 
 /* Marks a peer dead and fails every room that involves it. mu held. */
@@ -1070,32 +1077,75 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
 }
 
 /* Sends queued frames; called without mu, takes it only to pop. */
-static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer)
+/*
+ * Writes a peer's queued frames without blocking: what the socket does not take stays at
+ * the head of the queue (m->off) and the control thread polls for POLLOUT. A peer that
+ * stops reading therefore never holds the control thread; it is declared dead once its
+ * queue made no progress for the peer timeout (see the control loop) or grew past
+ * KVW_MAX_OUT_BYTES (kvw__peer_send). `blocking`: at shutdown, finish within the peer
+ * timeout instead (the peer must not learn of a completion or an abort only from the
+ * closed connection).
+ */
+static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
 {
     for (;;) {
+        /* The head frame leaves the queue while it is written outside mu (a peer's death
+         * meanwhile frees the queue, not this frame); tx_busy keeps direct sends out. */
         pthread_mutex_lock(&ctx->mu);
-        kvw_outmsg_t *m = peer->dead ? NULL : peer->out_head;
+        kvw_outmsg_t *m = peer->dead || peer->fd < 0 ? NULL : peer->out_head;
         if (m) {
             peer->out_head = m->next;
             if (peer->out_head == NULL)
                 peer->out_tail = NULL;
-            peer->tx_busy = true; /* no direct send may cut into this frame */
+            peer->tx_busy = true;
         }
         pthread_mutex_unlock(&ctx->mu);
         if (m == NULL)
             return;
-        kvw_status_t st = kvw__sock_send_all(peer->fd, m->w.p + m->off, m->w.len - m->off,
-                                             kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull);
-        kvw__wb_free(&m->w);
-        free(m);
+        size_t left = m->w.len - m->off;
+        kvw_status_t st = KVW_OK;
+        ssize_t k = 0;
+        if (blocking) {
+            st = kvw__sock_send_all(peer->fd, m->w.p + m->off, left,
+                                    kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull);
+            k = st == KVW_OK ? (ssize_t)left : 0;
+        } else {
+            do
+                k = send(peer->fd, m->w.p + m->off, left, MSG_DONTWAIT | MSG_NOSIGNAL);
+            while (k < 0 && errno == EINTR);
+            if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+                st = kvw__error(KVW_ERR_CONN_CLOSED, "send: %s", strerror(errno));
+        }
         pthread_mutex_lock(&ctx->mu);
         peer->tx_busy = false;
-        if (st != KVW_OK)
+        bool keep = false;
+        if (st != KVW_OK) {
             kvw__peer_dead(ctx, peer, st, kvw_last_error());
-        else
-            peer->last_tx_ns = kvw__now_ns();
+        } else {
+            if (k > 0) {
+                m->off += (size_t)k;
+                peer->out_bytes -= KVW_MIN((uint64_t)k, peer->out_bytes);
+                peer->tx_stall_ns = 0;
+                peer->last_tx_ns = kvw__now_ns();
+            } else if (peer->tx_stall_ns == 0) {
+                peer->tx_stall_ns = kvw__now_ns(); /* the socket is full: wait for POLLOUT */
+            }
+            if (m->off < m->w.len && !peer->dead) {
+                /* Back at the head, ahead of whatever was queued meanwhile. */
+                m->next = peer->out_head;
+                peer->out_head = m;
+                if (peer->out_tail == NULL)
+                    peer->out_tail = m;
+                keep = true;
+            }
+        }
+        bool again = st == KVW_OK && !keep;
         pthread_mutex_unlock(&ctx->mu);
-        if (st != KVW_OK)
+        if (!keep) {
+            kvw__wb_free(&m->w);
+            free(m);
+        }
+        if (!again)
             return;
     }
 }
@@ -1223,7 +1273,7 @@ static void *kvw_ctrl_main(void *arg)
                 pthread_mutex_unlock(&ctx->mu);
                 if (p == NULL)
                     break;
-                kvw_peer_flush(ctx, p);
+                kvw_peer_flush(ctx, p, true);
             }
             break;
         }
@@ -1247,7 +1297,8 @@ static void *kvw_ctrl_main(void *arg)
             if (ctx->peers[i]->dead || ctx->peers[i]->registering)
                 continue;
             pidx[n] = i;
-            pfd[n++] = (struct pollfd){.fd = ctx->peers[i]->fd, .events = POLLIN};
+            pfd[n++] = (struct pollfd){.fd = ctx->peers[i]->fd,
+                                       .events = POLLIN | (ctx->peers[i]->out_head ? POLLOUT : 0)};
         }
         pthread_mutex_unlock(&ctx->mu);
 
@@ -1281,6 +1332,13 @@ static void *kvw_ctrl_main(void *arg)
             kvw_peer_t *p = ctx->peers[i];
             if (p->dead || p->registering)
                 continue;
+            if (p->tx_stall_ns && now - p->tx_stall_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
+                char why[128];
+                snprintf(why, sizeof(why), "stopped reading: %llu bytes of frames waited %u ms",
+                         (unsigned long long)p->out_bytes, ctx->peer_timeout_ms);
+                kvw__peer_dead(ctx, p, KVW_ERR_PEER_DEAD, why);
+                continue;
+            }
             if (now - p->last_rx_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
                 char why[96];
                 snprintf(why, sizeof(why), "no heartbeat for %u ms", ctx->peer_timeout_ms);
@@ -1317,7 +1375,7 @@ static void *kvw_ctrl_main(void *arg)
         pthread_mutex_unlock(&ctx->mu);
         kvw_peer_res_release(ctx, reaped);
         for (uint32_t i = 0; i < nf; i++)
-            kvw_peer_flush(ctx, flush[i]);
+            kvw_peer_flush(ctx, flush[i], false);
     }
     free(pfd);
     free(pidx);

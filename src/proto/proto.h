@@ -73,7 +73,9 @@ typedef struct kvw_peer {
     bool needed;   /* the topology makes this peer and us exchange bytes */
     uint64_t last_rx_ns, last_tx_ns;
     kvw_outmsg_t *out_head, *out_tail;
-    bool tx_busy; /* the control thread is writing a popped frame (outside mu) */
+    bool tx_busy; /* the control thread is writing the head frame (outside mu) */
+    uint64_t out_bytes;   /* bytes queued and not yet written */
+    uint64_t tx_stall_ns; /* when the socket last refused more bytes; 0 while it takes them */
     /* Decode side: the prefill instance (index into ctx->insts, and its connection
      * generation) this peer belongs to; registering: the handshake still runs on its
      * connecting thread, nobody else touches the socket. */
@@ -221,6 +223,7 @@ typedef struct kvw_stage_wait {
 
 #define KVW_ROOM_BUCKETS 1024
 #define KVW_TAG 16 /* bytes of a control frame's session tag */
+#define KVW_MAX_OUT_BYTES (64u << 20) /* frames queued for one peer before it is dropped */
 
 /* Decode side: one prefill instance, named by its bootstrap address. Connected on the
  * first room that names it (or at context creation for the context's own address),
