@@ -9,9 +9,9 @@
  * connects through the relay, which forwards to the real control port.
  *   1. The relay flips one byte of the registration body (the decode's identity and
  *      data address live there): the prefill refuses it (AUTH), the decode fails.
- *   2. The relay forwards the handshake untouched, then injects a frame towards the
- *      decode: the decode drops the connection and the room fails naming the session
- *      authentication, never Success.
+ *   2. The relay forwards the handshake untouched and, once the room is posted, injects
+ *      a frame towards the decode: the decode drops the connection and the room fails
+ *      naming the session authentication, never Success.
  *   3. No tampering: the relayed session moves a room whose bytes match the reference.
  */
 #include "testkit.h"
@@ -56,6 +56,7 @@ typedef struct relay {
     char target[128]; /* the real control port, host:port */
     int mode;
     atomic_bool stop;
+    atomic_bool inject; /* MODE_INJECT: write the forged frame now */
     pthread_t thread;
 } relay_t;
 
@@ -147,14 +148,18 @@ static void *relay_main(void *arg)
                 ? relay_frame(dfd, pfd, r->mode == MODE_TAMPER_HELLO, 1 + 32 + 32 + 2)
                 : -1;
     int a = h >= 0 && relay_wait(r, pfd) ? relay_frame(pfd, dfd, false, 0) : -1;
-    if (a == KVW_MSG_ACCEPT && r->mode == MODE_INJECT) {
-        /* A heartbeat made up by the relay, without the session tag. */
-        uint8_t f[KVW_WIRE_HDR] = {0x4b, 0x56, 0x57, 0x31, KVW_WIRE_VERSION, KVW_MSG_HEARTBEAT};
-        write_full(dfd, f, sizeof(f));
-    }
-    /* Then plain forwarding both ways until stopped. */
+    bool injected = false;
+    /* Then plain forwarding both ways until stopped; in MODE_INJECT, once the test says
+     * so (its room is posted through the session by then), a heartbeat made up by the
+     * relay, without the session tag, goes to the decode rank. */
     uint8_t buf[65536];
     while (a >= 0 && !atomic_load(&r->stop)) {
+        if (r->mode == MODE_INJECT && !injected && atomic_load(&r->inject)) {
+            uint8_t f[KVW_WIRE_HDR] = {0x4b, 0x56, 0x57, 0x31, KVW_WIRE_VERSION,
+                                       KVW_MSG_HEARTBEAT};
+            write_full(dfd, f, sizeof(f));
+            injected = true;
+        }
         struct pollfd pf[2] = {{.fd = dfd, .events = POLLIN}, {.fd = pfd, .events = POLLIN}};
         if (poll(pf, 2, 100) <= 0)
             continue;
@@ -292,7 +297,9 @@ int main(void)
                                 .pages = {.full = {pg, 2, 0}, .swa = {pg, 2, 0}, .state_slot = -1}};
         kvw_receiver_h rv = NULL;
         CHECK(kvw_receiver_create(dctx, 7, 0, &rv) == KVW_OK, "%s", kvw_last_error());
-        kvw_receiver_post(rv, &post); /* may already fail: the session is gone */
+        CHECK(kvw_receiver_post(rv, &post) == KVW_OK, "post through the relay: %s",
+              kvw_last_error());
+        atomic_store(&r.inject, true);
         kvw_room_state_t s = kvw_receiver_wait(rv, 20000);
         CHECK(s == KVW_ROOM_FAILED && kvt_contains(kvw_receiver_failure(rv), "authentic"),
               "room after an injected frame: %s: %s", kvw_room_state_string(s),
