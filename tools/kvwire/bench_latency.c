@@ -79,7 +79,7 @@ static double l_pct(uint64_t *v, size_t n, unsigned q)
 {
     if (n == 0)
         return 0.0;
-    qsort(v, n, sizeof(*v), kvw_cli_cmp_u64);
+    qsort(v, n, sizeof(*v), cli_cmp_u64);
     size_t i = (n * q) / 100;
     return (double)v[i < n ? i : n - 1] / 1000.0;
 }

@@ -117,16 +117,16 @@ static int demo_assign(const demo_cfg_t *c, const kvt_model_t *m, const demo_ins
     if (inst->swa_pages)
         kvt_pages_random(&rng, inst->swa_pages, inst->swa_pages, psw);
     uint32_t uf = 0, us = 0;
-    uint64_t window = kvw_cli_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     int rc = 0;
     for (uint32_t i = 0; i < nreq && rc == 0; i++) {
         const demo_req_t *r = &reqs[i];
         demo_pages_t *p = &out[i];
         memset(p, 0, sizeof(*p));
-        uint32_t nf = kvw_cli_pages_needed(0, r->n, ps);
+        uint32_t nf = cli_pages_needed(0, r->n, ps);
         uint64_t ws = window && r->n > window ? r->n - window : 0;
         uint64_t swb = ws / c->swa_page * c->swa_page;
-        uint32_t ns = window ? kvw_cli_pages_needed(swb, r->n, c->swa_page) : 0;
+        uint32_t ns = window ? cli_pages_needed(swb, r->n, c->swa_page) : 0;
         if (uf + nf > inst->full_pages || us + ns > inst->swa_pages) {
             rc = -1;
             break;
@@ -167,10 +167,10 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
     inst->pp = prefill ? c->ppp : c->dpp;
     inst->n = inst->tp * inst->pp;
     uint32_t ps = prefill ? c->ppage : c->dpage;
-    uint64_t window = kvw_cli_swa_window(m);
-    inst->full_pages = c->concurrency * (kvw_cli_pages_needed(0, c->max_tokens, ps) + 1) + 7;
+    uint64_t window = cli_swa_window(m);
+    inst->full_pages = c->concurrency * (cli_pages_needed(0, c->max_tokens, ps) + 1) + 7;
     inst->swa_pages =
-        window ? c->concurrency * (kvw_cli_pages_needed(0, window, c->swa_page) + 2) + 3 : 0;
+        window ? c->concurrency * (cli_pages_needed(0, window, c->swa_page) + 2) + 3 : 0;
     inst->slots = c->concurrency;
     inst->ranks = calloc(inst->n, sizeof(kvt_rank_t));
     for (uint32_t p = 0; p < inst->pp; p++)
@@ -208,7 +208,7 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
  */
 static int demo_gpu_attach(demo_inst_t *inst, int device)
 {
-    if (kvw_cli_gpu_attach(inst->ranks, inst->n, device, &inst->dev) == 0)
+    if (cli_gpu_attach(inst->ranks, inst->n, device, &inst->dev) == 0)
         return 0;
     fprintf(stderr, "demo: GPU %d: %s\n", device, kvw_last_error());
     return -1;
@@ -216,7 +216,7 @@ static int demo_gpu_attach(demo_inst_t *inst, int device)
 
 static int demo_gpu_pull(demo_inst_t *inst)
 {
-    if (kvw_cli_gpu_pull(inst->ranks, inst->n, inst->dev) == 0)
+    if (cli_gpu_pull(inst->ranks, inst->n, inst->dev) == 0)
         return 0;
     fprintf(stderr, "demo: copying GPU buffers back: %s\n", kvw_last_error());
     return -1;
@@ -224,7 +224,7 @@ static int demo_gpu_pull(demo_inst_t *inst)
 
 static void demo_free_inst(demo_inst_t *inst)
 {
-    kvw_cli_gpu_free(inst->ranks, inst->n, inst->dev);
+    cli_gpu_free(inst->ranks, inst->n, inst->dev);
     for (uint32_t i = 0; i < inst->n; i++)
         kvt_rank_free(&inst->ranks[i]);
     free(inst->ranks);
@@ -241,44 +241,30 @@ static int demo_gpu_device(bool prefill)
 static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool prefill,
                                 const char *bs_addr, char *bs_out, size_t bs_cap)
 {
-    kvw_ctx_h *ctx = calloc(inst->n, sizeof(*ctx));
-    for (uint32_t i = 0; i < inst->n; i++) {
-        kvw_ctx_params_t p = {
-            .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
-                          KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
-                          KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
-            .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
-            .rank = inst->ranks[i].h,
-            .transport = c->transport,
-            .bootstrap_addr = bs_addr,
-            .host_bootstrap = prefill && i == 0,
-            .wait_timeout_ms = c->timeout_ms,
-            .bootstrap_timeout_ms = c->timeout_ms,
-            .prefill_tp = c->ptp,
-            .prefill_pp = c->ppp,
-            .prefill_dp = 1};
-        if (c->listen_host[0]) {
-            p.field_mask |= KVW_CTX_FIELD_LISTEN_HOST;
-            p.listen_host = c->listen_host;
-        }
-        if (c->secret[0]) {
-            p.field_mask |= KVW_CTX_FIELD_SECRET;
-            p.secret = c->secret;
-        }
-        kvw_status_t st = kvw_ctx_create(&p, &ctx[i]);
-        if (st != KVW_OK) {
-            fprintf(stderr, "demo: %s rank %u: %s: %s\n", prefill ? "prefill" : "decode", i,
-                    kvw_status_string(st), kvw_last_error());
-            for (uint32_t j = 0; j < i; j++)
-                kvw_ctx_destroy(ctx[j]);
-            free(ctx);
-            return NULL;
-        }
-        if (prefill && i == 0) {
-            snprintf(bs_out, bs_cap, "%s", kvw_ctx_bootstrap_addr(ctx[0]));
-            bs_addr = bs_out;
-        }
+    kvw_ctx_params_t p = {
+        .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
+                      KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
+                      KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
+        .transport = c->transport,
+        .wait_timeout_ms = c->timeout_ms,
+        .bootstrap_timeout_ms = c->timeout_ms,
+        .prefill_tp = c->ptp,
+        .prefill_pp = c->ppp,
+        .prefill_dp = 1};
+    if (c->listen_host[0]) {
+        p.field_mask |= KVW_CTX_FIELD_LISTEN_HOST;
+        p.listen_host = c->listen_host;
     }
+    if (c->secret[0]) {
+        p.field_mask |= KVW_CTX_FIELD_SECRET;
+        p.secret = c->secret;
+    }
+    uint32_t i;
+    char why[512];
+    kvw_ctx_h *ctx = cli_contexts(&p, inst->ranks, inst->n, prefill, bs_addr, bs_out, bs_cap,
+                                  &i, why, sizeof(why));
+    if (ctx == NULL)
+        fprintf(stderr, "demo: %s rank %u: %s\n", prefill ? "prefill" : "decode", i, why);
     return ctx;
 }
 
@@ -392,7 +378,7 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
                     }
             }
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!kvw_cli_room_ended(kvw_sender_poll(snd[i])))
+            while (!cli_room_ended(kvw_sender_poll(snd[i])))
                 usleep(200);
             if (kvw_sender_poll(snd[i]) != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "demo: prefill room failed: %s\n", kvw_sender_failure(snd[i]));
@@ -469,7 +455,7 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
                 }
             }
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!kvw_cli_room_ended(kvw_receiver_poll(rcv[i])))
+            while (!cli_room_ended(kvw_receiver_poll(rcv[i])))
                 usleep(100);
             kvw_room_metrics_t mt;
             kvw_receiver_metrics(rcv[i], &mt);
