@@ -15,6 +15,7 @@
  *   3. No tampering: the relayed session moves a room whose bytes match the reference.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include "core/sha256.h"
 #include "proto/proto.h"
@@ -35,16 +36,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 static kvt_model_t model;
 
@@ -215,25 +206,14 @@ static void forge_entry(const char *bs, const char *addr, char *old, size_t cap)
     free(e);
 }
 
-static kvw_status_t make_rank(uint32_t tp, kvt_rank_t *r)
-{
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {8, 8}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = tp, .pp_size = 1, .layer_end = model.m.num_layers,
-                             .dp_size = 1};
-    return kvt_rank_build(&s, r);
-}
-
 static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *bs, kvw_ctx_h *ctx)
 {
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_SECRET |
-                                        KVW_CTX_FIELD_TIMEOUTS,
-                          .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
-                          .rank = r->h, .transport = "tcp", .bootstrap_addr = bs,
-                          .host_bootstrap = prefill, .secret = "alpha",
-                          .bootstrap_timeout_ms = 5000, .wait_timeout_ms = 10000};
+    kvw_ctx_params_t p =
+        ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, "tcp", bs, prefill);
+    p.field_mask |= KVW_CTX_FIELD_SECRET;
+    p.secret = "alpha";
+    p.bootstrap_timeout_ms = 5000;
+    p.wait_timeout_ms = 10000;
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -261,7 +241,9 @@ int main(void)
     kvt_model_preset("gpt-oss-120b", &model);
     kvt_model_truncate(&model, 2);
     kvt_rank_t src, dst;
-    CHECK(make_rank(1, &src) == KVW_OK && make_rank(1, &dst) == KVW_OK, "%s", kvw_last_error());
+    CHECK(ip_rank(&model, 1, 0, 8, 1, &src) == KVW_OK &&
+              ip_rank(&model, 1, 0, 8, 1, &dst) == KVW_OK,
+          "%s", kvw_last_error());
     kvt_rank_fill(&src, 3);
     kvt_rank_fill(&dst, 4);
     kvw_ctx_h pctx = NULL, dctx = NULL;
@@ -330,18 +312,8 @@ int main(void)
               kvw_last_error());
         CHECK(kvw_receiver_wait(rv, 20000) == KVW_ROOM_SUCCESS, "%s", kvw_receiver_failure(rv));
         CHECK(kvw_sender_wait(s, 20000) == KVW_ROOM_SUCCESS, "%s", kvw_sender_failure(s));
-        uint8_t **sd = calloc(src.num_bufs, sizeof(uint8_t *));
-        for (uint32_t b = 0; b < src.num_bufs; b++)
-            sd[b] = kvt_rank_data(&src, b);
-        kvt_ref_side_t ss = kvt_ref_side(&src, &pages, sd);
-        kvt_ref_side_t ds = kvt_ref_side(&dst, &pages, expect.data);
-        kvw_chunk_t whole = {.num_tokens = 20, .chunk_end = 20, .last_chunk = 1};
-        char msg[512];
-        CHECK(kvt_ref_transfer(&model.m, &ss, 1, &ds, &whole, NULL, NULL, msg, sizeof(msg)) == 0,
-              "%s", msg);
-        CHECK(kvt_copy_compare(&dst, &expect, "decode", msg, sizeof(msg)) == 0, "%s", msg);
-        CHECK(kvt_rank_check_guards(&dst, msg, sizeof(msg)) == 0, "%s", msg);
-        free(sd);
+        ip_ref(&model, &src, 1, &pages, &dst, &pages, expect.data, 20, NULL);
+        ip_verify(&dst, &expect, "");
         kvt_copy_free(&expect);
         kvw_sender_destroy(s);
         kvw_receiver_destroy(rv);
@@ -351,10 +323,5 @@ int main(void)
     kvw_ctx_destroy(pctx);
     kvt_rank_free(&src);
     kvt_rank_free(&dst);
-    if (failures) {
-        fprintf(stderr, "test_auth_relay: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_auth_relay: all checks passed\n");
-    return 0;
+    return ip_summary("test_auth_relay");
 }

@@ -10,6 +10,7 @@
  * Expected values come from the instance sizes set here, not from the library.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include <kvwire/xfer.h>
 
@@ -19,36 +20,14 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 static kvt_model_t model;
 
-static kvw_status_t make_rank(uint32_t tp, uint32_t rank, kvt_rank_t *r)
-{
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {32, 32}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
-                             .layer_end = model.m.num_layers, .dp_size = 1};
-    return kvt_rank_build(&s, r);
-}
-
 static kvw_status_t make_prefill(kvt_rank_t *r, const char *bs, bool host, kvw_ctx_h *ctx)
 {
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
-                          .side = KVW_SIDE_PREFILL, .rank = r->h, .transport = "tcp",
-                          .bootstrap_addr = bs, .host_bootstrap = host,
-                          .bootstrap_timeout_ms = 5000, .wait_timeout_ms = 10000};
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, r, "tcp", bs, host);
+    p.bootstrap_timeout_ms = 5000;
+    p.wait_timeout_ms = 10000;
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -56,13 +35,13 @@ static kvw_status_t make_prefill(kvt_rank_t *r, const char *bs, bool host, kvw_c
 static kvw_status_t make_decode(kvt_rank_t *r, const char *bs, uint32_t tp, uint32_t pp,
                                 uint32_t dp, uint32_t boot_ms, kvw_ctx_h *ctx)
 {
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
-                          .side = KVW_SIDE_DECODE, .rank = r->h, .transport = "tcp",
-                          .bootstrap_addr = bs, .bootstrap_timeout_ms = boot_ms,
-                          .wait_timeout_ms = 10000, .prefill_tp = tp, .prefill_pp = pp,
-                          .prefill_dp = dp};
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_DECODE, r, "tcp", bs, false);
+    p.field_mask = (p.field_mask & ~KVW_CTX_FIELD_HOST_BOOTSTRAP) | KVW_CTX_FIELD_PREFILL_SIZE;
+    p.bootstrap_timeout_ms = boot_ms;
+    p.wait_timeout_ms = 10000;
+    p.prefill_tp = tp;
+    p.prefill_pp = pp;
+    p.prefill_dp = dp;
     *ctx = NULL;
     return kvw_ctx_create(&p, ctx);
 }
@@ -140,32 +119,17 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
           "receiver has prefill hops");
     /* A terminal room: wait returns at once, also with a zero timeout. */
     CHECK(kvw_receiver_wait(rcv, 0) == KVW_ROOM_SUCCESS, "wait(0) on a finished room");
-    kvt_ref_side_t ss[2];
-    uint8_t **sdata[2];
-    for (int k = 0; k < 2; k++) {
-        sdata[k] = calloc(src[k].num_bufs, sizeof(uint8_t *));
-        for (uint32_t b = 0; b < src[k].num_bufs; b++)
-            sdata[k][b] = kvt_rank_data(&src[k], b);
-        ss[k] = kvt_ref_side(&src[k], &sp.side, sdata[k]);
-    }
-    kvt_ref_side_t ds = kvt_ref_side(dst, &dp.side, expect.data);
-    kvw_chunk_t chunk = {.num_tokens = 40, .chunk_end = 40, .last_chunk = 1};
     uint64_t per_src[2] = {0, 0};
-    char msg[512];
-    CHECK(kvt_ref_transfer(&model.m, ss, 2, &ds, &chunk, NULL, per_src, msg, sizeof(msg)) == 0,
-          "%s", msg);
+    ip_ref(&model, src, 2, &sp.side, dst, &dp.side, expect.data, 40, per_src);
     CHECK(per_src[0] > 0 && per_src[1] > 0, "both prefill ranks must contribute heads");
     kvw_room_metrics_t mt;
     memset(&mt, 0, sizeof(mt));
     kvw_receiver_metrics(rcv, &mt);
     CHECK(mt.bytes == per_src[0] + per_src[1], "%llu bytes confirmed, the reference moves %llu",
           (unsigned long long)mt.bytes, (unsigned long long)(per_src[0] + per_src[1]));
-    CHECK(kvt_copy_compare(dst, &expect, "decode", msg, sizeof(msg)) == 0, "%s", msg);
-    CHECK(kvt_rank_check_guards(dst, msg, sizeof(msg)) == 0, "%s", msg);
-    for (int k = 0; k < 2; k++) {
-        free(sdata[k]);
+    ip_verify(dst, &expect, "");
+    for (int k = 0; k < 2; k++)
         kvw_sender_destroy(snd[k]);
-    }
     kvw_receiver_destroy(rcv);
     kvt_copy_free(&expect);
     kvt_req_pages_free(&sp);
@@ -179,9 +143,9 @@ int main(void)
     kvt_rank_t src[2], dst;
     memset(src, 0, sizeof(src));
     memset(&dst, 0, sizeof(dst));
-    CHECK(make_rank(2, 0, &src[0]) == KVW_OK, "%s", kvw_last_error());
-    CHECK(make_rank(2, 1, &src[1]) == KVW_OK, "%s", kvw_last_error());
-    CHECK(make_rank(1, 0, &dst) == KVW_OK, "%s", kvw_last_error());
+    CHECK(ip_rank(&model, 2, 0, 32, 2, &src[0]) == KVW_OK, "%s", kvw_last_error());
+    CHECK(ip_rank(&model, 2, 1, 32, 2, &src[1]) == KVW_OK, "%s", kvw_last_error());
+    CHECK(ip_rank(&model, 1, 0, 32, 2, &dst) == KVW_OK, "%s", kvw_last_error());
     if (failures)
         return 1;
     kvt_rank_fill(&src[0], 1);
@@ -248,10 +212,5 @@ int main(void)
     for (int k = 0; k < 2; k++)
         kvt_rank_free(&src[k]);
     kvt_rank_free(&dst);
-    if (failures) {
-        fprintf(stderr, "test_bootstrap_geometry: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_bootstrap_geometry: all checks passed\n");
-    return 0;
+    return ip_summary("test_bootstrap_geometry");
 }

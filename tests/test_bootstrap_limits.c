@@ -11,6 +11,7 @@
  * Exit: 0 pass, 1 fail.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include "proto/proto.h"
 
@@ -26,77 +27,15 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 #define SILENT 300
 #define SLOW 10
 #define SEC 1000000000ull
 
-static int count_fds(void)
-{
-    int n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    if (d == NULL)
-        return -1;
-    for (struct dirent *e; (e = readdir(d)) != NULL;)
-        n += e->d_name[0] != '.';
-    closedir(d);
-    return n - 1; /* the directory's own fd */
-}
-
 static uint16_t port_of(const char *addr)
 {
     const char *c = strrchr(addr, ':');
     return c ? (uint16_t)atoi(c + 1) : 0;
-}
-
-/* A raw connection to 127.0.0.1:port; -1 on failure. Waits up to 10 s. */
-static int raw_connect(uint16_t port)
-{
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return -1;
-    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons(port)};
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 && errno != EINPROGRESS) {
-        close(fd);
-        return -1;
-    }
-    struct pollfd p = {.fd = fd, .events = POLLOUT};
-    int err = 0;
-    socklen_t el = sizeof(err);
-    if (poll(&p, 1, 10000) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err) {
-        close(fd);
-        return -1;
-    }
-    return fd;
-}
-
-/* Waits until the endpoint closed `fd` (EOF or reset), up to timeout_ms. */
-static bool closed_by_peer(int fd, int timeout_ms)
-{
-    uint64_t end = kvt_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-    for (;;) {
-        uint64_t now = kvt_now_ns();
-        if (now >= end)
-            return false;
-        struct pollfd p = {.fd = fd, .events = POLLIN};
-        if (poll(&p, 1, (int)((end - now) / 1000000ull) + 1) < 0 && errno != EINTR)
-            return false;
-        char b[64];
-        ssize_t k = recv(fd, b, sizeof(b), MSG_DONTWAIT);
-        if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
-            return true;
-    }
 }
 
 static kvw_bs_entry_t entry(uint32_t tp, uint32_t tp_size)
@@ -109,7 +48,7 @@ static kvw_bs_entry_t entry(uint32_t tp, uint32_t tp_size)
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
-    int fds_before = count_fds();
+    int fds_before = ip_count_fds();
     kvw_bootstrap_t *bs = NULL;
     CHECK(kvw__bootstrap_start("127.0.0.1", 0, &bs) == KVW_OK, "%s", kvw_last_error());
     if (bs == NULL)
@@ -119,11 +58,11 @@ int main(void)
     uint16_t port = port_of(addr);
 
     /* 1. Silent and half-frame connections are closed by the endpoint. */
-    int quiet = raw_connect(port), half = raw_connect(port);
+    int quiet = ip_raw_connect(port), half = ip_raw_connect(port);
     CHECK(quiet >= 0 && half >= 0, "connect: %s", strerror(errno));
     CHECK(send(half, "KVW", 3, MSG_NOSIGNAL) == 3, "send: %s", strerror(errno));
-    CHECK(closed_by_peer(quiet, 60000), "a silent connection was never closed");
-    CHECK(closed_by_peer(half, 60000), "a connection stuck inside a frame was never closed");
+    CHECK(ip_closed_by_peer(quiet, 60000), "a silent connection was never closed");
+    CHECK(ip_closed_by_peer(half, 60000), "a connection stuck inside a frame was never closed");
     close(quiet);
     close(half);
     printf("silent and half-frame connections closed\n");
@@ -132,9 +71,9 @@ int main(void)
     int silent[SILENT], slow[SLOW];
     int opened = 0;
     for (int i = 0; i < SILENT; i++)
-        opened += (silent[i] = raw_connect(port)) >= 0;
+        opened += (silent[i] = ip_raw_connect(port)) >= 0;
     for (int i = 0; i < SLOW; i++) {
-        slow[i] = raw_connect(port);
+        slow[i] = ip_raw_connect(port);
         if (slow[i] >= 0 && send(slow[i], "K", 1, MSG_NOSIGNAL) != 1) {
             close(slow[i]);
             slow[i] = -1;
@@ -177,13 +116,8 @@ int main(void)
           kvw_last_error());
 
     kvw__bootstrap_stop(bs);
-    int fds_after = count_fds();
+    int fds_after = ip_count_fds();
     CHECK(fds_after == fds_before, "fds: %d before the endpoint, %d after it stopped",
           fds_before, fds_after);
-    if (failures) {
-        fprintf(stderr, "test_bootstrap_limits: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_bootstrap_limits: all checks passed\n");
-    return 0;
+    return ip_summary("test_bootstrap_limits");
 }

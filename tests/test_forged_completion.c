@@ -12,6 +12,7 @@
  * Exit: 0 pass, 1 fail.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include <kvwire/xfer.h>
 
@@ -23,16 +24,6 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 #define TOKENS 64
 #define ROOM 9
@@ -43,15 +34,6 @@ static kvt_model_t model;
 static void ignore_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
 {
     (void)arg, (void)ep, (void)msg, (void)len;
-}
-
-static kvw_status_t make_rank(uint32_t tp, uint32_t rank, kvt_rank_t *r)
-{
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {16, 16}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
-                             .layer_end = model.m.num_layers, .dp_size = 1};
-    return kvt_rank_build(&s, r);
 }
 
 /* A completion frame as a prefill rank sends it (room.c, kvw_put_done). */
@@ -150,26 +132,20 @@ static void run(const char *tl_name)
 {
     printf("%s\n", tl_name);
     kvt_rank_t src = {0}, dst = {0};
-    CHECK(make_rank(1, 0, &src) == KVW_OK && make_rank(1, 0, &dst) == KVW_OK, "%s",
-          kvw_last_error());
+    CHECK(ip_rank(&model, 1, 0, 16, 1, &src) == KVW_OK &&
+              ip_rank(&model, 1, 0, 16, 1, &dst) == KVW_OK,
+          "%s", kvw_last_error());
     kvt_rank_fill(&src, 3);
     kvt_rank_fill(&dst, 4);
     kvw_ctx_h pctx = NULL, dctx = NULL;
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
-                          .side = KVW_SIDE_PREFILL, .rank = src.h, .transport = tl_name,
-                          .bootstrap_addr = "127.0.0.1:0", .host_bootstrap = 1,
-                          .bootstrap_timeout_ms = 10000, .wait_timeout_ms = 20000};
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, tl_name, "127.0.0.1:0", true);
+    p.bootstrap_timeout_ms = 10000;
+    p.wait_timeout_ms = 20000;
     CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
     if (pctx == NULL)
         goto out;
     char bs[128];
-    snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx));
-    p.side = KVW_SIDE_DECODE;
-    p.rank = dst.h;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = 0;
+    ip_params_decode(&p, pctx, &dst, bs, sizeof(bs));
     CHECK(kvw_ctx_create(&p, &dctx) == KVW_OK, "decode: %s", kvw_last_error());
     if (dctx == NULL)
         goto out;
@@ -232,27 +208,15 @@ static void run(const char *tl_name)
     kvw_send_chunk_t c = {.num_tokens = TOKENS, .chunk_begin = 0, .chunk_end = TOKENS,
                           .last_chunk = 1, .pages = sp.side};
     CHECK(kvw_sender_send(snd, &c) == KVW_OK, "%s", kvw_last_error());
-    uint64_t t0 = kvt_now_ns();
-    kvw_room_state_t rst;
-    while ((rst = kvw_receiver_poll(rcv)) != KVW_ROOM_SUCCESS && rst != KVW_ROOM_FAILED &&
-           kvt_now_ns() - t0 < DEADLINE_NS)
-        usleep(1000);
+    kvw_room_state_t rst = ip_wait_recv(rcv, DEADLINE_NS);
     /* Compare at once: the bytes must already be all there when Success shows. */
-    uint8_t **sdata = calloc(src.num_bufs, sizeof(uint8_t *));
-    for (uint32_t b = 0; b < src.num_bufs; b++)
-        sdata[b] = kvt_rank_data(&src, b);
-    kvt_ref_side_t ss = kvt_ref_side(&src, &sp.side, sdata);
-    kvt_ref_side_t ds = kvt_ref_side(&dst, &dp.side, expect.data);
-    kvw_chunk_t chunk = {.num_tokens = TOKENS, .chunk_end = TOKENS, .last_chunk = 1};
+    ip_ref(&model, &src, 1, &sp.side, &dst, &dp.side, expect.data, TOKENS, NULL);
     char msg[512];
-    CHECK(kvt_ref_transfer(&model.m, &ss, 1, &ds, &chunk, NULL, NULL, msg, sizeof(msg)) == 0,
-          "%s", msg);
     CHECK(rst == KVW_ROOM_SUCCESS, "room ended %s: %s", kvw_room_state_string(rst),
           kvw_receiver_failure(rcv));
     CHECK(kvt_copy_compare(&dst, &expect, "decode", msg, sizeof(msg)) == 0,
           "Success with wrong bytes over %s: %s", tl_name, msg);
     CHECK(kvt_rank_check_guards(&dst, msg, sizeof(msg)) == 0, "%s", msg);
-    free(sdata);
     if (st == KVW_OK)
         forger_done(tl_name, ftl, fep);
     kvw_sender_destroy(snd);
@@ -272,16 +236,9 @@ out:
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (kvt_model_preset("gpt-oss-120b", &model) || kvt_model_truncate(&model, 2)) {
-        fprintf(stderr, "test_forged_completion: no gpt-oss-120b preset\n");
+    if (ip_model("test_forged_completion", &model))
         return 1;
-    }
     run("shm");
     run("tcp");
-    if (failures) {
-        fprintf(stderr, "test_forged_completion: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_forged_completion: all checks passed\n");
-    return 0;
+    return ip_summary("test_forged_completion");
 }

@@ -11,6 +11,7 @@
  * bytes are checked against the test kit's reference as well.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include <kvwire/xfer.h>
 
@@ -20,38 +21,16 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 static kvt_model_t model;
-
-static kvw_status_t make_rank(uint32_t tp, uint32_t rank, kvt_rank_t *r)
-{
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {32, 32}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
-                             .layer_end = model.m.num_layers, .dp_size = 1};
-    return kvt_rank_build(&s, r);
-}
 
 static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *tl, const char *bs,
                              bool host, kvw_ctx_h *ctx)
 {
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
-                          .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
-                          .rank = r->h, .transport = tl, .bootstrap_addr = bs,
-                          .host_bootstrap = host, .bootstrap_timeout_ms = 20000,
-                          .wait_timeout_ms = 20000};
+    kvw_ctx_params_t p =
+        ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, tl, bs, host);
+    p.bootstrap_timeout_ms = 20000;
+    p.wait_timeout_ms = 20000;
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -135,24 +114,10 @@ static void room(env_t *e, uint64_t id, const uint8_t *const meta[2], const size
         }
         free(buf);
         /* The KV bytes moved with it, exactly. */
-        kvt_ref_side_t ss[2];
-        uint8_t **sd[2];
-        for (int k = 0; k < 2; k++) {
-            sd[k] = calloc(e->src[k].num_bufs, sizeof(uint8_t *));
-            for (uint32_t b = 0; b < e->src[k].num_bufs; b++)
-                sd[k][b] = kvt_rank_data(&e->src[k], b);
-            ss[k] = kvt_ref_side(&e->src[k], &sp.side, sd[k]);
-        }
-        kvt_ref_side_t ds = kvt_ref_side(&e->dst, &dp.side, expect_kv.data);
-        kvw_chunk_t whole = {.num_tokens = 40, .chunk_end = 40, .last_chunk = 1};
-        char msg[512];
-        CHECK(kvt_ref_transfer(&model.m, ss, 2, &ds, &whole, NULL, NULL, msg, sizeof(msg)) == 0,
-              "%s", msg);
-        CHECK(kvt_copy_compare(&e->dst, &expect_kv, "decode", msg, sizeof(msg)) == 0, "[%s] %s",
-              e->tl, msg);
-        CHECK(kvt_rank_check_guards(&e->dst, msg, sizeof(msg)) == 0, "[%s] %s", e->tl, msg);
-        for (int k = 0; k < 2; k++)
-            free(sd[k]);
+        ip_ref(&model, e->src, 2, &sp.side, &e->dst, &dp.side, expect_kv.data, 40, NULL);
+        char prefix[32];
+        snprintf(prefix, sizeof(prefix), "[%s] ", e->tl);
+        ip_verify(&e->dst, &expect_kv, prefix);
     }
     for (int k = 0; k < 2; k++) {
         kvw_sender_wait(snd[k], 20000);
@@ -169,8 +134,9 @@ static void run(const char *tl)
     env_t e;
     memset(&e, 0, sizeof(e));
     e.tl = tl;
-    CHECK(make_rank(2, 0, &e.src[0]) == KVW_OK && make_rank(2, 1, &e.src[1]) == KVW_OK &&
-              make_rank(1, 0, &e.dst) == KVW_OK,
+    CHECK(ip_rank(&model, 2, 0, 32, 2, &e.src[0]) == KVW_OK &&
+              ip_rank(&model, 2, 1, 32, 2, &e.src[1]) == KVW_OK &&
+              ip_rank(&model, 1, 0, 32, 2, &e.dst) == KVW_OK,
           "%s", kvw_last_error());
     kvt_rank_fill(&e.src[0], 31);
     kvt_rank_fill(&e.src[1], 32);
@@ -230,10 +196,5 @@ int main(void)
     kvt_model_truncate(&model, 2);
     run("tcp");
     run("shm");
-    if (failures) {
-        fprintf(stderr, "test_metadata: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_metadata: all checks passed\n");
-    return 0;
+    return ip_summary("test_metadata");
 }

@@ -10,28 +10,10 @@
  * kit's reference after each phase; failed rooms must leave their pages untouched.
  */
 #include "testkit.h"
+#include "inproc.h"
 
-#include <kvwire/xfer.h>
-
-#include <stdbool.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
-
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 #define TOKENS 40
-#define PAGE 16
 #define PAGES_PER_ROOM 3 /* 40 tokens in pages of 16 */
 
 static kvt_model_t model;
@@ -46,24 +28,20 @@ typedef struct inst {
 
 static kvw_status_t make_rank(uint32_t tp, uint32_t rank, kvt_rank_t *r)
 {
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {PAGE, PAGE},
-                         .num_pages = {64, 64}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
-                             .layer_end = model.m.num_layers, .dp_size = 1};
-    return kvt_rank_build(&s, r);
+    return ip_rank(&model, tp, rank, 64, 2, r);
 }
 
 static kvw_status_t ctx_open(kvt_rank_t *r, bool prefill, const char *bs, bool host,
                              kvw_ctx_h *ctx)
 {
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_TIMEOUTS |
-                                        (bs ? KVW_CTX_FIELD_BOOTSTRAP : 0u) |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP,
-                          .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
-                          .rank = r->h, .transport = g_tl, .bootstrap_addr = bs,
-                          .host_bootstrap = host, .heartbeat_ms = 100, .peer_timeout_ms = 3000,
-                          .bootstrap_timeout_ms = 20000, .wait_timeout_ms = 20000};
+    kvw_ctx_params_t p =
+        ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, g_tl, bs, host);
+    if (bs == NULL)
+        p.field_mask &= ~KVW_CTX_FIELD_BOOTSTRAP;
+    p.heartbeat_ms = 100;
+    p.peer_timeout_ms = 3000;
+    p.bootstrap_timeout_ms = 20000;
+    p.wait_timeout_ms = 20000;
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -162,29 +140,14 @@ static void ref_room(const kvt_rank_t *dst, kvt_copy_t *expect, const room_t *rm
 {
     pages_t p;
     room_pages(rm->slot, &p);
-    kvt_ref_side_t ss[2];
-    uint8_t **sd[2] = {NULL, NULL};
-    for (uint32_t k = 0; k < rm->src->tp; k++) {
-        sd[k] = calloc(rm->src->r[k].num_bufs, sizeof(uint8_t *));
-        for (uint32_t b = 0; b < rm->src->r[k].num_bufs; b++)
-            sd[k][b] = kvt_rank_data(&rm->src->r[k], b);
-        ss[k] = kvt_ref_side(&rm->src->r[k], &p.side, sd[k]);
-    }
-    kvt_ref_side_t ds = kvt_ref_side(dst, &p.side, expect->data);
-    kvw_chunk_t whole = {.num_tokens = TOKENS, .chunk_end = TOKENS, .last_chunk = 1};
-    char msg[512];
-    CHECK(kvt_ref_transfer(&model.m, ss, rm->src->tp, &ds, &whole, NULL, NULL, msg,
-                           sizeof(msg)) == 0, "%s", msg);
-    for (uint32_t k = 0; k < rm->src->tp; k++)
-        free(sd[k]);
+    ip_ref(&model, rm->src->r, rm->src->tp, &p.side, dst, &p.side, expect->data, TOKENS, NULL);
 }
 
 static void verify(const kvt_rank_t *dst, const kvt_copy_t *expect, const char *when)
 {
-    char msg[512];
-    CHECK(kvt_copy_compare(dst, expect, "decode", msg, sizeof(msg)) == 0, "[%s] %s: %s", g_tl,
-          when, msg);
-    CHECK(kvt_rank_check_guards(dst, msg, sizeof(msg)) == 0, "[%s] %s: %s", g_tl, when, msg);
+    char prefix[128];
+    snprintf(prefix, sizeof(prefix), "[%s] %s: ", g_tl, when);
+    ip_verify(dst, expect, prefix);
 }
 
 static void close_room(room_t *rm)
@@ -335,10 +298,5 @@ int main(void)
     kvt_model_truncate(&model, 2);
     run("tcp");
     run("shm");
-    if (failures) {
-        fprintf(stderr, "test_multi_instance: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_multi_instance: all checks passed\n");
-    return 0;
+    return ip_summary("test_multi_instance");
 }

@@ -10,6 +10,7 @@
  * Exit: 0 pass, 1 fail.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include <kvwire/xfer.h>
 
@@ -21,30 +22,11 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 #define TOKENS 120
 #define DEADLINE_NS 30000000000ull /* generous: a loaded 2-core machine, sanitizers */
 
 static kvt_model_t model;
-
-static kvw_status_t make_rank(kvt_rank_t *r)
-{
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {48, 48}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = 1, .tp_rank = 0, .pp_size = 1, .layer_begin = 0,
-                             .layer_end = model.m.num_layers, .dp_size = 1};
-    return kvt_rank_build(&s, r);
-}
 
 /* Puts the prefill context's transport behind the fault wrapper before any decode rank
  * registers (as tests/test_fault.c does). */
@@ -75,28 +57,23 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
 {
     setenv("KVW_PATH", path, 1);
     kvt_rank_t src = {0}, dst = {0};
-    CHECK(make_rank(&src) == KVW_OK && make_rank(&dst) == KVW_OK, "%s", kvw_last_error());
+    CHECK(ip_rank(&model, 1, 0, 48, 1, &src) == KVW_OK &&
+              ip_rank(&model, 1, 0, 48, 1, &dst) == KVW_OK,
+          "%s", kvw_last_error());
     if (failures)
         return;
     kvt_rank_fill(&src, seed);
     kvt_rank_fill(&dst, seed + 1);
     kvw_ctx_h pctx = NULL, dctx = NULL;
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
-                          .side = KVW_SIDE_PREFILL, .rank = src.h, .transport = "tcp",
-                          .bootstrap_addr = "127.0.0.1:0", .host_bootstrap = 1,
-                          .bootstrap_timeout_ms = 10000, .wait_timeout_ms = 20000};
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, "tcp", "127.0.0.1:0", true);
+    p.bootstrap_timeout_ms = 10000;
+    p.wait_timeout_ms = 20000;
     CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
     if (pctx == NULL)
         goto out;
     CHECK(wrap_ctx(pctx, spec) == 0, "wrap '%s': %s", spec, kvw_last_error());
     char bs[128];
-    snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx));
-    p.side = KVW_SIDE_DECODE;
-    p.rank = dst.h;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = 0;
+    ip_params_decode(&p, pctx, &dst, bs, sizeof(bs));
     CHECK(kvw_ctx_create(&p, &dctx) == KVW_OK, "decode: %s", kvw_last_error());
     if (dctx == NULL)
         goto out;
@@ -151,19 +128,11 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
               kvw_room_state_string(rst), kvw_receiver_failure(rcv), path);
         CHECK(sst == KVW_ROOM_SUCCESS, "prefill room ended %s: %s",
               kvw_room_state_string(sst), kvw_sender_failure(snd));
-        uint8_t **sdata = calloc(src.num_bufs, sizeof(uint8_t *));
-        for (uint32_t b = 0; b < src.num_bufs; b++)
-            sdata[b] = kvt_rank_data(&src, b);
-        kvt_ref_side_t ss = kvt_ref_side(&src, &sp.side, sdata);
-        kvt_ref_side_t ds = kvt_ref_side(&dst, &dp.side, expect.data);
-        kvw_chunk_t chunk = {.num_tokens = TOKENS, .chunk_end = TOKENS, .last_chunk = 1};
-        CHECK(kvt_ref_transfer(&model.m, &ss, 1, &ds, &chunk, NULL, NULL, msg, sizeof(msg)) == 0,
-              "%s", msg);
+        ip_ref(&model, &src, 1, &sp.side, &dst, &dp.side, expect.data, TOKENS, NULL);
         /* The reference starts from the same bytes, so this also proves nothing outside
          * the room's pages changed. */
         CHECK(kvt_copy_compare(&dst, &expect, "decode", msg, sizeof(msg)) == 0, "%s (%s)", msg,
               path);
-        free(sdata);
     }
     CHECK(kvt_rank_check_guards(&dst, msg, sizeof(msg)) == 0, "%s", msg);
     kvw_sender_destroy(snd);
@@ -186,10 +155,8 @@ int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
     setenv("KVW_STAGING_MB", "4", 0);
-    if (kvt_model_preset("gpt-oss-120b", &model) || kvt_model_truncate(&model, 2)) {
-        fprintf(stderr, "test_page_exact: no gpt-oss-120b preset\n");
+    if (ip_model("test_page_exact", &model))
         return 1;
-    }
     run_room("direct", "", false, NULL, 0, 11);
     run_room("staged", "", false, NULL, 0, 21);
     kvw__tl_fault_stats_reset();
@@ -200,10 +167,5 @@ int main(void)
     run_room("staged", "trunc_put=1", true, "not written exactly once", KVW_FAULT_TRUNC_PUT,
              41);
 
-    if (failures) {
-        fprintf(stderr, "test_page_exact: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_page_exact: all checks passed\n");
-    return 0;
+    return ip_summary("test_page_exact");
 }

@@ -10,40 +10,10 @@
  * resources are released at all).
  */
 #include "testkit.h"
+#include "inproc.h"
 
-#include <kvwire/xfer.h>
-
-#include <dirent.h>
-#include <stdbool.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
-
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 static kvt_model_t model;
-
-static int count_fds(void)
-{
-    DIR *d = opendir("/proc/self/fd");
-    int n = 0;
-    if (d == NULL)
-        return -1;
-    while (readdir(d))
-        n++;
-    closedir(d);
-    return n;
-}
 
 static int count_maps(void)
 {
@@ -57,26 +27,15 @@ static int count_maps(void)
     return n;
 }
 
-static kvw_status_t make_rank(kvt_rank_t *r)
-{
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {8, 8}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1, .layer_end = model.m.num_layers,
-                             .dp_size = 1};
-    return kvt_rank_build(&s, r);
-}
-
 static kvw_status_t ctx_open(kvt_rank_t *r, bool prefill, const char *tl, const char *bs,
                              kvw_ctx_h *ctx)
 {
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS |
-                                        KVW_CTX_FIELD_INSTANCE,
-                          .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
-                          .rank = r->h, .transport = tl, .bootstrap_addr = bs,
-                          .host_bootstrap = prefill, .bootstrap_timeout_ms = 20000,
-                          .wait_timeout_ms = 20000, .instance_id = 0};
+    kvw_ctx_params_t p =
+        ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, tl, bs, prefill);
+    p.field_mask |= KVW_CTX_FIELD_INSTANCE;
+    p.bootstrap_timeout_ms = 20000;
+    p.wait_timeout_ms = 20000;
+    p.instance_id = 0;
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -100,18 +59,8 @@ static void one_room(kvw_ctx_h pctx, kvt_rank_t *src, kvw_ctx_h dctx, kvt_rank_t
           kvw_receiver_failure(rv));
     CHECK(kvw_sender_wait(s, 30000) == KVW_ROOM_SUCCESS, "sender %llu: %s",
           (unsigned long long)id, kvw_sender_failure(s));
-    uint8_t **sd = calloc(src->num_bufs, sizeof(uint8_t *));
-    for (uint32_t b = 0; b < src->num_bufs; b++)
-        sd[b] = kvt_rank_data(src, b);
-    kvt_ref_side_t ss = kvt_ref_side(src, &pages, sd);
-    kvt_ref_side_t ds = kvt_ref_side(dst, &pages, expect.data);
-    kvw_chunk_t whole = {.num_tokens = 20, .chunk_end = 20, .last_chunk = 1};
-    char msg[512];
-    CHECK(kvt_ref_transfer(&model.m, &ss, 1, &ds, &whole, NULL, NULL, msg, sizeof(msg)) == 0,
-          "%s", msg);
-    CHECK(kvt_copy_compare(dst, &expect, "decode", msg, sizeof(msg)) == 0, "%s", msg);
-    CHECK(kvt_rank_check_guards(dst, msg, sizeof(msg)) == 0, "%s", msg);
-    free(sd);
+    ip_ref(&model, src, 1, &pages, dst, &pages, expect.data, 20, NULL);
+    ip_verify(dst, &expect, "");
     kvt_copy_free(&expect);
     kvw_sender_destroy(s);
     kvw_receiver_destroy(rv);
@@ -121,7 +70,9 @@ static void run(const char *tl)
 {
     kvt_rank_t src, dst;
     kvw_ctx_h pctx = NULL;
-    CHECK(make_rank(&src) == KVW_OK && make_rank(&dst) == KVW_OK, "%s", kvw_last_error());
+    CHECK(ip_rank(&model, 1, 0, 8, 1, &src) == KVW_OK &&
+              ip_rank(&model, 1, 0, 8, 1, &dst) == KVW_OK,
+          "%s", kvw_last_error());
     kvt_rank_fill(&src, 5);
     kvw_status_t st = ctx_open(&src, true, tl, "127.0.0.1:0", &pctx);
     if (st == KVW_ERR_UNSUPPORTED) {
@@ -142,7 +93,7 @@ static void run(const char *tl)
     /* The first departure is released too, usually before the baseline is taken (if
      * not, the baseline is one peer higher: the 30 rounds below still show any leak). */
     usleep(300000);
-    int fds0 = count_fds(), maps0 = count_maps();
+    int fds0 = ip_count_fds(), maps0 = count_maps();
     enum { ROUNDS = 30 };
     for (int i = 0; i < ROUNDS && !failures; i++) {
         kvt_rank_fill(&dst, 100 + (uint32_t)i);
@@ -151,13 +102,13 @@ static void run(const char *tl)
         kvw_ctx_destroy(dctx);
     }
     /* Released within a few control-thread passes; 20 s is far beyond that. */
-    int fds = count_fds(), maps = count_maps();
+    int fds = ip_count_fds(), maps = count_maps();
     /* Mappings may grow by a few for reasons of their own (glibc's per-thread malloc
      * arenas, up to 8 per core); a leak per departed peer adds at least one per round. */
     const int map_slack = ROUNDS / 2;
     for (int i = 0; i < 400 && (fds > fds0 || maps > maps0 + map_slack); i++) {
         usleep(50000);
-        fds = count_fds(), maps = count_maps();
+        fds = ip_count_fds(), maps = count_maps();
     }
     CHECK(fds <= fds0, "[%s] %d fds open after %d decode contexts came and went, %d before", tl,
           fds, ROUNDS, fds0);
@@ -178,10 +129,5 @@ int main(void)
     kvt_model_truncate(&model, 2);
     run("tcp");
     run("shm");
-    if (failures) {
-        fprintf(stderr, "test_peer_reap: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_peer_reap: all checks passed\n");
-    return 0;
+    return ip_summary("test_peer_reap");
 }

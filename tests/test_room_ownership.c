@@ -11,26 +11,11 @@
  * Exit: 0 pass, 1 fail.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include <kvwire/xfer.h>
 
 #include "proto/proto.h"
-
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <unistd.h>
-
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 #define TOKENS 48
 #define DEADLINE_NS 30000000000ull
@@ -39,15 +24,6 @@ static kvt_model_t model;
 static kvw_ctx_h g_b; /* decode instance 2 */
 static kvt_req_pages_t *g_bpages; /* pages for B's own room */
 static kvw_receiver_h g_bsync;    /* B's own room (destroyed at the end) */
-
-static kvw_status_t make_rank(kvt_rank_t *r)
-{
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {8, 8}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = 1, .tp_rank = 0, .pp_size = 1, .layer_begin = 0,
-                             .layer_end = model.m.num_layers, .dp_size = 1};
-    return kvt_rank_build(&s, r);
-}
 
 static kvw_ctx_h g_p; /* the prefill rank */
 
@@ -94,74 +70,25 @@ static void foreign_abort(uint64_t id)
     g_bsync = h;
 }
 
-static kvw_room_state_t wait_end_recv(kvw_receiver_h h)
-{
-    uint64_t t0 = kvt_now_ns();
-    kvw_room_state_t st;
-    while ((st = kvw_receiver_poll(h)) != KVW_ROOM_SUCCESS && st != KVW_ROOM_FAILED &&
-           kvt_now_ns() - t0 < DEADLINE_NS)
-        usleep(1000);
-    return st;
-}
-
-/* One room of decode A, verified against the reference. */
+/* One room of decode A, verified against the reference; `inject` runs once the room
+ * is posted. */
 static void one_room(kvw_ctx_h pctx, kvt_rank_t *src, kvw_ctx_h dctx, kvt_rank_t *dst,
-                     uint64_t id, bool inject)
+                     uint64_t id, void (*inject)(uint64_t id))
 {
-    kvt_rng_t rng = {9};
-    kvt_req_spec_t rs = {.full_begin = 0, .full_end = TOKENS, .swa_begin = 0,
-                         .swa_end = TOKENS, .state_slot = -1};
-    kvt_req_pages_t sp, dp;
-    CHECK(kvt_req_pages_make(src, &rs, &rng, &sp) == 0, "source pages");
-    CHECK(kvt_req_pages_make(dst, &rs, &rng, &dp) == 0, "destination pages");
-    kvt_copy_t expect;
-    kvt_copy_make(dst, &expect);
-    kvw_receiver_h rcv = NULL;
-    kvw_sender_h snd = NULL;
-    kvw_recv_post_t post = {.num_tokens = TOKENS, .prefix_len = 0, .pages = dp.side};
-    CHECK(kvw_receiver_create(dctx, id, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
-    CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
-    if (inject)
-        foreign_abort(id);
-    CHECK(kvw_sender_create(pctx, id, &snd) == KVW_OK, "%s", kvw_last_error());
-    kvw_send_chunk_t c = {.num_tokens = TOKENS, .chunk_begin = 0, .chunk_end = TOKENS,
-                          .last_chunk = 1, .pages = sp.side};
-    CHECK(kvw_sender_send(snd, &c) == KVW_OK, "%s", kvw_last_error());
-    uint64_t t0 = kvt_now_ns();
-    kvw_room_state_t st;
-    while ((st = kvw_receiver_poll(rcv)) != KVW_ROOM_SUCCESS && st != KVW_ROOM_FAILED &&
-           kvt_now_ns() - t0 < 30000000000ull)
-        usleep(1000);
-    CHECK(st == KVW_ROOM_SUCCESS, "room ended %s: %s", kvw_room_state_string(st),
-          kvw_receiver_failure(rcv));
-    uint8_t **sdata = calloc(src->num_bufs, sizeof(uint8_t *));
-    for (uint32_t b = 0; b < src->num_bufs; b++)
-        sdata[b] = kvt_rank_data(src, b);
-    kvt_ref_side_t ss = kvt_ref_side(src, &sp.side, sdata);
-    kvt_ref_side_t ds = kvt_ref_side(dst, &dp.side, expect.data);
-    kvw_chunk_t chunk = {.num_tokens = TOKENS, .chunk_end = TOKENS, .last_chunk = 1};
-    char msg[512];
-    CHECK(kvt_ref_transfer(&model.m, &ss, 1, &ds, &chunk, NULL, NULL, msg, sizeof(msg)) == 0,
-          "%s", msg);
-    CHECK(kvt_copy_compare(dst, &expect, "decode", msg, sizeof(msg)) == 0, "%s", msg);
-    CHECK(kvt_rank_check_guards(dst, msg, sizeof(msg)) == 0, "%s", msg);
-    free(sdata);
-    kvw_sender_destroy(snd);
-    kvw_receiver_destroy(rcv);
-    kvt_copy_free(&expect);
-    kvt_req_pages_free(&sp);
-    kvt_req_pages_free(&dp);
+    ip_room_t room = {.id = id, .tokens = TOKENS, .seed = 9, .deadline_ns = DEADLINE_NS,
+                      .what = "room", .posted = inject};
+    ip_room_verified(&model, pctx, src, dctx, dst, &room);
 }
 
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
-    if (kvt_model_preset("gpt-oss-120b", &model) || kvt_model_truncate(&model, 2)) {
-        fprintf(stderr, "test_room_ownership: no gpt-oss-120b preset\n");
+    if (ip_model("test_room_ownership", &model))
         return 1;
-    }
     kvt_rank_t src = {0}, da = {0}, db = {0};
-    CHECK(make_rank(&src) == KVW_OK && make_rank(&da) == KVW_OK && make_rank(&db) == KVW_OK,
+    CHECK(ip_rank(&model, 1, 0, 8, 1, &src) == KVW_OK &&
+              ip_rank(&model, 1, 0, 8, 1, &da) == KVW_OK &&
+              ip_rank(&model, 1, 0, 8, 1, &db) == KVW_OK,
           "%s", kvw_last_error());
     if (failures)
         return 1;
@@ -169,23 +96,16 @@ int main(void)
     kvt_rank_fill(&da, 2);
     kvt_rank_fill(&db, 3);
     kvw_ctx_h pctx = NULL, a = NULL;
-    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
-                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
-                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
-                          .side = KVW_SIDE_PREFILL, .rank = src.h, .transport = "tcp",
-                          .bootstrap_addr = "127.0.0.1:0", .host_bootstrap = 1,
-                          .bootstrap_timeout_ms = 10000, .wait_timeout_ms = 20000};
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, "tcp", "127.0.0.1:0", true);
+    p.bootstrap_timeout_ms = 10000;
+    p.wait_timeout_ms = 20000;
     CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
     if (pctx == NULL)
         return 1;
     g_p = pctx;
     char bs[128];
-    snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx));
+    ip_params_decode(&p, pctx, &da, bs, sizeof(bs));
     p.field_mask |= KVW_CTX_FIELD_INSTANCE;
-    p.side = KVW_SIDE_DECODE;
-    p.bootstrap_addr = bs;
-    p.host_bootstrap = 0;
-    p.rank = da.h;
     p.instance_id = 1;
     CHECK(kvw_ctx_create(&p, &a) == KVW_OK, "decode A: %s", kvw_last_error());
     p.rank = db.h;
@@ -209,7 +129,7 @@ int main(void)
     post.pages = pb.side;
     CHECK(kvw_receiver_create(g_b, 5, 0, &rb) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rb, &post) == KVW_OK, "%s", kvw_last_error());
-    kvw_room_state_t sa = wait_end_recv(ra), sb = wait_end_recv(rb);
+    kvw_room_state_t sa = ip_wait_recv(ra, DEADLINE_NS), sb = ip_wait_recv(rb, DEADLINE_NS);
     const char *want = "posted for DP group 0, but the room belongs to instance 1 group 0";
     CHECK(sa == KVW_ROOM_FAILED && kvt_contains(kvw_receiver_failure(ra), want),
           "owner: %s: %s", kvw_room_state_string(sa), kvw_receiver_failure(ra));
@@ -231,13 +151,13 @@ int main(void)
     kvt_req_pages_t bp;
     CHECK(kvt_req_pages_make(&db, &rs, &rng, &bp) == 0, "pages");
     g_bpages = &bp;
-    one_room(pctx, &src, a, &da, 6, true);
+    one_room(pctx, &src, a, &da, 6, foreign_abort);
     kvw_receiver_destroy(g_bsync);
     kvt_req_pages_free(&bp);
 
     /* 3. A's identity, reused while A lives. */
     kvt_rank_t dc = {0};
-    CHECK(make_rank(&dc) == KVW_OK, "%s", kvw_last_error());
+    CHECK(ip_rank(&model, 1, 0, 8, 1, &dc) == KVW_OK, "%s", kvw_last_error());
     kvt_rank_fill(&dc, 5);
     kvw_ctx_h c = NULL;
     p.rank = dc.h;
@@ -252,7 +172,7 @@ int main(void)
     if (c)
         kvw_ctx_destroy(c);
     c = NULL;
-    one_room(pctx, &src, a, &da, 8, false);
+    one_room(pctx, &src, a, &da, 8, NULL);
     kvw_ctx_destroy(a);
     a = NULL;
     p.bootstrap_timeout_ms = 10000;
@@ -260,7 +180,7 @@ int main(void)
     CHECK(st == KVW_OK, "the identity once its holder left: %s: %s", kvw_status_string(st),
           kvw_last_error());
     if (c) {
-        one_room(pctx, &src, c, &dc, 9, false);
+        one_room(pctx, &src, c, &dc, 9, NULL);
         kvw_ctx_destroy(c);
     }
     kvt_rank_free(&dc);
@@ -270,10 +190,5 @@ int main(void)
     kvt_rank_free(&src);
     kvt_rank_free(&da);
     kvt_rank_free(&db);
-    if (failures) {
-        fprintf(stderr, "test_room_ownership: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_room_ownership: all checks passed\n");
-    return 0;
+    return ip_summary("test_room_ownership");
 }

@@ -18,6 +18,7 @@
  */
 #include "cmd.h"
 #include "testkit.h"
+#include "util.h"
 
 #include <kvwire/xfer.h>
 
@@ -73,18 +74,12 @@ static double l_cpu_us(void)
            (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec);
 }
 
-static int l_cmp(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Percentile q (0..100) of n values (sorted in place), in microseconds. */
 static double l_pct(uint64_t *v, size_t n, unsigned q)
 {
     if (n == 0)
         return 0.0;
-    qsort(v, n, sizeof(*v), l_cmp);
+    qsort(v, n, sizeof(*v), cli_cmp_u64);
     size_t i = (n * q) / 100;
     return (double)v[i < n ? i : n - 1] / 1000.0;
 }

@@ -18,6 +18,7 @@
  */
 #include "cmd.h"
 #include "testkit.h"
+#include "util.h"
 
 #include <kvwire/mem.h>
 #include <kvwire/xfer.h>
@@ -112,23 +113,6 @@ static void b_backoff(uint64_t since)
     b_sleep_ns((long)(ns < 2000 ? 2000 : ns > 200000 ? 200000 : ns));
 }
 
-static int b_cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-static uint64_t b_median(const uint64_t *v, uint32_t n)
-{
-    if (n == 0)
-        return 0;
-    uint64_t t[B_MAX_REPS];
-    uint32_t m = B_MIN(n, (uint32_t)B_MAX_REPS);
-    memcpy(t, v, sizeof(uint64_t) * m);
-    qsort(t, m, sizeof(uint64_t), b_cmp_u64);
-    return m % 2 ? t[m / 2] : (t[m / 2 - 1] + t[m / 2]) / 2;
-}
-
 static uint64_t b_percentile(const uint64_t *v, uint32_t n, double p)
 {
     if (n == 0)
@@ -137,39 +121,11 @@ static uint64_t b_percentile(const uint64_t *v, uint32_t n, double p)
     if (!t)
         return 0;
     memcpy(t, v, sizeof(uint64_t) * n);
-    qsort(t, n, sizeof(uint64_t), b_cmp_u64);
+    qsort(t, n, sizeof(uint64_t), cli_cmp_u64);
     uint32_t i = (uint32_t)(p * (n - 1) + 0.5);
     uint64_t r = t[B_MIN(i, n - 1)];
     free(t);
     return r;
-}
-
-static int b_write_full(int fd, const void *buf, size_t len)
-{
-    const uint8_t *p = buf;
-    while (len) {
-        ssize_t n = write(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
-static int b_read_full(int fd, void *buf, size_t len)
-{
-    uint8_t *p = buf;
-    while (len) {
-        ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
 }
 
 /* Anonymous memory, every page touched (never-touched pages would be measured too). */
@@ -217,26 +173,12 @@ static b_cpu_t b_cpu_now(void)
     return c;
 }
 
-static uint64_t b_swa_window(const kvt_model_t *m)
-{
-    uint64_t w = 0;
-    for (uint32_t l = 0; l < m->m.num_layers; l++)
-        if (m->layers[l].kind == KVW_LAYER_SWA)
-            w = B_MAX(w, m->layers[l].window);
-    return w;
-}
-
 static bool b_has_state(const kvt_model_t *m)
 {
     for (uint32_t l = 0; l < m->m.num_layers; l++)
         if (m->layers[l].kind == KVW_LAYER_STATE)
             return true;
     return false;
-}
-
-static bool b_terminal(kvw_room_state_t s)
-{
-    return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
 }
 
 /* ------------------------------------------------------------ page lists */
@@ -314,7 +256,7 @@ static b_sizes_t b_pool_sizes(const bench_cfg_t *c, const kvt_model_t *m)
     uint64_t maxlen = 1;
     for (uint32_t i = 0; i < c->num_lengths; i++)
         maxlen = B_MAX(maxlen, c->lengths[i]);
-    uint64_t window = b_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     b_sizes_t s;
     s.full_pages = B_MAX(b_full_pages(maxlen, c->page), c->rate_inflight) + 1;
     s.swa_pages = B_MAX(window ? b_swa_pages(maxlen, c->page, window) : 1, c->rate_inflight) + 1;
@@ -513,7 +455,7 @@ static int b_wait_senders(kvw_sender_h *s, uint32_t n, char *err, size_t errcap)
     int rc = 0;
     uint64_t t0 = kvt_now_ns();
     for (uint32_t i = 0; i < n; i++) {
-        while (!b_terminal(kvw_sender_poll(s[i])))
+        while (!cli_room_ended(kvw_sender_poll(s[i])))
             b_backoff(t0);
         if (kvw_sender_poll(s[i]) != KVW_ROOM_SUCCESS && rc == 0) {
             snprintf(err, errcap, "prefill room failed: %s", kvw_sender_failure(s[i]));
@@ -544,7 +486,7 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
                           const b_cmd_t *cmd, char *err, size_t errcap)
 {
     uint32_t w = cmd->inflight, n = in->n;
-    uint64_t window = b_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     kvw_sender_h *snd = calloc((size_t)w * n, sizeof(*snd));
     b_pages_t *pg = calloc(w, sizeof(*pg));
     bool *busy = calloc(w, sizeof(*busy));
@@ -560,7 +502,7 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
             if (busy[s]) {
                 bool all = true;
                 for (uint32_t k = 0; k < n; k++)
-                    all &= b_terminal(kvw_sender_poll(snd[s * n + k]));
+                    all &= cli_room_ended(kvw_sender_poll(snd[s * n + k]));
                 if (!all)
                     continue;
                 for (uint32_t k = 0; k < n; k++) {
@@ -612,11 +554,11 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
         b_inst_free(&in);
         return 1;
     }
-    if (b_write_full(bs_fd, bs, sizeof(bs)))
+    if (cli_write_full(bs_fd, bs, sizeof(bs)))
         return 1;
     close(bs_fd);
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's sleeps only */
-    uint64_t window = b_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     b_pages_t pg;
     b_sizes_t sz = b_pool_sizes(c, m);
     int rc = b_pages_init(&pg, sz.full_pages, sz.swa_pages) ? 1 : 0;
@@ -626,7 +568,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
     uint64_t tcp_cap = 0;
     for (;;) {
         b_cmd_t cmd;
-        if (rc || b_read_full(cmd_fd, &cmd, sizeof(cmd)))
+        if (rc || cli_read_full(cmd_fd, &cmd, sizeof(cmd)))
             break;
         if (cmd.op == B_OP_TCP_CONNECT) {
             struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cmd.room)};
@@ -634,7 +576,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             tcp_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
             char a = tcp_fd >= 0 && connect(tcp_fd, (struct sockaddr *)&sa, sizeof(sa)) == 0
                          ? 'k' : 'x';
-            if (b_write_full(ack_fd, &a, 1) || a != 'k')
+            if (cli_write_full(ack_fd, &a, 1) || a != 'k')
                 rc = 1;
             continue;
         }
@@ -647,8 +589,8 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             }
             char a = tcp_src && tcp_fd >= 0 ? 'k' : 'x';
             uint64_t want = 0;
-            if (b_write_full(ack_fd, &a, 1) || a != 'k' ||
-                b_read_full(tcp_fd, &want, sizeof(want)) || want > tcp_cap) {
+            if (cli_write_full(ack_fd, &a, 1) || a != 'k' ||
+                cli_read_full(tcp_fd, &want, sizeof(want)) || want > tcp_cap) {
                 rc = 1;
                 continue;
             }
@@ -666,7 +608,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
         if (cmd.op == B_OP_QUIT) {
             /* Every room here is finished: the decode side may close its connections. */
             char a = 'q';
-            (void)b_write_full(ack_fd, &a, 1);
+            (void)cli_write_full(ack_fd, &a, 1);
             break;
         }
         if (cmd.op == B_OP_ARM) {
@@ -681,7 +623,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
                 rc = 1;
             }
             char a = rc ? 'x' : 'k';
-            if (b_write_full(ack_fd, &a, 1))
+            if (cli_write_full(ack_fd, &a, 1))
                 rc = 1;
             if (rc == 0 && b_wait_senders(snd, in.n, err, sizeof(err))) {
                 fprintf(stderr, "bench: %s\n", err);
@@ -693,7 +635,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             }
         } else if (cmd.op == B_OP_RATE) {
             char a = 'k';
-            if (b_write_full(ack_fd, &a, 1))
+            if (cli_write_full(ack_fd, &a, 1))
                 rc = 1;
             b_cpu_t c0 = b_cpu_now();
             if (rc == 0 && b_prefill_rate(c, m, &in, &cmd, err, sizeof(err))) {
@@ -702,7 +644,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             }
             /* This process's CPU time and context switches over the run, for the report. */
             b_cpu_t c1 = b_cpu_now(), d = {c1.ns - c0.ns, c1.self_ns - c0.self_ns, c1.csw - c0.csw};
-            if (b_write_full(ack_fd, &d, sizeof(d)))
+            if (cli_write_full(ack_fd, &d, sizeof(d)))
                 rc = 1;
         }
     }
@@ -741,7 +683,7 @@ static int b_wait_receivers(kvw_receiver_h *r, uint32_t n, uint64_t room, char *
     for (;;) {
         bool all = true;
         for (uint32_t k = 0; k < n && all; k++)
-            all = b_terminal(kvw_receiver_poll(r[k]));
+            all = cli_room_ended(kvw_receiver_poll(r[k]));
         if (all)
             break;
         b_backoff(t0);
@@ -761,7 +703,7 @@ static int b_decode_mem(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *in
                         uint32_t rooms, uint64_t room0, b_mem_result_t *out, char *err,
                         size_t errcap)
 {
-    uint64_t window = b_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     b_pages_t pg;
     if (b_pages_init(&pg, in->full_pages, in->swa_pages) ||
         b_pages_set(&pg, tokens, c->page, window, 0, 0, b_has_state(m) ? 0 : -1)) {
@@ -808,7 +750,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
                          int ack_fd, uint64_t room0, b_result_t *res, char *err, size_t errcap)
 {
     uint32_t w = c->rate_inflight, n = in->n, total = c->rate_rooms;
-    uint64_t window = b_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     kvw_receiver_h *rcv = calloc((size_t)w * n, sizeof(*rcv));
     b_pages_t *pg = calloc(w, sizeof(*pg));
     uint64_t *t_post = calloc(w, sizeof(uint64_t)), *lat = calloc(total, sizeof(uint64_t));
@@ -823,7 +765,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
     } else {
         b_cmd_t cmd = {.op = B_OP_RATE, .inflight = w, .room = room0, .tokens = total};
         char a;
-        if (b_write_full(cmd_fd, &cmd, sizeof(cmd)) || b_read_full(ack_fd, &a, 1) || a != 'k') {
+        if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k') {
             snprintf(err, errcap, "rate: the prefill process did not answer");
             rc = -1;
         }
@@ -836,7 +778,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
             if (busy[s]) {
                 bool all = true;
                 for (uint32_t k = 0; k < n && all; k++)
-                    all = b_terminal(kvw_receiver_poll(rcv[s * n + k]));
+                    all = cli_room_ended(kvw_receiver_poll(rcv[s * n + k]));
                 if (!all)
                     continue;
                 uint64_t now = b_now();
@@ -879,7 +821,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
             for (uint32_t k = 0; k < n; k++)
                 kvw_receiver_destroy(rcv[s * n + k]);
     b_cpu_t c1 = b_cpu_now(), pc = {0, 0, 0};
-    if (rc == 0 && b_read_full(ack_fd, &pc, sizeof(pc))) {
+    if (rc == 0 && cli_read_full(ack_fd, &pc, sizeof(pc))) {
         snprintf(err, errcap, "rate: the prefill process did not report");
         rc = -1;
     }
@@ -945,7 +887,7 @@ static int b_base_open(const char *tl, int cmd_fd, int ack_fd, b_base_t *b, char
     }
     b_cmd_t cmd = {.op = B_OP_TCP_CONNECT, .room = ntohs(sa.sin_port)};
     char a = 0;
-    if (b_write_full(cmd_fd, &cmd, sizeof(cmd)) || b_read_full(ack_fd, &a, 1) || a != 'k' ||
+    if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k' ||
         (b->fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC)) < 0) {
         snprintf(err, errcap, "tcp baseline: the prefill process could not connect");
         close(lfd);
@@ -989,12 +931,12 @@ static int b_base_rep(b_base_t *b, uint64_t bytes, int cmd_fd, int ack_fd, uint6
     }
     b_cmd_t cmd = {.op = B_OP_TCP_SEND, .tokens = bytes};
     char a = 0;
-    if (b_write_full(cmd_fd, &cmd, sizeof(cmd)) || b_read_full(ack_fd, &a, 1) || a != 'k') {
+    if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k') {
         snprintf(err, errcap, "tcp baseline: the prefill process failed");
         return -1;
     }
     uint64_t t0 = b_now();
-    if (b_write_full(b->fd, &bytes, sizeof(bytes))) {
+    if (cli_write_full(b->fd, &bytes, sizeof(bytes))) {
         snprintf(err, errcap, "tcp baseline: send: %s", strerror(errno));
         return -1;
     }
@@ -1026,7 +968,7 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
         return -1;
     }
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's sleeps only */
-    uint64_t window = b_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     uint64_t room = 1;
     res->phase_ns[0] = b_now() - tp;
     tp = b_now();
@@ -1089,7 +1031,7 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
             uint64_t id = room++;
             b_cmd_t cmd = {.op = B_OP_ARM, .room = id, .tokens = n};
             char a = 0;
-            if (b_write_full(cmd_fd, &cmd, sizeof(cmd)) || b_read_full(ack_fd, &a, 1) ||
+            if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) ||
                 a != 'k') {
                 snprintf(res->err, sizeof(res->err),
                          "the prefill process failed to arm room %llu (%llu tokens)",
@@ -1148,7 +1090,7 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
         if (lr->reps) {
             last_bytes = lr->bytes;
             last_tokens = n;
-            last_gbps = b_gbps(lr->bytes, b_median(lr->ns, lr->reps));
+            last_gbps = b_gbps(lr->bytes, cli_median(lr->ns, lr->reps));
         }
     }
     free(rcv);
@@ -1163,8 +1105,8 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
      * would fail that room there: wait until the prefill process says it is done. */
     b_cmd_t quit = {.op = B_OP_QUIT};
     char qa;
-    if (b_write_full(cmd_fd, &quit, sizeof(quit)) == 0)
-        (void)b_read_full(ack_fd, &qa, 1);
+    if (cli_write_full(cmd_fd, &quit, sizeof(quit)) == 0)
+        (void)cli_read_full(ack_fd, &qa, 1);
     if (pg.full || pg.swa)
         b_pages_free(&pg);
     b_inst_free(&in);
@@ -1200,7 +1142,7 @@ static int b_run_pair(const b_job_t *j, b_result_t *res)
     close(cmd_pipe[0]);
     close(ack_pipe[1]);
     char bs[160] = "";
-    int got = b_read_full(bs_pipe[0], bs, sizeof(bs));
+    int got = cli_read_full(bs_pipe[0], bs, sizeof(bs));
     close(bs_pipe[0]);
     if (got || !bs[0]) {
         close(cmd_pipe[1]);
@@ -1225,7 +1167,7 @@ static int b_run_pair(const b_job_t *j, b_result_t *res)
         int rc = r ? b_decode_main(j, bs, cmd_pipe[1], ack_pipe[0], r) : -1;
         if (r) {
             r->ok = rc == 0;
-            if (b_write_full(res_pipe[1], r, sizeof(*r)))
+            if (cli_write_full(res_pipe[1], r, sizeof(*r)))
                 rc = -1;
         }
         close(cmd_pipe[1]);
@@ -1234,7 +1176,7 @@ static int b_run_pair(const b_job_t *j, b_result_t *res)
     close(res_pipe[1]);
     close(cmd_pipe[1]);
     close(ack_pipe[0]);
-    int rr = b_read_full(res_pipe[0], res, sizeof(*res));
+    int rr = cli_read_full(res_pipe[0], res, sizeof(*res));
     close(res_pipe[0]);
     int sd = 0, sp = 0;
     waitpid(pd, &sd, 0);
@@ -1323,7 +1265,7 @@ static int b_plan_memory(const bench_cfg_t *c, const kvt_model_t *m, const bench
         kvt_rank_free(&src);
         return -1;
     }
-    uint64_t window = b_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     b_pages_t ps, pd;
     int rc = b_pages_init(&ps, sz.full_pages, sz.swa_pages) ||
                      b_pages_init(&pd, sz.full_pages, sz.swa_pages)
@@ -1783,7 +1725,7 @@ static int cmd_bench(int argc, char **argv)
         if (!set_budget)
             c.budget_ns = 1000000000ull;
     }
-    qsort(c.lengths, c.num_lengths, sizeof(c.lengths[0]), b_cmp_u64);
+    qsort(c.lengths, c.num_lengths, sizeof(c.lengths[0]), cli_cmp_u64);
     /* A process that dies early must show up as an error on the pipes, not kill us. */
     signal(SIGPIPE, SIG_IGN);
     if (!c.ptp || !c.dtp || !c.reps || c.reps > B_MAX_REPS || !c.page || !c.rate_inflight ||
@@ -1971,7 +1913,7 @@ static int cmd_bench(int argc, char **argv)
                     rep->base[rep->num_base].tokens = lr->tokens;
                     rep->base[rep->num_base].bytes = lr->bytes;
                     rep->base[rep->num_base].gbps =
-                        b_gbps(lr->bytes, b_median(lr->base_ns, lr->base_reps));
+                        b_gbps(lr->bytes, cli_median(lr->base_ns, lr->base_reps));
                     rep->num_base++;
                 }
             }
@@ -2028,13 +1970,13 @@ static int cmd_bench(int argc, char **argv)
                            (unsigned long long)lr->tokens, lr->skipped_pred_ns / 1e9);
                     continue;
                 }
-                w->gbps = b_gbps(lr->bytes, b_median(lr->ns, lr->reps));
+                w->gbps = b_gbps(lr->bytes, cli_median(lr->ns, lr->reps));
                 for (uint32_t k = 0; k < lr->reps; k++)
                     w->gbps_reps[k] = b_gbps(lr->bytes, lr->ns[k]);
                 w->baseline = base_name;
                 w->base_gbps = -1;
                 if (inpair && lr->base_reps)
-                    w->base_gbps = b_gbps(lr->bytes, b_median(lr->base_ns, lr->base_reps));
+                    w->base_gbps = b_gbps(lr->bytes, cli_median(lr->base_ns, lr->base_reps));
                 /* Same byte count as the reference was measured with. */
                 for (uint32_t k = 0; k < num_bb && !inpair; k++)
                     if (base_bytes[k] == lr->bytes && base_gbps[k] > 0)

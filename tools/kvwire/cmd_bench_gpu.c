@@ -18,6 +18,7 @@
  */
 #include "cmd.h"
 #include "testkit.h"
+#include "util.h"
 
 #include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
@@ -81,75 +82,12 @@ typedef struct g_cmd {
     uint32_t rep;
 } g_cmd_t;
 
-static int g_write(int fd, const void *buf, size_t len)
-{
-    const uint8_t *p = buf;
-    while (len) {
-        ssize_t n = write(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
-static int g_read(int fd, void *buf, size_t len)
-{
-    uint8_t *p = buf;
-    while (len) {
-        ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
-static int g_cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
-static uint64_t g_median(const uint64_t *v, uint32_t n)
-{
-    uint64_t t[G_MAX_REPS];
-    if (n == 0)
-        return 0;
-    memcpy(t, v, sizeof(uint64_t) * n);
-    qsort(t, n, sizeof(uint64_t), g_cmp_u64);
-    return n % 2 ? t[n / 2] : (t[n / 2 - 1] + t[n / 2]) / 2;
-}
-
-static bool g_terminal(kvw_room_state_t s)
-{
-    return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
-}
-
 /* Short sleeps between polls: the timed region is a few milliseconds, and 16 cores
  * leave the library's threads room. */
 static void g_nap(void)
 {
     struct timespec ts = {0, 5000};
     nanosleep(&ts, NULL);
-}
-
-static uint64_t g_window(const kvt_model_t *m)
-{
-    uint64_t w = 0;
-    for (uint32_t l = 0; l < m->m.num_layers; l++)
-        if (m->layers[l].kind == KVW_LAYER_SWA)
-            w = G_MAX(w, m->layers[l].window);
-    return w;
-}
-
-static uint32_t g_pages(uint64_t b, uint64_t e, uint32_t ps)
-{
-    return b >= e ? 0 : (uint32_t)((e + ps - 1) / ps - b / ps);
 }
 
 /* ------------------------------------------------------------ instances */
@@ -172,11 +110,11 @@ static int g_build(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, bo
                    g_inst_t *in, char *err, size_t cap)
 {
     uint32_t tp = prefill ? t->ptp : t->dtp;
-    uint64_t window = g_window(m);
+    uint64_t window = cli_swa_window(m);
     memset(in, 0, sizeof(*in));
     in->n = tp;
-    in->full_pages = t->rooms * g_pages(0, t->tokens, c->page) + 1;
-    in->swa_pages = window ? t->rooms * (g_pages(0, window, c->page) + 1) + 1 : 1;
+    in->full_pages = t->rooms * cli_pages_needed(0, t->tokens, c->page) + 1;
+    in->swa_pages = window ? t->rooms * (cli_pages_needed(0, window, c->page) + 1) + 1 : 1;
     in->ranks = calloc(tp, sizeof(*in->ranks));
     if (in->ranks == NULL)
         return snprintf(err, cap, "out of memory"), -1;
@@ -206,7 +144,7 @@ static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g
                     uint64_t seed)
 {
     kvt_rng_t rng = {seed};
-    uint64_t window = g_window(m);
+    uint64_t window = cli_swa_window(m);
     uint32_t *pf = malloc(sizeof(uint32_t) * in->full_pages);
     uint32_t *ps = malloc(sizeof(uint32_t) * in->swa_pages);
     in->pg = calloc(t->rooms, sizeof(*in->pg));
@@ -218,7 +156,8 @@ static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g
     for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
         uint64_t n = t->tokens;
         uint64_t swb = window && n > window ? (n - window) / c->page * c->page : 0;
-        uint32_t nf = g_pages(0, n, c->page), ns = window ? g_pages(swb, n, c->page) : 0;
+        uint32_t nf = cli_pages_needed(0, n, c->page);
+        uint32_t ns = window ? cli_pages_needed(swb, n, c->page) : 0;
         kvt_req_pages_t *p = &in->pg[i];
         p->full = malloc(sizeof(uint32_t) * (nf + 1));
         p->swa = malloc(sizeof(uint32_t) * (ns + 1));
@@ -242,48 +181,15 @@ static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g
  * device addresses. The host copies stay for the reference and the check. */
 static int g_attach(g_inst_t *in, int device, char *err, size_t cap)
 {
-    if (kvw_cuda_set_device(device) != KVW_OK)
-        goto fail;
-    in->dev = calloc(in->n, sizeof(*in->dev));
-    if (in->dev == NULL)
-        goto fail;
-    for (uint32_t k = 0; k < in->n; k++) {
-        kvt_rank_t *r = &in->ranks[k];
-        in->dev[k] = calloc(r->num_bufs, sizeof(uint8_t *));
-        if (in->dev[k] == NULL)
-            goto fail;
-        for (uint32_t i = 0; i < r->num_bufs; i++) {
-            uint64_t total = r->alloc_len[i] + 2ull * r->guard;
-            void *d;
-            if (kvw_cuda_malloc(total, &d) != KVW_OK)
-                goto fail;
-            in->dev[k][i] = d;
-            if (kvw_cuda_memcpy(d, r->mem[i], total, NULL) != KVW_OK)
-                goto fail;
-            r->bufs[i].addr = (uint8_t *)d + r->guard;
-            r->bufs[i].mem_kind = KVW_MEM_CUDA;
-            r->bufs[i].device = device;
-        }
-        kvw_rank_destroy(r->h);
-        r->h = NULL;
-        if (kvt_rank_open(r) != KVW_OK)
-            goto fail;
-    }
-    return 0;
-fail:
+    if (cli_gpu_attach(in->ranks, in->n, device, &in->dev) == 0)
+        return 0;
     snprintf(err, cap, "GPU %d: %s", device, kvw_last_error());
     return -1;
 }
 
 static void g_free(g_inst_t *in, uint32_t rooms)
 {
-    for (uint32_t k = 0; in->dev && k < in->n; k++) {
-        for (uint32_t i = 0; in->dev[k] && i < in->ranks[k].num_bufs; i++)
-            if (in->dev[k][i])
-                kvw_cuda_free(in->dev[k][i]);
-        free(in->dev[k]);
-    }
-    free(in->dev);
+    cli_gpu_free(in->ranks, in->n, in->dev);
     for (uint32_t i = 0; in->pg && i < rooms; i++)
         kvt_req_pages_free(&in->pg[i]);
     free(in->pg);
@@ -297,37 +203,23 @@ static kvw_ctx_h *g_contexts(const g_cfg_t *c, const g_topo_t *t, g_inst_t *in, 
                              const char *bs_addr, char *bs_out, size_t bs_cap, char *err,
                              size_t cap)
 {
-    kvw_ctx_h *ctx = calloc(in->n, sizeof(*ctx));
-    for (uint32_t i = 0; ctx && i < in->n; i++) {
-        kvw_ctx_params_t p = {
-            .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
-                          KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
-                          KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
-            .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
-            .rank = in->ranks[i].h,
-            .transport = "cuda_ipc",
-            .bootstrap_addr = bs_addr,
-            .host_bootstrap = prefill && i == 0,
-            .wait_timeout_ms = c->timeout_ms,
-            .bootstrap_timeout_ms = c->timeout_ms,
-            .prefill_tp = t->ptp,
-            .prefill_pp = 1,
-            .prefill_dp = 1};
-        kvw_status_t st = kvw_ctx_create(&p, &ctx[i]);
-        if (st != KVW_OK) {
-            snprintf(err, cap, "%s rank %u: kvw_ctx_create: %s: %s",
-                     prefill ? "prefill" : "decode", i, kvw_status_string(st),
-                     kvw_last_error());
-            for (uint32_t j = 0; j < i; j++)
-                kvw_ctx_destroy(ctx[j]);
-            free(ctx);
-            return NULL;
-        }
-        if (prefill && i == 0) {
-            snprintf(bs_out, bs_cap, "%s", kvw_ctx_bootstrap_addr(ctx[0]));
-            bs_addr = bs_out;
-        }
-    }
+    kvw_ctx_params_t p = {
+        .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
+                      KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
+                      KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
+        .transport = "cuda_ipc",
+        .wait_timeout_ms = c->timeout_ms,
+        .bootstrap_timeout_ms = c->timeout_ms,
+        .prefill_tp = t->ptp,
+        .prefill_pp = 1,
+        .prefill_dp = 1};
+    uint32_t i;
+    char why[400]; /* leaves room in err (512 bytes) for the rank */
+    kvw_ctx_h *ctx = cli_contexts(&p, in->ranks, in->n, prefill, bs_addr, bs_out, bs_cap, &i,
+                                  why, sizeof(why));
+    if (ctx == NULL)
+        snprintf(err, cap, "%s rank %u: kvw_ctx_create: %s", prefill ? "prefill" : "decode", i,
+                 why);
     return ctx;
 }
 
@@ -369,7 +261,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
         fprintf(stderr, "bench --gpu: prefill: %s\n", err[0] ? err : "setup failed");
         rc = 1;
     }
-    if (g_write(bs_fd, bs, sizeof(bs)))
+    if (cli_write_full(bs_fd, bs, sizeof(bs)))
         rc = 1;
     close(bs_fd);
     kvw_sender_h *snd = calloc((size_t)t->rooms * in.n, sizeof(*snd));
@@ -377,11 +269,11 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's polls only */
     while (rc == 0) {
         g_cmd_t cmd;
-        if (g_read(cmd_fd, &cmd, sizeof(cmd)))
+        if (cli_read_full(cmd_fd, &cmd, sizeof(cmd)))
             break;
         if (cmd.op == G_OP_QUIT) {
             char a = 'q';
-            (void)g_write(ack_fd, &a, 1);
+            (void)cli_write_full(ack_fd, &a, 1);
             break;
         }
         /* A repetition's profile is read when the next one starts (or at the end): its
@@ -394,7 +286,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             kvw_cuda_profile(NULL, 1);
         }
         if (cmd.op == G_OP_PROFILE) {
-            if (g_write(ack_fd, per, sizeof(per)))
+            if (cli_write_full(ack_fd, per, sizeof(per)))
                 rc = 1;
             continue;
         }
@@ -412,12 +304,12 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             }
         }
         char a = rc ? 'x' : 'k';
-        if (g_write(ack_fd, &a, 1))
+        if (cli_write_full(ack_fd, &a, 1))
             rc = 1;
         for (uint32_t i = 0; i < t->rooms * in.n; i++) {
             if (snd[i] == NULL)
                 continue;
-            while (rc == 0 && !g_terminal(kvw_sender_poll(snd[i])))
+            while (rc == 0 && !cli_room_ended(kvw_sender_poll(snd[i])))
                 g_nap();
             if (rc == 0 && kvw_sender_poll(snd[i]) != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "bench --gpu: prefill room failed: %s\n",
@@ -441,13 +333,8 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
 static int g_verify(const kvt_model_t *m, const g_topo_t *t, g_inst_t *in, const g_inst_t *src,
                     const kvt_copy_t *init, char *err, size_t cap)
 {
-    for (uint32_t k = 0; k < in->n; k++) {
-        kvt_rank_t *r = &in->ranks[k];
-        for (uint32_t i = 0; i < r->num_bufs; i++)
-            if (kvw_cuda_memcpy(r->mem[i], in->dev[k][i], r->alloc_len[i] + 2ull * r->guard,
-                                NULL) != KVW_OK)
-                return snprintf(err, cap, "copying GPU buffers back: %s", kvw_last_error()), -1;
-    }
+    if (cli_gpu_pull(in->ranks, in->n, in->dev))
+        return snprintf(err, cap, "copying GPU buffers back: %s", kvw_last_error()), -1;
     kvt_ref_side_t *ss = calloc(src->n, sizeof(*ss));
     uint8_t ***sd = calloc(src->n, sizeof(*sd));
     int rc = ss && sd ? 0 : -1;
@@ -541,7 +428,7 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
     for (uint32_t rep = 0; rep <= nrep && rc == 0; rep++) {
         g_cmd_t cmd = {.op = G_OP_ARM, .rep = rep};
         char a = 0;
-        if (g_write(cmd_fd, &cmd, sizeof(cmd)) || g_read(ack_fd, &a, 1) || a != 'k') {
+        if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k') {
             snprintf(err, cap, "the prefill process failed to arm repetition %u", rep);
             rc = -1;
             break;
@@ -560,7 +447,7 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
             }
         }
         for (uint32_t i = 0; i < t->rooms * in.n && rc == 0; i++)
-            while (!g_terminal(kvw_receiver_poll(rcv[i])))
+            while (!cli_room_ended(kvw_receiver_poll(rcv[i])))
                 g_nap();
         uint64_t t1 = kvt_now_ns(), bytes = 0;
         if (rep > 0)
@@ -625,13 +512,14 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
     }
     if (rc == 0) {
         g_cmd_t cmd = {.op = G_OP_PROFILE, .rep = res->reps - 1};
-        if (g_write(cmd_fd, &cmd, sizeof(cmd)) || g_read(ack_fd, res->prof, sizeof(res->prof)))
+        if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) ||
+            cli_read_full(ack_fd, res->prof, sizeof(res->prof)))
             rc = -1, snprintf(err, cap, "the prefill process did not report its profile");
     }
     g_cmd_t q = {.op = G_OP_QUIT};
     char a;
-    if (g_write(cmd_fd, &q, sizeof(q)) == 0)
-        (void)g_read(ack_fd, &a, 1);
+    if (cli_write_full(cmd_fd, &q, sizeof(q)) == 0)
+        (void)cli_read_full(ack_fd, &a, 1);
     if (stream)
         kvw_cuda_stream_destroy(stream);
     if (bsrc)
@@ -668,7 +556,7 @@ static int g_run_topo(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t,
     }
     close(bs_pipe[1]), close(cmd_pipe[0]), close(ack_pipe[1]);
     char bs[160] = "";
-    if (g_read(bs_pipe[0], bs, sizeof(bs)) || !bs[0]) {
+    if (cli_read_full(bs_pipe[0], bs, sizeof(bs)) || !bs[0]) {
         snprintf(res->err, sizeof(res->err), "the prefill process did not start");
         close(cmd_pipe[1]), close(ack_pipe[0]), close(res_pipe[0]), close(res_pipe[1]);
         close(bs_pipe[0]);
@@ -682,12 +570,12 @@ static int g_run_topo(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t,
         g_result_t r;
         memset(&r, 0, sizeof(r));
         int rc = g_decode(c, m, t, bs, cmd_pipe[1], ack_pipe[0], &r);
-        if (g_write(res_pipe[1], &r, sizeof(r)))
+        if (cli_write_full(res_pipe[1], &r, sizeof(r)))
             rc = 1;
         exit(rc ? 1 : 0);
     }
     close(cmd_pipe[1]), close(ack_pipe[0]), close(res_pipe[1]);
-    int got = g_read(res_pipe[0], res, sizeof(*res));
+    int got = cli_read_full(res_pipe[0], res, sizeof(*res));
     close(res_pipe[0]);
     int sd = 0, sp = 0;
     waitpid(pd, &sd, 0);
@@ -743,9 +631,9 @@ static g_split_t g_split(const g_result_t *r)
         c[n] = r->t1[k] - p->last_done_ns;
         n++;
     }
-    sp.in = g_median(a, n);
-    sp.gpu = g_median(b, n);
-    sp.out = g_median(c, n);
+    sp.in = cli_median(a, n);
+    sp.gpu = cli_median(b, n);
+    sp.out = cli_median(c, n);
     return sp;
 }
 
@@ -855,7 +743,7 @@ int kvw_bench_gpu(int argc, char **argv)
             const g_topo_t *t = &c.topo[i];
             const g_result_t *r = &res[i];
             g_split_t sp = g_split(r);
-            uint64_t mn = g_median(r->ns, r->reps), mb = g_median(r->base_ns, r->reps);
+            uint64_t mn = cli_median(r->ns, r->reps), mb = cli_median(r->base_ns, r->reps);
             fprintf(jf, "%s\n  {\"prefill_tp\": %u, \"decode_tp\": %u, \"rooms\": %u, "
                     "\"tokens\": %llu, \"ok\": %s, \"verified\": %s, \"devices\": %d, "
                     "\"bytes\": %llu, \"protocol_ns\": [", i ? "," : "", t->ptp, t->dtp,
@@ -905,7 +793,7 @@ int kvw_bench_gpu(int argc, char **argv)
         snprintf(topo, sizeof(topo), "TP%u->TP%u", t->ptp, t->dtp);
         snprintf(rt, sizeof(rt), "%ux%llu", t->rooms, (unsigned long long)t->tokens);
         printf("%-8s %-11s %6.3f | %6.3f %6.3f %6.3f | %5.0f %6.3f %6.3f %6.3f %7.3f %7.3f "
-               "%6.3f\n", topo, rt, g_ms(g_median(r->ns, r->reps)), g_ms(sp.in), g_ms(sp.gpu),
+               "%6.3f\n", topo, rt, g_ms(cli_median(r->ns, r->reps)), g_ms(sp.in), g_ms(sp.gpu),
                g_ms(sp.out), (double)sp.sum.steps / per, g_ms(sp.sum.plan_ns) / per,
                g_ms(sp.sum.launch_ns) / per, g_ms(sp.sum.upload_dev_ns) / per,
                g_ms(sp.sum.kernel_dev_ns) / per, g_ms(sp.sum.wait_ns) / per,
@@ -929,7 +817,7 @@ int kvw_bench_gpu(int argc, char **argv)
             printf("%-8s %-11s FAILED: %s\n", topo, rt, r->err);
             continue;
         }
-        uint64_t mn = g_median(r->ns, r->reps), mb = g_median(r->base_ns, r->reps);
+        uint64_t mn = cli_median(r->ns, r->reps), mb = cli_median(r->base_ns, r->reps);
         printf("%-8s %-11s %8.1f %10.1f %9.1f %6.3f %7.3f  %s\n", topo, rt,
                (double)r->bytes / 1e6, g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
                mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn),

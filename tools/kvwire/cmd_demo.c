@@ -10,6 +10,7 @@
  */
 #include "cmd.h"
 #include "testkit.h"
+#include "util.h"
 
 #include "transport/transport.h" /* kvw__tl_names: the transports built into the library */
 
@@ -99,22 +100,6 @@ static void demo_gen(const demo_cfg_t *c, demo_req_t *reqs)
     }
 }
 
-static uint32_t demo_pages_needed(uint64_t b, uint64_t e, uint32_t ps)
-{
-    if (b >= e)
-        return 0;
-    return (uint32_t)((e + ps - 1) / ps - b / ps);
-}
-
-static uint64_t demo_swa_window(const kvt_model_t *m)
-{
-    uint64_t w = 0;
-    for (uint32_t l = 0; l < m->m.num_layers; l++)
-        if (m->layers[l].kind == KVW_LAYER_SWA)
-            w = KVW_MAX(w, m->layers[l].window);
-    return w;
-}
-
 /*
  * Page lists for one wave on one instance: a random permutation of each pool, sliced
  * so that concurrent rooms never share a page. Returns 0 or -1 (pool too small).
@@ -132,16 +117,16 @@ static int demo_assign(const demo_cfg_t *c, const kvt_model_t *m, const demo_ins
     if (inst->swa_pages)
         kvt_pages_random(&rng, inst->swa_pages, inst->swa_pages, psw);
     uint32_t uf = 0, us = 0;
-    uint64_t window = demo_swa_window(m);
+    uint64_t window = cli_swa_window(m);
     int rc = 0;
     for (uint32_t i = 0; i < nreq && rc == 0; i++) {
         const demo_req_t *r = &reqs[i];
         demo_pages_t *p = &out[i];
         memset(p, 0, sizeof(*p));
-        uint32_t nf = demo_pages_needed(0, r->n, ps);
+        uint32_t nf = cli_pages_needed(0, r->n, ps);
         uint64_t ws = window && r->n > window ? r->n - window : 0;
         uint64_t swb = ws / c->swa_page * c->swa_page;
-        uint32_t ns = window ? demo_pages_needed(swb, r->n, c->swa_page) : 0;
+        uint32_t ns = window ? cli_pages_needed(swb, r->n, c->swa_page) : 0;
         if (uf + nf > inst->full_pages || us + ns > inst->swa_pages) {
             rc = -1;
             break;
@@ -182,10 +167,10 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
     inst->pp = prefill ? c->ppp : c->dpp;
     inst->n = inst->tp * inst->pp;
     uint32_t ps = prefill ? c->ppage : c->dpage;
-    uint64_t window = demo_swa_window(m);
-    inst->full_pages = c->concurrency * (demo_pages_needed(0, c->max_tokens, ps) + 1) + 7;
+    uint64_t window = cli_swa_window(m);
+    inst->full_pages = c->concurrency * (cli_pages_needed(0, c->max_tokens, ps) + 1) + 7;
     inst->swa_pages =
-        window ? c->concurrency * (demo_pages_needed(0, window, c->swa_page) + 2) + 3 : 0;
+        window ? c->concurrency * (cli_pages_needed(0, window, c->swa_page) + 2) + 3 : 0;
     inst->slots = c->concurrency;
     inst->ranks = calloc(inst->n, sizeof(kvt_rank_t));
     for (uint32_t p = 0; p < inst->pp; p++)
@@ -223,57 +208,23 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
  */
 static int demo_gpu_attach(demo_inst_t *inst, int device)
 {
-    if (kvw_cuda_set_device(device) != KVW_OK)
-        goto err;
-    inst->dev = calloc(inst->n, sizeof(*inst->dev));
-    for (uint32_t k = 0; k < inst->n; k++) {
-        kvt_rank_t *r = &inst->ranks[k];
-        inst->dev[k] = calloc(r->num_bufs, sizeof(uint8_t *));
-        for (uint32_t i = 0; i < r->num_bufs; i++) {
-            uint64_t total = r->alloc_len[i] + 2ull * r->guard;
-            void *d;
-            if (kvw_cuda_malloc(total, &d) != KVW_OK ||
-                kvw_cuda_memcpy(d, r->mem[i], total, NULL) != KVW_OK)
-                goto err;
-            inst->dev[k][i] = d;
-            r->bufs[i].addr = (uint8_t *)d + r->guard;
-            r->bufs[i].mem_kind = KVW_MEM_CUDA;
-            r->bufs[i].device = device;
-        }
-        kvw_rank_destroy(r->h);
-        r->h = NULL;
-        if (kvt_rank_open(r) != KVW_OK)
-            goto err;
-    }
-    return 0;
-err:
+    if (cli_gpu_attach(inst->ranks, inst->n, device, &inst->dev) == 0)
+        return 0;
     fprintf(stderr, "demo: GPU %d: %s\n", device, kvw_last_error());
     return -1;
 }
 
 static int demo_gpu_pull(demo_inst_t *inst)
 {
-    for (uint32_t k = 0; inst->dev && k < inst->n; k++) {
-        kvt_rank_t *r = &inst->ranks[k];
-        for (uint32_t i = 0; i < r->num_bufs; i++)
-            if (kvw_cuda_memcpy(r->mem[i], inst->dev[k][i], r->alloc_len[i] + 2ull * r->guard,
-                                NULL) != KVW_OK) {
-                fprintf(stderr, "demo: copying GPU buffers back: %s\n", kvw_last_error());
-                return -1;
-            }
-    }
-    return 0;
+    if (cli_gpu_pull(inst->ranks, inst->n, inst->dev) == 0)
+        return 0;
+    fprintf(stderr, "demo: copying GPU buffers back: %s\n", kvw_last_error());
+    return -1;
 }
 
 static void demo_free_inst(demo_inst_t *inst)
 {
-    for (uint32_t k = 0; inst->dev && k < inst->n; k++) {
-        for (uint32_t i = 0; i < inst->ranks[k].num_bufs; i++)
-            if (inst->dev[k][i])
-                kvw_cuda_free(inst->dev[k][i]);
-        free(inst->dev[k]);
-    }
-    free(inst->dev);
+    cli_gpu_free(inst->ranks, inst->n, inst->dev);
     for (uint32_t i = 0; i < inst->n; i++)
         kvt_rank_free(&inst->ranks[i]);
     free(inst->ranks);
@@ -290,50 +241,31 @@ static int demo_gpu_device(bool prefill)
 static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool prefill,
                                 const char *bs_addr, char *bs_out, size_t bs_cap)
 {
-    kvw_ctx_h *ctx = calloc(inst->n, sizeof(*ctx));
-    for (uint32_t i = 0; i < inst->n; i++) {
-        kvw_ctx_params_t p = {
-            .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
-                          KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
-                          KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
-            .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
-            .rank = inst->ranks[i].h,
-            .transport = c->transport,
-            .bootstrap_addr = bs_addr,
-            .host_bootstrap = prefill && i == 0,
-            .wait_timeout_ms = c->timeout_ms,
-            .bootstrap_timeout_ms = c->timeout_ms,
-            .prefill_tp = c->ptp,
-            .prefill_pp = c->ppp,
-            .prefill_dp = 1};
-        if (c->listen_host[0]) {
-            p.field_mask |= KVW_CTX_FIELD_LISTEN_HOST;
-            p.listen_host = c->listen_host;
-        }
-        if (c->secret[0]) {
-            p.field_mask |= KVW_CTX_FIELD_SECRET;
-            p.secret = c->secret;
-        }
-        kvw_status_t st = kvw_ctx_create(&p, &ctx[i]);
-        if (st != KVW_OK) {
-            fprintf(stderr, "demo: %s rank %u: %s: %s\n", prefill ? "prefill" : "decode", i,
-                    kvw_status_string(st), kvw_last_error());
-            for (uint32_t j = 0; j < i; j++)
-                kvw_ctx_destroy(ctx[j]);
-            free(ctx);
-            return NULL;
-        }
-        if (prefill && i == 0) {
-            snprintf(bs_out, bs_cap, "%s", kvw_ctx_bootstrap_addr(ctx[0]));
-            bs_addr = bs_out;
-        }
+    kvw_ctx_params_t p = {
+        .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
+                      KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
+                      KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
+        .transport = c->transport,
+        .wait_timeout_ms = c->timeout_ms,
+        .bootstrap_timeout_ms = c->timeout_ms,
+        .prefill_tp = c->ptp,
+        .prefill_pp = c->ppp,
+        .prefill_dp = 1};
+    if (c->listen_host[0]) {
+        p.field_mask |= KVW_CTX_FIELD_LISTEN_HOST;
+        p.listen_host = c->listen_host;
     }
+    if (c->secret[0]) {
+        p.field_mask |= KVW_CTX_FIELD_SECRET;
+        p.secret = c->secret;
+    }
+    uint32_t i;
+    char why[512];
+    kvw_ctx_h *ctx = cli_contexts(&p, inst->ranks, inst->n, prefill, bs_addr, bs_out, bs_cap,
+                                  &i, why, sizeof(why));
+    if (ctx == NULL)
+        fprintf(stderr, "demo: %s rank %u: %s\n", prefill ? "prefill" : "decode", i, why);
     return ctx;
-}
-
-static bool demo_terminal(kvw_room_state_t s)
-{
-    return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
 }
 
 /*
@@ -446,7 +378,7 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
                     }
             }
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!demo_terminal(kvw_sender_poll(snd[i])))
+            while (!cli_room_ended(kvw_sender_poll(snd[i])))
                 usleep(200);
             if (kvw_sender_poll(snd[i]) != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "demo: prefill room failed: %s\n", kvw_sender_failure(snd[i]));
@@ -523,7 +455,7 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
                 }
             }
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!demo_terminal(kvw_receiver_poll(rcv[i])))
+            while (!cli_room_ended(kvw_receiver_poll(rcv[i])))
                 usleep(100);
             kvw_room_metrics_t mt;
             kvw_receiver_metrics(rcv[i], &mt);

@@ -1,0 +1,65 @@
+/*
+ * Helpers shared by the CLI's subcommands (bench, bench --gpu, demo): full reads and
+ * writes on the pipes between a parent and its worker processes, medians, a few
+ * questions about a model's layers, and the device copies of GPU mode.
+ */
+#ifndef KVW_TOOLS_UTIL_H
+#define KVW_TOOLS_UTIL_H
+
+#include "testkit.h"
+
+#include <kvwire/xfer.h>
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* write(2) / read(2) until `len` bytes moved (EINTR retried). Return 0, or -1 on an
+ * error or end of file. */
+int cli_write_full(int fd, const void *buf, size_t len);
+int cli_read_full(int fd, void *buf, size_t len);
+
+/* qsort comparator for uint64_t. */
+int cli_cmp_u64(const void *a, const void *b);
+
+/* Median of n values (the mean of the middle two for even n; 0 for none). */
+uint64_t cli_median(const uint64_t *v, uint32_t n);
+
+/* Whether a room has ended (Success or Failed). */
+bool cli_room_ended(kvw_room_state_t s);
+
+/* The largest sliding window of the model's SWA layers (0: none). */
+uint64_t cli_swa_window(const kvt_model_t *m);
+
+/* Pages of `ps` tokens that hold tokens [b, e) (0 when b >= e). */
+uint32_t cli_pages_needed(uint64_t b, uint64_t e, uint32_t ps);
+
+/*
+ * One context per rank of ranks[0 .. n), from the template `tmpl` (all but side, rank,
+ * bootstrap address and host_bootstrap, which are set here). Prefill (`prefill`): rank 0
+ * hosts the bootstrap endpoint at bs_addr and the others register at the address it
+ * got, which is copied into bs_out; decode: every rank registers at bs_addr. Returns
+ * the array, or NULL after destroying the contexts already created, with *failed set to
+ * the rank that failed and "<status>: <reason>" in why.
+ */
+kvw_ctx_h *cli_contexts(const kvw_ctx_params_t *tmpl, kvt_rank_t *ranks, uint32_t n,
+                        bool prefill, const char *bs_addr, char *bs_out, size_t bs_cap,
+                        uint32_t *failed, char *why, size_t why_cap);
+
+/*
+ * GPU mode: every buffer of ranks[0 .. n) (with its guard bytes) gets a device copy on
+ * `device`, and each rank is described again with the device addresses; the host
+ * copies stay, for the reference and for checking. *dev_p gets, per rank and per
+ * buffer, the device allocation; free it with cli_gpu_free, after a failure too.
+ * Returns 0, or -1 with kvw_last_error() saying why.
+ */
+int cli_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p);
+
+/* Copies the device bytes (guards included) back into the ranks' host buffers. Returns
+ * 0, or -1 with kvw_last_error() saying why. */
+int cli_gpu_pull(kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
+
+/* Frees what cli_gpu_attach allocated (dev may be NULL or partly filled). */
+void cli_gpu_free(const kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
+
+#endif
