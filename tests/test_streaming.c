@@ -279,9 +279,28 @@ static void case_groups(env_t *e, uint64_t id, const uint32_t (*groups)[2], int 
     send_streamed(&rm, &c);
     for (int i = 0; i + 1 < n; i++)
         mark(&rm, &c, groups[i][0], groups[i][1]);
+    /* What engines attach (the first output token) is known at the end of the forward
+     * pass: a streamed last chunk takes metadata until its last layer is marked. */
+    char meta[64];
+    int mlen = snprintf(meta, sizeof(meta), "room %llu: first token", (unsigned long long)id);
+    CHECK(kvw_sender_set_metadata(rm.snd[0], meta, (size_t)mlen) == KVW_OK,
+          "[%s] %s: metadata during the stream: %s", e->name, what, kvw_last_error());
     check_partial(&rm, what);
     mark(&rm, &c, groups[n - 1][0], groups[n - 1][1]);
+    kvw_status_t st = kvw_sender_set_metadata(rm.snd[0], meta, 1);
+    CHECK(st == KVW_ERR_INVALID_PARAM &&
+              kvt_contains(kvw_last_error(), "before its last layer is marked ready"),
+          "[%s] %s: metadata after the last mark: %s: %s", e->name, what, kvw_status_string(st),
+          kvw_last_error());
     check_success(&rm, what);
+    for (uint32_t d = 0; d < e->nd; d++) {
+        char got[64] = "";
+        size_t glen = 0;
+        CHECK(kvw_receiver_metadata(rm.rcv[d], got, sizeof(got), &glen) == KVW_OK &&
+                  glen == (size_t)mlen && !memcmp(got, meta, glen),
+              "[%s] %s: decode %u metadata '%.*s' (%zu bytes): %s", e->name, what, d, (int)glen,
+              got, glen, kvw_last_error());
+    }
     /* Marking again after Success changes nothing. */
     for (uint32_t k = 0; k < e->np; k++)
         CHECK(kvw_sender_layers_ready(rm.snd[k], 0, NLAYERS) == KVW_OK, "[%s] %s: mark again: %s",

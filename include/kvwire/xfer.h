@@ -157,8 +157,9 @@ KVW_API kvw_status_t kvw_sender_layers_ready(kvw_sender_h sender, uint32_t layer
 /*
  * Attaches an opaque payload to the room (what engines call "aux" data: the first
  * output token, logprobs, hidden states for speculative decoding), 0..
- * KVW_MAX_ROOM_METADATA bytes, copied. Call it before the last chunk is sent; calling
- * it again replaces the payload. Every decode rank this prefill rank writes receives
+ * KVW_MAX_ROOM_METADATA bytes, copied. Call it before the last chunk is sent (a streamed
+ * last chunk: before its last layer is marked ready); calling it again replaces the
+ * payload. Every decode rank this prefill rank writes receives
  * it, and reaches Success only once it did (fail-closed, like the KV bytes). Errors:
  * INVALID_PARAM (after the last chunk, or too long).
  */

@@ -1269,11 +1269,18 @@ kvw_status_t kvw_sender_set_metadata(kvw_sender_h s, const void *data, size_t le
     struct kvw_ctx *ctx = s->room->ctx;
     kvw_room_t *r = s->room;
     pthread_mutex_lock(&ctx->mu);
-    if (r->have_last) {
+    /* A streamed last chunk is not over before its last layer is marked: its final
+     * completion (which carries the metadata's length) cannot go out before that, and
+     * what engines attach (the first output token) is known only at the end of the
+     * forward pass. */
+    const kvw_qchunk_t *sq = r->have_stream ? &r->chunks[r->stream_chunk] : NULL;
+    bool streaming_last = sq && sq->c.last_chunk && sq->unready;
+    if (r->have_last && !streaming_last) {
         pthread_mutex_unlock(&ctx->mu);
         free(copy);
         return kvw__error(KVW_ERR_INVALID_PARAM, "room %llu: metadata must be attached before "
-                          "the last chunk is sent", (unsigned long long)r->id);
+                          "the last chunk is sent (a streamed one: before its last layer is "
+                          "marked ready)", (unsigned long long)r->id);
     }
     free(r->meta);
     r->meta = copy;
