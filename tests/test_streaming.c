@@ -5,11 +5,13 @@
  *
  * In one process, over tcp and shm, prefill TP1 -> decode TP2 and prefill TP2 ->
  * decode TP1 (head slices on both sides), each with the direct and the staged path
- * forced (KVW_PATH). Cases: layers marked in order, out of order, some twice (and all
- * again after Success), a chunked prefill (two streamed chunks, the first one's SWA
- * layers carrying no bytes), an abort from either side in the middle of a stream, the
- * API's refusals, and (own contexts, short prefill wait timeout) layers never marked,
- * which must end in a timeout naming them.
+ * forced (KVW_PATH), and prefill PP2 -> decode TP1 (each stage marks its own layers).
+ * Cases: layers marked in order, out of order, some twice (and all again after
+ * Success), metadata attached while the last chunk streams, a chunked prefill (two
+ * streamed chunks, the first one's SWA layers carrying no bytes), an abort from either
+ * side in the middle of a stream, the API's refusals (a layer of another stage
+ * included), and (own contexts, short prefill wait timeout) layers never marked, which
+ * must end in a timeout naming them by their global numbers.
  *
  * Before the last group is marked, the test waits until the decode counted exactly the
  * bytes of the layers marked so far, then checks that no decode rank reached Success
@@ -39,17 +41,23 @@ static int failures;
     } while (0)
 
 #define NLAYERS 4
+#define KVT_MAX(a, b) ((a) > (b) ? (a) : (b))
+#define KVT_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define NTOK 40
 #define MAXR 2
 
 static kvt_model_t model;
 
-static kvw_status_t make_rank(uint32_t tp, uint32_t rank, kvt_rank_t *r)
+/* A rank of TP size tp; pp > 1: TP1 stage `rank` of pp stages of NLAYERS / pp layers. */
+static kvw_status_t make_rank(uint32_t tp, uint32_t pp, uint32_t rank, kvt_rank_t *r)
 {
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {32, 32}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
-                             .layer_end = model.m.num_layers, .dp_size = 1};
+    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = pp > 1 ? 0 : rank, .pp_size = pp,
+                             .pp_rank = pp > 1 ? rank : 0,
+                             .layer_begin = pp > 1 ? rank * (NLAYERS / pp) : 0,
+                             .layer_end = pp > 1 ? (rank + 1) * (NLAYERS / pp) : NLAYERS,
+                             .dp_size = 1};
     return kvt_rank_build(&s, r);
 }
 
@@ -68,7 +76,8 @@ static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *tl, const 
 
 typedef struct env {
     const char *tl, *path;
-    uint32_t np, nd; /* prefill and decode TP sizes */
+    uint32_t np, nd; /* prefill ranks (TP ranks, or PP stages) and decode TP size */
+    uint32_t pp;     /* prefill PP size (np stages of TP1 when > 1) */
     kvt_rank_t src[MAXR], dst[MAXR];
     kvw_ctx_h pctx[MAXR], dctx[MAXR];
     char name[64];
@@ -168,9 +177,15 @@ static void ref_layers(room_t *rm, const kvw_chunk_t *c, uint32_t lb, uint32_t l
  * that were not marked before (a layer marked again moves nothing more). */
 static void mark(room_t *rm, const kvw_chunk_t *c, uint32_t lb, uint32_t le)
 {
-    for (uint32_t k = 0; k < rm->e->np; k++)
-        CHECK(kvw_sender_layers_ready(rm->snd[k], lb, le) == KVW_OK, "[%s] mark [%u, %u): %s",
-              rm->e->name, lb, le, kvw_last_error());
+    for (uint32_t k = 0; k < rm->e->np; k++) {
+        /* Each prefill rank marks the layers of its own pipeline stage. */
+        uint32_t b = KVT_MAX(lb, rm->e->src[k].par.layer_begin);
+        uint32_t en = KVT_MIN(le, rm->e->src[k].par.layer_end);
+        if (b < en)
+            CHECK(kvw_sender_layers_ready(rm->snd[k], b, en) == KVW_OK,
+                  "[%s] mark [%u, %u) on prefill %u: %s", rm->e->name, b, en, k,
+                  kvw_last_error());
+    }
     if (c->chunk_begin != rm->chunk_begin) {
         rm->chunk_begin = c->chunk_begin;
         memset(rm->marked, 0, sizeof(rm->marked));
@@ -209,9 +224,25 @@ static void check_partial(room_t *rm, const char *when)
         CHECK(kvt_copy_compare(&e->dst[d], &rm->exp[d], "decode", msg, sizeof(msg)) == 0,
               "[%s] %s: decode %u: %s", e->name, when, d, msg);
     }
+    /* A prefill rank whose stage still has layers to mark cannot be done either (one
+     * whose stage is complete may be: a PP stage finishes on its own). */
+    for (uint32_t k = 0; k < e->np; k++) {
+        bool open = false;
+        for (uint32_t l = e->src[k].par.layer_begin; l < e->src[k].par.layer_end; l++)
+            open |= !rm->marked[l];
+        if (open)
+            CHECK(kvw_sender_poll(rm->snd[k]) != KVW_ROOM_SUCCESS,
+                  "[%s] %s: prefill %u succeeded", e->name, when, k);
+    }
+}
+
+/* The prefill rank holding layer l (rank 0 when every rank holds every layer). */
+static uint32_t holder(const env_t *e, uint32_t l)
+{
     for (uint32_t k = 0; k < e->np; k++)
-        CHECK(kvw_sender_poll(rm->snd[k]) != KVW_ROOM_SUCCESS, "[%s] %s: prefill %u succeeded",
-              e->name, when, k);
+        if (l >= e->src[k].par.layer_begin && l < e->src[k].par.layer_end)
+            return k;
+    return 0;
 }
 
 /* Success everywhere, and every byte equals the reference for the whole transfer
@@ -283,11 +314,12 @@ static void case_groups(env_t *e, uint64_t id, const uint32_t (*groups)[2], int 
      * pass: a streamed last chunk takes metadata until its last layer is marked. */
     char meta[64];
     int mlen = snprintf(meta, sizeof(meta), "room %llu: first token", (unsigned long long)id);
-    CHECK(kvw_sender_set_metadata(rm.snd[0], meta, (size_t)mlen) == KVW_OK,
+    uint32_t mk = holder(e, groups[n - 1][0]); /* a rank whose stream is still open */
+    CHECK(kvw_sender_set_metadata(rm.snd[mk], meta, (size_t)mlen) == KVW_OK,
           "[%s] %s: metadata during the stream: %s", e->name, what, kvw_last_error());
     check_partial(&rm, what);
     mark(&rm, &c, groups[n - 1][0], groups[n - 1][1]);
-    kvw_status_t st = kvw_sender_set_metadata(rm.snd[0], meta, 1);
+    kvw_status_t st = kvw_sender_set_metadata(rm.snd[mk], meta, 1);
     CHECK(st == KVW_ERR_INVALID_PARAM &&
               kvt_contains(kvw_last_error(), "before its last layer is marked ready"),
           "[%s] %s: metadata after the last mark: %s: %s", e->name, what, kvw_status_string(st),
@@ -303,8 +335,9 @@ static void case_groups(env_t *e, uint64_t id, const uint32_t (*groups)[2], int 
     }
     /* Marking again after Success changes nothing. */
     for (uint32_t k = 0; k < e->np; k++)
-        CHECK(kvw_sender_layers_ready(rm.snd[k], 0, NLAYERS) == KVW_OK, "[%s] %s: mark again: %s",
-              e->name, what, kvw_last_error());
+        CHECK(kvw_sender_layers_ready(rm.snd[k], e->src[k].par.layer_begin,
+                                      e->src[k].par.layer_end) == KVW_OK,
+              "[%s] %s: mark again: %s", e->name, what, kvw_last_error());
     room_close(&rm);
 }
 
@@ -346,7 +379,8 @@ static void case_abort(env_t *e, uint64_t id, bool by_decode)
     room_open(e, &rm, id);
     kvw_chunk_t c = chunk_of(0, NTOK);
     send_streamed(&rm, &c);
-    mark(&rm, &c, 0, 2);
+    mark(&rm, &c, 0, 1);
+    mark(&rm, &c, 2, 3); /* every PP stage keeps a layer to mark */
     check_partial(&rm, what);
     if (by_decode)
         kvw_receiver_abort(rm.rcv[0]);
@@ -361,7 +395,8 @@ static void case_abort(env_t *e, uint64_t id, bool by_decode)
             CHECK(kvt_contains(kvw_sender_failure(rm.snd[k]), "aborted by"),
                   "[%s] %s: prefill reason: %s", e->name, what, kvw_sender_failure(rm.snd[k]));
         /* The stream is over: marking more layers is refused with the room's status. */
-        kvw_status_t st = kvw_sender_layers_ready(rm.snd[k], 2, NLAYERS);
+        uint32_t le = rm.e->src[k].par.layer_end;
+        kvw_status_t st = kvw_sender_layers_ready(rm.snd[k], le - 1, le);
         CHECK(st == kvw_sender_status(rm.snd[k]) && st != KVW_OK &&
                   kvt_contains(kvw_last_error(), "already failed"),
               "[%s] %s: mark after abort: %s: %s", e->name, what, kvw_status_string(st),
@@ -390,16 +425,25 @@ static void case_refusals(env_t *e, uint64_t id)
     room_t rm;
     room_open(e, &rm, id);
     kvw_status_t st = kvw_sender_layers_ready(rm.snd[0], 0, 1);
+    const kvw_parallel_t *par = &e->src[0].par;
+    char want[128];
     CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), "has no streamed chunk"),
           "[%s] mark without a streamed chunk: %s: %s", e->name, kvw_status_string(st),
           kvw_last_error());
     kvw_chunk_t c = chunk_of(0, NTOK);
     send_streamed(&rm, &c);
     st = kvw_sender_layers_ready(rm.snd[0], 2, NLAYERS + 1);
-    CHECK(st == KVW_ERR_INVALID_PARAM &&
-              kvt_contains(kvw_last_error(), "layers [2, 5) lie outside this rank's pipeline "
-                                             "stage, layers [0, 4)"),
+    snprintf(want, sizeof(want), "layers [2, 5) lie outside this rank's pipeline stage, layers "
+             "[%u, %u)", par->layer_begin, par->layer_end);
+    CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), want),
           "[%s] mark outside the stage: %s: %s", e->name, kvw_status_string(st), kvw_last_error());
+    if (e->pp > 1) {
+        /* A layer of the other stage only. */
+        st = kvw_sender_layers_ready(rm.snd[0], par->layer_end, par->layer_end + 1);
+        CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), "lie outside"),
+              "[%s] mark of the next stage's layer: %s: %s", e->name, kvw_status_string(st),
+              kvw_last_error());
+    }
     st = kvw_sender_layers_ready(rm.snd[0], 3, 3);
     CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), "empty range"),
           "[%s] empty mark: %s: %s", e->name, kvw_status_string(st), kvw_last_error());
@@ -409,19 +453,23 @@ static void case_refusals(env_t *e, uint64_t id)
     room_close(&rm);
 }
 
-static bool env_open(env_t *e, const char *tl, const char *path, uint32_t np, uint32_t nd,
-                     uint32_t prefill_wait_ms)
+/* np prefill ranks: TP np, or (pp > 1) np PP stages of TP1. */
+static bool env_open(env_t *e, const char *tl, const char *path, uint32_t np, uint32_t pp,
+                     uint32_t nd, uint32_t prefill_wait_ms)
 {
     memset(e, 0, sizeof(*e));
-    e->tl = tl, e->path = path, e->np = np, e->nd = nd;
-    snprintf(e->name, sizeof(e->name), "%s TP%u->TP%u %s", tl, np, nd, path);
+    e->tl = tl, e->path = path, e->np = np, e->nd = nd, e->pp = pp;
+    if (pp > 1)
+        snprintf(e->name, sizeof(e->name), "%s PP%u->TP%u %s", tl, pp, nd, path);
+    else
+        snprintf(e->name, sizeof(e->name), "%s TP%u->TP%u %s", tl, np, nd, path);
     setenv("KVW_PATH", path, 1);
     for (uint32_t k = 0; k < np; k++) {
-        CHECK(make_rank(np, k, &e->src[k]) == KVW_OK, "%s", kvw_last_error());
+        CHECK(make_rank(pp > 1 ? 1 : np, pp, k, &e->src[k]) == KVW_OK, "%s", kvw_last_error());
         kvt_rank_fill(&e->src[k], 40 + k);
     }
     for (uint32_t d = 0; d < nd; d++) {
-        CHECK(make_rank(nd, d, &e->dst[d]) == KVW_OK, "%s", kvw_last_error());
+        CHECK(make_rank(nd, 1, d, &e->dst[d]) == KVW_OK, "%s", kvw_last_error());
         kvt_rank_fill(&e->dst[d], 50 + d);
     }
     if (failures)
@@ -459,17 +507,18 @@ static void env_close(env_t *e)
     unsetenv("KVW_PATH");
 }
 
-static void run(const char *tl, const char *path, uint32_t np, uint32_t nd)
+static void run(const char *tl, const char *path, uint32_t np, uint32_t pp, uint32_t nd)
 {
     env_t e;
-    if (env_open(&e, tl, path, np, nd, 60000)) {
+    if (env_open(&e, tl, path, np, pp, nd, 60000)) {
         static const uint32_t in_order[][2] = {{0, 1}, {1, 2}, {2, 3}, {3, 4}};
         static const uint32_t shuffled[][2] = {{2, 3}, {0, 1}, {3, 4}, {1, 2}};
         static const uint32_t twice[][2] = {{0, 2}, {1, 3}, {0, 1}, {2, 3}, {3, 4}};
         case_groups(&e, 1, in_order, 4, "in order");
         case_groups(&e, 2, shuffled, 4, "out of order");
         case_groups(&e, 3, twice, 5, "marked twice");
-        case_chunked(&e, 4);
+        if (pp == 1)
+            case_chunked(&e, 4); /* its refusal counts the layers of a whole-model rank */
         case_abort(&e, 5, true);
         case_abort(&e, 6, false);
         case_refusals(&e, 7);
@@ -482,7 +531,7 @@ static void run(const char *tl, const char *path, uint32_t np, uint32_t nd)
 static void run_timeout(const char *tl)
 {
     env_t e;
-    if (env_open(&e, tl, "staged", 1, 2, 3000)) {
+    if (env_open(&e, tl, "staged", 1, 1, 2, 3000)) {
         room_t rm;
         room_open(&e, &rm, 9);
         kvw_chunk_t c = chunk_of(0, NTOK);
@@ -513,6 +562,37 @@ static void run_timeout(const char *tl)
     env_close(&e);
 }
 
+/* The same with two pipeline stages: the first stage marks all its layers and
+ * succeeds; the second leaves its last layer (global layer 3) unmarked and times out
+ * naming it by its global number. */
+static void run_timeout_pp(const char *tl)
+{
+    env_t e;
+    if (env_open(&e, tl, "direct", 2, 2, 1, 3000)) {
+        room_t rm;
+        room_open(&e, &rm, 10);
+        kvw_chunk_t c = chunk_of(0, NTOK);
+        send_streamed(&rm, &c);
+        mark(&rm, &c, 0, 3);
+        kvw_room_state_t s = kvw_sender_wait(rm.snd[0], 60000);
+        CHECK(s == KVW_ROOM_SUCCESS, "[%s] stage 0 ended %s: %s", e.name,
+              kvw_room_state_string(s), kvw_sender_failure(rm.snd[0]));
+        s = kvw_sender_wait(rm.snd[1], 60000);
+        CHECK(s == KVW_ROOM_FAILED && kvw_sender_status(rm.snd[1]) == KVW_ERR_TIMEOUT &&
+                  kvt_contains(kvw_sender_failure(rm.snd[1]),
+                               "chunk [0, 40) waits for layer 3 to be marked ready"),
+              "[%s] stage 1 ended %s: %s", e.name, kvw_room_state_string(s),
+              kvw_sender_failure(rm.snd[1]));
+        s = kvw_receiver_wait(rm.rcv[0], 60000);
+        CHECK(s == KVW_ROOM_FAILED &&
+                  kvt_contains(kvw_receiver_failure(rm.rcv[0]), "waits for layer 3"),
+              "[%s] decode ended %s: %s", e.name, kvw_room_state_string(s),
+              kvw_receiver_failure(rm.rcv[0]));
+        room_close(&rm);
+    }
+    env_close(&e);
+}
+
 int main(void)
 {
     kvt_model_preset("gpt-oss-120b", &model);
@@ -521,10 +601,12 @@ int main(void)
     static const char *paths[] = {"direct", "staged"};
     for (int t = 0; t < 2; t++) {
         for (int p = 0; p < 2; p++) {
-            run(tls[t], paths[p], 1, 2);
-            run(tls[t], paths[p], 2, 1);
+            run(tls[t], paths[p], 1, 1, 2);
+            run(tls[t], paths[p], 2, 1, 1);
         }
+        run(tls[t], "direct", 2, 2, 1);
         run_timeout(tls[t]);
+        run_timeout_pp(tls[t]);
     }
     if (failures) {
         fprintf(stderr, "test_streaming: %d failures\n", failures);
