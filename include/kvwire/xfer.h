@@ -132,14 +132,34 @@ typedef struct kvw_send_chunk {
 
 KVW_API kvw_status_t kvw_sender_send(kvw_sender_h sender, const kvw_send_chunk_t *chunk);
 
+/*
+ * Layer-wise streaming: the KV of a chunk leaves layer by layer while the forward pass
+ * still computes the next layers. kvw_sender_send_streamed queues a chunk (as
+ * kvw_sender_send) none of whose layers is ready yet; kvw_sender_layers_ready marks the
+ * global layers [layer_begin, layer_end) of the room's latest streamed chunk ready, and
+ * the workers send each decode rank those layers at once, in their own step (staged
+ * windows are formed per layer group). Layers may be marked in any order and in ranges
+ * of any size; marking a layer again does nothing (idempotent). The decode's rule is
+ * unchanged: Success only once every layer of every chunk arrived, byte-exact. A room
+ * whose layers are not all marked fails when its wait timeout passes without progress,
+ * naming the layers missing. The next chunk (streamed or not) may be queued only once
+ * every layer of the streamed one was marked. Errors: INVALID_PARAM (an empty range,
+ * layers outside this rank's pipeline stage, no streamed chunk, the previous streamed
+ * chunk incomplete), the room's status once it failed (an abort stops the stream).
+ */
+KVW_API kvw_status_t kvw_sender_send_streamed(kvw_sender_h sender, const kvw_send_chunk_t *chunk);
+KVW_API kvw_status_t kvw_sender_layers_ready(kvw_sender_h sender, uint32_t layer_begin,
+                                             uint32_t layer_end);
+
 /* Largest per-room metadata payload. */
 #define KVW_MAX_ROOM_METADATA (64u << 10)
 
 /*
  * Attaches an opaque payload to the room (what engines call "aux" data: the first
  * output token, logprobs, hidden states for speculative decoding), 0..
- * KVW_MAX_ROOM_METADATA bytes, copied. Call it before the last chunk is sent; calling
- * it again replaces the payload. Every decode rank this prefill rank writes receives
+ * KVW_MAX_ROOM_METADATA bytes, copied. Call it before the last chunk is sent (a streamed
+ * last chunk: before its last layer is marked ready); calling it again replaces the
+ * payload. Every decode rank this prefill rank writes receives
  * it, and reaches Success only once it did (fail-closed, like the KV bytes). Errors:
  * INVALID_PARAM (after the last chunk, or too long).
  */

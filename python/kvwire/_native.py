@@ -264,6 +264,8 @@ _PROTOTYPES = {
     "kvw_ctx_bootstrap_addr": (ctypes.c_char_p, [_h]),
     "kvw_sender_create": (_st, [_h, _u64, _P(_h)]),
     "kvw_sender_send": (_st, [_h, _P(kvw_send_chunk_t)]),
+    "kvw_sender_send_streamed": (_st, [_h, _P(kvw_send_chunk_t)]),
+    "kvw_sender_layers_ready": (_st, [_h, _u32, _u32]),
     "kvw_sender_set_metadata": (_st, [_h, ctypes.c_void_p, ctypes.c_size_t]),
     "kvw_receiver_metadata": (_st, [_h, ctypes.c_void_p, ctypes.c_size_t,
                                     _P(ctypes.c_size_t)]),

@@ -960,13 +960,36 @@ class Sender(_Room):
         also carries the SWA window (swa_pages) and the state slot. The KV bytes must
         stay in place until the room leaves TRANSFERRING. Raises KvwireError (e.g. on
         a failed or aborted room)."""
+        self._queue(N.load().kvw_sender_send, num_tokens, begin, end, last, full_pages,
+                    full_first_token, swa_pages, swa_first_token, state_slot)
+
+    def send_streamed(self, num_tokens, begin=0, end=None, last=None, full_pages=(),
+                      full_first_token=0, swa_pages=(), swa_first_token=0, state_slot=-1):
+        """Queues one chunk like send(), but none of its layers is ready yet: the
+        forward pass marks them with layers_ready() as it proceeds, and each group of
+        layers leaves as soon as it is marked (kvw_sender_send_streamed). The next
+        chunk may be queued only once every layer of this one was marked."""
+        self._queue(N.load().kvw_sender_send_streamed, num_tokens, begin, end, last,
+                    full_pages, full_first_token, swa_pages, swa_first_token, state_slot)
+
+    def layers_ready(self, begin, end=None):
+        """Marks the global layers [begin, end) (end defaults to begin + 1) of the room's
+        latest streamed chunk ready. Any order; marking a layer again does nothing.
+        Raises KvwireError: ERR_INVALID_PARAM for an empty range, layers outside this
+        rank's pipeline stage or no streamed chunk; the room's status once it failed
+        (kvw_sender_layers_ready)."""
+        end = begin + 1 if end is None else end
+        _check(N.load().kvw_sender_layers_ready(self._handle(), begin, end))
+
+    def _queue(self, fn, num_tokens, begin, end, last, full_pages, full_first_token,
+               swa_pages, swa_first_token, state_slot):
         end = num_tokens if end is None else end
         last = (end == num_tokens) if last is None else bool(last)
         c = N.kvw_send_chunk_t(num_tokens=num_tokens, chunk_begin=begin, chunk_end=end,
                                last_chunk=1 if last else 0)
         keep = SidePages(full_pages, full_first_token, swa_pages, swa_first_token,
                          state_slot).fill_c(c.pages)
-        st = N.load().kvw_sender_send(self._handle(), ctypes.byref(c))
+        st = fn(self._handle(), ctypes.byref(c))
         del keep
         _check(st)
 

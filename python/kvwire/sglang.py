@@ -590,6 +590,7 @@ class KVSender(_Request):
         self.aux_index = None
         self._pages_sent = 0
         self._last_sent = False
+        self._stream = None  # layers still to be marked of a streamed chunk
 
     def _instance(self):
         return self.kv_mgr.bootstrap_addr
@@ -617,11 +618,16 @@ class KVSender(_Request):
     def should_send_kv_chunk(self, num_pages, last_chunk):
         return num_pages > 0 or bool(last_chunk)
 
-    def send(self, kv_indices, state_indices=None, token_position_offset=0):
+    def send(self, kv_indices, state_indices=None, token_position_offset=0, *, streamed=False):
         """Sends the next chunk: kv_indices are this rank's pages following those of
         the previous chunks; the chunk that completes num_kv_indices pages is the
         last, and carries the state (state_indices, one entry per state type) and
-        the aux data. A failure of the room shows in poll(); misuse raises."""
+        the aux data. A failure of the room shows in poll(); misuse raises.
+
+        streamed (keyword-only, a kvwire extension): the chunk's layers are still being
+        computed; layers_ready() marks them as the forward pass proceeds and each group
+        leaves at once. The aux data of a streamed last chunk is read when its last
+        layer is marked (the output token exists only then)."""
         if self.num_kv_indices is None:
             raise RuntimeError("KVSender.init() must come before send() (room %d)"
                                % self.bootstrap_room)
@@ -629,6 +635,9 @@ class KVSender(_Request):
             raise ValueError("token_position_offset=%r is not supported" % token_position_offset)
         if self._last_sent:
             raise RuntimeError("room %d: the last chunk was already sent" % self.bootstrap_room)
+        if self._stream:
+            raise RuntimeError("room %d: layers %s of the streamed chunk were never marked "
+                               "ready" % (self.bootstrap_room, sorted(self._stream)))
         pages = _ints(kv_indices, "kv_indices")
         ps = self.kv_mgr.page_size
         first = self._pages_sent
@@ -645,19 +654,56 @@ class KVSender(_Request):
             raise ValueError("room %d: state indices come with the last chunk only"
                              % self.bootstrap_room)
         end_tok = self.num_tokens if last else end_page * ps
+        if streamed:
+            par = self.kv_mgr.parallel
+            self._stream = set(range(par.layer_begin, par.layer_end))
+            self._stream_last = last
         if self._room is None:
             self._pages_sent, self._last_sent = end_page, last
             return
         try:
-            if last and self.kv_mgr.aux and self.aux_index is not None:
+            if last and not streamed and self.kv_mgr.aux and self.aux_index is not None:
                 self._room.set_metadata(self.kv_mgr.read_aux(self.aux_index))
-            if pages or last:
+            if streamed:
+                # A streamed chunk is queued even without pages: its marks name it.
+                self._room.send_streamed(self.num_tokens, first * ps, end_tok, last, pages,
+                                         first * ps, swa, swa_first, -1)
+            elif pages or last:
                 self._room.send(self.num_tokens, first * ps, end_tok, last, pages, first * ps,
                                 swa, swa_first, -1)
         except KvwireError as e:
             self._fail(e.message or str(e), e.status)
         self._pages_sent = end_page
         self._last_sent = last
+
+    def layers_ready(self, layer_begin, layer_end=None):
+        """Marks the global layers [layer_begin, layer_end) (layer_end defaults to
+        layer_begin + 1) of the streamed chunk ready (a kvwire extension; any order, a
+        layer marked twice is fine). Layers outside this rank's pipeline stage, or no
+        streamed chunk, raise ValueError; a failure of the room shows in poll()."""
+        layer_end = layer_begin + 1 if layer_end is None else layer_end
+        par = self.kv_mgr.parallel
+        if self._stream is None:
+            raise ValueError("room %d: no streamed chunk (send(..., streamed=True))"
+                             % self.bootstrap_room)
+        if not par.layer_begin <= layer_begin < layer_end <= par.layer_end:
+            raise ValueError("room %d: layers [%d, %d) are not a range of this rank's "
+                             "pipeline stage, layers [%d, %d)" % (self.bootstrap_room,
+                                                                  layer_begin, layer_end,
+                                                                  par.layer_begin,
+                                                                  par.layer_end))
+        rest = self._stream - set(range(layer_begin, layer_end))
+        if self._room is None:
+            self._stream = rest
+            return
+        try:
+            if not rest and self._stream and self._stream_last and self.kv_mgr.aux and \
+                    self.aux_index is not None:
+                self._room.set_metadata(self.kv_mgr.read_aux(self.aux_index))
+            self._room.layers_ready(layer_begin, layer_end)
+        except KvwireError as e:
+            self._fail(e.message or str(e), e.status)
+        self._stream = rest
 
     def poll(self):
         """KVPoll: Bootstrapping until a decode rank posted its pages for the room,

@@ -559,6 +559,68 @@ class TestSGLangBackendUnits(unittest.TestCase):
                 dm.close()
                 pm.close()
 
+    def test_streamed_layers(self):
+        # send(..., streamed=True) then layers_ready() as the forward pass proceeds: the
+        # decode holds exactly the layers marked, is not Success before the last one,
+        # and the aux data written at the end of the forward pass arrives with it.
+        kinds = ["full", "full", "full"]
+        model = kvwire.Model(kinds, num_kv_heads=8, head_dim=64, elem_size=2)
+        with KVBootstrapServer("127.0.0.1", 0) as server:
+            p = SglRank(model, 1, 0, 15, kinds)
+            d = SglRank(model, 1, 0, 16, kinds)
+            pm = KVManager(p.args, "prefill", server_args(1, server.port),
+                           model_config=model_config(kinds), transport=TRANSPORT)
+            dm = KVManager(d.args, "decode", server_args(1), model_config=model_config(kinds),
+                           transport=TRANSPORT, wait_timeout_ms=60000)
+            try:
+                before = d.hr.snapshot()
+                req = {"room": 311, "n": 48, "prefix": 0}
+                sp = req_pages([req], 3)
+                dp = req_pages([req], 4)
+                rv = KVReceiver(dm, server.address, 311)
+                rv.init(0)
+                rv.send_metadata(dp[311][0], 5)
+                s = KVSender(pm, server.address, 311, [0], 0)
+                t_end = time.monotonic() + DEADLINE
+                while s.poll() == KVPoll.Bootstrapping:
+                    self.assertLess(time.monotonic(), t_end)
+                    time.sleep(0.001)
+                s.init(3, 2)
+                with self.assertRaisesRegex(ValueError, "no streamed chunk"):
+                    s.layers_ready(0)
+                s.send(sp[311][0], streamed=True)
+                with self.assertRaisesRegex(ValueError, r"layers \[2, 4\) are not a range"):
+                    s.layers_ready(2, 4)
+                s.layers_ready(2)
+                s.layers_ready(0)
+                s.layers_ready(2)
+                expect = [bytearray(x) for x in before]
+                U.ref_apply(model, [p.hr], [p.hr.snapshot()], [sp], d.hr, expect, dp, req)
+                partial = [bytearray(x) if pl.layer == 1 else bytearray(e)
+                           for x, e, pl in zip(before, expect, d.hr.planes)]
+                want = 2 * 48 * 8 * 128 * 2  # two layers of K and V, 8 heads of 128 bytes
+                while rv.get_transfer_metric().transfer_total_bytes < want and rv.poll() != KVPoll.Failed:
+                    self.assertLess(time.monotonic(), t_end)
+                    time.sleep(0.001)
+                self.assertEqual(rv.get_transfer_metric().transfer_total_bytes, want)
+                self.assertEqual(rv.poll(), KVPoll.Transferring)
+                for j, pl in enumerate(d.hr.planes):
+                    self.assertTrue(pl.mem == partial[j], U.first_difference(pl.mem, partial[j]))
+                p.set_aux(2, aux_payload(311))   # the forward pass produced the token
+                s.layers_ready(1)
+                while rv.poll() not in (KVPoll.Success, KVPoll.Failed):
+                    self.assertLess(time.monotonic(), t_end)
+                    time.sleep(0.001)
+                self.assertEqual(rv.poll(), KVPoll.Success,
+                                 rv._room.failure_reason if rv._room else rv._error)
+                self.assertEqual(d.get_aux(5), aux_payload(311))
+                for j, pl in enumerate(d.hr.planes):
+                    self.assertTrue(pl.mem == expect[j], U.first_difference(pl.mem, expect[j]))
+                self.assertNotEqual([bytes(x) for x in before], [bytes(x.mem) for x in d.hr.planes])
+            finally:
+                dm.close()
+                pm.close()
+
     def test_aux_layout_mismatch_fails_closed(self):
         # Same total aux bytes, different split: the decode must not scatter them.
         kinds = ["full"]

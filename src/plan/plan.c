@@ -325,7 +325,8 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
             const kvw_comp_view_t *dv = &dst->views[i];
             const kvw_comp_view_t *sv = kvw__rank_find_view(src, dv);
             kvw_seg_t base = {.src_buf = sv->buf, .dst_buf = dv->buf, .pool = dv->pool,
-                              .tok_begin = tb, .tok_end = te, .src = sv->view, .dst = dv->view};
+                              .tok_begin = tb, .tok_end = te, .layer = l, .src = sv->view,
+                              .dst = dv->view};
             if (dv->comp == KVW_COMP_STATE) {
                 /* Each group is sharded on its own; its units sit side by side in a slot. */
                 const kvw_buffer_desc_t *sb = &src->bufs[sv->buf], *db = &dst->bufs[dv->buf];
@@ -378,10 +379,8 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
         }
     }
     plan->num_routes = nroutes;
-    for (uint32_t i = 0; i < plan->num_segs; i++) {
-        const kvw_seg_t *s = &plan->segs[i];
-        plan->bytes += (s->tok_end - s->tok_begin) * s->num_heads * s->head_bytes;
-    }
+    for (uint32_t i = 0; i < plan->num_segs; i++)
+        plan->bytes += kvw__seg_bytes(&plan->segs[i]);
     plan->alloc_bytes = sizeof(*plan) + sizeof(*plan->segs) * seg_cap +
                         sizeof(uint32_t) * npages;
     *plan_p = plan;
@@ -390,6 +389,21 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
 err_free:
     kvw_plan_destroy(plan);
     return st;
+}
+
+void kvw__plan_keep_layers(struct kvw_plan *plan, const uint8_t *keep, uint32_t layer_begin,
+                           uint32_t n)
+{
+    uint32_t kept = 0;
+    plan->bytes = 0;
+    for (uint32_t i = 0; i < plan->num_segs; i++) {
+        uint32_t l = plan->segs[i].layer;
+        if (l < layer_begin || l - layer_begin >= n || !keep[l - layer_begin])
+            continue;
+        plan->segs[kept++] = plan->segs[i];
+        plan->bytes += kvw__seg_bytes(&plan->segs[i]);
+    }
+    plan->num_segs = kept;
 }
 
 void kvw_plan_destroy(kvw_plan_h plan)

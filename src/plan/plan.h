@@ -44,6 +44,7 @@ typedef struct kvw_seg {
     uint32_t num_heads;        /* heads copied */
     uint32_t src_head, dst_head; /* first head, local to each buffer */
     uint64_t tok_begin, tok_end; /* absolute token range [begin, end) */
+    uint32_t layer;              /* global model layer; segments come in layer order */
     kvw_view_t src, dst;
 } kvw_seg_t;
 
@@ -58,6 +59,20 @@ struct kvw_plan {
     uint64_t bytes;
     uint64_t alloc_bytes;
 };
+
+/* Bytes a segment moves (what kvw__seg_walk emits for it, in total). */
+static inline uint64_t kvw__seg_bytes(const kvw_seg_t *s)
+{
+    return (s->tok_end - s->tok_begin) * s->num_heads * s->head_bytes;
+}
+
+/*
+ * Keeps only the segments of layers [layer_begin, layer_begin + n) whose `keep` entry
+ * is non-zero (layer streaming: a step moves the layers marked ready since the last
+ * one) and recounts the plan's bytes. Page maps are left as they are.
+ */
+void kvw__plan_keep_layers(struct kvw_plan *plan, const uint8_t *keep, uint32_t layer_begin,
+                           uint32_t n);
 
 /* Byte offset of (token t, local head h) for one side of a segment. */
 static inline uint64_t kvw__view_offset(const kvw_view_t *v, const kvw_page_map_t *m, uint64_t t,

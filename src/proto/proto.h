@@ -121,6 +121,10 @@ typedef struct kvw_qchunk {
     kvw_chunk_t c;
     kvw_side_pages_t pages;
     uint32_t *store;
+    /* Streamed chunks (kvw_sender_send_streamed): one byte per layer of this rank's
+     * stage, set once the engine marked the layer ready; NULL: every layer is ready. */
+    uint8_t *ready;
+    uint32_t unready; /* layers not marked yet */
 } kvw_qchunk_t;
 
 /* Prefill: one decode rank's half of a room. */
@@ -130,6 +134,9 @@ typedef struct kvw_room_dst {
     kvw_side_pages_t pages;
     uint32_t *store;
     uint32_t next_chunk; /* chunks sent so far */
+    /* Layers of chunk next_chunk already sent (streamed chunks; one byte per layer of
+     * this rank's stage, allocated on first use, cleared when the chunk is done). */
+    uint8_t *sent;
     bool last_sent;
     bool acked;          /* the decode rank confirmed every byte landed */
     bool busy;           /* a worker is sending to this decode rank */
@@ -171,6 +178,8 @@ typedef struct kvw_room {
     kvw_qchunk_t *chunks;
     uint32_t num_chunks, cap_chunks;
     bool have_last;
+    bool have_stream;     /* some chunk was streamed; stream_chunk is the latest */
+    uint32_t stream_chunk;
     uint64_t num_tokens;
     /* decode */
     uint32_t src_dp;

@@ -81,11 +81,15 @@ void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room)
 
 void kvw__room_free(kvw_room_t *r)
 {
-    for (uint32_t i = 0; i < r->num_dsts; i++)
+    for (uint32_t i = 0; i < r->num_dsts; i++) {
         free(r->dsts[i].store);
+        free(r->dsts[i].sent);
+    }
     free(r->dsts);
-    for (uint32_t i = 0; i < r->num_chunks; i++)
+    for (uint32_t i = 0; i < r->num_chunks; i++) {
         free(r->chunks[i].store);
+        free(r->chunks[i].ready);
+    }
     free(r->chunks);
     free(r->srcs);
     for (int p = 0; p < KVW_NUM_POOLS; p++)
@@ -332,6 +336,37 @@ static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size
              "rank posted)", r->dst_dp, connected, group, r->num_dsts, needed);
 }
 
+/* The layers a streamed chunk still waits for, as " (chunk [b, e) waits for layers 3,
+ * 5-7 to be marked ready)", for the timeout message of a room whose engine never
+ * marked them; "" when no streamed chunk waits. */
+static void kvw_room_unready(struct kvw_ctx *ctx, const kvw_room_t *r, char *buf, size_t cap)
+{
+    buf[0] = '\0';
+    if (!r->have_stream || r->chunks[r->stream_chunk].unready == 0)
+        return;
+    const kvw_qchunk_t *q = &r->chunks[r->stream_chunk];
+    uint32_t lb = ctx->rank->par.layer_begin, n = ctx->rank->par.layer_end - lb;
+    size_t len = (size_t)snprintf(buf, cap, " (chunk [%llu, %llu) waits for layer%s ",
+                                  (unsigned long long)q->c.chunk_begin,
+                                  (unsigned long long)q->c.chunk_end, q->unready > 1 ? "s" : "");
+    const char *sep = "";
+    for (uint32_t l = 0; l < n && len < cap; l++) {
+        if (q->ready[l])
+            continue;
+        uint32_t e = l;
+        while (e + 1 < n && !q->ready[e + 1])
+            e++;
+        if (e == l)
+            len += (size_t)snprintf(buf + len, cap - len, "%s%u", sep, lb + l);
+        else
+            len += (size_t)snprintf(buf + len, cap - len, "%s%u-%u", sep, lb + l, lb + e);
+        sep = ", ";
+        l = e;
+    }
+    if (len < cap)
+        snprintf(buf + len, cap - len, " to be marked ready)");
+}
+
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
 {
     for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
@@ -340,9 +375,11 @@ void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
             kvw_room_t *r = *pp;
             bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;
             if (!terminal && now > r->deadline_ns) {
-                char why[160] = "";
+                char why[200] = "";
                 if (r->is_sender && r->state == KVW_ROOM_BOOTSTRAPPING)
                     kvw_room_waiting(ctx, r, why, sizeof(why));
+                else if (r->is_sender)
+                    kvw_room_unready(ctx, r, why, sizeof(why));
                 kvw__room_fail(ctx, r, KVW_ERR_TIMEOUT, true,
                                "room %llu timed out after %u ms in state %s%s",
                                (unsigned long long)r->id, ctx->wait_timeout_ms,
@@ -433,13 +470,32 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
     return r->dsts_known;
 }
 
-/* A decode rank of the room with chunks to send that no worker serves yet, or -1. */
-static int kvw_room_next_dst(const kvw_room_t *r)
+/* Whether decode rank `d` has something to be sent: a chunk it has not been sent whose
+ * layers are all ready (plain chunks), or some of them ready and not sent yet
+ * (streamed chunks). */
+static bool kvw_dst_has_work(const struct kvw_ctx *ctx, const kvw_room_t *r,
+                             const kvw_room_dst_t *d)
+{
+    if (d->next_chunk >= r->num_chunks)
+        return false;
+    const kvw_qchunk_t *q = &r->chunks[d->next_chunk];
+    if (q->ready == NULL)
+        return true;
+    uint32_t n = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
+    for (uint32_t l = 0; l < n; l++)
+        if (q->ready[l] && (d->sent == NULL || !d->sent[l]))
+            return true;
+    return false;
+}
+
+/* A decode rank of the room with work (kvw_dst_has_work) that no worker serves yet, or
+ * -1. */
+static int kvw_room_next_dst(const struct kvw_ctx *ctx, const kvw_room_t *r)
 {
     if (r->state == KVW_ROOM_FAILED)
         return -1;
     for (uint32_t i = 0; i < r->num_dsts; i++)
-        if (!r->dsts[i].busy && r->dsts[i].next_chunk < r->num_chunks)
+        if (!r->dsts[i].busy && kvw_dst_has_work(ctx, r, &r->dsts[i]))
             return (int)i;
     return -1;
 }
@@ -464,7 +520,7 @@ static void kvw_sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
     }
     /* Work exists when some decode rank that no worker serves has chunks it has not been
      * sent (a busy one's worker sends new chunks itself before it lets go). */
-    if (kvw_room_next_dst(r) >= 0)
+    if (kvw_room_next_dst(ctx, r) >= 0)
         kvw__queue_room(ctx, r);
 }
 
@@ -673,6 +729,14 @@ static kvw_status_t kvw_stage_copy(const struct kvw_plan *plan, bool gather, uin
 {
     kvw_stage_io_t io = {.plan = plan, .buf = buf, .wb = wb, .we = we, .gather = gather};
     for (uint32_t i = 0; i < plan->num_segs; i++) {
+        /* Segments wholly before the window only move the position: a window late in
+         * the stream (the last layers of a streamed chunk) does not walk every run
+         * before it. */
+        uint64_t sb = kvw__seg_bytes(&plan->segs[i]);
+        if (io.pos + sb <= wb) {
+            io.pos += sb;
+            continue;
+        }
         kvw_status_t st = kvw__seg_walk(plan, &plan->segs[i], kvw_stage_emit, &io);
         if (st == KVW_INPROGRESS)
             return KVW_OK;
@@ -736,57 +800,96 @@ static kvw_status_t kvw_notify_done(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_w
     return st;
 }
 
-/* Sends one staged chunk: ask for space, gather, one bulk put, notify; repeat. */
+/* Whether a step moves segment `s`: every segment (take NULL), or those of the layers
+ * taken (one byte per layer of the stage starting at layer_begin). */
+static bool kvw_seg_taken(const kvw_seg_t *s, const uint8_t *take, uint32_t layer_begin)
+{
+    return take == NULL || (s->layer >= layer_begin && take[s->layer - layer_begin]);
+}
+
+/*
+ * Sends one staged step: ask for space, gather, one bulk put, notify; repeat. A plain
+ * chunk is one byte range, the whole plan's stream; a streamed step moves, for each run
+ * of consecutive segments of the layers it takes, that run's range of the stream.
+ * Windows are formed per range (per layer group) and never straddle two, and their
+ * offsets stay those of the whole chunk's stream: the decode rank scatters a window by
+ * its offset in the chunk's plan and needs to know nothing of the layers. Only the last
+ * window of a step that completes the chunk is final.
+ */
 static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
                                     kvw_peer_t *peer, const struct kvw_plan *plan,
-                                    const kvw_chunk_t *c, uint64_t *runs_p, uint64_t *out_ns_p,
+                                    const kvw_chunk_t *c, const uint8_t *take, bool final,
+                                    uint64_t *bytes_p, uint64_t *runs_p, uint64_t *out_ns_p,
                                     uint32_t meta_len)
 {
-    uint64_t total = plan->bytes, piece_max = KVW_MIN(peer->staging_len / 4, 16ull << 20);
+    uint32_t lb = ctx->rank->par.layer_begin;
+    uint64_t total = 0, piece_max = KVW_MIN(peer->staging_len / 4, 16ull << 20);
+    for (uint32_t i = 0; i < plan->num_segs; i++)
+        if (kvw_seg_taken(&plan->segs[i], take, lb))
+            total += kvw__seg_bytes(&plan->segs[i]);
+    *bytes_p = total;
+    if (total == 0) {
+        /* None of this step's layers holds bytes for this decode rank (SWA layers of an
+         * early chunk): only the completion goes, which may be the final one. */
+        kvw_wbuf_t w;
+        kvw_put_done(&w, r->id, peer->id_at_remote, c, 0, false, 0, 0, 0, final, meta_len);
+        return kvw_notify_done(ctx, peer, &w, out_ns_p);
+    }
     uint8_t *buf = malloc(KVW_MAX(KVW_MIN(total, piece_max), 1));
     if (buf == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
     kvw_status_t st = KVW_OK;
-    for (uint64_t pos = 0; pos < total && st == KVW_OK;) {
-        uint64_t len = KVW_MIN(total - pos, piece_max);
-        pthread_mutex_lock(&ctx->mu);
-        r->dsts[di].grant_off = -1;
-        kvw_wbuf_t w;
-        kvw__wb_init(&w, KVW_MSG_STAGE_ASK);
-        kvw__wb_u64(&w, r->id);
-        kvw__wb_u64(&w, len);
-        kvw__peer_send(ctx, peer, &w);
-        /* Credits: wait until the decode rank grants space (back-pressure). The room's
-         * own timeout and peer failure both wake this wait. */
-        while (r->dsts[di].grant_off < 0 && r->state != KVW_ROOM_FAILED && !ctx->stopping &&
-               !peer->dead)
-            pthread_cond_wait(&ctx->cv, &ctx->mu);
-        int64_t goff = r->dsts[di].grant_off;
-        uint64_t glen = r->dsts[di].grant_len;
-        bool failed = r->state == KVW_ROOM_FAILED || ctx->stopping || peer->dead;
-        pthread_mutex_unlock(&ctx->mu);
-        if (failed) {
-            st = kvw__error(KVW_ERR_ABORTED, "the room ended while waiting for staging space");
-            break;
+    uint64_t sent = 0, pos = 0;
+    for (uint32_t i = 0; i < plan->num_segs && st == KVW_OK;) {
+        if (!kvw_seg_taken(&plan->segs[i], take, lb)) {
+            pos += kvw__seg_bytes(&plan->segs[i++]);
+            continue;
         }
-        if (glen != len || (uint64_t)goff + len > peer->staging_len) {
-            st = kvw__error(KVW_ERR_MALFORMED, "staging grant [%lld, +%llu) does not match the "
-                            "%llu bytes asked", (long long)goff, (unsigned long long)glen,
-                            (unsigned long long)len);
-            break;
+        uint64_t range_begin = pos;
+        while (i < plan->num_segs && kvw_seg_taken(&plan->segs[i], take, lb))
+            pos += kvw__seg_bytes(&plan->segs[i++]);
+        for (uint64_t wpos = range_begin; wpos < pos && st == KVW_OK;) {
+            uint64_t len = KVW_MIN(pos - wpos, piece_max);
+            pthread_mutex_lock(&ctx->mu);
+            r->dsts[di].grant_off = -1;
+            kvw_wbuf_t w;
+            kvw__wb_init(&w, KVW_MSG_STAGE_ASK);
+            kvw__wb_u64(&w, r->id);
+            kvw__wb_u64(&w, len);
+            kvw__peer_send(ctx, peer, &w);
+            /* Credits: wait until the decode rank grants space (back-pressure). The
+             * room's own timeout and peer failure both wake this wait. */
+            while (r->dsts[di].grant_off < 0 && r->state != KVW_ROOM_FAILED && !ctx->stopping &&
+                   !peer->dead)
+                pthread_cond_wait(&ctx->cv, &ctx->mu);
+            int64_t goff = r->dsts[di].grant_off;
+            uint64_t glen = r->dsts[di].grant_len;
+            bool failed = r->state == KVW_ROOM_FAILED || ctx->stopping || peer->dead;
+            pthread_mutex_unlock(&ctx->mu);
+            if (failed) {
+                st = kvw__error(KVW_ERR_ABORTED, "the room ended while waiting for staging space");
+                break;
+            }
+            if (glen != len || (uint64_t)goff + len > peer->staging_len) {
+                st = kvw__error(KVW_ERR_MALFORMED, "staging grant [%lld, +%llu) does not match "
+                                "the %llu bytes asked", (long long)goff, (unsigned long long)glen,
+                                (unsigned long long)len);
+                break;
+            }
+            if ((st = kvw_stage_copy(plan, true, buf, wpos, wpos + len)) != KVW_OK)
+                break;
+            kvw_tl_put_t put = {.src = buf, .rkey = peer->staging_rkey,
+                                .dst_off = (uint64_t)goff, .len = len};
+            if ((st = ctx->tl_ops->put(peer->ep, r->id, &put, 1)) != KVW_OK)
+                break;
+            sent += len;
+            kvw_wbuf_t dw;
+            kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, wpos, len,
+                         (uint64_t)goff, final && sent == total, meta_len);
+            st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
+            wpos += len;
+            (*runs_p)++;
         }
-        if ((st = kvw_stage_copy(plan, true, buf, pos, pos + len)) != KVW_OK)
-            break;
-        kvw_tl_put_t put = {.src = buf, .rkey = peer->staging_rkey, .dst_off = (uint64_t)goff,
-                            .len = len};
-        if ((st = ctx->tl_ops->put(peer->ep, r->id, &put, 1)) != KVW_OK)
-            break;
-        kvw_wbuf_t dw;
-        kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, pos, len, (uint64_t)goff,
-                     pos + len == total, meta_len);
-        st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
-        pos += len;
-        (*runs_p)++;
     }
     free(buf);
     return st;
@@ -864,12 +967,16 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
     }
 }
 
+/* `take` (NULL: every layer) names the layers this step moves, one byte per layer of
+ * this rank's stage; `final`: the step completes the chunk for this decode rank. */
 static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
                                     const kvw_room_dst_t *d, const kvw_qchunk_t *q,
-                                    kvw_peer_t *peer, uint64_t *bytes_p, uint64_t *runs_p,
-                                    bool *staged_p, uint64_t *out_ns_p, uint32_t meta_len,
-                                    kvw_gpu_q_t *g, uint64_t *seq_p)
+                                    const uint8_t *take, bool final, kvw_peer_t *peer,
+                                    uint64_t *bytes_p, uint64_t *runs_p, bool *staged_p,
+                                    uint64_t *out_ns_p, uint32_t meta_len, kvw_gpu_q_t *g,
+                                    uint64_t *seq_p)
 {
+    uint32_t lb = ctx->rank->par.layer_begin, nl = ctx->rank->par.layer_end - lb;
     kvw_chunk_t c = q->c;
     c.prefix_len = d->prefix_len;
     if (c.prefix_len > c.num_tokens)
@@ -884,6 +991,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         if ((st = kvw_plan_create(ctx->rank, peer->mapped, &c, &q->pages, &d->pages, &plan)) !=
             KVW_OK)
             return st;
+        if (take)
+            kvw__plan_keep_layers(plan, take, lb, nl);
         *bytes_p = plan->bytes;
         *runs_p = plan->num_segs;
         int dev = kvw__rank_cuda_device(ctx->rank);
@@ -892,7 +1001,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             if (st == KVW_OK) {
                 kvw_wbuf_t w;
                 kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
-                             true, meta_len);
+                             final, meta_len);
                 st = kvw_notify_done(ctx, peer, &w, out_ns_p);
             }
             kvw_plan_destroy(plan);
@@ -910,7 +1019,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             st = kvw__cuda_step_launch(plan, &e->slot, &prof);
         if (st == KVW_OK) {
             kvw_put_done(&e->done, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
-                         true, meta_len);
+                         final, meta_len);
             if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
                 kvw__wb_free(&e->done);
         }
@@ -933,13 +1042,18 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     st = kvw_plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
     if (st != KVW_OK)
         return st;
-    *bytes_p = plan->bytes;
+    /* Staged or direct is decided on the whole chunk's plan, so that every step of a
+     * streamed chunk takes the same path. */
     *staged_p = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
     if (*staged_p) {
-        st = kvw_send_staged(ctx, r, di, peer, plan, &c, runs_p, out_ns_p, meta_len);
+        st = kvw_send_staged(ctx, r, di, peer, plan, &c, take, final, bytes_p, runs_p, out_ns_p,
+                             meta_len);
         kvw_plan_destroy(plan);
         return st;
     }
+    if (take)
+        kvw__plan_keep_layers(plan, take, lb, nl);
+    *bytes_p = plan->bytes;
     kvw_put_ctx_t *pc = malloc(sizeof(*pc));
     if (pc == NULL) {
         kvw_plan_destroy(plan);
@@ -951,8 +1065,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         st = kvw_put_flush(pc);
     if (st == KVW_OK) {
         kvw_wbuf_t w;
-        kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, true,
-                         meta_len);
+        kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, final,
+                     meta_len);
         st = kvw_notify_done(ctx, peer, &w, out_ns_p);
     }
     *runs_p = pc->runs;
@@ -1028,7 +1142,7 @@ void *kvw__worker_main(void *arg)
         if (ctx->q_head == NULL)
             ctx->q_tail = NULL;
         r->queued = false;
-        int di = kvw_room_next_dst(r);
+        int di = kvw_room_next_dst(ctx, r);
         if (di < 0) {
             kvw_sender_update(ctx, r);
             continue;
@@ -1039,18 +1153,46 @@ void *kvw__worker_main(void *arg)
         kvw__room_hop(r, KVW_HOP_WORKER, true);
         if (!r->start_ns)
             r->start_ns = kvw__now_ns();
-        if (kvw_room_next_dst(r) >= 0)
+        if (kvw_room_next_dst(ctx, r) >= 0)
             kvw__queue_room(ctx, r); /* another worker takes the next decode rank */
         uint64_t job_seq = 0; /* this job's last GPU step still to be reaped, if any */
+        uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
         while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
             kvw_room_dst_t *d = &r->dsts[i];
             kvw_peer_t *peer = ctx->peers[d->peer];
             kvw_qchunk_t q = r->chunks[d->next_chunk];
+            /* A streamed chunk: take the layers marked ready and not sent to this decode
+             * rank yet, as one step; the step completes the chunk when no layer is left.
+             * With none ready, the job ends here and kvw_sender_layers_ready queues the
+             * room again. */
+            uint8_t *take = NULL;
+            bool final = true;
+            if (q.ready) {
+                if (d->sent == NULL && (d->sent = calloc(nl, 1)) == NULL) {
+                    kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
+                    break;
+                }
+                if ((take = calloc(nl, 1)) == NULL) {
+                    kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
+                    break;
+                }
+                uint32_t taken = 0, done = 0;
+                for (uint32_t l = 0; l < nl; l++) {
+                    done += d->sent[l];
+                    if (q.ready[l] && !d->sent[l])
+                        take[l] = 1, taken++;
+                }
+                if (taken == 0) {
+                    free(take);
+                    break;
+                }
+                final = done + taken == nl;
+            }
             kvw_room_dst_t dcopy = *d;
             /* The room's metadata goes out on the control channel before the last
-             * chunk's completion, which announces its length. */
+             * chunk's final completion, which announces its length. */
             uint32_t meta_len = 0;
-            if (q.c.last_chunk && r->has_meta) {
+            if (q.c.last_chunk && final && r->has_meta) {
                 meta_len = r->meta_len;
                 kvw_wbuf_t mw;
                 kvw__wb_init(&mw, KVW_MSG_META);
@@ -1062,8 +1204,8 @@ void *kvw__worker_main(void *arg)
             uint64_t bytes = 0, runs = 0, out_ns = 0;
             bool staged = false;
             uint64_t seq = 0;
-            kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, peer, &bytes, &runs,
-                                              &staged, &out_ns, meta_len, &g, &seq);
+            kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, take, final, peer, &bytes,
+                                              &runs, &staged, &out_ns, meta_len, &g, &seq);
             if (seq)
                 job_seq = seq;
             char msg[512];
@@ -1071,11 +1213,19 @@ void *kvw__worker_main(void *arg)
             pthread_mutex_lock(&ctx->mu);
             d = &r->dsts[i];
             if (st != KVW_OK) {
+                free(take);
                 if (r->state != KVW_ROOM_FAILED)
                     kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc, msg);
                 if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
                     kvw__peer_dead(ctx, peer, st, msg);
                 break;
+            }
+            if (take) {
+                for (uint32_t l = 0; l < nl; l++)
+                    d->sent[l] |= take[l];
+                free(take);
+                if (final)
+                    memset(d->sent, 0, nl); /* the next chunk starts with none sent */
             }
             r->bytes += bytes;
             r->runs += runs;
@@ -1083,6 +1233,8 @@ void *kvw__worker_main(void *arg)
             if (out_ns) /* GPU steps stamp it when their completion goes out */
                 r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
             kvw__room_touch(ctx, r);
+            if (!final)
+                continue;
             if (q.c.last_chunk)
                 d->last_sent = true;
             d->next_chunk++;
@@ -1149,11 +1301,18 @@ kvw_status_t kvw_sender_set_metadata(kvw_sender_h s, const void *data, size_t le
     struct kvw_ctx *ctx = s->room->ctx;
     kvw_room_t *r = s->room;
     pthread_mutex_lock(&ctx->mu);
-    if (r->have_last) {
+    /* A streamed last chunk is not over before its last layer is marked: its final
+     * completion (which carries the metadata's length) cannot go out before that, and
+     * what engines attach (the first output token) is known only at the end of the
+     * forward pass. */
+    const kvw_qchunk_t *sq = r->have_stream ? &r->chunks[r->stream_chunk] : NULL;
+    bool streaming_last = sq && sq->c.last_chunk && sq->unready;
+    if (r->have_last && !streaming_last) {
         pthread_mutex_unlock(&ctx->mu);
         free(copy);
         return kvw__error(KVW_ERR_INVALID_PARAM, "room %llu: metadata must be attached before "
-                          "the last chunk is sent", (unsigned long long)r->id);
+                          "the last chunk is sent (a streamed one: before its last layer is "
+                          "marked ready)", (unsigned long long)r->id);
     }
     free(r->meta);
     r->meta = copy;
@@ -1241,10 +1400,13 @@ static void kvw_handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *r
     kvw_receiver_done(ctx, r);
 }
 
-kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
+/* Queues a chunk; `streamed`: none of its layers is ready yet (kvw_sender_layers_ready
+ * marks them). */
+static kvw_status_t kvw_sender_queue(kvw_sender_h s, const kvw_send_chunk_t *chunk,
+                                     bool streamed, const char *fn)
 {
     if (s == NULL || chunk == NULL || s->room->ctx == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_sender_send: NULL argument or no context");
+        return kvw__error(KVW_ERR_INVALID_PARAM, "%s: NULL argument or no context", fn);
     if (chunk->chunk_begin > chunk->chunk_end || chunk->chunk_end > chunk->num_tokens ||
         (chunk->last_chunk && chunk->chunk_end != chunk->num_tokens))
         return kvw__error(KVW_ERR_INVALID_PARAM, "chunk [%llu, %llu) of a %llu-token request%s",
@@ -1267,16 +1429,33 @@ kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
                sizeof(uint32_t) * chunk->pages.swa.num_pages);
     q.pages.full.pages = q.store;
     q.pages.swa.pages = q.store + chunk->pages.full.num_pages;
+    uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
+    if (streamed) {
+        q.unready = nl;
+        if ((q.ready = calloc(KVW_MAX(nl, 1), 1)) == NULL) {
+            free(q.store);
+            return kvw__error(KVW_ERR_NO_MEMORY, "out of memory queuing a chunk");
+        }
+    }
 
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = s->room;
     kvw_status_t st = KVW_OK;
+    const kvw_qchunk_t *cur = r->have_stream ? &r->chunks[r->stream_chunk] : NULL;
     if (r->state == KVW_ROOM_FAILED)
         st = kvw__error(r->status ? r->status : KVW_ERR_ABORTED, "room %llu already failed: %s",
                         (unsigned long long)r->id, r->reason);
     else if (r->have_last)
         st = kvw__error(KVW_ERR_INVALID_PARAM, "room %llu already sent its last chunk",
                         (unsigned long long)r->id);
+    else if (cur && cur->unready)
+        /* Marks name layers, not chunks: they apply to the latest streamed chunk, so the
+         * next chunk may come only once its forward pass is over. */
+        st = kvw__error(KVW_ERR_INVALID_PARAM, "room %llu: streamed chunk [%llu, %llu) still "
+                        "waits for %u of its %u layers; mark them ready before queuing the "
+                        "next chunk", (unsigned long long)r->id,
+                        (unsigned long long)cur->c.chunk_begin,
+                        (unsigned long long)cur->c.chunk_end, cur->unready, nl);
     else if (r->num_tokens && r->num_tokens != chunk->num_tokens)
         st = kvw__error(KVW_ERR_INVALID_PARAM, "room %llu: chunk says %llu tokens, earlier ones %llu",
                         (unsigned long long)r->id, (unsigned long long)chunk->num_tokens,
@@ -1292,6 +1471,7 @@ kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
     if (st != KVW_OK) {
         pthread_mutex_unlock(&ctx->mu);
         free(q.store);
+        free(q.ready);
         return st;
     }
     r->num_tokens = chunk->num_tokens;
@@ -1303,12 +1483,73 @@ kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
                            (unsigned long long)chunk->num_tokens);
             break;
         }
+    if (streamed) {
+        r->have_stream = true;
+        r->stream_chunk = r->num_chunks;
+    }
     r->chunks[r->num_chunks++] = q;
     r->have_last |= chunk->last_chunk != 0;
-    if (chunk->last_chunk)
+    if (chunk->last_chunk && !streamed)
         kvw__room_hop(r, KVW_HOP_SEND, false);
     kvw__room_touch(ctx, r);
     kvw_sender_update(ctx, r);
+    pthread_mutex_unlock(&ctx->mu);
+    return KVW_OK;
+}
+
+kvw_status_t kvw_sender_send(kvw_sender_h s, const kvw_send_chunk_t *chunk)
+{
+    return kvw_sender_queue(s, chunk, false, "kvw_sender_send");
+}
+
+kvw_status_t kvw_sender_send_streamed(kvw_sender_h s, const kvw_send_chunk_t *chunk)
+{
+    return kvw_sender_queue(s, chunk, true, "kvw_sender_send_streamed");
+}
+
+kvw_status_t kvw_sender_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint32_t layer_end)
+{
+    if (s == NULL || s->room->ctx == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "kvw_sender_layers_ready: NULL argument or no context");
+    struct kvw_ctx *ctx = s->room->ctx;
+    uint32_t lb = ctx->rank->par.layer_begin, le = ctx->rank->par.layer_end;
+    if (layer_begin >= layer_end || layer_begin < lb || layer_end > le)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "layers [%u, %u) %s this rank's pipeline "
+                          "stage, layers [%u, %u)", layer_begin, layer_end,
+                          layer_begin >= layer_end ? "are an empty range of" : "lie outside",
+                          lb, le);
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = s->room;
+    kvw_status_t st = KVW_OK;
+    if (r->state == KVW_ROOM_FAILED)
+        st = kvw__error(r->status ? r->status : KVW_ERR_ABORTED, "room %llu already failed: %s",
+                        (unsigned long long)r->id, r->reason);
+    else if (!r->have_stream)
+        st = kvw__error(KVW_ERR_INVALID_PARAM, "room %llu has no streamed chunk to mark layers "
+                        "of (kvw_sender_send_streamed)", (unsigned long long)r->id);
+    if (st != KVW_OK) {
+        pthread_mutex_unlock(&ctx->mu);
+        return st;
+    }
+    /* Idempotent: a layer marked again is already ready and nothing more happens (per-
+     * layer hooks of an engine may report a layer twice; readiness is a set). */
+    kvw_qchunk_t *q = &r->chunks[r->stream_chunk];
+    uint32_t fresh = 0;
+    for (uint32_t l = layer_begin; l < layer_end; l++)
+        if (!q->ready[l - lb]) {
+            q->ready[l - lb] = 1;
+            fresh++;
+        }
+    q->unready -= fresh;
+    if (fresh) {
+        /* For a streamed last chunk, the engine has handed everything over once its last
+         * layer is ready. */
+        if (q->unready == 0 && q->c.last_chunk)
+            kvw__room_hop(r, KVW_HOP_SEND, false);
+        kvw__room_touch(ctx, r);
+        kvw_sender_update(ctx, r);
+    }
     pthread_mutex_unlock(&ctx->mu);
     return KVW_OK;
 }

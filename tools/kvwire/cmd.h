@@ -16,6 +16,9 @@ void kvw_cmd_register(kvw_cmd_t *cmd);
 /* kvwire bench --latency (bench_latency.c). */
 int kvw_bench_latency(int argc, char **argv);
 
+/* kvwire bench --stream (bench_stream.c). */
+int kvw_bench_stream(int argc, char **argv);
+
 #define KVW_CMD(name_, fn_, help_)                                                       \
     static kvw_cmd_t kvw_cmd_##fn_ = {name_, fn_, help_, 0};                            \
     __attribute__((constructor)) static void kvw_cmd_reg_##fn_(void)                   \

@@ -1587,6 +1587,8 @@ static void b_usage(FILE *f)
             "  --gpu                 KV caches in GPU memory over cuda_ipc (kvwire bench --gpu --help)\n"
             "  --latency             small-room latency against the raw round trip\n"
             "                        (kvwire bench --latency --help)\n"
+            "  --stream              layer-wise streaming against sending after the forward\n"
+            "                        pass (kvwire bench --stream --help)\n"
             "  --transport LIST      shm, tcp, ucx, a comma list, or all (default: all compiled in)\n"
             "  --model NAME          model preset (default gpt-oss-120b)\n"
             "  --layers N            keep the first N layers (default 12; 0 = all)\n"
@@ -1644,13 +1646,15 @@ int kvw_bench_gpu(int argc, char **argv); /* cmd_bench_gpu.c */
 
 static int cmd_bench(int argc, char **argv)
 {
-    /* KV caches in GPU memory, and small-room latency: separate benchmarks with their
-     * own options. */
+    /* KV caches in GPU memory, small-room latency and layer-wise streaming: separate
+     * benchmarks with their own options. */
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--gpu"))
             return kvw_bench_gpu(argc, argv);
         if (!strcmp(argv[i], "--latency"))
             return kvw_bench_latency(argc, argv);
+        if (!strcmp(argv[i], "--stream"))
+            return kvw_bench_stream(argc, argv);
     }
     bench_cfg_t c = {.model = "gpt-oss-120b", .layers = 12, .ptp = 1, .dtp = 4,
                      .lengths = {64, 256, 1024, 4096, 8192}, .num_lengths = 5, .reps = 5,
