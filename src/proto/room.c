@@ -148,6 +148,27 @@ void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64
                            (unsigned long long)len, (unsigned long long)ctx->staging_len);
         return;
     }
+    /* Only a prefill rank that writes this room may ask for space for it (anyone else is
+     * not speaking the protocol: its connection goes), and it asks for one window at a
+     * time: a second request before the first was granted fails the room. This bounds
+     * the waiting list by the rooms' sources. */
+    bool src = false;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        src |= r->srcs[i].peer == peer->id;
+    if (!src) {
+        char why[96];
+        snprintf(why, sizeof(why), "asked for staging space for room %llu, which it does not "
+                 "write", (unsigned long long)room);
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
+        return;
+    }
+    for (uint32_t i = 0; i < ctx->num_waits; i++)
+        if (ctx->waits[i].room == room && ctx->waits[i].peer == peer->id) {
+            kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true,
+                           "%s asked for staging space for room %llu again before its previous "
+                           "request was granted", peer->desc, (unsigned long long)room);
+            return;
+        }
     /* Waiters are served in order, so a large request is not starved by small ones. */
     if (ctx->num_waits == 0 && kvw_stage_try(ctx, peer, room, len))
         return;
