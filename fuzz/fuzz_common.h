@@ -340,6 +340,7 @@ __attribute__((unused)) static struct kvw_ctx *fzc_ctx_new(kvw_side_t side, kvw_
     ctx->rank = rank;
     ctx->tl_ops = &fzc_tl_ops;
     ctx->listen_fd = -1;
+    ctx->bs_fd = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "127.0.0.1");
     snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "127.0.0.1:1");
     ctx->heartbeat_ms = 200;

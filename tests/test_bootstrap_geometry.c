@@ -207,6 +207,21 @@ int main(void)
     expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_tp=1 against the full TP2",
                    "TP 1", "TP 2");
 
+    /* A rank that goes away takes its bootstrap entry with it (its registration
+     * connection closes): a decode then waits for the instance to be whole again instead
+     * of connecting to a rank that no longer exists. When the rank comes back, the
+     * instance is whole again. */
+    kvw_ctx_destroy(pctx[1]);
+    pctx[1] = NULL;
+    st = make_decode(&dst, bs, 2, 1, 1, 3000, &dctx);
+    expect_refused(st, dctx, KVW_ERR_TIMEOUT, "TP2 decode after rank 1 went away",
+                   "1 of 2 prefill ranks registered", NULL);
+    CHECK(make_prefill(&src[1], bs, false, &pctx[1]) == KVW_OK, "%s", kvw_last_error());
+    st = make_decode(&dst, bs, 2, 1, 1, 5000, &dctx);
+    CHECK(st == KVW_OK, "TP2 decode after rank 1 came back: %s", kvw_last_error());
+    if (st == KVW_OK)
+        kvw_ctx_destroy(dctx);
+
     kvw_ctx_destroy(pctx[1]);
     kvw_ctx_destroy(pctx[0]);
     for (int k = 0; k < 2; k++)

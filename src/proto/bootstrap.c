@@ -31,6 +31,8 @@
 
 typedef struct kvw_bs_conn {
     int fd;
+    uint64_t id;
+    bool holds; /* it registered with KVW_MSG_BS_HOLD: its entries live as long as it */
     struct sockaddr_storage src; /* source address (port ignored) */
     uint64_t accepted_ns, deadline_ns;
     bool heard; /* some byte arrived since accept */
@@ -75,15 +77,16 @@ static void kvw_bs_get_entry(kvw_rbuf_t *r, kvw_bs_entry_t *e)
 }
 
 /* Handles one frame into an answer *w; returns false to drop the connection. */
-static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_wbuf_t *wp, uint8_t type, const uint8_t *p,
-                          uint32_t len)
+static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp, uint8_t type,
+                          const uint8_t *p, uint32_t len)
 {
     kvw_rbuf_t r;
     kvw_wbuf_t w;
     kvw__rb_init(&r, p, len);
-    if (type == KVW_MSG_BS_REGISTER) {
+    if (type == KVW_MSG_BS_REGISTER || type == KVW_MSG_BS_HOLD) {
         kvw_bs_entry_t e;
         kvw_bs_get_entry(&r, &e);
+        e.owner = type == KVW_MSG_BS_HOLD ? c->id : 0;
         if (kvw__rb_done(&r, "bootstrap register") != KVW_OK || e.tp >= e.tp_size ||
             e.dp >= KVW_MAX(e.dp_size, 1) || e.pp >= KVW_MAX(e.pp_size, 1))
             return false;
@@ -108,6 +111,8 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_wbuf_t *wp, uint8_t type, con
             bs->entries[i] = e; /* a restarted rank replaces its old entry */
             if (i == bs->num_entries)
                 bs->num_entries++;
+            if (type == KVW_MSG_BS_HOLD)
+                c->holds = true;
         }
         pthread_mutex_unlock(&bs->mu);
         if (full) {
@@ -140,6 +145,20 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_wbuf_t *wp, uint8_t type, con
     return true;
 }
 
+/* Drops the entries a closing connection held (its rank died or was destroyed). */
+static void kvw_bs_release(kvw_bootstrap_t *bs, const kvw_bs_conn_t *c)
+{
+    if (!c->holds)
+        return;
+    pthread_mutex_lock(&bs->mu);
+    uint32_t kept = 0;
+    for (uint32_t j = 0; j < bs->num_entries; j++)
+        if (bs->entries[j].owner != c->id)
+            bs->entries[kept++] = bs->entries[j];
+    bs->num_entries = kept;
+    pthread_mutex_unlock(&bs->mu);
+}
+
 static void kvw_bs_close(kvw_bs_conn_t *c)
 {
     close(c->fd);
@@ -167,6 +186,8 @@ static bool kvw_bs_make_room(kvw_bs_conn_t *conns, int *n_p, const struct sockad
     int n = *n_p, same = 0;
     int oldest_any = -1, oldest_same = -1;
     for (int i = 0; i < n; i++) {
+        if (conns[i].holds)
+            continue; /* a registered rank's connection: never displaced, counted apart */
         bool s = kvw_bs_same_source(&conns[i].src, src);
         same += s;
         if (conns[i].heard)
@@ -236,7 +257,7 @@ static bool kvw_bs_read(kvw_bootstrap_t *bs, kvw_bs_conn_t *c)
         uint32_t len;
         kvw__wire_header(c->hdr, &type, &len);
         kvw_wbuf_t w;
-        bool ok = kvw_bs_handle(bs, &w, type, c->payload, c->payload_len);
+        bool ok = kvw_bs_handle(bs, c, &w, type, c->payload, c->payload_len);
         free(c->payload);
         c->payload = NULL;
         c->hdr_got = 0;
@@ -263,9 +284,10 @@ static bool kvw_bs_write(kvw_bs_conn_t *c)
     if (c->out) {
         free(c->out);
         c->out = NULL;
-        /* The next frame gets a fresh deadline. */
-        c->deadline_ns = kvw__now_ns() + KVW_BS_FRAME_MS * 1000000ull;
-        c->heard = false;
+        /* The next frame gets a fresh deadline; a connection that holds a registration
+         * stays open without one (it only waits for its rank to go away). */
+        c->deadline_ns = c->holds ? UINT64_MAX : kvw__now_ns() + KVW_BS_FRAME_MS * 1000000ull;
+        c->heard = c->holds;
         c->accepted_ns = kvw__now_ns();
     }
     return true;
@@ -278,6 +300,7 @@ static void *kvw_bs_main(void *arg)
     kvw_bs_conn_t *conns = calloc(KVW_BS_MAX_CONNS, sizeof(*conns));
     int n = 0;
     uint64_t pause_until = 0; /* accept paused (out of fds) until then */
+    uint64_t next_id = 0;      /* connection ids (entries name the one holding them) */
     if (conns == NULL)
         return NULL;
     for (;;) {
@@ -311,6 +334,7 @@ static void *kvw_bs_main(void *arg)
             if (keep && c->deadline_ns <= now)
                 keep = false;
             if (!keep) {
+                kvw_bs_release(bs, c);
                 kvw_bs_close(c);
                 conns[i] = conns[--n];
             }
@@ -332,7 +356,8 @@ static void *kvw_bs_main(void *arg)
                     continue;
                 }
                 uint64_t t = kvw__now_ns();
-                conns[n++] = (kvw_bs_conn_t){.fd = fd, .src = src, .accepted_ns = t,
+                conns[n++] = (kvw_bs_conn_t){.fd = fd, .id = ++next_id, .src = src,
+                                             .accepted_ns = t,
                                              .deadline_ns = t + KVW_BS_FRAME_MS * 1000000ull};
             }
         }
@@ -422,8 +447,20 @@ void kvw__bootstrap_stop(kvw_bootstrap_t *bs)
     free(bs);
 }
 
+static kvw_status_t kvw_bs_call_fd(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
+                                   uint8_t want, uint8_t **payload_p, uint32_t *len_p,
+                                   int *keep_fd);
+
 static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
                                 uint8_t want, uint8_t **payload_p, uint32_t *len_p)
+{
+    return kvw_bs_call_fd(bs_addr, w, deadline_ns, want, payload_p, len_p, NULL);
+}
+
+/* One request and its answer; keep_fd: on success the connection stays open there. */
+static kvw_status_t kvw_bs_call_fd(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
+                                   uint8_t want, uint8_t **payload_p, uint32_t *len_p,
+                                   int *keep_fd)
 {
     char host[128];
     uint16_t port;
@@ -457,21 +494,24 @@ static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t dea
         free(*payload_p);
         *payload_p = NULL;
     }
-    close(fd);
+    if (st == KVW_OK && keep_fd)
+        *keep_fd = fd;
+    else
+        close(fd);
     return st;
 }
 
-kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
-                                     uint64_t deadline_ns)
+static kvw_status_t kvw_bs_register(const char *bs_addr, const kvw_bs_entry_t *e,
+                                     uint64_t deadline_ns, int *keep_fd)
 {
     kvw_status_t st;
     do {
         kvw_wbuf_t w;
         uint8_t *p = NULL;
         uint32_t len = 0;
-        kvw__wb_init(&w, KVW_MSG_BS_REGISTER);
+        kvw__wb_init(&w, keep_fd ? KVW_MSG_BS_HOLD : KVW_MSG_BS_REGISTER);
         kvw_bs_put_entry(&w, e);
-        st = kvw_bs_call(bs_addr, &w, deadline_ns, KVW_MSG_BS_OK, &p, &len);
+        st = kvw_bs_call_fd(bs_addr, &w, deadline_ns, KVW_MSG_BS_OK, &p, &len, keep_fd);
         kvw__wb_free(&w);
         free(p);
         if (st == KVW_OK)
@@ -482,6 +522,19 @@ kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *
     } while (kvw__now_ns() < deadline_ns);
     return kvw__error(KVW_ERR_TIMEOUT, "cannot register with the bootstrap endpoint %s: %s",
                       bs_addr, kvw_last_error());
+}
+
+kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
+                                     uint64_t deadline_ns)
+{
+    return kvw_bs_register(bs_addr, e, deadline_ns, NULL);
+}
+
+kvw_status_t kvw__bootstrap_hold(const char *bs_addr, const kvw_bs_entry_t *e,
+                                 uint64_t deadline_ns, int *fd_p)
+{
+    *fd_p = -1;
+    return kvw_bs_register(bs_addr, e, deadline_ns, fd_p);
 }
 
 /* Checks a table against what the decode expects. Returns KVW_OK when it is complete,

@@ -1410,6 +1410,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     if (fm & KVW_CTX_FIELD_INSTANCE)
         ctx->instance_id = params->instance_id;
     ctx->listen_fd = -1;
+    ctx->bs_fd = -1;
     for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
         ctx->hs[i].fd = -1;
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
@@ -1495,7 +1496,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                             .dp_size = KVW_MAX(par->dp_size, 1), .tp_size = par->tp_size,
                             .pp_size = KVW_MAX(par->pp_size, 1)};
         snprintf(e.addr, sizeof(e.addr), "%s:%u", ctx->listen_host, ctx->listen_port);
-        if ((st = kvw__bootstrap_register(ctx->bootstrap_addr, &e, deadline)) != KVW_OK)
+        if ((st = kvw__bootstrap_hold(ctx->bootstrap_addr, &e, deadline, &ctx->bs_fd)) != KVW_OK)
             goto err;
     } else {
         /* Register every buffer, then register with every prefill rank. */
@@ -1668,6 +1669,8 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
             r = next;
         }
     }
+    if (ctx->bs_fd >= 0)
+        close(ctx->bs_fd); /* the endpoint drops this rank's entry */
     kvw__bootstrap_stop(ctx->bs);
     if (ctx->listen_fd >= 0)
         close(ctx->listen_fd);

@@ -32,6 +32,7 @@ typedef struct kvw_bs_entry {
     uint32_t dp, tp, pp;
     uint32_t dp_size, tp_size, pp_size;
     char addr[128]; /* control endpoint host:port */
+    uint64_t owner; /* endpoint side: the connection holding the entry (0: none) */
 } kvw_bs_entry_t;
 
 typedef struct kvw_bootstrap kvw_bootstrap_t;
@@ -41,6 +42,10 @@ const char *kvw__bootstrap_addr(kvw_bootstrap_t *bs);
 void kvw__bootstrap_stop(kvw_bootstrap_t *bs);
 kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
                                      uint64_t deadline_ns);
+/* Registers and keeps the connection (*fd_p): the endpoint drops the entry as soon as
+ * the connection closes, so a rank that dies or is destroyed leaves no stale entry. */
+kvw_status_t kvw__bootstrap_hold(const char *bs_addr, const kvw_bs_entry_t *e,
+                                 uint64_t deadline_ns, int *fd_p);
 /* Waits until the table holds every rank of the instance (sizes from the entries or
  * the expected sizes when non-zero). *entries_p is malloc'd. */
 kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
@@ -271,6 +276,7 @@ struct kvw_ctx {
 
     int listen_fd;
     uint16_t listen_port;
+    int bs_fd; /* prefill: the connection that holds this rank's bootstrap entry */
     int wake_fd[2];
     kvw_peer_t **peers;
     uint32_t num_peers, cap_peers;
