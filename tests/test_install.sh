@@ -85,6 +85,12 @@ if [[ -x "$prefix/bin/kvwire" ]]; then
     "$prefix/bin/kvwire" info >"$tmp/info" 2>&1 || fail "installed kvwire info failed"
     head -1 "$tmp/info" | grep -qx "kvwire $version" ||
         fail "kvwire info says '$(head -1 "$tmp/info")', expected 'kvwire $version'"
+    # The CLI is a client of the installed shared library, through its public API only.
+    readelf -d "$prefix/bin/kvwire" | grep -q 'NEEDED.*libkvwire\.so\.0' ||
+        fail "the installed CLI does not link libkvwire.so.0"
+    if nm "$prefix/bin/kvwire" 2>/dev/null | grep -qE ' [TtDdBb] kvw__'; then
+        fail "the installed CLI carries internal kvw__ symbols (a copy of the library)"
+    fi
 else
     fail "bin/kvwire not installed"
 fi

@@ -96,6 +96,18 @@ KVW_API kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *c
 /* Fails every open room with "context destroyed", stops threads, frees everything. */
 KVW_API void kvw_ctx_destroy(kvw_ctx_h ctx);
 
+/* Transports this library can open by name (built in, or a module it found), as a
+ * NULL-terminated list: "tcp", "shm", "ucx", "cuda_ipc", ... */
+KVW_API const char *const *kvw_transport_names(void);
+
+/* One setting kvwire reads from the environment: its name, default and meaning. */
+typedef struct kvw_config_var {
+    const char *name, *default_value, *help;
+} kvw_config_var_t;
+
+/* Every environment setting kvwire reads; *count_p gets how many. */
+KVW_API const kvw_config_var_t *kvw_config_vars(size_t *count_p);
+
 /* The bootstrap endpoint this context hosts ("host:port"), or NULL. */
 KVW_API const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx);
 

@@ -23,7 +23,6 @@
 #include <kvwire/mem.h>
 #include <kvwire/xfer.h>
 
-#include "transport/transport.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -1636,7 +1635,7 @@ static int b_parse_lengths(const char *s, bench_cfg_t *c)
 
 static bool b_tl_compiled(const char *name)
 {
-    for (const char *const *n = kvw__tl_names(); *n; n++)
+    for (const char *const *n = kvw_transport_names(); *n; n++)
         if (!strcmp(*n, name))
             return true;
     return false;
@@ -1740,7 +1739,7 @@ static int cmd_bench(int argc, char **argv)
     }
 
     /* Transports. */
-    const char *const *compiled = kvw__tl_names();
+    const char *const *compiled = kvw_transport_names();
     if (!strcmp(tl_arg, "all")) {
         /* Same-host transports first: shm, tcp, then the others compiled in. */
         static const char *const order[] = {"shm", "tcp", "ucx"};

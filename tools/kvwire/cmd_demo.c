@@ -12,7 +12,6 @@
 #include "testkit.h"
 #include "util.h"
 
-#include "transport/transport.h" /* kvw__tl_names: the transports built into the library */
 
 #include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
@@ -571,7 +570,7 @@ static void demo_usage(FILE *f)
 {
     char built[128] = "", models[256] = "";
     size_t len = 0;
-    for (const char *const *n = kvw__tl_names(); *n && len < sizeof(built); n++)
+    for (const char *const *n = kvw_transport_names(); *n && len < sizeof(built); n++)
         len += (size_t)snprintf(built + len, sizeof(built) - len, "%s%s", len ? ", " : "", *n);
     len = 0;
     for (const char *const *n = kvt_model_names(); *n && len < sizeof(models); n++)

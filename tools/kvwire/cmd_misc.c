@@ -3,50 +3,35 @@
 
 #include <kvwire/xfer.h>
 
-#include "proto/proto.h"
-
 #include <signal.h>
+#include <stdbool.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
-
-/* Environment variables kvwire reads, in one table (name, default, help). */
-static const struct {
-    const char *name, *def, *help;
-} kvw_env_table[] = {
-    {"KVW_CUDA_MODULE", "libkvwire_cuda.so next to libkvwire",
-     "path of the CUDA module loaded at run time"},
-    {"KVW_TL_MODULE_DIR", "next to libkvwire, ../lib, loader path",
-     "the only directory searched for transport modules (libkvwire-ucx.so)"},
-    {"KVW_UCX_TIMEOUT_MS", "10000", "deadline of every UCX wait (flush, put, notify)"},
-    {"KVW_UCX_PUT", "am", "am: writes as active messages the receiver applies; rma: ucp_put"},
-    {"KVW_UCX_ERR_MODE", "peer", "peer: detect dead peers (UCX then uses tcp lanes); none"},
-    {"KVW_WORKERS", "4", "prefill sender threads per context (decode ranks served in parallel)"},
-    {"KVW_GPU_INFLIGHT", "8", "GPU copy kernels in flight per sender thread (1..8; 1 waits for each)"},
-    {"KVW_STAGING_MB", "64", "decode staging area for gathered head slices, per rank"},
-    {"KVW_PATH", "auto", "direct | staged: force the data path of every plan"},
-    {"KVW_BUSY_POLL_US", "0", "spin this long for the next event before sleeping (latency)"},
-    {"UCX_TLS", "(UCX default)", "UCX transports to use; set tcp across network namespaces"},
-};
 
 static int cmd_info(int argc, char **argv)
 {
     (void)argc;
     (void)argv;
     printf("kvwire %s\n\ntransports compiled in:\n", kvw_version());
-    for (const char *const *n = kvw__tl_names(); *n; n++)
+    for (const char *const *n = kvw_transport_names(); *n; n++)
         printf("  %s\n", *n);
     printf("\nenvironment:\n");
-    for (size_t i = 0; i < sizeof(kvw_env_table) / sizeof(kvw_env_table[0]); i++)
-        printf("  %-20s default %-36s %s\n", kvw_env_table[i].name, kvw_env_table[i].def,
-               kvw_env_table[i].help);
-#ifdef KVW_HAVE_UCX
-    printf("\nUCX devices and transports on this machine (ucx_info -d):\n");
-    fflush(stdout);
-    if (system("ucx_info -d 2>/dev/null | grep -E '^#\\s+(Transport|Device):' | paste - - "
-               "| sed 's/#//g;s/  */ /g;s/^/  /' | sort -u") != 0)
-        printf("  (ucx_info not available: install ucx-utils)\n");
-#endif
+    size_t nv = 0;
+    const kvw_config_var_t *v = kvw_config_vars(&nv);
+    for (size_t i = 0; i < nv; i++)
+        printf("  %-20s default %-36s %s\n", v[i].name, v[i].default_value, v[i].help);
+    bool ucx = false;
+    for (const char *const *n = kvw_transport_names(); *n; n++)
+        ucx |= !strcmp(*n, "ucx");
+    if (ucx) {
+        printf("\nUCX devices and transports on this machine (ucx_info -d):\n");
+        fflush(stdout);
+        if (system("ucx_info -d 2>/dev/null | grep -E '^#\\s+(Transport|Device):' | paste - - "
+                   "| sed 's/#//g;s/  */ /g;s/^/  /' | sort -u") != 0)
+            printf("  (ucx_info not available: install ucx-utils)\n");
+    }
     return 0;
 }
 
