@@ -97,7 +97,36 @@ static void forger_done(const char *tl_name, kvw_tl_h tl, kvw_tl_ep_h ep)
     ops->fini(tl);
 }
 
-/* Another local user must not get a connection to the decode rank's shm socket. */
+/* The other-user side of the check below, in a fresh process image (started with
+ * --as-other-user HEXADDR): it drops to uid/gid 65534 and tries to connect. Exit 0: the
+ * connection was refused; 1: it connected; 3: it could not run. */
+static int as_other_user(const char *hex)
+{
+    uint8_t addr[KVW_TL_MAX_ADDR];
+    size_t alen = strlen(hex) / 2;
+    if (alen == 0 || alen > sizeof(addr))
+        return 3;
+    for (size_t i = 0; i < alen; i++) {
+        unsigned v;
+        if (sscanf(hex + 2 * i, "%2x", &v) != 1)
+            return 3;
+        addr[i] = (uint8_t)v;
+    }
+    if (setgid(65534) != 0 || setuid(65534) != 0)
+        return 3;
+    kvw_tl_h tl;
+    kvw_tl_ep_h ep;
+    if (forger_connect("shm", addr, alen, &tl, &ep) == KVW_OK) {
+        forger_done("shm", tl, ep);
+        return 1;
+    }
+    return 0;
+}
+
+/* Another local user must not get a connection to the decode rank's shm socket. The
+ * other user runs in a new process image (fork + exec of this test): a forked copy of
+ * this multi-threaded process must not allocate or start threads (a lock held by another
+ * thread at the fork stays held in the child, and sanitizer runtimes make that likely). */
 static void other_user(kvw_ctx_h dctx)
 {
     if (geteuid() != 0) {
@@ -107,18 +136,15 @@ static void other_user(kvw_ctx_h dctx)
     uint8_t addr[KVW_TL_MAX_ADDR];
     size_t alen = decode_addr(dctx, addr);
     CHECK(alen > 0, "no shm address");
+    char hex[2 * KVW_TL_MAX_ADDR + 1];
+    for (size_t i = 0; i < alen; i++)
+        snprintf(hex + 2 * i, 3, "%02x", addr[i]);
+    hex[2 * alen] = 0;
+    fflush(NULL);
     pid_t pid = fork();
     if (pid == 0) {
-        if (setgid(65534) != 0 || setuid(65534) != 0)
-            _exit(3);
-        kvw_tl_h tl;
-        kvw_tl_ep_h ep;
-        kvw_status_t st = forger_connect("shm", addr, alen, &tl, &ep);
-        if (st == KVW_OK) {
-            forger_done("shm", tl, ep);
-            _exit(1);
-        }
-        _exit(0);
+        execl("/proc/self/exe", "test_forged_completion", "--as-other-user", hex, (char *)NULL);
+        _exit(3);
     }
     int ws = 0;
     CHECK(pid > 0 && waitpid(pid, &ws, 0) == pid, "fork/wait");
@@ -233,8 +259,10 @@ out:
     kvt_rank_free(&dst);
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (argc == 3 && !strcmp(argv[1], "--as-other-user"))
+        return as_other_user(argv[2]);
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (ip_model("test_forged_completion", &model))
         return 1;
