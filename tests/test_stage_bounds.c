@@ -10,17 +10,8 @@
  *     and leaves the room alone.
  */
 #include "../fuzz/fuzz_common.h"
+#include "inproc.h"
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 static kvt_model_t model;
 
@@ -103,10 +94,5 @@ int main(void)
         kvt_rank_free(all[i]);
         free(all[i]);
     }
-    if (failures) {
-        fprintf(stderr, "test_stage_bounds: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_stage_bounds: all checks passed\n");
-    return 0;
+    return ip_summary("test_stage_bounds");
 }

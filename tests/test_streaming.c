@@ -20,6 +20,7 @@
  * kit's reference for the whole transfer, and guard bytes must be intact.
  */
 #include "testkit.h"
+#include "inproc.h"
 
 #include <kvwire/xfer.h>
 
@@ -29,16 +30,6 @@
 #include <string.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 #define NLAYERS 4
 #define KVT_MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -621,10 +612,5 @@ int main(void)
         run_timeout(tls[t]);
         run_timeout_pp(tls[t]);
     }
-    if (failures) {
-        fprintf(stderr, "test_streaming: %d failures\n", failures);
-        return 1;
-    }
-    printf("test_streaming: all checks passed\n");
-    return 0;
+    return ip_summary("test_streaming");
 }
