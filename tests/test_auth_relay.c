@@ -51,53 +51,30 @@ typedef struct relay {
     pthread_t thread;
 } relay_t;
 
-static int read_full(int fd, void *p, size_t n)
-{
-    uint8_t *b = p;
-    while (n) {
-        ssize_t k = recv(fd, b, n, 0);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k, n -= (size_t)k;
-    }
-    return 0;
-}
+#define RELAY_IO_NS (10ull * 1000000000ull) /* one frame's reads and writes, at most */
 
-static int write_full(int fd, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n) {
-        ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k, n -= (size_t)k;
-    }
-    return 0;
-}
-
-/* Moves one whole frame from `from` to `to`; `tamper` flips a byte of its payload at
- * `at`. Returns the frame type, or -1. */
+/* Moves one whole frame from `from` to `to` (the library's own socket helpers and frame
+ * header reader); `tamper` flips a byte of its payload at `at`. Returns the frame type,
+ * or -1. */
 static int relay_frame(int from, int to, bool tamper, size_t at)
 {
-    uint8_t h[KVW_WIRE_HDR];
-    if (read_full(from, h, sizeof(h)))
-        return -1;
-    uint32_t len = (uint32_t)h[8] | (uint32_t)h[9] << 8 | (uint32_t)h[10] << 16 |
-                   (uint32_t)h[11] << 24;
-    if (len > (16u << 20))
+    uint8_t h[KVW_WIRE_HDR], type;
+    uint32_t len;
+    uint64_t deadline = kvw__now_ns() + RELAY_IO_NS;
+    if (kvw__sock_recv_all(from, h, sizeof(h), deadline) != KVW_OK ||
+        kvw__wire_header(h, &type, &len) != KVW_OK)
         return -1;
     uint8_t *p = malloc(len ? len : 1);
-    if (p == NULL || read_full(from, p, len)) {
+    if (p == NULL || kvw__sock_recv_all(from, p, len, deadline) != KVW_OK) {
         free(p);
         return -1;
     }
     if (tamper && at < len)
         p[at] ^= 0x01;
-    int rc = write_full(to, h, sizeof(h)) || write_full(to, p, len) ? -1 : h[5];
+    int rc = kvw__sock_send_all(to, h, sizeof(h), deadline) != KVW_OK ||
+                     kvw__sock_send_all(to, p, len, deadline) != KVW_OK
+                 ? -1
+                 : type;
     free(p);
     return rc;
 }
@@ -148,7 +125,7 @@ static void *relay_main(void *arg)
         if (r->mode == MODE_INJECT && !injected && atomic_load(&r->inject)) {
             uint8_t f[KVW_WIRE_HDR] = {0x4b, 0x56, 0x57, 0x31, KVW_WIRE_VERSION,
                                        KVW_MSG_HEARTBEAT};
-            write_full(dfd, f, sizeof(f));
+            kvw__sock_send_all(dfd, f, sizeof(f), kvw__now_ns() + RELAY_IO_NS);
             injected = true;
         }
         struct pollfd pf[2] = {{.fd = dfd, .events = POLLIN}, {.fd = pfd, .events = POLLIN}};
@@ -159,7 +136,8 @@ static void *relay_main(void *arg)
             if (!pf[i].revents)
                 continue;
             ssize_t k = recv(pf[i].fd, buf, sizeof(buf), 0);
-            if (k <= 0 || write_full(pf[1 - i].fd, buf, (size_t)k))
+            if (k <= 0 ||
+                kvw__sock_send_all(pf[1 - i].fd, buf, (size_t)k, kvw__now_ns() + RELAY_IO_NS))
                 gone = true;
         }
         if (gone)
