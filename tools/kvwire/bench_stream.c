@@ -109,6 +109,21 @@ static void s_close(stream_env_t *e, kvw_sender_h *snd, kvw_receiver_h *rcv)
             kvw_receiver_destroy(rcv[d]);
 }
 
+/* Hands the whole room (one chunk) to every prefill rank: streamed (its layers marked
+ * ready later) or sent at once. Returns 0 or -1. */
+static int s_send_all(stream_env_t *e, kvw_sender_h *snd, bool streamed)
+{
+    kvw_send_chunk_t ch = {.num_tokens = e->cfg->tokens, .chunk_begin = 0,
+                           .chunk_end = e->cfg->tokens, .last_chunk = 1};
+    for (uint32_t k = 0; k < e->cfg->ptp; k++) {
+        ch.pages = e->sp[k].side;
+        if ((streamed ? kvw_sender_send_streamed(snd[k], &ch) : kvw_sender_send(snd[k], &ch)) !=
+            KVW_OK)
+            return -1;
+    }
+    return 0;
+}
+
 static int s_room(stream_env_t *e, bool streamed, uint64_t layer_ns, uint64_t *tail_p)
 {
     stream_cfg_t *c = e->cfg;
@@ -116,16 +131,8 @@ static int s_room(stream_env_t *e, bool streamed, uint64_t layer_ns, uint64_t *t
     kvw_sender_h snd[S_MAX_TP] = {0};
     kvw_receiver_h rcv[S_MAX_TP] = {0};
     int rc = -1;
-    if (s_open(e, id, snd, rcv) != 0)
+    if (s_open(e, id, snd, rcv) != 0 || (streamed && s_send_all(e, snd, true) != 0))
         goto out;
-    kvw_send_chunk_t ch = {.num_tokens = c->tokens, .chunk_begin = 0, .chunk_end = c->tokens,
-                           .last_chunk = 1};
-    if (streamed)
-        for (uint32_t k = 0; k < c->ptp; k++) {
-            ch.pages = e->sp[k].side;
-            if (kvw_sender_send_streamed(snd[k], &ch) != KVW_OK)
-                goto out;
-        }
     uint64_t t0 = kvt_now_ns();
     for (uint32_t l = 0; l < c->layers && layer_ns; l++) {
         s_sleep_until(t0 + (l + 1) * layer_ns); /* layer l's compute */
@@ -137,12 +144,8 @@ static int s_room(stream_env_t *e, bool streamed, uint64_t layer_ns, uint64_t *t
         for (uint32_t k = 0; k < c->ptp; k++)
             if (kvw_sender_layers_ready(snd[k], 0, c->layers) != KVW_OK)
                 goto out;
-    if (!streamed)
-        for (uint32_t k = 0; k < c->ptp; k++) {
-            ch.pages = e->sp[k].side;
-            if (kvw_sender_send(snd[k], &ch) != KVW_OK)
-                goto out;
-        }
+    if (!streamed && s_send_all(e, snd, false) != 0)
+        goto out;
     uint64_t ready = 0, success = 0;
     for (uint32_t d = 0; d < c->dtp; d++) {
         if (kvw_receiver_wait(rcv[d], 60000) != KVW_ROOM_SUCCESS) {
@@ -182,15 +185,8 @@ static int s_last_layer(stream_env_t *e, uint64_t *ns_p)
     kvw_sender_h snd[S_MAX_TP] = {0};
     kvw_receiver_h rcv[S_MAX_TP] = {0};
     int rc = -1;
-    if (s_open(e, id, snd, rcv) != 0)
+    if (s_open(e, id, snd, rcv) != 0 || s_send_all(e, snd, true) != 0)
         goto out;
-    kvw_send_chunk_t ch = {.num_tokens = c->tokens, .chunk_begin = 0, .chunk_end = c->tokens,
-                           .last_chunk = 1};
-    for (uint32_t k = 0; k < c->ptp; k++) {
-        ch.pages = e->sp[k].side;
-        if (kvw_sender_send_streamed(snd[k], &ch) != KVW_OK)
-            goto out;
-    }
     uint64_t t0 = kvt_now_ns(), done = 0;
     for (uint32_t k = 0; k < c->ptp; k++)
         if (kvw_sender_layers_ready(snd[k], c->layers - 1, c->layers) != KVW_OK)
