@@ -213,9 +213,6 @@ typedef struct kvw_room {
     uint32_t *pend_store;
 } kvw_room_t;
 
-/* Spins up to ctx->busy_poll_ns while *gen still equals `seen` (mu not held). */
-static inline void kvw__busy_wait(const struct kvw_ctx *ctx, _Atomic uint32_t *gen, uint32_t seen);
-
 /* Stamps hop `h` of a room now (mu held); `first`: keep an earlier stamp. */
 static inline void kvw__room_hop(kvw_room_t *r, kvw_hop_t h, bool first)
 {
@@ -353,6 +350,7 @@ int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i);
 kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
                                        const kvw_recv_post_t *post);
 
+/* Spins up to ctx->busy_poll_ns while *gen still equals `seen` (mu not held). */
 static inline void kvw__busy_wait(const struct kvw_ctx *ctx, _Atomic uint32_t *gen, uint32_t seen)
 {
     if (ctx->busy_poll_ns == 0)

@@ -1373,6 +1373,17 @@ kvw_status_t kvw_receiver_metadata(kvw_receiver_h rv, void *buf, size_t cap, siz
 
 static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r);
 
+/* Decode: tells a prefill rank that every byte it owes the room, and the metadata it
+ * announced, arrived. On tcp (mediated) the confirmation waits for the room-wide check
+ * of where the bytes landed instead (kvw_receiver_done): a sender's own count cannot
+ * vouch for that. mu held. */
+static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_room_src_t *s)
+{
+    if (s->done && s->got == s->expected && (!s->meta_expected || s->meta_got) &&
+        !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
+        kvw_send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
+}
+
 /* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
  * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
 static void kvw_handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
@@ -1416,8 +1427,7 @@ static void kvw_handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *r
         r->has_meta = true;
     }
     s->meta_got = true;
-    if (s->done && s->got == s->expected && !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
-        kvw_send_room_msg(ctx, peer, KVW_MSG_ROOM_DONE, id, KVW_OK, "");
+    kvw_src_confirm(ctx, r, s);
     kvw_receiver_done(ctx, r);
 }
 
@@ -2098,12 +2108,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         if (c.last_chunk)
             s->meta_expected = meta_len;
     }
-    /* On tcp the confirmation waits for the room-wide check of where the bytes landed
-     * (kvw_receiver_done): a sender's own count cannot vouch for that. It also waits for
-     * the metadata this sender announced. */
-    if (s->done && s->got == s->expected && !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) &&
-        (!s->meta_expected || s->meta_got))
-        kvw_send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, id, KVW_OK, "");
+    kvw_src_confirm(ctx, r, s);
     kvw_receiver_done(ctx, r);
 out:
     pthread_mutex_unlock(&ctx->mu);
