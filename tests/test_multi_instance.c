@@ -108,6 +108,23 @@ static void d_open(kvw_ctx_h dctx, room_t *rm, const char *bs)
           (unsigned long long)rm->id, kvw_last_error());
 }
 
+/* Opens a room naming an address that cannot work. Its connection may already have
+ * failed by the time of the post (an unreachable address fails at once): the post then
+ * returns the room's failure, which must name the address; otherwise the room fails
+ * later (expect_room). */
+static void d_open_bad(kvw_ctx_h dctx, room_t *rm, const char *bs, const char *needle)
+{
+    pages_t p;
+    room_pages(rm->slot, &p);
+    kvw_recv_post_t post = {.num_tokens = TOKENS, .pages = p.side};
+    CHECK(kvw_receiver_create_from(dctx, rm->id, bs, 0, &rm->rv) == KVW_OK, "[%s] room %llu: %s",
+          g_tl, (unsigned long long)rm->id, kvw_last_error());
+    kvw_status_t st = kvw_receiver_post(rm->rv, &post);
+    CHECK(st == KVW_OK || kvt_contains(kvw_last_error(), needle),
+          "[%s] post room %llu: %s: %s", g_tl, (unsigned long long)rm->id,
+          kvw_status_string(st), kvw_last_error());
+}
+
 static void p_open(room_t *rm)
 {
     for (uint32_t k = 0; k < rm->src->tp; k++)
@@ -242,8 +259,8 @@ static void run(const char *tl)
 
     /* Addresses that cannot work fail the room at once, with the reason. */
     room_t bad1 = {.id = 31, .slot = 6}, bad2 = {.id = 32, .slot = 7};
-    d_open(dctx, &bad1, "no-such-host.invalid:5000");
-    d_open(dctx, &bad2, "127.0.0.1:1");
+    d_open_bad(dctx, &bad1, "no-such-host.invalid:5000", "no-such-host.invalid");
+    d_open_bad(dctx, &bad2, "127.0.0.1:1", "127.0.0.1:1");
     expect_room(&bad1, KVW_ROOM_FAILED, "no-such-host.invalid");
     expect_room(&bad2, KVW_ROOM_FAILED, "127.0.0.1:1");
     close_room(&bad1);
