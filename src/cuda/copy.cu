@@ -58,7 +58,8 @@ template <typename V> __device__ __forceinline__ void kvwc_store(V *p, V v)
  */
 template <int W, int MODE>
 __device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t *__restrict__ s, uint64_t b0,
-                                             uint64_t b1, uint64_t stage, kvwc_tokens_t *tt)
+                                             uint64_t b1, uint64_t stage, uint64_t lo,
+                                             uint64_t hi, kvwc_tokens_t *tt)
 {
     typedef typename kvwc_vec<W>::type vec;
     kvwc_jobgeo_t g;
@@ -72,18 +73,22 @@ __device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t *__restrict__ s, 
     for (uint32_t u = g.ub + threadIdx.x; u < g.ue; u += KVWC_UNROLL * stride) {
         vec v[KVWC_UNROLL];
         uint64_t dst[KVWC_UNROLL];
+        bool go[KVWC_UNROLL];
 #pragma unroll
         for (int k = 0; k < KVWC_UNROLL; k++) {
             uint32_t uk = u + k * stride;
+            go[k] = false;
             if (uk < g.ue) {
                 uint64_t src;
                 kvwc_unit_addrs(MODE, W, &g, tt, uk, stage, &src, &dst[k]);
-                v[k] = kvwc_load((const vec *)(uintptr_t)src);
+                go[k] = kvwc_unit_in_window(MODE, src, dst[k], stage, lo, hi);
+                if (go[k])
+                    v[k] = kvwc_load((const vec *)(uintptr_t)src);
             }
         }
 #pragma unroll
         for (int k = 0; k < KVWC_UNROLL; k++) {
-            if (u + k * stride < g.ue)
+            if (go[k])
                 kvwc_store((vec *)(uintptr_t)dst[k], v[k]);
         }
     }
@@ -92,27 +97,31 @@ __device__ __forceinline__ void kvwc_run_job(const kvwc_dseg_t *__restrict__ s, 
 template <int MODE>
 __global__ void __launch_bounds__(KVWC_THREADS, KVWC_MIN_BLOCKS)
     kvwc_copy_kernel(const kvwc_dseg_t *__restrict__ segs, const uint32_t *__restrict__ job_seg,
-                     uint64_t num_jobs, uint64_t stage)
+                     uint64_t j0, uint64_t j1, uint64_t stage, uint64_t lo, uint64_t hi,
+                     uint32_t wcap)
 {
     __shared__ kvwc_tokens_t tt;
-    for (uint64_t job = blockIdx.x; job < num_jobs; job += gridDim.x) {
+    for (uint64_t job = j0 + blockIdx.x; job < j1; job += gridDim.x) {
         const kvwc_dseg_t *s = &segs[job_seg[job]];
         uint64_t b0, b1;
         kvwc_job_range(s, job, &b0, &b1);
-        switch (s->w[MODE]) {
-        case 16: kvwc_run_job<16, MODE>(s, b0, b1, stage, &tt); break;
-        case 8: kvwc_run_job<8, MODE>(s, b0, b1, stage, &tt); break;
-        case 4: kvwc_run_job<4, MODE>(s, b0, b1, stage, &tt); break;
-        case 2: kvwc_run_job<2, MODE>(s, b0, b1, stage, &tt); break;
-        default: kvwc_run_job<1, MODE>(s, b0, b1, stage, &tt); break;
+        switch (kvwc_unit_width(s->w[MODE], wcap)) {
+        case 16: kvwc_run_job<16, MODE>(s, b0, b1, stage, lo, hi, &tt); break;
+        case 8: kvwc_run_job<8, MODE>(s, b0, b1, stage, lo, hi, &tt); break;
+        case 4: kvwc_run_job<4, MODE>(s, b0, b1, stage, lo, hi, &tt); break;
+        case 2: kvwc_run_job<2, MODE>(s, b0, b1, stage, lo, hi, &tt); break;
+        default: kvwc_run_job<1, MODE>(s, b0, b1, stage, lo, hi, &tt); break;
         }
         __syncthreads(); /* the next job reuses the token table */
     }
 }
 
-static kvw_status_t kvwc_launch(const kvwc_plan *p, int mode, uint64_t stage, void *stream)
+/* Launches jobs [w->j0, w->j1) of a device plan; `stage` is the staging buffer minus
+ * the window's start (see kvwc_window_t). */
+static kvw_status_t kvwc_launch_window(const kvwc_plan *p, int mode, uint64_t stage,
+                                       const kvwc_window_t *w, void *stream)
 {
-    if (p->num_jobs == 0)
+    if (w->j1 <= w->j0)
         return KVW_OK;
     int dev;
     cudaError_t e = cudaGetDevice(&dev);
@@ -122,26 +131,34 @@ static kvw_status_t kvwc_launch(const kvwc_plan *p, int mode, uint64_t stage, vo
         return kvwc_error(KVW_ERR_INVALID_PARAM,
                           "the device plan lives on device %d but device %d is current",
                           p->device, dev);
-    uint64_t grid = p->num_jobs < (uint64_t)p->grid ? p->num_jobs : (uint64_t)p->grid;
+    uint64_t n = w->j1 - w->j0;
+    uint64_t grid = n < (uint64_t)p->grid ? n : (uint64_t)p->grid;
     cudaStream_t st = (cudaStream_t)stream;
     switch (mode) {
     case KVWC_MODE_DIRECT:
-        kvwc_copy_kernel<KVWC_MODE_DIRECT>
-            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->job_seg, p->num_jobs, stage);
+        kvwc_copy_kernel<KVWC_MODE_DIRECT><<<(unsigned)grid, KVWC_THREADS, 0, st>>>(
+            p->dsegs, p->job_seg, w->j0, w->j1, stage, w->lo, w->hi, w->wcap);
         break;
     case KVWC_MODE_GATHER:
-        kvwc_copy_kernel<KVWC_MODE_GATHER>
-            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->job_seg, p->num_jobs, stage);
+        kvwc_copy_kernel<KVWC_MODE_GATHER><<<(unsigned)grid, KVWC_THREADS, 0, st>>>(
+            p->dsegs, p->job_seg, w->j0, w->j1, stage, w->lo, w->hi, w->wcap);
         break;
     default:
-        kvwc_copy_kernel<KVWC_MODE_SCATTER>
-            <<<(unsigned)grid, KVWC_THREADS, 0, st>>>(p->dsegs, p->job_seg, p->num_jobs, stage);
+        kvwc_copy_kernel<KVWC_MODE_SCATTER><<<(unsigned)grid, KVWC_THREADS, 0, st>>>(
+            p->dsegs, p->job_seg, w->j0, w->j1, stage, w->lo, w->hi, w->wcap);
         break;
     }
     e = cudaGetLastError();
     if (e != cudaSuccess)
         return kvwc_cuda_error(e, "launching the copy kernel");
     return KVW_OK;
+}
+
+/* Every job of a device plan (the whole staging stream). */
+static kvw_status_t kvwc_launch(const kvwc_plan *p, int mode, uint64_t stage, void *stream)
+{
+    kvwc_window_t w = {0, p->num_jobs, 0, KVWC_WINDOW_ALL, 16};
+    return kvwc_launch_window(p, mode, stage, &w, stream);
 }
 
 /* Sizes the device plan; fails for plans the kernels cannot run. */
@@ -325,11 +342,20 @@ struct kvwc_slot {
     int busy;          /* launched, not reaped yet */
 };
 
+/* A staged window in flight: the plan image (pinned and device) and the device scratch
+ * holding the window's bytes between the kernel and the host copy. */
+struct kvwc_stage_slot {
+    kvwc_slot plan;   /* image, device plan and events */
+    void *scratch;    /* device memory for one window */
+    uint64_t scap;
+};
+
 struct kvwc_exec {
     int device, grid;
     cudaStream_t stream;
     kvwc_slot slot[KVWC_EXEC_SLOTS];
     unsigned next; /* slots are used, and reaped, in turn */
+    kvwc_stage_slot stage[KVWC_STAGE_SLOTS];
 };
 
 static uint64_t kvwc_now_ns(void)
@@ -345,8 +371,8 @@ void kvwc_exec_destroy(kvwc_exec_h x)
         return;
     if (x->stream)
         cudaStreamSynchronize(x->stream);
-    for (int k = 0; k < KVWC_EXEC_SLOTS; k++) {
-        kvwc_slot *s = &x->slot[k];
+    for (int k = 0; k < KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS; k++) {
+        kvwc_slot *s = k < KVWC_EXEC_SLOTS ? &x->slot[k] : &x->stage[k - KVWC_EXEC_SLOTS].plan;
         for (int i = 0; i < 3; i++)
             if (s->ev[i])
                 cudaEventDestroy(s->ev[i]);
@@ -355,6 +381,9 @@ void kvwc_exec_destroy(kvwc_exec_h x)
         if (s->dmem)
             cudaFree(s->dmem);
     }
+    for (int k = 0; k < KVWC_STAGE_SLOTS; k++)
+        if (x->stage[k].scratch)
+            cudaFree(x->stage[k].scratch);
     if (x->stream)
         cudaStreamDestroy(x->stream);
     free(x);
@@ -376,10 +405,12 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
     if (st == KVW_OK && (e = cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking)) !=
                             cudaSuccess)
         what = "cudaStreamCreateWithFlags";
-    for (int k = 0; st == KVW_OK && what == NULL && k < KVWC_EXEC_SLOTS; k++)
-        for (int i = 0; what == NULL && i < 3; i++)
-            if ((e = cudaEventCreate(&x->slot[k].ev[i])) != cudaSuccess)
+    for (int k = 0; st == KVW_OK && what == NULL && k < KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS; k++)
+        for (int i = 0; what == NULL && i < 3; i++) {
+            kvwc_slot *s = k < KVWC_EXEC_SLOTS ? &x->slot[k] : &x->stage[k - KVWC_EXEC_SLOTS].plan;
+            if ((e = cudaEventCreate(&s->ev[i])) != cudaSuccess)
                 what = "cudaEventCreate";
+        }
     if (what)
         st = kvwc_cuda_error(e, what);
     if (st != KVW_OK) {
@@ -462,10 +493,13 @@ kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
                             kvwc_step_prof_t *prof)
 {
     *done_p = 0;
-    if (slot < 0 || slot >= KVWC_EXEC_SLOTS || !x->slot[slot].busy)
+    kvwc_slot *s = slot >= 0 && slot < KVWC_EXEC_SLOTS ? &x->slot[slot]
+                   : slot >= KVWC_EXEC_SLOTS && slot < KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS
+                       ? &x->stage[slot - KVWC_EXEC_SLOTS].plan
+                       : NULL;
+    if (s == NULL || !s->busy)
         return kvwc_error(KVW_ERR_INVALID_PARAM, "CUDA executor: slot %d is not in flight",
                           slot);
-    kvwc_slot *s = &x->slot[slot];
     cudaError_t e;
     if (block) {
         /* The step's own last event: neither the device nor other threads' work. */
@@ -487,5 +521,110 @@ kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
         prof->upload_ms += up;
         prof->kernel_ms += kern;
     }
+    return KVW_OK;
+}
+
+/* ---------------------------------------------------------------- staged windows */
+
+/* Grows a pinned image and device plan buffer pair to hold `size` bytes (doubling, 1 MiB
+ * at least). Only for an idle slot. */
+static kvw_status_t kvwc_slot_grow(kvwc_slot *o, uint64_t size)
+{
+    if (size <= o->cap)
+        return KVW_OK;
+    uint64_t cap = size > 2 * o->cap ? size : 2 * o->cap;
+    if (cap < (1u << 20))
+        cap = 1u << 20;
+    if (o->host)
+        cudaFreeHost(o->host);
+    if (o->dmem)
+        cudaFree(o->dmem);
+    o->host = NULL;
+    o->dmem = NULL;
+    o->cap = 0;
+    cudaError_t e;
+    if ((e = cudaHostAlloc(&o->host, cap, cudaHostAllocDefault)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
+    if ((e = cudaMalloc(&o->dmem, cap)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaMalloc for device plans");
+    o->cap = cap;
+    return KVW_OK;
+}
+
+kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatter, void *host,
+                             uint64_t lo, uint64_t hi, int *slot_p, kvwc_step_prof_t *prof)
+{
+    uint64_t t0 = kvwc_now_ns();
+    *slot_p = -1;
+    unsigned use = scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER;
+    if (!(in->uses & use))
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "the plan was not prepared for a %s",
+                          scatter ? "scatter" : "gather");
+    if (hi <= lo || hi > in->bytes)
+        return kvwc_error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, %llu) outside the plan's "
+                          "%llu bytes", (unsigned long long)lo, (unsigned long long)hi,
+                          (unsigned long long)in->bytes);
+    if (host == NULL)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "staged window: NULL host buffer");
+    kvwc_layout_t L;
+    kvw_status_t st = kvwc_layout_of(in, &L);
+    if (st != KVW_OK)
+        return st;
+    int k = -1;
+    for (int i = 0; i < KVWC_STAGE_SLOTS && k < 0; i++)
+        if (!x->stage[i].plan.busy)
+            k = i;
+    if (k < 0)
+        return kvwc_error(KVW_ERR_BUSY, "CUDA executor: %d staged windows are in flight",
+                          KVWC_STAGE_SLOTS);
+    kvwc_stage_slot *ss = &x->stage[k];
+    kvwc_slot *s = &ss->plan;
+    uint64_t len = hi - lo;
+    cudaError_t e;
+    if ((st = kvwc_slot_grow(s, L.size)) != KVW_OK)
+        return st;
+    if (len > ss->scap) {
+        uint64_t cap = len > 2 * ss->scap ? len : 2 * ss->scap;
+        if (cap < (16u << 20))
+            cap = 16u << 20;
+        if (ss->scratch)
+            cudaFree(ss->scratch);
+        ss->scratch = NULL;
+        ss->scap = 0;
+        if ((e = cudaMalloc(&ss->scratch, cap)) != cudaSuccess)
+            return kvwc_cuda_error(e, "cudaMalloc for a staged window");
+        ss->scap = cap;
+    }
+    kvwc_plan p = {};
+    p.device = x->device;
+    p.grid = x->grid;
+    kvwc_fill(in, &L, (uint64_t)(uintptr_t)s->dmem, s->host, &p);
+    kvwc_window_t w;
+    kvwc_window_of(in, lo, hi, &w);
+    uint64_t stage = (uint64_t)(uintptr_t)ss->scratch - lo;
+    const char *what = NULL;
+    if ((e = cudaEventRecord(s->ev[0], x->stream)) != cudaSuccess)
+        what = "cudaEventRecord";
+    else if ((e = cudaMemcpyAsync(s->dmem, s->host, L.size, cudaMemcpyHostToDevice,
+                                  x->stream)) != cudaSuccess)
+        what = "cudaMemcpyAsync uploading a device plan";
+    else if (scatter && (e = cudaMemcpyAsync(ss->scratch, host, len, cudaMemcpyHostToDevice,
+                                             x->stream)) != cudaSuccess)
+        what = "cudaMemcpyAsync of a staged window to the device";
+    else if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
+        what = "cudaEventRecord";
+    if (what)
+        return kvwc_cuda_error(e, what);
+    if ((st = kvwc_launch_window(&p, scatter ? KVWC_MODE_SCATTER : KVWC_MODE_GATHER, stage, &w,
+                                 x->stream)) != KVW_OK)
+        return st;
+    if (!scatter && (e = cudaMemcpyAsync(host, ss->scratch, len, cudaMemcpyDeviceToHost,
+                                         x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaMemcpyAsync of a staged window to the host");
+    if ((e = cudaEventRecord(s->ev[2], x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaEventRecord");
+    s->busy = 1;
+    *slot_p = KVWC_EXEC_SLOTS + k;
+    prof->launch_ns += kvwc_now_ns() - t0;
     return KVW_OK;
 }

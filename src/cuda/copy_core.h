@@ -230,25 +230,53 @@ KVWC_HD void kvwc_unit_addrs(int mode, uint32_t w, const kvwc_jobgeo_t *g,
 }
 
 /*
- * The CPU twin of one launch: moves every byte of every job of a laid-out plan with
- * exactly the address computations the kernel uses. For tests without a GPU.
+ * A staged window: a gather or scatter may move only the part [lo, hi) of the plan's
+ * staging stream (the prefill gathers, and the decode scatters, one window of a chunk at
+ * a time). The kernel is passed stage = buffer - lo, so a unit's stream offset is its
+ * staging address minus `stage`, and a unit moves only when that offset lies in the
+ * window. Units never straddle an edge: the unit width is capped by wcap, the alignment
+ * of both edges (unit offsets are multiples of their width). A whole-plan launch is the
+ * window [0, KVWC_WINDOW_ALL) with wcap 16.
  */
-static inline void kvwc_emulate(const kvwc_dseg_t *segs, const uint32_t *job_seg,
-                                uint64_t num_jobs, int mode, uint8_t *stage, kvwc_tokens_t *tt)
+#define KVWC_WINDOW_ALL (~0ull)
+
+KVWC_HD int kvwc_unit_in_window(int mode, uint64_t src, uint64_t dst, uint64_t stage,
+                                uint64_t lo, uint64_t hi)
 {
-    for (uint64_t job = 0; job < num_jobs; job++) {
+    if (mode == KVWC_MODE_DIRECT)
+        return 1;
+    uint64_t off = (mode == KVWC_MODE_GATHER ? dst : src) - stage;
+    return off >= lo && off < hi;
+}
+
+KVWC_HD uint32_t kvwc_unit_width(uint32_t seg_w, uint32_t wcap)
+{
+    return seg_w < wcap ? seg_w : wcap;
+}
+
+/*
+ * The CPU twin of one launch: moves every byte of jobs [j0, j1) of a laid-out plan with
+ * exactly the address computations (and window test) the kernel uses. For tests
+ * without a GPU, and for the CPU module that stands in for a GPU in CI.
+ */
+static inline void kvwc_emulate(const kvwc_dseg_t *segs, const uint32_t *job_seg, uint64_t j0,
+                                uint64_t j1, int mode, uint64_t stage, uint64_t lo, uint64_t hi,
+                                uint32_t wcap, kvwc_tokens_t *tt)
+{
+    for (uint64_t job = j0; job < j1; job++) {
         const kvwc_dseg_t *s = &segs[job_seg[job]];
         uint64_t b0, b1;
         kvwc_job_range(s, job, &b0, &b1);
-        uint32_t w = s->w[mode];
+        uint32_t w = kvwc_unit_width(s->w[mode], wcap);
         kvwc_jobgeo_t g;
         kvwc_job_geo(s, b0, b1, w, &g);
         for (uint32_t i = 0; i < g.ntok; i++)
             kvwc_token_bases(s, mode, s->tok_begin + g.t0 + i, tt, i);
         for (uint32_t u = g.ub; u < g.ue; u++) {
             uint64_t src, dst;
-            kvwc_unit_addrs(mode, w, &g, tt, u, (uint64_t)(uintptr_t)stage, &src, &dst);
-            memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, w);
+            kvwc_unit_addrs(mode, w, &g, tt, u, stage, &src, &dst);
+            if (kvwc_unit_in_window(mode, src, dst, stage, lo, hi))
+                memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, w);
         }
     }
 }
@@ -386,6 +414,46 @@ static inline void kvwc_blob_fill(const kvwc_plan_in_t *in, const kvwc_layout_t 
         jobs += nj;
         stage += d->bytes;
         n++;
+    }
+}
+
+/* The window a staged launch moves, as kernel arguments: the jobs of the segments that
+ * overlap [lo, hi) (segments lie in stream order, each job inside one segment), the unit
+ * width cap and the stage base for a buffer holding only the window. Walks the segments
+ * as kvwc_blob_fill lays them out. */
+typedef struct kvwc_window {
+    uint64_t j0, j1;
+    uint64_t lo, hi;
+    uint32_t wcap;
+} kvwc_window_t;
+
+static inline void kvwc_window_of(const kvwc_plan_in_t *in, uint64_t lo, uint64_t hi,
+                                  kvwc_window_t *w)
+{
+    w->lo = lo;
+    w->hi = hi;
+    w->wcap = kvwc_align_of(lo);
+    if (hi != KVWC_WINDOW_ALL && kvwc_align_of(hi) < w->wcap)
+        w->wcap = kvwc_align_of(hi);
+    w->j0 = w->j1 = 0;
+    int first = 1;
+    uint64_t jobs = 0, stage = 0;
+    for (uint32_t i = 0; i < in->num_segs; i++) {
+        const kvwc_seg_in_t *g = &in->segs[i];
+        if (g->tok_end <= g->tok_begin || g->num_heads == 0)
+            continue;
+        uint64_t row = (uint64_t)g->num_heads * g->head_bytes;
+        uint64_t bytes = (g->tok_end - g->tok_begin) * row;
+        uint64_t jb = kvwc_seg_job_bytes(row);
+        uint64_t nj = (bytes + jb - 1) / jb;
+        if (stage < hi && stage + bytes > lo) {
+            if (first)
+                w->j0 = jobs;
+            first = 0;
+            w->j1 = jobs + nj;
+        }
+        jobs += nj;
+        stage += bytes;
     }
 }
 

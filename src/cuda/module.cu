@@ -218,6 +218,18 @@ static kvw_status_t kvwc_ipc_close(void *ptr)
     return KVW_OK;
 }
 
+static kvw_status_t kvwc_host_register(void *ptr, uint64_t size)
+{
+    KVWC_CALL(cudaHostRegister(ptr, size, cudaHostRegisterPortable), "cudaHostRegister");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_host_unregister(void *ptr)
+{
+    KVWC_CALL(cudaHostUnregister(ptr), "cudaHostUnregister");
+    return KVW_OK;
+}
+
 static const kvwc_ops_t kvwc_ops = {
     .abi = KVWC_ABI_VERSION,
     .size = sizeof(kvwc_ops_t),
@@ -250,6 +262,9 @@ static const kvwc_ops_t kvwc_ops = {
     .exec_destroy = kvwc_exec_destroy,
     .exec_launch = kvwc_exec_launch,
     .exec_reap = kvwc_exec_reap,
+    .exec_stage = kvwc_exec_stage,
+    .host_register = kvwc_host_register,
+    .host_unregister = kvwc_host_unregister,
 };
 
 extern "C" __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)

@@ -19,6 +19,7 @@
 
 #include <kvwire/kvwire.h>
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -26,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 3
+#define KVWC_ABI_VERSION 4
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -77,6 +78,9 @@ typedef struct kvwc_plan *kvwc_plan_h;
  * while earlier kernels run, and reaps steps in launch order. */
 typedef struct kvwc_exec *kvwc_exec_h;
 #define KVWC_EXEC_SLOTS 8
+/* Staged windows in flight per executor (a gather of the next window while the current
+ * one is on the wire); their slot numbers follow the direct steps' for exec_reap. */
+#define KVWC_STAGE_SLOTS 2
 
 /* What one executor step cost: host clock for enqueueing and for a blocking reap, CUDA
  * events on the executor's stream for the upload and the kernel. */
@@ -134,6 +138,17 @@ typedef struct kvwc_ops {
                                 kvwc_step_prof_t *prof);
     kvw_status_t (*exec_reap)(kvwc_exec_h exec, int slot, int block, int *done_p,
                               kvwc_step_prof_t *prof);
+    /* One staged window [lo, hi) of a plan's staging stream, on the executor's stream
+     * without waiting: a gather runs the kernel into device scratch, then copies the
+     * window to `host`; a scatter copies `host` to device scratch, then runs the kernel.
+     * `host` (hi - lo bytes, pinned or registered for speed) must stay valid until the
+     * slot is reaped with exec_reap. BUSY when KVWC_STAGE_SLOTS windows are in flight. */
+    kvw_status_t (*exec_stage)(kvwc_exec_h exec, const kvwc_plan_in_t *in, int scatter,
+                               void *host, uint64_t lo, uint64_t hi, int *slot_p,
+                               kvwc_step_prof_t *prof);
+    /* Page-locks (and maps) existing host memory for fast copies, and releases it. */
+    kvw_status_t (*host_register)(void *ptr, uint64_t size);
+    kvw_status_t (*host_unregister)(void *ptr);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -159,6 +174,19 @@ void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
 kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
                                    struct kvw_cuda_profile *prof);
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, struct kvw_cuda_profile *prof);
+
+/* Staged windows on the calling thread's executor, on the device current on this thread:
+ * stage_launch enqueues the gather (scatter false: the plan's source buffers, CUDA here,
+ * into `host`) or scatter (host into the plan's destination buffers, CUDA here) of the
+ * window [lo, hi) of the plan's staging stream; reap the slot with kvw__cuda_step_reap.
+ * stage_buf returns this thread's pinned host buffer `which` (0 or 1) of at least `size`
+ * bytes, kept for the thread's life. */
+kvw_status_t kvw__cuda_stage_launch(const struct kvw_plan *plan, bool scatter, void *host,
+                                    uint64_t lo, uint64_t hi, int *slot_p,
+                                    struct kvw_cuda_profile *prof);
+kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p);
+kvw_status_t kvw__cuda_host_register(void *ptr, uint64_t size);
+void kvw__cuda_host_unregister(void *ptr);
 
 /* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */
 void kvw__cuda_profile_add(const struct kvw_cuda_profile *d);

@@ -398,6 +398,8 @@ typedef struct kvw_texec {
     kvwc_exec_h ex;
     int device;
     uint32_t inflight; /* launched, not reaped */
+    void *pinned[2];   /* staged windows' host buffers (kvw__cuda_stage_buf) */
+    uint64_t pinned_cap[2];
 } kvw_texec_t;
 
 static pthread_key_t kvw_texec_key;
@@ -410,6 +412,9 @@ static void kvw_texec_free(void *p)
     kvw_texec_t *t = p;
     if (t) {
         t->ops->exec_destroy(t->ex);
+        for (int i = 0; i < 2; i++)
+            if (t->pinned[i])
+                t->ops->free_host(t->pinned[i]);
         free(t);
     }
 }
@@ -500,6 +505,70 @@ kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_prof
     if (*done_p)
         t->inflight--;
     return st;
+}
+
+kvw_status_t kvw__cuda_stage_launch(const struct kvw_plan *plan, bool scatter, void *host,
+                                    uint64_t lo, uint64_t hi, int *slot_p,
+                                    kvw_cuda_profile_t *prof)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    *slot_p = -1;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw_texec_get(ops, &t);
+    if (st != KVW_OK)
+        return st;
+    uint64_t t0 = kvw__now_ns();
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    unsigned use = scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER;
+    if ((st = kvw__cuda_plan_in_make(plan, use, maps, &in)) != KVW_OK)
+        return st;
+    kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
+    st = kvw_cuda_ret(ops, ops->exec_stage(t->ex, &in, scatter, host, lo, hi, slot_p, &sp));
+    kvw__cuda_plan_in_free(&in);
+    kvw_prof_add_step(prof, &sp);
+    if (st == KVW_OK && *slot_p >= 0)
+        t->inflight++;
+    return st;
+}
+
+kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw_texec_get(ops, &t);
+    if (st != KVW_OK)
+        return st;
+    if (which < 0 || which > 1)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "staging buffer %d of 2", which);
+    if (size > t->pinned_cap[which]) {
+        if (t->pinned[which])
+            ops->free_host(t->pinned[which]);
+        t->pinned[which] = NULL;
+        t->pinned_cap[which] = 0;
+        uint64_t cap = KVW_MAX(size, 16ull << 20);
+        if ((st = kvw_cuda_ret(ops, ops->malloc_host(cap, &t->pinned[which]))) != KVW_OK)
+            return st;
+        t->pinned_cap[which] = cap;
+    }
+    *buf_p = t->pinned[which];
+    return KVW_OK;
+}
+
+kvw_status_t kvw__cuda_host_register(void *ptr, uint64_t size)
+{
+    KVW_CUDA_FORWARD(host_register(ptr, size));
+}
+
+void kvw__cuda_host_unregister(void *ptr)
+{
+    const kvwc_ops_t *ops = NULL;
+    if (kvw_cuda_get(&ops) == KVW_OK)
+        (void)ops->host_unregister(ptr);
 }
 
 /* ---------------------------------------------------------------- profile */

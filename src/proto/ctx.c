@@ -9,6 +9,7 @@
 #include <kvwire/mem.h>
 
 #include "core/sha256.h"
+#include "cuda/module.h"
 
 #include <kvwire/cuda.h>
 
@@ -498,30 +499,33 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
         snprintf(reason, sizeof(reason), "%s", kvw_last_error());
         goto reply;
     }
-    /* Memory kinds: cuda_ipc moves GPU memory to GPU memory; the other transports read
-     * and write host memory. Anything else is refused here, not at the first request. */
+    /* Memory kinds: cuda_ipc moves GPU memory to GPU memory. The other transports read
+     * and write host memory; GPU memory on either side goes through the decode's host
+     * staging area (gathered and scattered on the GPUs), checked once the registration
+     * says whether there is one. Anything else is refused here, not at the first
+     * request. */
     bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
     int local_dev = kvw__rank_cuda_device(ctx->rank);
+    bool remote_gpu = false;
     for (uint32_t i = 0; i < nb; i++) {
         kvw_mem_kind_t k = kvw_rank_buffer(remote, i)->mem_kind;
-        if ((k == KVW_MEM_CUDA) != gpu_tl) {
+        remote_gpu |= k == KVW_MEM_CUDA;
+        if (gpu_tl && k != KVW_MEM_CUDA) {
             st = KVW_ERR_UNSUPPORTED;
-            snprintf(reason, sizeof(reason), "decode buffer %u is %s memory, which transport "
-                     "'%s' cannot write%s", i, k == KVW_MEM_CUDA ? "GPU" : "host",
-                     ctx->tl_ops->name, gpu_tl ? " (cuda_ipc needs GPU buffers on both sides)"
-                                               : " (use cuda_ipc between GPUs of one host)");
+            snprintf(reason, sizeof(reason), "decode buffer %u is host memory, which transport "
+                     "'cuda_ipc' cannot write (cuda_ipc needs GPU buffers on both sides)", i);
             goto reply;
         }
     }
-    for (uint32_t i = 0; i < kvw_rank_num_buffers(ctx->rank); i++) {
-        kvw_mem_kind_t k = kvw_rank_buffer(ctx->rank, i)->mem_kind;
-        if ((k == KVW_MEM_CUDA) != gpu_tl) {
+    for (uint32_t i = 0; gpu_tl && i < kvw_rank_num_buffers(ctx->rank); i++) {
+        if (kvw_rank_buffer(ctx->rank, i)->mem_kind != KVW_MEM_CUDA) {
             st = KVW_ERR_UNSUPPORTED;
-            snprintf(reason, sizeof(reason), "prefill buffer %u is %s memory, which transport "
-                     "'%s' cannot read", i, k == KVW_MEM_CUDA ? "GPU" : "host", ctx->tl_ops->name);
+            snprintf(reason, sizeof(reason), "prefill buffer %u is host memory, which transport "
+                     "'cuda_ipc' cannot read (cuda_ipc needs GPU buffers on both sides)", i);
             goto reply;
         }
     }
+    bool must_stage = !gpu_tl && (ctx->staged_cuda || remote_gpu);
     /* A registration may not take over an identity (instance and rank) whose peer is
      * still alive: that cut the live one off. A restarted rank whose old connection has
      * not been noticed dead yet retries until it is (BUSY). */
@@ -573,6 +577,10 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             snprintf(reason, sizeof(reason), "registration lacks the key of buffer %u", i);
             goto reply;
         }
+        /* GPU buffers behind a host transport are written only through staging: they
+         * come without a key, and no direct write can name them. */
+        if (kl == 0 && !gpu_tl && kvw_rank_buffer(remote, i)->mem_kind == KVW_MEM_CUDA)
+            continue;
         if ((st = ctx->tl_ops->rkey_unpack(ep, k, kl, &rkeys[i])) != KVW_OK) {
             snprintf(reason, sizeof(reason), "bad remote key for buffer %u: %s", i,
                      kvw_last_error());
@@ -589,6 +597,13 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             snprintf(reason, sizeof(reason), "bad staging key in the registration");
             goto reply;
         }
+    }
+    if (must_stage && staging_len == 0) {
+        st = KVW_ERR_UNSUPPORTED;
+        snprintf(reason, sizeof(reason), "GPU memory on %s goes through the decode rank's "
+                 "staging area over '%s', and the decode rank has none (KVW_STAGING_MB=0)",
+                 ctx->staged_cuda ? "this prefill rank" : "the decode rank", ctx->tl_ops->name);
+        goto reply;
     }
     if (st == KVW_OK && gpu_tl && (mapped = kvw_mapped_rank(ctx, remote, rkeys)) == NULL) {
         st = KVW_ERR_UNSUPPORTED;
@@ -683,6 +698,7 @@ reply:
     peer->instance = instance;
     peer->staging_rkey = staging_rkey;
     peer->staging_len = staging_len;
+    peer->must_stage = must_stage;
     if (ctx->secret[0]) {
         peer->authed = true;
         peer->tx_dir = 1; /* prefill -> decode */
@@ -1385,6 +1401,33 @@ static void *kvw_ctrl_main(void *arg)
 
 /* ------------------------------------------------------------ create / destroy */
 
+/* GPU buffers on a host transport (tcp, shm, ucx) move through host staging: the prefill
+ * gathers on its GPU, the decode scatters on its own. That needs the CUDA module here,
+ * and a rank whose buffers are all GPU memory on one device (a rank mixing kinds would
+ * need both paths in one plan). cuda_ipc keeps its own rule (checked at registration). */
+static kvw_status_t kvw_check_mem_kinds(struct kvw_ctx *ctx)
+{
+    ctx->cuda_dev = kvw__rank_cuda_device(ctx->rank);
+    if (ctx->cuda_dev < 0 || strcmp(ctx->tl_ops->name, "cuda_ipc") == 0)
+        return KVW_OK;
+    for (uint32_t i = 0; i < kvw_rank_num_buffers(ctx->rank); i++) {
+        const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
+        if (b->mem_kind != KVW_MEM_CUDA || b->device != ctx->cuda_dev)
+            return kvw__error(KVW_ERR_UNSUPPORTED, "buffer %u is %s memory%s, but buffer 0 of "
+                              "this rank is on GPU %d: over '%s' a rank's buffers must all be "
+                              "GPU memory of one device, or all host memory", i,
+                              b->mem_kind == KVW_MEM_CUDA ? "GPU" : "host",
+                              b->mem_kind == KVW_MEM_CUDA ? " of another device" : "",
+                              ctx->cuda_dev, ctx->tl_ops->name);
+    }
+    if (kvw_cuda_available() != KVW_OK)
+        return kvw__error(KVW_ERR_UNSUPPORTED, "this rank's buffers are GPU memory, which '%s' "
+                          "moves through host staging with the CUDA module: %s",
+                          ctx->tl_ops->name, kvw_last_error());
+    ctx->staged_cuda = true;
+    return KVW_OK;
+}
+
 kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
 {
     const uint64_t need = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK;
@@ -1462,6 +1505,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                                  .on_ep_error = kvw__on_ep_error}};
     if ((st = ctx->tl_ops->init(&tp, &ctx->tl)) != KVW_OK)
         goto err;
+    if ((st = kvw_check_mem_kinds(ctx)) != KVW_OK)
+        goto err;
 
     if (ctx->side == KVW_SIDE_PREFILL) {
         const kvw_parallel_t *par = kvw_rank_parallel(ctx->rank);
@@ -1514,15 +1559,25 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         }
         for (uint32_t i = 0; i < nb; i++) {
             const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
+            ctx->num_mems = i + 1;
+            if (ctx->staged_cuda)
+                continue; /* no remote writes into GPU memory: an empty key */
             if ((st = ctx->tl_ops->mem_reg(ctx->tl, b->addr, b->length, b->mem_kind, i,
                                            &ctx->mems[i], rkeys + (size_t)i * KVW_TL_MAX_RKEY,
-                                           &rkey_lens[i])) != KVW_OK)
+                                           &rkey_lens[i])) != KVW_OK) {
+                ctx->num_mems = i;
                 goto err_decode;
-            ctx->num_mems = i + 1;
+            }
         }
         /* The staging area receives gathered head slices in one bulk write each. */
         const char *smb = getenv("KVW_STAGING_MB");
         ctx->staging_len = (uint64_t)(smb ? strtoull(smb, NULL, 10) : 64) << 20;
+        if (ctx->staged_cuda && ctx->staging_len == 0) {
+            st = kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are GPU memory, which "
+                            "'%s' writes through the staging area, but KVW_STAGING_MB=0 "
+                            "leaves none", ctx->tl_ops->name);
+            goto err_decode;
+        }
         if (ctx->staging_len) {
             void *sa = NULL;
             if (kvw_mem_alloc_shared(ctx->staging_len, &sa) == KVW_OK) {
@@ -1533,6 +1588,11 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                 goto err_decode;
             }
             ctx->staging = sa;
+            /* Page-locked for the copies of staged windows to the GPU; without it they
+             * still work, through the driver's own bounce buffers. */
+            if (ctx->staged_cuda)
+                ctx->staging_pinned =
+                    kvw__cuda_host_register(ctx->staging, ctx->staging_len) == KVW_OK;
             if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->staging, ctx->staging_len, KVW_MEM_HOST,
                                            nb, &ctx->mems[nb],
                                            rkeys + (size_t)nb * KVW_TL_MAX_RKEY,
@@ -1640,11 +1700,14 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         kvw_peer_free(ctx, ctx->peers[i]);
     free(ctx->peers);
     for (uint32_t i = 0; i < ctx->num_mems; i++)
-        ctx->tl_ops->mem_dereg(ctx->tl, ctx->mems[i]);
+        if (ctx->mems[i])
+            ctx->tl_ops->mem_dereg(ctx->tl, ctx->mems[i]);
     free(ctx->mems);
     if (ctx->tl)
         ctx->tl_ops->fini(ctx->tl);
     if (ctx->staging) {
+        if (ctx->staging_pinned)
+            kvw__cuda_host_unregister(ctx->staging);
         if (ctx->staging_shared)
             kvw_mem_free_shared(ctx->staging);
         else

@@ -108,6 +108,9 @@ typedef struct kvw_peer {
     kvw_rank_h mapped; /* prefill: the decode rank's buffers as mapped here (rkey_ptr) */
     kvw_tl_rkey_h staging_rkey; /* the decode rank's staging area, or NULL */
     uint64_t staging_len;
+    /* Prefill: GPU memory on either side over a host transport: every byte goes through
+     * the decode's staging area (there are no keys to the decode's GPU buffers). */
+    bool must_stage;
     /* Decode: the challenge this rank sent in its registration. Only the prefill rank that
      * read it can bind a data connection to this peer (KVW_MSG_BIND). */
     uint8_t bind_nonce[32];
@@ -291,6 +294,11 @@ struct kvw_ctx {
     uint8_t *staging;
     uint64_t staging_len;
     bool staging_shared;
+    bool staging_pinned; /* registered with CUDA for fast copies to the GPU */
+    /* This rank's buffers are GPU memory on a host transport (tcp, shm, ucx): they are
+     * gathered (prefill) or scattered (decode) on GPU `cuda_dev` through host staging. */
+    bool staged_cuda;
+    int cuda_dev;
     kvw_stage_span_t *spans;
     uint32_t num_spans, cap_spans;
     kvw_stage_wait_t *waits;

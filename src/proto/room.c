@@ -696,9 +696,9 @@ static kvw_status_t kvw_put_run(void *arg, const kvw_run_t *run)
 {
     kvw_put_ctx_t *pc = arg;
     const kvw_buffer_desc_t *sb = kvw_rank_buffer(pc->ctx->rank, run->src_buf);
-    if (run->dst_buf >= pc->peer->num_rkeys)
-        return kvw__error(KVW_ERR_INTERNAL, "run names destination buffer %u of %u", run->dst_buf,
-                          pc->peer->num_rkeys);
+    if (run->dst_buf >= pc->peer->num_rkeys || pc->peer->rkeys[run->dst_buf] == NULL)
+        return kvw__error(KVW_ERR_INTERNAL, "run names destination buffer %u of %u, which "
+                          "this rank holds no key to", run->dst_buf, pc->peer->num_rkeys);
     pc->puts[pc->n++] = (kvw_tl_put_t){.src = (const uint8_t *)sb->addr + run->src_off,
                                        .rkey = pc->peer->rkeys[run->dst_buf],
                                        .dst_off = run->dst_off, .len = run->len};
@@ -771,6 +771,48 @@ static kvw_status_t kvw_stage_copy(const struct kvw_plan *plan, bool gather, uin
     return KVW_OK;
 }
 
+/* Starts one staged window on this rank's GPU (see kvw__cuda_stage_launch): the gather
+ * of the plan's source buffers into `buf`, or the scatter of `buf` into its destination
+ * buffers. *slot_p: the executor slot to reap. */
+static kvw_status_t kvw_stage_gpu_launch(struct kvw_ctx *ctx, const struct kvw_plan *plan,
+                                         bool gather, uint8_t *buf, uint64_t wb, uint64_t we,
+                                         int *slot_p)
+{
+    kvw_cuda_profile_t prof = {.steps = 1, .bytes = we - wb, .first_start_ns = kvw__now_ns()};
+    *slot_p = -1;
+    kvw_status_t st = kvw_cuda_set_device(ctx->cuda_dev);
+    if (st == KVW_OK)
+        st = kvw__cuda_stage_launch(plan, !gather, buf, wb, we, slot_p, &prof);
+    kvw__cuda_profile_add(&prof);
+    return st;
+}
+
+/* Waits for a staged window started by kvw_stage_gpu_launch (nothing when slot < 0). */
+static kvw_status_t kvw_stage_gpu_wait(int slot)
+{
+    if (slot < 0)
+        return KVW_OK;
+    kvw_cuda_profile_t prof = {0};
+    int done = 0;
+    kvw_status_t st = kvw__cuda_step_reap(slot, 1, &done, &prof);
+    prof.last_done_ns = kvw__now_ns();
+    kvw__cuda_profile_add(&prof);
+    return st;
+}
+
+/* Moves one staged window between `buf` and this rank's own buffers: on the CPU for
+ * host memory, on the GPU (waiting for it) for GPU memory on a host transport. */
+static kvw_status_t kvw_stage_move(struct kvw_ctx *ctx, const struct kvw_plan *plan, bool gather,
+                                   uint8_t *buf, uint64_t wb, uint64_t we)
+{
+    if (!ctx->staged_cuda)
+        return kvw_stage_copy(plan, gather, buf, wb, we);
+    int slot = -1;
+    kvw_status_t st = kvw_stage_gpu_launch(ctx, plan, gather, buf, wb, we, &slot);
+    kvw_status_t st2 = kvw_stage_gpu_wait(slot);
+    return st != KVW_OK ? st : st2;
+}
+
 /* Head-slice plans make many small runs; one bulk write per window beats one write per
  * run: on tcp and ucx (a frame or a put per run) and on shm too, unless the decode's KV
  * buffers are shared memory (then each run is one memcpy, and staging would copy twice).
@@ -778,6 +820,8 @@ static kvw_status_t kvw_stage_copy(const struct kvw_plan *plan, bool gather, uin
  * with malloc'd decode buffers. */
 static bool kvw_choose_staged(struct kvw_ctx *ctx, kvw_peer_t *peer, const struct kvw_plan *plan)
 {
+    if (peer->must_stage)
+        return true;
     if (peer->staging_rkey == NULL || plan->num_segs == 0 || ctx->path_mode == KVW_PATH_DIRECT)
         return false;
     if (ctx->path_mode == KVW_PATH_STAGED)
@@ -856,12 +900,13 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         kvw_put_done(&w, r->id, peer->id_at_remote, c, 0, false, 0, 0, 0, final, meta_len);
         return kvw_notify_done(ctx, peer, &w, out_ns_p);
     }
-    uint8_t *buf = malloc(KVW_MAX(KVW_MIN(total, piece_max), 1));
-    if (buf == NULL)
+    /* The windows, in stream order: each range of taken segments cut into pieces. */
+    uint32_t nwin = 0, cap = 16;
+    uint64_t (*win)[2] = malloc(sizeof(*win) * cap);
+    if (win == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
-    kvw_status_t st = KVW_OK;
-    uint64_t sent = 0, pos = 0;
-    for (uint32_t i = 0; i < plan->num_segs && st == KVW_OK;) {
+    uint64_t pos = 0;
+    for (uint32_t i = 0; i < plan->num_segs;) {
         if (!kvw_seg_taken(&plan->segs[i], take, lb)) {
             pos += kvw__seg_bytes(&plan->segs[i++]);
             continue;
@@ -869,50 +914,95 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         uint64_t range_begin = pos;
         while (i < plan->num_segs && kvw_seg_taken(&plan->segs[i], take, lb))
             pos += kvw__seg_bytes(&plan->segs[i++]);
-        for (uint64_t wpos = range_begin; wpos < pos && st == KVW_OK;) {
-            uint64_t len = KVW_MIN(pos - wpos, piece_max);
-            pthread_mutex_lock(&ctx->mu);
-            r->dsts[di].grant_off = -1;
-            kvw_wbuf_t w;
-            kvw__wb_init(&w, KVW_MSG_STAGE_ASK);
-            kvw__wb_u64(&w, r->id);
-            kvw__wb_u64(&w, len);
-            kvw__peer_send(ctx, peer, &w);
-            /* Credits: wait until the decode rank grants space (back-pressure). The
-             * room's own timeout and peer failure both wake this wait. */
-            while (r->dsts[di].grant_off < 0 && r->state != KVW_ROOM_FAILED && !ctx->stopping &&
-                   !peer->dead)
-                pthread_cond_wait(&ctx->cv, &ctx->mu);
-            int64_t goff = r->dsts[di].grant_off;
-            uint64_t glen = r->dsts[di].grant_len;
-            bool failed = r->state == KVW_ROOM_FAILED || ctx->stopping || peer->dead;
-            pthread_mutex_unlock(&ctx->mu);
-            if (failed) {
-                st = kvw__error(KVW_ERR_ABORTED, "the room ended while waiting for staging space");
-                break;
+        for (uint64_t wpos = range_begin; wpos < pos; wpos += KVW_MIN(pos - wpos, piece_max)) {
+            if (nwin == cap) {
+                void *n = realloc(win, sizeof(*win) * (cap *= 2));
+                if (n == NULL) {
+                    free(win);
+                    return kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
+                }
+                win = n;
             }
-            if (glen != len || (uint64_t)goff + len > peer->staging_len) {
-                st = kvw__error(KVW_ERR_MALFORMED, "staging grant [%lld, +%llu) does not match "
-                                "the %llu bytes asked", (long long)goff, (unsigned long long)glen,
-                                (unsigned long long)len);
-                break;
-            }
-            if ((st = kvw_stage_copy(plan, true, buf, wpos, wpos + len)) != KVW_OK)
-                break;
-            kvw_tl_put_t put = {.src = buf, .rkey = peer->staging_rkey,
-                                .dst_off = (uint64_t)goff, .len = len};
-            if ((st = ctx->tl_ops->put(peer->ep, r->id, &put, 1)) != KVW_OK)
-                break;
-            sent += len;
-            kvw_wbuf_t dw;
-            kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, wpos, len,
-                         (uint64_t)goff, final && sent == total, meta_len);
-            st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
-            wpos += len;
-            (*runs_p)++;
+            win[nwin][0] = wpos;
+            win[nwin++][1] = wpos + KVW_MIN(pos - wpos, piece_max);
         }
     }
-    free(buf);
+    /* Host memory: one buffer, gathered on the CPU after each grant. GPU memory: two
+     * pinned buffers of this worker, and the gather of window k + 1 runs on the GPU
+     * while window k is on the wire (the decode scatters window k - 1 meanwhile). */
+    bool gpu = ctx->staged_cuda;
+    uint8_t *buf[2] = {NULL, NULL};
+    int slot[2] = {-1, -1};
+    kvw_status_t st = KVW_OK;
+    uint64_t wmax = KVW_MAX(KVW_MIN(total, piece_max), 1);
+    if (!gpu) {
+        buf[0] = buf[1] = malloc(wmax);
+        if (buf[0] == NULL)
+            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
+    } else {
+        for (int k = 0; k < 2 && st == KVW_OK; k++)
+            st = kvw__cuda_stage_buf(k, wmax, (void **)&buf[k]);
+        if (st == KVW_OK && nwin)
+            st = kvw_stage_gpu_launch(ctx, plan, true, buf[0], win[0][0], win[0][1], &slot[0]);
+    }
+    uint64_t sent = 0;
+    for (uint32_t k = 0; k < nwin && st == KVW_OK; k++) {
+        uint64_t wpos = win[k][0], len = win[k][1] - win[k][0];
+        uint8_t *wb = buf[k % 2];
+        pthread_mutex_lock(&ctx->mu);
+        r->dsts[di].grant_off = -1;
+        kvw_wbuf_t w;
+        kvw__wb_init(&w, KVW_MSG_STAGE_ASK);
+        kvw__wb_u64(&w, r->id);
+        kvw__wb_u64(&w, len);
+        kvw__peer_send(ctx, peer, &w);
+        /* Credits: wait until the decode rank grants space (back-pressure). The room's
+         * own timeout and peer failure both wake this wait. */
+        while (r->dsts[di].grant_off < 0 && r->state != KVW_ROOM_FAILED && !ctx->stopping &&
+               !peer->dead)
+            pthread_cond_wait(&ctx->cv, &ctx->mu);
+        int64_t goff = r->dsts[di].grant_off;
+        uint64_t glen = r->dsts[di].grant_len;
+        bool failed = r->state == KVW_ROOM_FAILED || ctx->stopping || peer->dead;
+        pthread_mutex_unlock(&ctx->mu);
+        if (failed) {
+            st = kvw__error(KVW_ERR_ABORTED, "the room ended while waiting for staging space");
+            break;
+        }
+        if (glen != len || (uint64_t)goff + len > peer->staging_len) {
+            st = kvw__error(KVW_ERR_MALFORMED, "staging grant [%lld, +%llu) does not match "
+                            "the %llu bytes asked", (long long)goff, (unsigned long long)glen,
+                            (unsigned long long)len);
+            break;
+        }
+        if (gpu) {
+            st = kvw_stage_gpu_wait(slot[k % 2]);
+            slot[k % 2] = -1;
+            if (st == KVW_OK && k + 1 < nwin)
+                st = kvw_stage_gpu_launch(ctx, plan, true, buf[(k + 1) % 2], win[k + 1][0],
+                                          win[k + 1][1], &slot[(k + 1) % 2]);
+        } else {
+            st = kvw_stage_copy(plan, true, wb, wpos, wpos + len);
+        }
+        if (st != KVW_OK)
+            break;
+        kvw_tl_put_t put = {.src = wb, .rkey = peer->staging_rkey, .dst_off = (uint64_t)goff,
+                            .len = len};
+        if ((st = ctx->tl_ops->put(peer->ep, r->id, &put, 1)) != KVW_OK)
+            break;
+        sent += len;
+        kvw_wbuf_t dw;
+        kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, wpos, len, (uint64_t)goff,
+                     final && sent == total, meta_len);
+        st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
+        (*runs_p)++;
+    }
+    /* A gather still running on an error path must finish before its buffer is reused. */
+    for (int k = 0; k < 2; k++)
+        (void)kvw_stage_gpu_wait(slot[k]);
+    if (!gpu)
+        free(buf[0]);
+    free(win);
     return st;
 }
 
@@ -1942,7 +2032,7 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
     kvw_plan_h plan;
     kvw_status_t st = kvw_plan_create(src, ctx->rank, c, &fake, &r->post_pages, &plan);
     if (st == KVW_OK) {
-        st = kvw_stage_copy(plan, false, ctx->staging + goff, soff, soff + slen);
+        st = kvw_stage_move(ctx, plan, false, ctx->staging + goff, soff, soff + slen);
         kvw_plan_destroy(plan);
     }
     free(zeros);

@@ -1,0 +1,401 @@
+/*
+ * A CPU stand-in for the CUDA module (libkvwire_cuda.so), for tests on machines without
+ * a GPU: it exports the same entry point and operations table, "device memory" is host
+ * memory, and every kernel launch runs the kernels' own address arithmetic on the CPU
+ * (kvwc_emulate in src/cuda/copy_core.h), synchronously. Loaded through KVW_CUDA_MODULE,
+ * it lets the protocol's GPU paths (staged windows gathered and scattered on the
+ * "device", the executor's slots and their reaping order) run in CI with every byte
+ * checked. Never installed.
+ *
+ * What it checks of its caller as a real device would: a slot launched twice without a
+ * reap, a reap of a slot not in flight, and a window outside its plan are errors.
+ */
+#include "cuda/copy_core.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static __thread char emu_msg[512];
+static __thread int emu_device;
+
+static kvw_status_t emu_error(kvw_status_t st, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(emu_msg, sizeof(emu_msg), fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+static const char *emu_last_error(void)
+{
+    return emu_msg;
+}
+
+static int emu_devices(void)
+{
+    const char *e = getenv("KVW_CUDA_EMU_DEVICES");
+    int n = e ? atoi(e) : 1;
+    return n > 0 ? n : 1;
+}
+
+static kvw_status_t emu_available(void)
+{
+    return KVW_OK;
+}
+
+static kvw_status_t emu_device_count(int *n)
+{
+    *n = emu_devices();
+    return KVW_OK;
+}
+
+static kvw_status_t emu_set_device(int d)
+{
+    if (d < 0 || d >= emu_devices())
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated device %d of %d", d, emu_devices());
+    emu_device = d;
+    return KVW_OK;
+}
+
+static kvw_status_t emu_get_device(int *d)
+{
+    *d = emu_device;
+    return KVW_OK;
+}
+
+static kvw_status_t emu_malloc(uint64_t size, void **p)
+{
+    if (posix_memalign(p, 256, size ? size : 1) != 0)
+        return emu_error(KVW_ERR_NO_MEMORY, "emulated allocation of %llu bytes failed",
+                         (unsigned long long)size);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_free(void *p)
+{
+    free(p);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_memcpy(void *dst, const void *src, uint64_t size, void *stream)
+{
+    (void)stream;
+    memmove(dst, src, size);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_memset(void *p, int v, uint64_t size, void *stream)
+{
+    (void)stream;
+    memset(p, v, size);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_stream_create(void **s)
+{
+    *s = malloc(1);
+    return *s ? KVW_OK : emu_error(KVW_ERR_NO_MEMORY, "out of memory");
+}
+
+static kvw_status_t emu_ok_ptr(void *p)
+{
+    free(p);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_sync(void *s)
+{
+    (void)s;
+    return KVW_OK;
+}
+
+static kvw_status_t emu_device_sync(void)
+{
+    return KVW_OK;
+}
+
+static kvw_status_t emu_no_ipc_export(void *base, void *h)
+{
+    (void)base, (void)h;
+    return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC");
+}
+
+static kvw_status_t emu_no_ipc_open(const void *h, void **p)
+{
+    (void)h, (void)p;
+    return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC");
+}
+
+static kvw_status_t emu_no_ipc_close(void *p)
+{
+    (void)p;
+    return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC");
+}
+
+static kvw_status_t emu_mem_base(void *p, void **base)
+{
+    *base = p;
+    return KVW_OK;
+}
+
+/* ---------------------------------------------------------------- plans */
+
+struct kvwc_plan {
+    void *blob;
+    const uint32_t *job_seg;
+    uint64_t num_jobs, bytes;
+    unsigned uses;
+};
+
+static kvw_status_t emu_lay_out(const kvwc_plan_in_t *in, struct kvwc_plan *p)
+{
+    kvwc_layout_t L;
+    const char *why = NULL;
+    if (kvwc_blob_layout(in, &L, &why) != 0)
+        return emu_error(KVW_ERR_UNSUPPORTED, "the CUDA executor cannot run this plan: %s", why);
+    p->blob = malloc(L.size ? L.size : 1);
+    if (p->blob == NULL)
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory laying out a plan");
+    kvwc_blob_fill(in, &L, p->blob, (uint64_t)(uintptr_t)p->blob);
+    p->job_seg = (const uint32_t *)((uint8_t *)p->blob + L.jobs_off);
+    p->num_jobs = L.num_jobs;
+    p->bytes = in->bytes;
+    p->uses = in->uses;
+    return KVW_OK;
+}
+
+static void emu_run(const struct kvwc_plan *p, int mode, uint64_t stage, const kvwc_window_t *w)
+{
+    static __thread kvwc_tokens_t tt;
+    kvwc_emulate((const kvwc_dseg_t *)p->blob, p->job_seg, w->j0, w->j1, mode, stage, w->lo,
+                 w->hi, w->wcap, &tt);
+}
+
+static void emu_run_all(const struct kvwc_plan *p, int mode, uint64_t stage)
+{
+    kvwc_window_t w = {0, p->num_jobs, 0, KVWC_WINDOW_ALL, 16};
+    emu_run(p, mode, stage, &w);
+}
+
+static kvw_status_t emu_plan_upload(const kvwc_plan_in_t *in, kvwc_plan_h *out)
+{
+    struct kvwc_plan *p = calloc(1, sizeof(*p));
+    if (p == NULL)
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory");
+    kvw_status_t st = emu_lay_out(in, p);
+    if (st != KVW_OK) {
+        free(p);
+        return st;
+    }
+    *out = p;
+    return KVW_OK;
+}
+
+static void emu_plan_free(kvwc_plan_h p)
+{
+    if (p) {
+        free(p->blob);
+        free(p);
+    }
+}
+
+static kvw_status_t emu_plan_exec(kvwc_plan_h p, void *stream)
+{
+    (void)stream;
+    if (!(p->uses & KVWC_USE_DIRECT))
+        return emu_error(KVW_ERR_INVALID_PARAM, "the plan was not uploaded for direct copies");
+    emu_run_all(p, KVWC_MODE_DIRECT, 0);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_plan_stage(kvwc_plan_h p, const void *staging, uint64_t size, int mode)
+{
+    unsigned use = mode == KVWC_MODE_GATHER ? KVWC_USE_GATHER : KVWC_USE_SCATTER;
+    if (!(p->uses & use) || size < p->bytes || (p->bytes && staging == NULL))
+        return emu_error(KVW_ERR_INVALID_PARAM, "bad staged call");
+    emu_run_all(p, mode, (uint64_t)(uintptr_t)staging);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_plan_gather(kvwc_plan_h p, void *staging, uint64_t size, void *stream)
+{
+    (void)stream;
+    return emu_plan_stage(p, staging, size, KVWC_MODE_GATHER);
+}
+
+static kvw_status_t emu_plan_scatter(kvwc_plan_h p, const void *staging, uint64_t size,
+                                     void *stream)
+{
+    (void)stream;
+    return emu_plan_stage(p, staging, size, KVWC_MODE_SCATTER);
+}
+
+static kvw_status_t emu_plan_exec_once(const kvwc_plan_in_t *in, void *stream)
+{
+    kvwc_plan_h p = NULL;
+    kvw_status_t st = emu_plan_upload(in, &p);
+    if (st == KVW_OK)
+        st = emu_plan_exec(p, stream);
+    emu_plan_free(p);
+    return st;
+}
+
+/* ---------------------------------------------------------------- executors */
+
+struct kvwc_exec {
+    int busy[KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS];
+    unsigned next;
+};
+
+static kvw_status_t emu_exec_create(kvwc_exec_h *x)
+{
+    *x = calloc(1, sizeof(**x));
+    return *x ? KVW_OK : emu_error(KVW_ERR_NO_MEMORY, "out of memory");
+}
+
+static void emu_exec_destroy(kvwc_exec_h x)
+{
+    free(x);
+}
+
+static kvw_status_t emu_exec_launch(kvwc_exec_h x, const kvwc_plan_in_t *in, int *slot_p,
+                                    kvwc_step_prof_t *prof)
+{
+    (void)prof;
+    *slot_p = -1;
+    if (!(in->uses & KVWC_USE_DIRECT))
+        return emu_error(KVW_ERR_INVALID_PARAM, "an executor runs direct copies only");
+    int k = (int)(x->next % KVWC_EXEC_SLOTS);
+    if (x->busy[k])
+        return emu_error(KVW_ERR_BUSY, "emulated executor: slot %d is still in flight", k);
+    struct kvwc_plan p;
+    kvw_status_t st = emu_lay_out(in, &p);
+    if (st != KVW_OK)
+        return st;
+    if (p.num_jobs) {
+        emu_run_all(&p, KVWC_MODE_DIRECT, 0);
+        x->busy[k] = 1;
+        x->next++;
+        *slot_p = k;
+    }
+    free(p.blob);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatter,
+                                   void *host, uint64_t lo, uint64_t hi, int *slot_p,
+                                   kvwc_step_prof_t *prof)
+{
+    (void)prof;
+    *slot_p = -1;
+    unsigned use = scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER;
+    if (!(in->uses & use))
+        return emu_error(KVW_ERR_INVALID_PARAM, "the plan was not prepared for a %s",
+                         scatter ? "scatter" : "gather");
+    if (hi <= lo || hi > in->bytes || host == NULL)
+        return emu_error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, %llu) outside the plan's "
+                         "%llu bytes", (unsigned long long)lo, (unsigned long long)hi,
+                         (unsigned long long)in->bytes);
+    int k = -1;
+    for (int i = 0; i < KVWC_STAGE_SLOTS && k < 0; i++)
+        if (!x->busy[KVWC_EXEC_SLOTS + i])
+            k = KVWC_EXEC_SLOTS + i;
+    if (k < 0)
+        return emu_error(KVW_ERR_BUSY, "emulated executor: %d staged windows are in flight",
+                         KVWC_STAGE_SLOTS);
+    struct kvwc_plan p;
+    kvw_status_t st = emu_lay_out(in, &p);
+    if (st != KVW_OK)
+        return st;
+    /* As on the device: the window goes through scratch memory of its own size. */
+    uint8_t *scratch = malloc(hi - lo);
+    if (scratch == NULL) {
+        free(p.blob);
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory");
+    }
+    if (scatter)
+        memcpy(scratch, host, hi - lo);
+    else
+        memset(scratch, 0xa5, hi - lo); /* bytes the gather fails to write show */
+    kvwc_window_t w;
+    kvwc_window_of(in, lo, hi, &w);
+    emu_run(&p, scatter ? KVWC_MODE_SCATTER : KVWC_MODE_GATHER,
+            (uint64_t)(uintptr_t)scratch - lo, &w);
+    if (!scatter)
+        memcpy(host, scratch, hi - lo);
+    free(scratch);
+    free(p.blob);
+    x->busy[k] = 1;
+    *slot_p = k;
+    return KVW_OK;
+}
+
+static kvw_status_t emu_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
+                                  kvwc_step_prof_t *prof)
+{
+    (void)block, (void)prof;
+    *done_p = 0;
+    if (slot < 0 || slot >= KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS || !x->busy[slot])
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated executor: slot %d is not in flight",
+                         slot);
+    x->busy[slot] = 0;
+    *done_p = 1;
+    return KVW_OK;
+}
+
+static kvw_status_t emu_host_register(void *p, uint64_t size)
+{
+    (void)p, (void)size;
+    return KVW_OK;
+}
+
+static kvw_status_t emu_host_unregister(void *p)
+{
+    (void)p;
+    return KVW_OK;
+}
+
+static const kvwc_ops_t emu_ops = {
+    .abi = KVWC_ABI_VERSION,
+    .size = sizeof(kvwc_ops_t),
+    .last_error = emu_last_error,
+    .available = emu_available,
+    .device_count = emu_device_count,
+    .set_device = emu_set_device,
+    .get_device = emu_get_device,
+    .malloc_dev = emu_malloc,
+    .free_dev = emu_free,
+    .malloc_host = emu_malloc,
+    .free_host = emu_free,
+    .memcpy_any = emu_memcpy,
+    .memset_dev = emu_memset,
+    .stream_create = emu_stream_create,
+    .stream_destroy = emu_ok_ptr,
+    .stream_sync = emu_sync,
+    .device_sync = emu_device_sync,
+    .ipc_export = emu_no_ipc_export,
+    .ipc_open = emu_no_ipc_open,
+    .ipc_close = emu_no_ipc_close,
+    .mem_base = emu_mem_base,
+    .plan_upload = emu_plan_upload,
+    .plan_free = emu_plan_free,
+    .plan_exec = emu_plan_exec,
+    .plan_gather = emu_plan_gather,
+    .plan_scatter = emu_plan_scatter,
+    .plan_exec_once = emu_plan_exec_once,
+    .exec_create = emu_exec_create,
+    .exec_destroy = emu_exec_destroy,
+    .exec_launch = emu_exec_launch,
+    .exec_reap = emu_exec_reap,
+    .exec_stage = emu_exec_stage,
+    .host_register = emu_host_register,
+    .host_unregister = emu_host_unregister,
+};
+
+__attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)
+{
+    return &emu_ops;
+}

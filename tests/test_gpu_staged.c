@@ -1,0 +1,258 @@
+/*
+ * GPU KV caches over host transports (tcp, shm, ucx): the prefill gathers each staged
+ * window on its GPU into pinned host memory, the window crosses the transport into the
+ * decode's host staging area, and the decode scatters it on its GPU. Every combination
+ * of memory kinds: GPU -> GPU, GPU -> host, host -> GPU, and host -> host as the control.
+ *
+ * Without a GPU it runs against the CPU stand-in of the CUDA module
+ * (libkvwire_cuda_emu.so, through KVW_CUDA_MODULE, set by CMake): "GPU memory" is then
+ * host memory and every kernel is the kernels' own address arithmetic run on the CPU,
+ * so the protocol's side of it (no keys to GPU buffers, the forced staged path, the
+ * windows and their pipelining, page-exact accounting) is checked everywhere. With
+ * KVW_CUDA_MODULE pointing at the real module on a GPU machine, the same test moves
+ * real device memory (scripts/gpu-check.sh runs it so).
+ *
+ * A small staging area (KVW_STAGING_MB=1: 256 KiB windows) cuts each room into many
+ * windows. TP1 -> TP2 (head slices, several windows per layer) and TP2 -> TP1. Every
+ * destination byte is compared with the test kit's reference, and every guard byte
+ * around every buffer is checked.
+ */
+#include "testkit.h"
+#include "inproc.h"
+
+#include <kvwire/cuda.h>
+
+static kvt_model_t model;
+
+/* A rank of `model` whose buffers are GPU memory (gpu) or host memory. GPU buffers come
+ * from kvw_cuda_malloc and are checked by copying them back. */
+typedef struct grank {
+    kvt_rank_t r;   /* host image: filled, compared and guard-checked here */
+    bool gpu;
+    void **dev;     /* per buffer: device allocation of the same length (gpu) */
+} grank_t;
+
+static kvw_status_t grank_make(uint32_t tp, uint32_t rank, bool gpu, uint64_t seed, grank_t *g)
+{
+    memset(g, 0, sizeof(*g));
+    g->gpu = gpu;
+    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
+                         .num_pages = {64, 64}, .num_slots = 2};
+    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
+                             .layer_end = model.m.num_layers, .dp_size = 1};
+    kvw_status_t st = kvt_rank_describe(&s, &g->r);
+    if (st != KVW_OK)
+        return st;
+    kvt_rank_fill(&g->r, seed);
+    if (gpu) {
+        g->dev = calloc(g->r.num_bufs, sizeof(void *));
+        for (uint32_t i = 0; i < g->r.num_bufs && st == KVW_OK; i++) {
+            kvw_buffer_desc_t *d = &g->r.bufs[i];
+            if ((st = kvw_cuda_malloc(d->length, &g->dev[i])) == KVW_OK)
+                st = kvw_cuda_memcpy(g->dev[i], kvt_rank_data(&g->r, i), d->length, NULL);
+            d->addr = g->dev[i];
+            d->mem_kind = KVW_MEM_CUDA;
+            d->device = 0;
+        }
+        if (st != KVW_OK)
+            return st;
+    }
+    return kvt_rank_open(&g->r);
+}
+
+/* Copies the device buffers back into the host image (whose guards stay in place). */
+static void grank_pull(grank_t *g)
+{
+    for (uint32_t i = 0; g->gpu && i < g->r.num_bufs; i++)
+        CHECK(kvw_cuda_memcpy(kvt_rank_data(&g->r, i), g->dev[i], g->r.bufs[i].length, NULL) ==
+                  KVW_OK,
+              "%s", kvw_last_error());
+}
+
+static void grank_free(grank_t *g)
+{
+    if (g->gpu) {
+        /* kvt_rank_free frees the host images through r.mem, not through the table. */
+        for (uint32_t i = 0; i < g->r.num_bufs; i++)
+            if (g->dev[i])
+                kvw_cuda_free(g->dev[i]);
+        free(g->dev);
+    }
+    kvt_rank_free(&g->r);
+}
+
+static kvw_status_t make_ctx(const grank_t *g, kvw_side_t side, const char *tl, const char *bs,
+                             bool host, kvw_ctx_h *ctx)
+{
+    kvw_ctx_params_t p = ip_params(side, &g->r, tl, bs, host);
+    p.peer_timeout_ms = 10000;
+    p.wait_timeout_ms = 60000;
+    return kvw_ctx_create(&p, ctx);
+}
+
+/* One configuration: S prefill ranks (GPU or host) to D decode ranks, `rooms` rooms of
+ * `tokens` tokens each. */
+static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_gpu,
+                uint64_t tokens)
+{
+    char what[160];
+    snprintf(what, sizeof(what), "%s TP%u %s -> TP%u %s, %llu tokens", tl, S,
+             src_gpu ? "GPU" : "host", D, dst_gpu ? "GPU" : "host", (unsigned long long)tokens);
+    grank_t src[2], dst[2];
+    kvw_ctx_h pctx[2] = {NULL, NULL}, dctx[2] = {NULL, NULL};
+    memset(src, 0, sizeof(src));
+    memset(dst, 0, sizeof(dst));
+    kvw_status_t st = KVW_OK;
+    for (uint32_t i = 0; i < S && st == KVW_OK; i++)
+        st = grank_make(S, i, src_gpu, 100 + i, &src[i]);
+    for (uint32_t i = 0; i < D && st == KVW_OK; i++)
+        st = grank_make(D, i, dst_gpu, 200 + i, &dst[i]);
+    CHECK(st == KVW_OK, "%s: ranks: %s", what, kvw_last_error());
+    if (st != KVW_OK)
+        goto out;
+    st = make_ctx(&src[0], KVW_SIDE_PREFILL, tl, "127.0.0.1:0", true, &pctx[0]);
+    if (st == KVW_ERR_UNSUPPORTED && strcmp(tl, "ucx") == 0) {
+        printf("test_gpu_staged: %s: ucx unavailable here, skipped: %s\n", what,
+               kvw_last_error());
+        goto out;
+    }
+    CHECK(st == KVW_OK, "%s: prefill context: %s", what, kvw_last_error());
+    if (st != KVW_OK)
+        goto out;
+    char bs[128];
+    snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx[0]));
+    for (uint32_t i = 1; i < S; i++)
+        CHECK(make_ctx(&src[i], KVW_SIDE_PREFILL, tl, bs, false, &pctx[i]) == KVW_OK,
+              "%s: prefill context %u: %s", what, i, kvw_last_error());
+    for (uint32_t i = 0; i < D; i++)
+        CHECK(make_ctx(&dst[i], KVW_SIDE_DECODE, tl, bs, false, &dctx[i]) == KVW_OK,
+              "%s: decode context %u: %s", what, i, kvw_last_error());
+    if (failures)
+        goto out;
+
+    for (uint64_t room = 1; room <= 3; room++) {
+        kvt_rng_t rng = {room * 7 + S * 3 + D};
+        kvt_req_spec_t rs = {.full_begin = 0, .full_end = tokens, .swa_begin = 0,
+                             .swa_end = tokens, .state_slot = -1};
+        kvt_req_pages_t sp, dp;
+        CHECK(kvt_req_pages_make(&src[0].r, &rs, &rng, &sp) == 0, "source pages");
+        CHECK(kvt_req_pages_make(&dst[0].r, &rs, &rng, &dp) == 0, "destination pages");
+        kvw_receiver_h rcv[2] = {NULL, NULL};
+        kvw_sender_h snd[2] = {NULL, NULL};
+        kvw_recv_post_t post = {.num_tokens = tokens, .prefix_len = 0, .pages = dp.side};
+        for (uint32_t i = 0; i < D; i++) {
+            CHECK(kvw_receiver_create(dctx[i], room, 0, &rcv[i]) == KVW_OK, "%s",
+                  kvw_last_error());
+            CHECK(kvw_receiver_post(rcv[i], &post) == KVW_OK, "%s", kvw_last_error());
+        }
+        kvw_send_chunk_t c = {.num_tokens = tokens, .chunk_begin = 0, .chunk_end = tokens,
+                              .last_chunk = 1, .pages = sp.side};
+        for (uint32_t i = 0; i < S; i++) {
+            CHECK(kvw_sender_create(pctx[i], room, &snd[i]) == KVW_OK, "%s", kvw_last_error());
+            CHECK(kvw_sender_send(snd[i], &c) == KVW_OK, "%s", kvw_last_error());
+        }
+        for (uint32_t i = 0; i < D; i++) {
+            kvw_room_state_t rs_ = ip_wait_recv(rcv[i], 120ull * 1000000000ull);
+            CHECK(rs_ == KVW_ROOM_SUCCESS, "%s: room %llu, decode rank %u ended %s: %s", what,
+                  (unsigned long long)room, i, kvw_room_state_string(rs_),
+                  kvw_receiver_failure(rcv[i]));
+            kvw_room_metrics_t m;
+            memset(&m, 0, sizeof(m));
+            kvw_receiver_metrics(rcv[i], &m);
+            if (src_gpu || dst_gpu)
+                CHECK(m.path && strcmp(m.path, "staged") == 0, "%s: room %llu took the %s path",
+                      what, (unsigned long long)room, m.path ? m.path : "(none)");
+        }
+        /* The reference reads the sources' host images: identical to their device copies,
+         * which nothing writes. */
+        kvt_rank_t srcs[2];
+        for (uint32_t i = 0; i < S; i++)
+            srcs[i] = src[i].r;
+        for (uint32_t i = 0; i < D; i++) {
+            grank_pull(&dst[i]);
+            kvt_copy_t expect;
+            kvt_copy_make(&dst[i].r, &expect);
+            ip_ref(&model, srcs, S, &sp.side, &dst[i].r, &dp.side, expect.data, tokens, NULL);
+            char prefix[200];
+            snprintf(prefix, sizeof(prefix), "%s: room %llu, decode rank %u: ", what,
+                     (unsigned long long)room, i);
+            ip_verify(&dst[i].r, &expect, prefix);
+            kvt_copy_free(&expect);
+        }
+        for (uint32_t i = 0; i < S; i++)
+            kvw_sender_destroy(snd[i]);
+        for (uint32_t i = 0; i < D; i++)
+            kvw_receiver_destroy(rcv[i]);
+        kvt_req_pages_free(&sp);
+        kvt_req_pages_free(&dp);
+    }
+out:
+    for (uint32_t i = 0; i < 2; i++) {
+        kvw_ctx_destroy(dctx[i]);
+        kvw_ctx_destroy(pctx[i]);
+    }
+    for (uint32_t i = 0; i < 2; i++) {
+        grank_free(&src[i]);
+        grank_free(&dst[i]);
+    }
+}
+
+/* Refusals: a decode without a staging area cannot take GPU buffers over tcp, and a
+ * rank mixing GPU and host buffers is refused with the buffer named. */
+static void refusals(void)
+{
+    grank_t g;
+    CHECK(grank_make(1, 0, true, 1, &g) == KVW_OK, "%s", kvw_last_error());
+    setenv("KVW_STAGING_MB", "0", 1);
+    kvw_ctx_h ctx = NULL;
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_DECODE, &g.r, "tcp", NULL, false);
+    p.field_mask &= ~(uint64_t)(KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP);
+    kvw_status_t st = kvw_ctx_create(&p, &ctx);
+    CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), "KVW_STAGING_MB=0"),
+          "decode with GPU buffers and no staging: %s: %s", kvw_status_string(st),
+          kvw_last_error());
+    kvw_ctx_destroy(st == KVW_OK ? ctx : NULL);
+    setenv("KVW_STAGING_MB", "1", 1);
+    grank_free(&g);
+
+    /* Buffer 1 on the host, the rest on the GPU. */
+    grank_t m;
+    memset(&m, 0, sizeof(m));
+    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
+                         .num_pages = {8, 8}, .num_slots = 2};
+    s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1, .layer_end = model.m.num_layers,
+                             .dp_size = 1};
+    CHECK(kvt_rank_describe(&s, &m.r) == KVW_OK, "%s", kvw_last_error());
+    m.r.bufs[0].mem_kind = KVW_MEM_CUDA;
+    m.r.bufs[0].device = 0;
+    CHECK(kvt_rank_open(&m.r) == KVW_OK, "%s", kvw_last_error());
+    p = ip_params(KVW_SIDE_DECODE, &m.r, "tcp", NULL, false);
+    p.field_mask &= ~(uint64_t)(KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP);
+    st = kvw_ctx_create(&p, &ctx);
+    CHECK(st == KVW_ERR_UNSUPPORTED && kvt_contains(kvw_last_error(), "buffer 1 is host memory"),
+          "mixed memory kinds: %s: %s", kvw_status_string(st), kvw_last_error());
+    kvw_ctx_destroy(st == KVW_OK ? ctx : NULL);
+    kvt_rank_free(&m.r);
+}
+
+int main(void)
+{
+    if (kvw_cuda_available() != KVW_OK) {
+        printf("test_gpu_staged: skipped: no CUDA module or device: %s\n", kvw_last_error());
+        return 77;
+    }
+    if (ip_model("test_gpu_staged", &model) != 0)
+        return 1;
+    setenv("KVW_STAGING_MB", "1", 1);
+    const char *tls[] = {"tcp", "shm", "ucx"};
+    for (size_t t = 0; t < 3; t++) {
+        run(tls[t], 1, true, 1, true, 700);
+        run(tls[t], 1, true, 2, true, 531);
+        run(tls[t], 2, true, 1, true, 300);
+        run(tls[t], 1, true, 2, false, 531);
+        run(tls[t], 2, false, 1, true, 300);
+    }
+    run("tcp", 1, false, 1, false, 700);
+    refusals();
+    return ip_summary("test_gpu_staged");
+}
