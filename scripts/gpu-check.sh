@@ -73,8 +73,30 @@ run_demo "protocol MLA TP4->TP2" --model deepseek-v3 --prefill-tp 4 --decode-tp 
 run_demo "protocol GDN hybrid TP1->TP4" --model qwen3-next --layers 8
 run_demo "protocol pages 16->64, PP2->PP1" --prefill-pp 2 --page-size 16 --decode-page-size 64
 run_demo "protocol 36 layers, 2048 tokens 1->4" --layers 36 --max-tokens 2048 --requests 11 --concurrency 2
+# GPU caches over host transports: gathered on GPU 0 into pinned host memory, across the
+# transport into the decode's host staging, scattered on GPU 1 (small staging: many
+# windows per room). GPU on both sides, on one side only.
+export KVW_STAGING_MB=8
+run_demo "tcp GPU->GPU TP1->TP4" --transport tcp --prefill-tp 1 --decode-tp 4
+run_demo "tcp GPU->GPU TP2->TP1 HND" --transport tcp --prefill-tp 2 --decode-tp 1 --decode-layout hnd
+run_demo "shm GPU->GPU MLA TP4->TP2" --transport shm --model deepseek-v3 --prefill-tp 4 --decode-tp 2
+run_demo "tcp GPU->host TP1->TP2" --gpu=prefill --transport tcp --prefill-tp 1 --decode-tp 2
+run_demo "shm host->GPU TP2->TP4" --gpu=decode --transport shm --prefill-tp 2 --decode-tp 4
+if "$BUILD/kvwire" info 2>/dev/null | grep -q ucx; then
+    run_demo "ucx GPU->GPU TP1->TP2" --transport ucx --prefill-tp 1 --decode-tp 2
+fi
+unset KVW_STAGING_MB
+# The in-process staged test on the real module (every kind combination, tcp/shm/ucx).
+if cmake --build "$BUILD" -j "$JOBS" --target test_gpu_staged >>"$BUILD/gpu-build.log" 2>&1 &&
+    out=$(KVW_CUDA_MODULE="$BUILD/libkvwire_cuda.so" timeout 300 "$BUILD/test_gpu_staged" 2>&1); then
+    table+=$(printf '%-34s PASS  %s' "test_gpu_staged (real GPU)" "$(tail -n 1 <<<"$out")")$'\n'
+else
+    table+=$(printf '%-34s %s' "test_gpu_staged (real GPU)" "FAIL")$'\n'
+    echo "${out:-build failed}" | tail -n 20
+    demo_fail=1
+fi
 echo
-echo "gpu-check: the protocol over cuda_ipc (separate processes, GPU 0 -> GPU 1)"
+echo "gpu-check: the protocol on GPUs (separate processes, GPU 0 -> GPU 1; cuda_ipc unless named)"
 printf '%-34s %-5s %-9s %-9s %-12s %-9s %-8s %s\n' case result requests rooms bytes "time s" GB/s verified
 printf '%s' "$table"
 if command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null; then

@@ -103,7 +103,28 @@ static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
 static void emu_run(emu_plan_t *e, int mode, uint8_t *stage)
 {
     static kvwc_tokens_t tt;
-    kvwc_emulate(e->blob, e->job_seg, e->num_jobs, mode, stage, &tt);
+    kvwc_emulate(e->blob, e->job_seg, 0, e->num_jobs, mode, (uint64_t)(uintptr_t)stage, 0,
+                 KVWC_WINDOW_ALL, 16, &tt);
+}
+
+/* The window [lo, hi) of the staging stream, as a staged window moves it: `buf` holds
+ * only the window's bytes, and only the jobs of the segments overlapping it run. */
+static void emu_run_window(kvw_plan_h plan, emu_plan_t *e, int mode, uint8_t *buf, uint64_t lo,
+                           uint64_t hi)
+{
+    static kvwc_tokens_t tt;
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    if (kvw__cuda_plan_in_make(plan, KVW_CUDA_DIRECT | KVW_CUDA_GATHER | KVW_CUDA_SCATTER, maps,
+                               &in) != KVW_OK) {
+        CHECK(0, "kvw__cuda_plan_in_make: %s", kvw_last_error());
+        return;
+    }
+    kvwc_window_t w;
+    kvwc_window_of(&in, lo, hi, &w);
+    kvw__cuda_plan_in_free(&in);
+    kvwc_emulate(e->blob, e->job_seg, w.j0, w.j1, mode, (uint64_t)(uintptr_t)buf - lo, w.lo,
+                 w.hi, w.wcap, &tt);
 }
 
 /* Source and destination arenas in host memory, laid out like the GPU check's. */
@@ -264,7 +285,27 @@ static void run_case(const gc_case_t *c)
                           "%llu of %llu (0x%02x, expected 0x%02x)", s, d,
                           (unsigned long long)bad, (unsigned long long)e.bytes,
                           bad < n ? stage[bad] : 0, bad < n ? ref[bad] : 0);
-                    emu_run(&e, KVWC_MODE_SCATTER, stage);
+                    /* The same stream in windows of uneven sizes (edges at any byte),
+                     * each gathered into a buffer of its own and compared, then
+                     * scattered window by window: every destination byte exactly once. */
+                    uint8_t *win = malloc(e.bytes + 1);
+                    uint64_t seed = e.bytes * 2654435761u + s * 31 + d;
+                    for (uint64_t lo = 0, hi; win && lo < e.bytes; lo = hi) {
+                        seed = seed * 6364136223846793005ull + 1442695040888963407ull;
+                        uint64_t span = 1 + (seed >> 33) % (e.bytes / 3 + 1);
+                        if ((seed >> 20) & 1)
+                            span = (span + 4095) & ~4095ull; /* aligned edges too */
+                        hi = lo + span < e.bytes ? lo + span : e.bytes;
+                        memset(win, 0xC3, hi - lo + 1);
+                        emu_run_window(plan, &e, KVWC_MODE_GATHER, win, lo, hi);
+                        CHECK(memcmp(win, ref + lo, hi - lo) == 0 && win[hi - lo] == 0xC3,
+                              "src %u dst %u: window [%llu, %llu) gathers other bytes than "
+                              "the stream holds there, or writes past its end", s, d,
+                              (unsigned long long)lo, (unsigned long long)hi);
+                        emu_run_window(plan, &e, KVWC_MODE_SCATTER, win, lo, hi);
+                    }
+                    CHECK(win != NULL, "out of memory");
+                    free(win);
                     staged += e.bytes;
                 } else {
                     CHECK(0, "out of memory");

@@ -23,13 +23,17 @@
 #include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
 
+#include <arpa/inet.h>
 #include <errno.h>
 #include <getopt.h>
+#include <netinet/in.h>
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -54,6 +58,7 @@ typedef struct g_cfg {
     uint32_t num_topo;
     char json[512];
     int no_verify;
+    char transport[16]; /* cuda_ipc (default), or a host transport: staged through host */
 } g_cfg_t;
 
 /* The issue's topologies: gpt-oss-120b, 36 layers, page 64. */
@@ -207,7 +212,7 @@ static kvw_ctx_h *g_contexts(const g_cfg_t *c, const g_topo_t *t, g_inst_t *in, 
         .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
                       KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP |
                       KVW_CTX_FIELD_TIMEOUTS | KVW_CTX_FIELD_PREFILL_SIZE,
-        .transport = "cuda_ipc",
+        .transport = c->transport,
         .wait_timeout_ms = c->timeout_ms,
         .bootstrap_timeout_ms = c->timeout_ms,
         .prefill_tp = t->ptp,
@@ -221,6 +226,72 @@ static kvw_ctx_h *g_contexts(const g_cfg_t *c, const g_topo_t *t, g_inst_t *in, 
         snprintf(err, cap, "%s rank %u: kvw_ctx_create: %s", prefill ? "prefill" : "decode", i,
                  why);
     return ctx;
+}
+
+/*
+ * The baseline of a host transport: the same bytes as one raw stream between two
+ * threads of this process, host memory to host memory: a loopback TCP connection for tcp
+ * and ucx (the raw socket stream), a memcpy for shm. Connection set-up is not timed.
+ * Returns the nanoseconds, or 0 after writing err.
+ */
+typedef struct g_stream {
+    int fd, go;
+    const uint8_t *src;
+    uint64_t len;
+} g_stream_t;
+
+static void *g_stream_send(void *arg)
+{
+    g_stream_t *s = arg;
+    char b;
+    if (cli_read_full(s->go, &b, 1) == 0)
+        (void)cli_write_full(s->fd, s->src, s->len);
+    return NULL;
+}
+
+static uint64_t g_host_baseline(const char *tl, uint8_t *dst, const uint8_t *src, uint64_t len,
+                                char *err, size_t cap)
+{
+    if (strcmp(tl, "shm") == 0) {
+        uint64_t t0 = kvt_now_ns();
+        memcpy(dst, src, len);
+        return kvt_now_ns() - t0 + 1;
+    }
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), cfd = -1, afd = -1, go[2] = {-1, -1};
+    struct sockaddr_in sa = {.sin_family = AF_INET};
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t sl = sizeof(sa);
+    uint64_t ns = 0;
+    pthread_t th;
+    bool started = false;
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof(sa)) || listen(lfd, 1) ||
+        getsockname(lfd, (struct sockaddr *)&sa, &sl) || pipe(go) ||
+        (cfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+        connect(cfd, (struct sockaddr *)&sa, sizeof(sa)) || (afd = accept(lfd, NULL, NULL)) < 0) {
+        snprintf(err, cap, "baseline socket: %s", strerror(errno));
+        goto out;
+    }
+    g_stream_t st = {.fd = cfd, .go = go[0], .src = src, .len = len};
+    if (pthread_create(&th, NULL, g_stream_send, &st) != 0) {
+        snprintf(err, cap, "baseline thread");
+        goto out;
+    }
+    started = true;
+    uint64_t t0 = kvt_now_ns();
+    if (cli_write_full(go[1], "g", 1) || cli_read_full(afd, dst, len))
+        snprintf(err, cap, "baseline stream: %s", strerror(errno));
+    else
+        ns = kvt_now_ns() - t0 + 1;
+out:
+    if (go[1] >= 0)
+        close(go[1]); /* a sender still waiting for "go" gives up */
+    if (started)
+        pthread_join(th, NULL);
+    int fds[] = {lfd, cfd, afd, go[0]};
+    for (size_t i = 0; i < sizeof(fds) / sizeof(fds[0]); i++)
+        if (fds[i] >= 0)
+            close(fds[i]);
+    return ns;
 }
 
 static void g_ctx_free(kvw_ctx_h *ctx, uint32_t n)
@@ -479,7 +550,17 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
             }
             /* Baseline buffers, sized now that the byte count is known. */
             bcap = G_MAX(bytes, 1);
-            if (kvw_cuda_set_device(0) != KVW_OK || kvw_cuda_malloc(bcap, &bsrc) != KVW_OK ||
+            if (strcmp(c->transport, "cuda_ipc") != 0) {
+                bsrc = malloc(bcap);
+                bdst = malloc(bcap);
+                if (bsrc == NULL || bdst == NULL) {
+                    snprintf(err, cap, "baseline buffers: out of memory");
+                    rc = -1;
+                    break;
+                }
+                memset(bsrc, 0x3c, bcap);
+                memset(bdst, 0, bcap);
+            } else if (kvw_cuda_set_device(0) != KVW_OK || kvw_cuda_malloc(bcap, &bsrc) != KVW_OK ||
                 kvw_cuda_memset(bsrc, 0x3c, bcap, NULL) != KVW_OK ||
                 kvw_cuda_set_device(dev) != KVW_OK || kvw_cuda_malloc(bcap, &bdst) != KVW_OK ||
                 kvw_cuda_stream_create(&stream) != KVW_OK) {
@@ -496,6 +577,14 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         /* The same bytes as one copy (peer, or device to device), timed the same way:
          * host clock from the call to completion. A first copy warms up. */
         for (int w = rep == 0 ? 0 : 1; w < 2 && rc == 0; w++) {
+            if (strcmp(c->transport, "cuda_ipc") != 0) {
+                uint64_t ns = g_host_baseline(c->transport, bdst, bsrc, bytes, err, cap);
+                if (ns == 0)
+                    rc = -1;
+                if (rep > 0)
+                    res->base_ns[rep - 1] = ns;
+                continue;
+            }
             uint64_t b0 = kvt_now_ns();
             if (kvw_cuda_memcpy(bdst, bsrc, bytes, stream) != KVW_OK ||
                 kvw_cuda_stream_sync(stream) != KVW_OK) {
@@ -522,10 +611,15 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         (void)cli_read_full(ack_fd, &a, 1);
     if (stream)
         kvw_cuda_stream_destroy(stream);
-    if (bsrc)
-        kvw_cuda_free(bsrc);
-    if (bdst)
-        kvw_cuda_free(bdst);
+    if (strcmp(c->transport, "cuda_ipc") != 0) {
+        free(bsrc);
+        free(bdst);
+    } else {
+        if (bsrc)
+            kvw_cuda_free(bsrc);
+        if (bdst)
+            kvw_cuda_free(bdst);
+    }
     free(rcv);
     g_ctx_free(ctx, in.n);
     for (uint32_t k = 0; init && k < in.n; k++)
@@ -649,7 +743,11 @@ static void g_usage(FILE *f)
             "                    default: the six topologies of the issue)\n"
             "  --no-verify       skip the byte check of the first repetition\n"
             "  --json FILE       results (default bench-gpu.json)\n"
-            "Prefill on GPU 0, decode on GPU 1 (GPU 0 when only one exists), over cuda_ipc.\n"
+            "  --transport NAME  cuda_ipc (default: the fused kernel writes the decode GPU,\n"
+            "                    against a peer copy), or tcp, ucx, shm: GPU caches through\n"
+            "                    host staging, against a raw loopback TCP stream (tcp, ucx)\n"
+            "                    or a memcpy (shm) of the same bytes in host memory\n"
+            "Prefill on GPU 0, decode on GPU 1 (GPU 0 when only one exists).\n"
             "Exits 77 without a GPU.\n",
             G_MAX_REPS);
 }
@@ -659,12 +757,12 @@ int kvw_bench_gpu(int argc, char **argv);
 int kvw_bench_gpu(int argc, char **argv)
 {
     g_cfg_t c = {.model = "gpt-oss-120b", .layers = 0, .page = 64, .reps = 5,
-                 .timeout_ms = 60000, .json = "bench-gpu.json"};
+                 .timeout_ms = 60000, .json = "bench-gpu.json", .transport = "cuda_ipc"};
     static const struct option opts[] = {
         {"gpu", 0, 0, 'G'},        {"model", 1, 0, 'm'}, {"layers", 1, 0, 'L'},
         {"page-size", 1, 0, 's'},  {"reps", 1, 0, 'r'},  {"topo", 1, 0, 'T'},
         {"no-verify", 0, 0, 'n'},  {"json", 1, 0, 'j'},  {"help", 0, 0, 'h'},
-        {0, 0, 0, 0}};
+        {"transport", 1, 0, 't'},  {0, 0, 0, 0}};
     int o;
     optind = 1;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
@@ -689,6 +787,7 @@ int kvw_bench_gpu(int argc, char **argv)
             break;
         }
         case 'n': c.no_verify = 1; break;
+        case 't': snprintf(c.transport, sizeof(c.transport), "%s", optarg); break;
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
         case 'h': g_usage(stdout); return 0;
         default: g_usage(stderr); return 2;
@@ -738,7 +837,8 @@ int kvw_bench_gpu(int argc, char **argv)
     FILE *jf = fopen(c.json, "w");
     if (jf) {
         fprintf(jf, "{\"model\": \"%s\", \"layers\": %u, \"page\": %u, \"reps\": %u, "
-                "\"topologies\": [", c.model, m.m.num_layers, c.page, c.reps);
+                "\"transport\": \"%s\", \"topologies\": [", c.model, m.m.num_layers, c.page,
+                c.reps, c.transport);
         for (uint32_t i = 0; i < c.num_topo; i++) {
             const g_topo_t *t = &c.topo[i];
             const g_result_t *r = &res[i];
@@ -800,11 +900,15 @@ int kvw_bench_gpu(int argc, char **argv)
                g_ms(sp.sum.notify_ns) / per);
     }
 
+    bool host_tl = strcmp(c.transport, "cuda_ipc") != 0;
     printf("\nkvwire bench --gpu: %s (%u layers, page %u), %d GPU(s): prefill GPU 0 -> decode "
-           "GPU %d over cuda_ipc;\npost to SUCCESS on every decode rank against one %s copy of "
+           "GPU %d over %s;\npost to SUCCESS on every decode rank against one %s of "
            "the same bytes, medians of %u repetitions\n", c.model, m.m.num_layers, c.page,
-           res[0].devices, res[0].devices > 1 ? 1 : 0,
-           res[0].devices > 1 ? "peer (GPU 0 -> GPU 1)" : "device-to-device", c.reps);
+           res[0].devices, res[0].devices > 1 ? 1 : 0, c.transport,
+           host_tl ? (strcmp(c.transport, "shm") ? "raw loopback TCP stream (host memory)"
+                                                 : "memcpy (host memory)")
+           : res[0].devices > 1 ? "peer copy (GPU 0 -> GPU 1)" : "device-to-device copy",
+           c.reps);
     printf("%-8s %-11s %8s %10s %9s %6s %7s  %s\n", "topology", "rooms x tok", "MB",
            "proto GB/s", "base GB/s", "ratio", "ms", "verified");
     for (uint32_t i = 0; i < c.num_topo; i++) {
@@ -823,7 +927,8 @@ int kvw_bench_gpu(int argc, char **argv)
                mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn),
                r->verified ? "yes: every byte and guard" : "no");
     }
-    printf("reproduce: kvwire bench --gpu --reps %u (JSON: %s)\n", c.reps, c.json);
+    printf("reproduce: kvwire bench --gpu --transport %s --reps %u (JSON: %s)\n", c.transport,
+           c.reps, c.json);
     free(res);
     return fail;
 }

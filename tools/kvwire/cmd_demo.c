@@ -52,7 +52,7 @@ typedef struct demo_cfg {
     char role[16];       /* both (default), prefill or decode */
     char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
     char listen_host[64];
-    int gpu; /* KV caches in GPU memory: prefill on GPU 0, decode on GPU 1 (or 0) */
+    int gpu; /* KV caches in GPU memory: 1 prefill (GPU 0), 2 decode (GPU 1, or 0) */
     char secret[256]; /* shared secret ("" none), from --secret-file or KVW_SECRET_FILE */
 } demo_cfg_t;
 
@@ -320,7 +320,7 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
     demo_inst_t inst = {0};
     if (demo_build(c, m, true, &inst, c->seed * 7 + 1, false))
         return 1;
-    if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(true)))
+    if ((c->gpu & 1) && demo_gpu_attach(&inst, demo_gpu_device(true)))
         return 1;
     char bs[160];
     kvw_ctx_h *ctx = demo_contexts(c, &inst, true, c->bootstrap[0] ? c->bootstrap : "127.0.0.1:0",
@@ -415,7 +415,7 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
     demo_inst_t inst = {0}, src = {0};
     if (demo_build(c, m, false, &inst, c->seed * 13 + 5, false))
         return 1;
-    if (c->gpu && demo_gpu_attach(&inst, demo_gpu_device(false)))
+    if ((c->gpu & 2) && demo_gpu_attach(&inst, demo_gpu_device(false)))
         return 1;
     /* The prefill ranks' bytes, rebuilt here for the reference. */
     if (demo_build(c, m, true, &src, c->seed * 7 + 1, false))
@@ -470,7 +470,7 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
             }
         }
         res->ns += kvt_now_ns() - t0;
-        if (rc == 0 && c->gpu && demo_gpu_pull(&inst))
+        if (rc == 0 && (c->gpu & 2) && demo_gpu_pull(&inst))
             rc = 1;
         /* Verify: the reference applied to the snapshot must equal the buffers. */
         for (uint32_t k = 0; k < inst.n && rc == 0; k++) {
@@ -585,8 +585,8 @@ static void demo_usage(FILE *f)
             "  --prefill-pp N        prefill PP size (default 1)\n"
             "  --decode-pp N         decode PP size (default 1)\n"
             "  --transport NAME      shm (default), tcp or ucx; fault:NAME wraps one of them\n"
-            "                        with the fault injection KVW_FAULTS describes (--gpu:\n"
-            "                        cuda_ipc). Built into this library: %s\n"
+            "                        with the fault injection KVW_FAULTS describes (--gpu\n"
+            "                        without --transport: cuda_ipc). Built in: %s\n"
             "  --requests N          requests (default 24)\n"
             "  --concurrency N       rooms in flight per wave (default 8)\n"
             "  --page-size N         prefill full-pool page size (default 64)\n"
@@ -597,8 +597,11 @@ static void demo_usage(FILE *f)
             "  --decode-layout L     decode KV layout: nhd (default) or hnd\n"
             "  --seed N              seed of requests, pages and bytes (default 1)\n"
             "  --timeout-ms N        per-room timeout (default 30000)\n"
-            "  --gpu                 KV caches in GPU memory (prefill GPU 0, decode GPU 1),\n"
-            "                        moved by the fused kernel over cuda_ipc\n"
+            "  --gpu[=SIDE]          KV caches in GPU memory (prefill GPU 0, decode GPU 1);\n"
+            "                        SIDE: both (default), prefill or decode. Over cuda_ipc\n"
+            "                        (the default then) the fused kernel writes the decode\n"
+            "                        GPU; over tcp, shm or ucx windows are gathered and\n"
+            "                        scattered on the GPUs through host staging\n"
             "  --role R              both (default), or prefill / decode alone (other hosts)\n"
             "  --bootstrap H:P       prefill: bootstrap to host; decode: bootstrap to use\n"
             "  --listen-host H       address the control and data listeners bind\n"
@@ -636,10 +639,11 @@ static int cmd_demo(int argc, char **argv)
         {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
         {"decode-layout", 1, 0, 'l'}, {"prefill-layout", 1, 0, 'y'}, {"kv-heads", 1, 0, 'H'},
-        {"gpu", 0, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
+        {"gpu", 2, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
         {"secret-file", 1, 0, 'K'},
         {0, 0, 0, 0}};
     int o;
+    bool tl_set = false;
     optind = 1;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         unsigned long v = optarg ? strtoul(optarg, NULL, 10) : 0;
@@ -650,7 +654,10 @@ static int cmd_demo(int argc, char **argv)
         case 'd': c.dtp = (uint32_t)v; break;
         case 'P': c.ppp = (uint32_t)v; break;
         case 'D': c.dpp = (uint32_t)v; break;
-        case 't': snprintf(c.transport, sizeof(c.transport), "%s", optarg); break;
+        case 't':
+            snprintf(c.transport, sizeof(c.transport), "%s", optarg);
+            tl_set = true;
+            break;
         case 'r': c.requests = (uint32_t)v; break;
         case 'c': c.concurrency = (uint32_t)v; break;
         case 's': c.ppage = (uint32_t)v; break;
@@ -672,7 +679,16 @@ static int cmd_demo(int argc, char **argv)
         }
         case 'q': c.quiet = 1; break;
         case 'H': c.kv_heads = (uint32_t)v; break;
-        case 'G': c.gpu = 1; break;
+        case 'G':
+            c.gpu = !optarg || !strcmp(optarg, "both") ? 3
+                    : !strcmp(optarg, "prefill")      ? 1
+                    : !strcmp(optarg, "decode")       ? 2
+                                                      : 0;
+            if (!c.gpu) {
+                fprintf(stderr, "demo: --gpu= takes both, prefill or decode, not '%s'\n", optarg);
+                return 2;
+            }
+            break;
         case 'R': snprintf(c.role, sizeof(c.role), "%s", optarg); break;
         case 'B': snprintf(c.bootstrap, sizeof(c.bootstrap), "%s", optarg); break;
         case 'I': snprintf(c.listen_host, sizeof(c.listen_host), "%s", optarg); break;
@@ -700,7 +716,8 @@ static int cmd_demo(int argc, char **argv)
             fprintf(stderr, "demo: --gpu needs a CUDA GPU and the kvwire CUDA module\n");
             return 77;
         }
-        snprintf(c.transport, sizeof(c.transport), "cuda_ipc");
+        if (!tl_set)
+            snprintf(c.transport, sizeof(c.transport), "cuda_ipc");
     }
     if (!c.ptp || !c.dtp || !c.ppp || !c.dpp || !c.requests || !c.concurrency || !c.ppage ||
         !c.max_tokens) {

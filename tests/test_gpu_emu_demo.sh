@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU KV caches over host transports, between processes, without a GPU: `kvwire demo
+# --gpu` with the CPU stand-in of the CUDA module (libkvwire_cuda_emu.so, see
+# tests/gpu/cuda_emu_module.c), so the prefill and decode processes take the GPU paths
+# (windows gathered and scattered by the kernels' own address arithmetic, through host
+# staging) and the decode verifies every byte and guard byte. GPU on both sides, on the
+# prefill only and on the decode only; tcp, shm, and ucx where it is built.
+# scripts/gpu-check.sh runs the same configurations on real GPUs.
+set -u
+CLI="${KVW_CLI:-${KVW_BUILD_DIR:-build}/kvwire}"
+EMU="${KVW_BUILD_DIR:-build}/libkvwire_cuda_emu.so"
+if [[ ! -x "$CLI" || ! -f "$EMU" ]]; then
+    echo "test_gpu_emu_demo: needs $CLI and $EMU" >&2
+    exit 1
+fi
+export KVW_CUDA_MODULE="$EMU" KVW_STAGING_MB=2
+fail=0
+run() {
+    local name=$1
+    shift
+    local out
+    if out=$(timeout 240 "$CLI" demo --layers 4 --requests 6 --max-tokens 700 "$@" 2>&1); then
+        echo "PASS  $name: $(tail -n 1 <<<"$out")"
+    else
+        echo "FAIL  $name"
+        tail -n 20 <<<"$out"
+        fail=1
+    fi
+}
+run "tcp GPU->GPU TP1->TP2" --gpu --transport tcp --prefill-tp 1 --decode-tp 2
+run "tcp GPU->host TP2->TP1" --gpu=prefill --transport tcp --prefill-tp 2 --decode-tp 1
+run "shm host->GPU TP1->TP2 HND" --gpu=decode --transport shm --decode-layout hnd --decode-tp 2
+run "shm GPU->GPU pages 16->64" --gpu --transport shm --page-size 16 --decode-page-size 64
+if "$CLI" info 2>/dev/null | grep -q ucx; then
+    run "ucx GPU->GPU TP2->TP2" --gpu --transport ucx --prefill-tp 2 --decode-tp 2
+fi
+exit $fail
