@@ -82,7 +82,7 @@ run_demo "tcp GPU->GPU TP2->TP1 HND" --transport tcp --prefill-tp 2 --decode-tp 
 run_demo "shm GPU->GPU MLA TP4->TP2" --transport shm --model deepseek-v3 --prefill-tp 4 --decode-tp 2
 run_demo "tcp GPU->host TP1->TP2" --gpu=prefill --transport tcp --prefill-tp 1 --decode-tp 2
 run_demo "shm host->GPU TP2->TP4" --gpu=decode --transport shm --prefill-tp 2 --decode-tp 4
-if "$BUILD/kvwire" info 2>/dev/null | grep -q ucx; then
+if [ -f "$BUILD/libkvwire-ucx.so" ]; then
     run_demo "ucx GPU->GPU TP1->TP2" --transport ucx --prefill-tp 1 --decode-tp 2
 fi
 unset KVW_STAGING_MB

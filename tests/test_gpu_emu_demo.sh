@@ -31,7 +31,7 @@ run "tcp GPU->GPU TP1->TP2" --gpu --transport tcp --prefill-tp 1 --decode-tp 2
 run "tcp GPU->host TP2->TP1" --gpu=prefill --transport tcp --prefill-tp 2 --decode-tp 1
 run "shm host->GPU TP1->TP2 HND" --gpu=decode --transport shm --decode-layout hnd --decode-tp 2
 run "shm GPU->GPU pages 16->64" --gpu --transport shm --page-size 16 --decode-page-size 64
-if "$CLI" info 2>/dev/null | grep -q ucx; then
+if [[ -f "${KVW_BUILD_DIR:-build}/libkvwire-ucx.so" ]]; then
     run "ucx GPU->GPU TP2->TP2" --gpu --transport ucx --prefill-tp 2 --decode-tp 2
 fi
 exit $fail
