@@ -162,6 +162,18 @@ KVW_API kvw_status_t kvw_sender_send(kvw_sender_h sender, const kvw_send_chunk_t
 KVW_API kvw_status_t kvw_sender_send_streamed(kvw_sender_h sender, const kvw_send_chunk_t *chunk);
 KVW_API kvw_status_t kvw_sender_layers_ready(kvw_sender_h sender, uint32_t layer_begin,
                                              uint32_t layer_end);
+/*
+ * For GPU engines: the layers [layer_begin, layer_end) of the latest streamed chunk
+ * become ready when `cuda_event` (a cudaEvent_t the engine recorded on its forward
+ * stream after writing those layers' KV) completes. Returns at once: neither the
+ * engine's stream nor the host waits. A thread of the context polls the event
+ * (cudaEventQuery) and marks the layers as kvw_sender_layers_ready does; an event that
+ * never completes leaves them unmarked, and the room fails at its wait timeout naming
+ * the layers and the event. The event must stay valid until the room ends. Errors as
+ * kvw_sender_layers_ready, plus UNSUPPORTED without the CUDA module, NO_MEMORY.
+ */
+KVW_API kvw_status_t kvw_sender_layers_ready_event(kvw_sender_h sender, uint32_t layer_begin,
+                                                   uint32_t layer_end, void *cuda_event);
 
 /* Largest per-room metadata payload. */
 #define KVW_MAX_ROOM_METADATA (64u << 10)

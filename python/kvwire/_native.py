@@ -266,6 +266,7 @@ _PROTOTYPES = {
     "kvw_sender_send": (_st, [_h, _P(kvw_send_chunk_t)]),
     "kvw_sender_send_streamed": (_st, [_h, _P(kvw_send_chunk_t)]),
     "kvw_sender_layers_ready": (_st, [_h, _u32, _u32]),
+    "kvw_sender_layers_ready_event": (_st, [_h, _u32, _u32, _h]),
     "kvw_sender_set_metadata": (_st, [_h, ctypes.c_void_p, ctypes.c_size_t]),
     "kvw_receiver_metadata": (_st, [_h, ctypes.c_void_p, ctypes.c_size_t,
                                     _P(ctypes.c_size_t)]),

@@ -950,6 +950,7 @@ class Sender(_Room):
         h = ctypes.c_void_p()
         _check(N.load().kvw_sender_create(ctx.handle, self.room, ctypes.byref(h)))
         self._h = h.value
+        self._events = []  # events of layers_ready(event=...), alive with the room
         ctx._rooms.add(self)
 
     def send(self, num_tokens, begin=0, end=None, last=None, full_pages=(), full_first_token=0,
@@ -972,14 +973,26 @@ class Sender(_Room):
         self._queue(N.load().kvw_sender_send_streamed, num_tokens, begin, end, last,
                     full_pages, full_first_token, swa_pages, swa_first_token, state_slot)
 
-    def layers_ready(self, begin, end=None):
+    def layers_ready(self, begin, end=None, event=None):
         """Marks the global layers [begin, end) (end defaults to begin + 1) of the room's
         latest streamed chunk ready. Any order; marking a layer again does nothing.
+        With `event` (a torch.cuda.Event recorded on the forward stream after those
+        layers' KV was written, or a raw cudaEvent_t as an int) the layers become ready
+        when the event completes: the call returns at once and nothing synchronizes
+        (kvw_sender_layers_ready_event); the event must live until the room ends.
         Raises KvwireError: ERR_INVALID_PARAM for an empty range, layers outside this
-        rank's pipeline stage or no streamed chunk; the room's status once it failed
-        (kvw_sender_layers_ready)."""
+        rank's pipeline stage, no streamed chunk or an unrecorded torch event; the
+        room's status once it failed (kvw_sender_layers_ready)."""
         end = begin + 1 if end is None else end
-        _check(N.load().kvw_sender_layers_ready(self._handle(), begin, end))
+        if event is None:
+            _check(N.load().kvw_sender_layers_ready(self._handle(), begin, end))
+            return
+        handle = getattr(event, "cuda_event", event)
+        if not isinstance(handle, int) or handle == 0:
+            raise KvwireError(Status.ERR_INVALID_PARAM,
+                              "layers_ready: the event has no CUDA event yet (record it first)")
+        self._events.append(event)  # kept alive until the room is closed
+        _check(N.load().kvw_sender_layers_ready_event(self._handle(), begin, end, handle))
 
     def _queue(self, fn, num_tokens, begin, end, last, full_pages, full_first_token,
                swa_pages, swa_first_token, state_slot):

@@ -676,11 +676,14 @@ class KVSender(_Request):
         self._pages_sent = end_page
         self._last_sent = last
 
-    def layers_ready(self, layer_begin, layer_end=None):
+    def layers_ready(self, layer_begin, layer_end=None, event=None):
         """Marks the global layers [layer_begin, layer_end) (layer_end defaults to
         layer_begin + 1) of the streamed chunk ready (a kvwire extension; any order, a
-        layer marked twice is fine). Layers outside this rank's pipeline stage, or no
-        streamed chunk, raise ValueError; a failure of the room shows in poll()."""
+        layer marked twice is fine). With `event` (a torch.cuda.Event recorded on the
+        forward stream after those layers were written) they become ready when it
+        completes, and the forward pass never synchronizes. Layers outside this rank's
+        pipeline stage, or no streamed chunk, raise ValueError; a failure of the room
+        shows in poll()."""
         layer_end = layer_begin + 1 if layer_end is None else layer_end
         par = self.kv_mgr.parallel
         if self._stream is None:
@@ -700,7 +703,7 @@ class KVSender(_Request):
             if not rest and self._stream and self._stream_last and self.kv_mgr.aux and \
                     self.aux_index is not None:
                 self._room.set_metadata(self.kv_mgr.read_aux(self.aux_index))
-            self._room.layers_ready(layer_begin, layer_end)
+            self._room.layers_ready(layer_begin, layer_end, event=event)
         except KvwireError as e:
             self._fail(e.message or str(e), e.status)
         self._stream = rest

@@ -80,7 +80,7 @@ def _bits(t):
     return t.view(torch.int16)  # bf16 compared bit for bit (random bits hold NaNs)
 
 
-def prefill_worker_torch(conn, transport="cuda_ipc"):
+def prefill_worker_torch(conn, transport="cuda_ipc", events=False):
     ctx = None
     try:
         torch.cuda.set_device(PREFILL_GPU)
@@ -100,7 +100,16 @@ def prefill_worker_torch(conn, transport="cuda_ipc"):
             s = ctx.sender(r["room"])
             for (b, e) in r["chunks"]:
                 last = e == r["n"]
-                s.send(r["n"], b, e, last, full, 0, swa if last else (), swa0 if last else 0)
+                if events and last:
+                    # The last chunk streams: each layer is marked by a CUDA event recorded
+                    # on the forward stream, and nothing here waits for the GPU.
+                    s.send_streamed(r["n"], b, e, last, full, 0, swa, swa0)
+                    for layer in reversed(range(model.num_layers)):
+                        ev = torch.cuda.Event()
+                        ev.record()
+                        s.layers_ready(layer, layer + 1, event=ev)
+                else:
+                    s.send(r["n"], b, e, last, full, 0, swa if last else (), swa0 if last else 0)
             senders.append((r["room"], s))
         out = []
         for room, s in senders:
@@ -173,12 +182,19 @@ class TestTorchGpu(unittest.TestCase):
         kvwire.load_library()
         self._run("tcp")
 
-    def _run(self, transport):
+    def test_tp1_to_tp2_streamed_on_cuda_events_tcp(self):
+        """tcp, the last chunk of every request streamed, each layer marked by a
+        torch.cuda.Event (layers_ready(event=...)), in reverse order."""
+        kvwire.load_library()
+        self._run("tcp", events=True)
+
+    def _run(self, transport, events=False):
         model = U.gptoss_model(U.WINDOW, HEADS, HEAD_DIM)
         reqs = U.make_requests()
         mp = multiprocessing.get_context("spawn")
         conn, child = mp.Pipe()
-        proc = mp.Process(target=prefill_worker_torch, args=(child, transport), daemon=True)
+        proc = mp.Process(target=prefill_worker_torch, args=(child, transport, events),
+                          daemon=True)
         proc.start()
         child.close()
 

@@ -230,6 +230,35 @@ static kvw_status_t kvwc_host_unregister(void *ptr)
     return KVW_OK;
 }
 
+static kvw_status_t kvwc_event_create(void **ev)
+{
+    cudaEvent_t e;
+    KVWC_CALL(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    *ev = (void *)e;
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_event_record(void *ev, void *stream)
+{
+    KVWC_CALL(cudaEventRecord((cudaEvent_t)ev, (cudaStream_t)stream), "cudaEventRecord");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_event_query(void *ev)
+{
+    cudaError_t e = cudaEventQuery((cudaEvent_t)ev);
+    if (e == cudaErrorNotReady)
+        return KVW_INPROGRESS;
+    KVWC_CALL(e, "cudaEventQuery");
+    return KVW_OK;
+}
+
+static kvw_status_t kvwc_event_destroy(void *ev)
+{
+    KVWC_CALL(cudaEventDestroy((cudaEvent_t)ev), "cudaEventDestroy");
+    return KVW_OK;
+}
+
 static const kvwc_ops_t kvwc_ops = {
     .abi = KVWC_ABI_VERSION,
     .size = sizeof(kvwc_ops_t),
@@ -265,6 +294,10 @@ static const kvwc_ops_t kvwc_ops = {
     .exec_stage = kvwc_exec_stage,
     .host_register = kvwc_host_register,
     .host_unregister = kvwc_host_unregister,
+    .event_create = kvwc_event_create,
+    .event_record = kvwc_event_record,
+    .event_query = kvwc_event_query,
+    .event_destroy = kvwc_event_destroy,
 };
 
 extern "C" __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)

@@ -149,6 +149,11 @@ typedef struct kvwc_ops {
     /* Page-locks (and maps) existing host memory for fast copies, and releases it. */
     kvw_status_t (*host_register)(void *ptr, uint64_t size);
     kvw_status_t (*host_unregister)(void *ptr);
+    /* Events (cudaEvent_t as void *): query is OK once complete, INPROGRESS before. */
+    kvw_status_t (*event_create)(void **event_p);
+    kvw_status_t (*event_record)(void *event, void *stream);
+    kvw_status_t (*event_query)(void *event);
+    kvw_status_t (*event_destroy)(void *event);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -186,6 +191,11 @@ kvw_status_t kvw__cuda_stage_launch(const struct kvw_plan *plan, bool scatter, v
                                     struct kvw_cuda_profile *prof);
 kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p);
 kvw_status_t kvw__cuda_host_register(void *ptr, uint64_t size);
+/* Events, for the protocol's layer marks and for tests (engines bring their own). */
+kvw_status_t kvw__cuda_event_create(void **event_p);
+kvw_status_t kvw__cuda_event_record(void *event, void *stream);
+kvw_status_t kvw__cuda_event_query(void *event);
+kvw_status_t kvw__cuda_event_destroy(void *event);
 void kvw__cuda_host_unregister(void *ptr);
 
 /* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */

@@ -571,6 +571,31 @@ void kvw__cuda_host_unregister(void *ptr)
         (void)ops->host_unregister(ptr);
 }
 
+kvw_status_t kvw__cuda_event_create(void **event_p)
+{
+    KVW_CUDA_FORWARD(event_create(event_p));
+}
+
+kvw_status_t kvw__cuda_event_record(void *event, void *stream)
+{
+    KVW_CUDA_FORWARD(event_record(event, stream));
+}
+
+kvw_status_t kvw__cuda_event_query(void *event)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st != KVW_OK)
+        return st;
+    st = ops->event_query(event);
+    return st == KVW_INPROGRESS ? st : kvw_cuda_ret(ops, st);
+}
+
+kvw_status_t kvw__cuda_event_destroy(void *event)
+{
+    KVW_CUDA_FORWARD(event_destroy(event));
+}
+
 /* ---------------------------------------------------------------- profile */
 
 /* Relaxed atomics: workers add their steps concurrently; a reader only needs totals.

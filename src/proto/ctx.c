@@ -1683,6 +1683,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         kvw__ctx_wake(ctx);
     if (ctx->ctrl_started)
         pthread_join(ctx->ctrl_thread, NULL);
+    kvw__event_stop(ctx);
     /* Registration and connecting threads end within their timeouts (connecting ones
      * sooner: cancelled); wait for them. */
     atomic_store(&ctx->cancel_connects, true);

@@ -186,6 +186,8 @@ typedef struct kvw_room {
     kvw_qchunk_t *chunks;
     uint32_t num_chunks, cap_chunks;
     bool have_last;
+    uint64_t serial;      /* unique in the context: tells a reused id apart */
+    uint32_t event_waits; /* layer marks waiting on a CUDA event (kvw__event_watch) */
     bool have_stream;     /* some chunk was streamed; stream_chunk is the latest */
     uint32_t stream_chunk;
     uint64_t num_tokens;
@@ -304,6 +306,14 @@ struct kvw_ctx {
     kvw_stage_wait_t *waits;
     uint32_t num_waits, cap_waits;
     int path_mode; /* 0 auto, 1 always direct, 2 always staged */
+    /* Layer marks waiting on CUDA events, and the thread that polls them (started on
+     * the first; see events.c). */
+    struct kvw_evwatch *evw;
+    uint32_t num_evw, cap_evw;
+    pthread_t evw_thread;
+    bool evw_started;
+    pthread_cond_t evw_cv;
+    uint64_t room_serial;
     char secret[256]; /* shared secret, "" when none */
     uint64_t instance_id;
     uint32_t handshakes; /* registration threads still running (prefill) */
@@ -388,6 +398,17 @@ void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room);
 
 /* Room table (ctx->mu held). */
 kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id);
+
+/* Streaming (room.c): marks layers [b, e) of a room's queued chunk `chunk` ready (mu
+ * held, range checked). */
+void kvw__sender_mark_ready(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t chunk, uint32_t b,
+                            uint32_t e);
+/* events.c: marks layers [b, e) of the room's latest streamed chunk ready once the CUDA
+ * event completes, polled by the context's event thread so that neither the engine nor
+ * an executor stream ever waits on it (mu held). Stops the thread (ctx->stopping set). */
+kvw_status_t kvw__event_watch(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t b, uint32_t e,
+                              void *cuda_event);
+void kvw__event_stop(struct kvw_ctx *ctx);
 kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender);
 void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room);
 void kvw__room_free(kvw_room_t *room);

@@ -48,6 +48,7 @@ kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender)
     if (r == NULL)
         return NULL;
     r->ctx = ctx;
+    r->serial = ++ctx->room_serial;
     r->id = id;
     r->is_sender = is_sender;
     r->dst_dp = -1;
@@ -384,7 +385,10 @@ static void kvw_room_unready(struct kvw_ctx *ctx, const kvw_room_t *r, char *buf
         sep = ", ";
         l = e;
     }
-    if (len < cap)
+    if (len < cap && r->event_waits)
+        snprintf(buf + len, cap - len, " to be marked ready; %u CUDA event%s the engine named "
+                 "for them never completed)", r->event_waits, r->event_waits > 1 ? "s" : "");
+    else if (len < cap)
         snprintf(buf + len, cap - len, " to be marked ready)");
 }
 
@@ -1628,34 +1632,33 @@ kvw_status_t kvw_sender_send_streamed(kvw_sender_h s, const kvw_send_chunk_t *ch
     return kvw_sender_queue(s, chunk, true, "kvw_sender_send_streamed");
 }
 
-kvw_status_t kvw_sender_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint32_t layer_end)
+/* Checks a layer range against the room's stream (mu held): INVALID_PARAM or the room's
+ * failure, with a message. */
+static kvw_status_t kvw_stream_check(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t layer_begin,
+                                     uint32_t layer_end)
 {
-    if (s == NULL || s->room->ctx == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "kvw_sender_layers_ready: NULL argument or no context");
-    struct kvw_ctx *ctx = s->room->ctx;
     uint32_t lb = ctx->rank->par.layer_begin, le = ctx->rank->par.layer_end;
     if (layer_begin >= layer_end || layer_begin < lb || layer_end > le)
         return kvw__error(KVW_ERR_INVALID_PARAM, "layers [%u, %u) %s this rank's pipeline "
                           "stage, layers [%u, %u)", layer_begin, layer_end,
                           layer_begin >= layer_end ? "are an empty range of" : "lie outside",
                           lb, le);
-    pthread_mutex_lock(&ctx->mu);
-    kvw_room_t *r = s->room;
-    kvw_status_t st = KVW_OK;
     if (r->state == KVW_ROOM_FAILED)
-        st = kvw__error(r->status ? r->status : KVW_ERR_ABORTED, "room %llu already failed: %s",
-                        (unsigned long long)r->id, r->reason);
-    else if (!r->have_stream)
-        st = kvw__error(KVW_ERR_INVALID_PARAM, "room %llu has no streamed chunk to mark layers "
-                        "of (kvw_sender_send_streamed)", (unsigned long long)r->id);
-    if (st != KVW_OK) {
-        pthread_mutex_unlock(&ctx->mu);
-        return st;
-    }
+        return kvw__error(r->status ? r->status : KVW_ERR_ABORTED, "room %llu already failed: %s",
+                          (unsigned long long)r->id, r->reason);
+    if (!r->have_stream)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "room %llu has no streamed chunk to mark "
+                          "layers of (kvw_sender_send_streamed)", (unsigned long long)r->id);
+    return KVW_OK;
+}
+
+void kvw__sender_mark_ready(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t chunk,
+                            uint32_t layer_begin, uint32_t layer_end)
+{
     /* Idempotent: a layer marked again is already ready and nothing more happens (per-
      * layer hooks of an engine may report a layer twice; readiness is a set). */
-    kvw_qchunk_t *q = &r->chunks[r->stream_chunk];
+    uint32_t lb = ctx->rank->par.layer_begin;
+    kvw_qchunk_t *q = &r->chunks[chunk];
     uint32_t fresh = 0;
     for (uint32_t l = layer_begin; l < layer_end; l++)
         if (!q->ready[l - lb]) {
@@ -1671,8 +1674,37 @@ kvw_status_t kvw_sender_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint3
         kvw__room_touch(ctx, r);
         kvw_sender_update(ctx, r);
     }
+}
+
+kvw_status_t kvw_sender_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint32_t layer_end)
+{
+    if (s == NULL || s->room->ctx == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "kvw_sender_layers_ready: NULL argument or no context");
+    struct kvw_ctx *ctx = s->room->ctx;
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = s->room;
+    kvw_status_t st = kvw_stream_check(ctx, r, layer_begin, layer_end);
+    if (st == KVW_OK)
+        kvw__sender_mark_ready(ctx, r, r->stream_chunk, layer_begin, layer_end);
     pthread_mutex_unlock(&ctx->mu);
-    return KVW_OK;
+    return st;
+}
+
+kvw_status_t kvw_sender_layers_ready_event(kvw_sender_h s, uint32_t layer_begin,
+                                           uint32_t layer_end, void *cuda_event)
+{
+    if (s == NULL || s->room->ctx == NULL || cuda_event == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "kvw_sender_layers_ready_event: NULL argument or no context");
+    struct kvw_ctx *ctx = s->room->ctx;
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = s->room;
+    kvw_status_t st = kvw_stream_check(ctx, r, layer_begin, layer_end);
+    if (st == KVW_OK)
+        st = kvw__event_watch(ctx, r, layer_begin, layer_end, cuda_event);
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
 }
 
 /* ------------------------------------------------------------ decode */

@@ -358,6 +358,27 @@ static kvw_status_t emu_host_unregister(void *p)
     return KVW_OK;
 }
 
+/* An emulated event completes when it is recorded (as if the engine's stream had
+ * nothing before it): created and not recorded, it stays pending, which is how tests
+ * hold layers back and let an event never fire. */
+static kvw_status_t emu_event_create(void **ev)
+{
+    *ev = calloc(1, sizeof(int));
+    return *ev ? KVW_OK : emu_error(KVW_ERR_NO_MEMORY, "out of memory");
+}
+
+static kvw_status_t emu_event_record(void *ev, void *stream)
+{
+    (void)stream;
+    __atomic_store_n((int *)ev, 1, __ATOMIC_RELEASE);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_event_query(void *ev)
+{
+    return __atomic_load_n((int *)ev, __ATOMIC_ACQUIRE) ? KVW_OK : KVW_INPROGRESS;
+}
+
 static const kvwc_ops_t emu_ops = {
     .abi = KVWC_ABI_VERSION,
     .size = sizeof(kvwc_ops_t),
@@ -393,6 +414,10 @@ static const kvwc_ops_t emu_ops = {
     .exec_stage = emu_exec_stage,
     .host_register = emu_host_register,
     .host_unregister = emu_host_unregister,
+    .event_create = emu_event_create,
+    .event_record = emu_event_record,
+    .event_query = emu_event_query,
+    .event_destroy = emu_ok_ptr,
 };
 
 __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)
