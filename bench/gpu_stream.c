@@ -1,0 +1,467 @@
+/*
+ * Layer-wise streaming on the GPU: how much of the KV transfer a simulated prefill hides.
+ *
+ * A prefill process (GPU 0) runs a simulated forward pass of `layers` layers on its own
+ * stream, one calibrated kernel per layer, and a decode process (GPU 1, or GPU 0 when
+ * there is one) receives the room (TP1 -> TP1, gpt-oss-120b shape, page 64). Two ways
+ * to send the same room, alternated over the repetitions:
+ *
+ *   streamed: kvw_sender_send_streamed, then after each layer's kernel a CUDA event is
+ *             recorded and handed to kvw_sender_layers_ready_event (nothing waits);
+ *   after:    the whole forward pass first, then kvw_sender_send.
+ *
+ * Measured: the tail, from the end of the last layer's kernel (the host sees its event
+ * complete) to Success on the decode (CLOCK_MONOTONIC, shared by the two processes);
+ * and the transfer time of one full-attention layer, the "after" transfer time scaled
+ * by that layer's share of the room's bytes. Target (#14): streamed tail <= 1.2x one
+ * layer's transfer.
+ *
+ * The simulated layer is device memsets of a scratch buffer, sized from a measured
+ * memset rate to last --layer-us (default 5000 us: a gpt-oss-120b layer at 8192 tokens
+ * is about 2.6 TFLOP, about 5 ms at 500 TFLOPS on an H200). Memsets are memory bound,
+ * so they compete with the copy kernels harder than a compute-bound layer would.
+ *
+ * The first streamed room's decode bytes are compared, every byte and guard, with the
+ * test kit's reference. Exits 77 without a GPU.
+ *
+ *   gpu_stream [--transport cuda_ipc|tcp|shm] [--layers N] [--tokens N] [--reps N]
+ *              [--layer-us N] [--json FILE]
+ */
+#include "cuda/module.h"
+#include "testkit.h"
+
+#include <kvwire/cuda.h>
+#include <kvwire/xfer.h>
+
+#include <errno.h>
+#include <getopt.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#define MAXREPS 32
+
+typedef struct cfg {
+    char transport[16];
+    uint32_t layers, reps;
+    uint64_t tokens, layer_us;
+    char json[256];
+} cfg_t;
+
+static int wr(int fd, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    while (n) {
+        ssize_t k = write(fd, b, n);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        b += k, n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int rd(int fd, void *p, size_t n)
+{
+    uint8_t *b = p;
+    while (n) {
+        ssize_t k = read(fd, b, n);
+        if (k < 0 && errno == EINTR)
+            continue;
+        if (k <= 0)
+            return -1;
+        b += k, n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int make_rank(const kvt_model_t *m, uint64_t tokens, uint64_t seed, int device,
+                     kvt_rank_t *r, void ***dev_p)
+{
+    uint32_t pages = (uint32_t)((tokens + 63) / 64 + 1);
+    kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {64, 64},
+                         .num_pages = {pages, pages}, .num_slots = 1};
+    s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1, .layer_end = m->m.num_layers,
+                             .dp_size = 1};
+    if (kvt_rank_describe(&s, r) != KVW_OK)
+        return -1;
+    kvt_rank_fill(r, seed);
+    void **dev = calloc(r->num_bufs, sizeof(void *));
+    *dev_p = dev;
+    if (kvw_cuda_set_device(device) != KVW_OK)
+        return -1;
+    for (uint32_t i = 0; i < r->num_bufs; i++) {
+        uint64_t total = r->alloc_len[i] + 2ull * r->guard;
+        if (kvw_cuda_malloc(total, &dev[i]) != KVW_OK ||
+            kvw_cuda_memcpy(dev[i], r->mem[i], total, NULL) != KVW_OK)
+            return -1;
+        r->bufs[i].addr = (uint8_t *)dev[i] + r->guard;
+        r->bufs[i].mem_kind = KVW_MEM_CUDA;
+        r->bufs[i].device = device;
+    }
+    return kvt_rank_open(r) == KVW_OK ? 0 : -1;
+}
+
+static kvw_ctx_h make_ctx(const cfg_t *c, kvt_rank_t *r, bool prefill, const char *bs)
+{
+    kvw_ctx_params_t p = {.field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK |
+                                        KVW_CTX_FIELD_TRANSPORT | KVW_CTX_FIELD_BOOTSTRAP |
+                                        KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
+                          .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, .rank = r->h,
+                          .transport = c->transport, .bootstrap_addr = bs,
+                          .host_bootstrap = prefill, .wait_timeout_ms = 60000,
+                          .bootstrap_timeout_ms = 60000};
+    kvw_ctx_h ctx = NULL;
+    if (kvw_ctx_create(&p, &ctx) != KVW_OK) {
+        fprintf(stderr, "gpu_stream: %s context: %s\n", prefill ? "prefill" : "decode",
+                kvw_last_error());
+        return NULL;
+    }
+    return ctx;
+}
+
+static kvt_req_pages_t pages_of(const kvt_rank_t *r, uint64_t tokens, uint64_t seed)
+{
+    kvt_rng_t rng = {seed};
+    kvt_req_spec_t rs = {.full_begin = 0, .full_end = tokens, .swa_begin = 0,
+                         .swa_end = tokens, .state_slot = -1};
+    kvt_req_pages_t p;
+    memset(&p, 0, sizeof(p));
+    (void)kvt_req_pages_make(r, &rs, &rng, &p);
+    return p;
+}
+
+/* ---------------------------------------------------------------- decode process */
+
+static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, int device)
+{
+    char bs[128];
+    if (rd(cmd, bs, sizeof(bs)))
+        return 1;
+    kvt_rank_t dst, src;
+    void **ddev = NULL;
+    if (make_rank(m, c->tokens, 2, device, &dst, &ddev)) {
+        fprintf(stderr, "gpu_stream: decode rank: %s\n", kvw_last_error());
+        return 1;
+    }
+    kvw_ctx_h ctx = make_ctx(c, &dst, false, bs);
+    if (ctx == NULL)
+        return 1;
+    kvt_req_pages_t dp = pages_of(&dst, c->tokens, 11);
+    for (;;) {
+        uint64_t room;
+        if (rd(cmd, &room, sizeof(room)) || room == 0)
+            break;
+        kvw_receiver_h rcv = NULL;
+        kvw_recv_post_t post = {.num_tokens = c->tokens, .pages = dp.side};
+        int ok = kvw_receiver_create(ctx, room, 0, &rcv) == KVW_OK &&
+                 kvw_receiver_post(rcv, &post) == KVW_OK;
+        uint64_t posted = ok;
+        wr(res, &posted, sizeof(posted));
+        kvw_room_state_t st = ok ? kvw_receiver_wait(rcv, 120000) : KVW_ROOM_FAILED;
+        uint64_t out[3] = {st == KVW_ROOM_SUCCESS ? kvt_now_ns() : 0, 0, 0};
+        kvw_room_metrics_t mt;
+        memset(&mt, 0, sizeof(mt));
+        if (rcv)
+            kvw_receiver_metrics(rcv, &mt);
+        out[1] = mt.bytes;
+        if (st != KVW_ROOM_SUCCESS)
+            fprintf(stderr, "gpu_stream: room %llu: %s\n", (unsigned long long)room,
+                    rcv ? kvw_receiver_failure(rcv) : kvw_last_error());
+        /* The first room: every byte and guard against the reference. */
+        if (st == KVW_ROOM_SUCCESS && room == 1) {
+            out[2] = 2;
+            for (uint32_t i = 0; i < dst.num_bufs; i++)
+                kvw_cuda_memcpy(dst.mem[i], ddev[i], dst.alloc_len[i] + 2ull * dst.guard, NULL);
+            kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {64, 64},
+                                 .num_pages = {(uint32_t)((c->tokens + 63) / 64 + 1),
+                                               (uint32_t)((c->tokens + 63) / 64 + 1)},
+                                 .num_slots = 1};
+            s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1,
+                                     .layer_end = m->m.num_layers, .dp_size = 1};
+            kvt_rank_describe(&s, &src);
+            kvt_rank_fill(&src, 1);
+            kvt_req_pages_t sp = pages_of(&src, c->tokens, 10);
+            kvt_copy_t exp;
+            kvt_rank_t fresh;
+            kvt_rank_describe(&s, &fresh);
+            kvt_rank_fill(&fresh, 2);
+            kvt_copy_make(&fresh, &exp);
+            uint8_t **sd = calloc(src.num_bufs, sizeof(uint8_t *));
+            for (uint32_t b = 0; b < src.num_bufs; b++)
+                sd[b] = kvt_rank_data(&src, b);
+            kvt_ref_side_t ss = kvt_ref_side(&src, &sp.side, sd);
+            kvt_ref_side_t ds = kvt_ref_side(&dst, &dp.side, exp.data);
+            kvw_chunk_t whole = {.num_tokens = c->tokens, .chunk_end = c->tokens,
+                                 .last_chunk = 1};
+            char msg[512];
+            int bad = kvt_ref_transfer(&m->m, &ss, 1, &ds, &whole, NULL, NULL, msg,
+                                       sizeof(msg)) != 0 ||
+                      kvt_copy_compare(&dst, &exp, "decode", msg, sizeof(msg)) != 0 ||
+                      kvt_rank_check_guards(&dst, msg, sizeof(msg)) != 0;
+            if (bad)
+                fprintf(stderr, "gpu_stream: verification: %s\n", msg);
+            out[2] = bad ? 2 : 1;
+            free(sd);
+            kvt_copy_free(&exp);
+            kvt_req_pages_free(&sp);
+            kvt_rank_free(&fresh);
+            kvt_rank_free(&src);
+        }
+        kvw_receiver_destroy(rcv);
+        wr(res, out, sizeof(out));
+    }
+    kvw_ctx_destroy(ctx);
+    return 0;
+}
+
+/* ---------------------------------------------------------------- prefill process */
+
+typedef struct layer_sim {
+    void *scratch, *stream;
+    uint64_t chunk, n; /* n memsets of `chunk` bytes per layer */
+} layer_sim_t;
+
+static uint64_t wait_event(void *ev)
+{
+    while (kvw__cuda_event_query(ev) == KVW_INPROGRESS)
+        ;
+    return kvt_now_ns();
+}
+
+/* Sizes the per-layer memsets from a measured rate. */
+static int sim_init(layer_sim_t *s, uint64_t layer_us)
+{
+    s->chunk = 1ull << 30;
+    if (kvw_cuda_malloc(s->chunk, &s->scratch) != KVW_OK ||
+        kvw_cuda_stream_create(&s->stream) != KVW_OK)
+        return -1;
+    void *ev;
+    if (kvw__cuda_event_create(&ev) != KVW_OK)
+        return -1;
+    kvw_cuda_memset(s->scratch, 1, s->chunk, s->stream);
+    kvw_cuda_stream_sync(s->stream);
+    uint64_t t0 = kvt_now_ns();
+    for (int i = 0; i < 4; i++)
+        kvw_cuda_memset(s->scratch, i, s->chunk, s->stream);
+    kvw__cuda_event_record(ev, s->stream);
+    double ns_per_byte = (double)(wait_event(ev) - t0) / (4.0 * (double)s->chunk);
+    kvw__cuda_event_destroy(ev);
+    double bytes = (double)layer_us * 1000.0 / ns_per_byte;
+    s->n = (uint64_t)(bytes / (double)s->chunk) + 1;
+    s->chunk = ((uint64_t)(bytes / (double)s->n) + 255) & ~255ull;
+    return 0;
+}
+
+static void sim_layer(layer_sim_t *s, int l)
+{
+    for (uint64_t i = 0; i < s->n; i++)
+        kvw_cuda_memset(s->scratch, l & 0xff, s->chunk, s->stream);
+}
+
+static int cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+static uint64_t median(uint64_t *v, uint32_t n)
+{
+    if (n == 0)
+        return 0;
+    qsort(v, n, sizeof(*v), cmp_u64);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+int main(int argc, char **argv)
+{
+    cfg_t c = {.transport = "cuda_ipc", .layers = 36, .reps = 5, .tokens = 8192,
+               .layer_us = 5000, .json = "gpu-stream.json"};
+    static const struct option opts[] = {
+        {"transport", 1, 0, 't'}, {"layers", 1, 0, 'L'}, {"tokens", 1, 0, 'n'},
+        {"reps", 1, 0, 'r'},      {"layer-us", 1, 0, 'u'}, {"json", 1, 0, 'j'},
+        {0, 0, 0, 0}};
+    int o;
+    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
+        switch (o) {
+        case 't': snprintf(c.transport, sizeof(c.transport), "%s", optarg); break;
+        case 'L': c.layers = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case 'n': c.tokens = strtoull(optarg, NULL, 10); break;
+        case 'r': c.reps = (uint32_t)strtoul(optarg, NULL, 10); break;
+        case 'u': c.layer_us = strtoull(optarg, NULL, 10); break;
+        case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
+        default:
+            fprintf(stderr, "usage: gpu_stream [--transport T] [--layers N] [--tokens N] "
+                            "[--reps N] [--layer-us N] [--json FILE]\n");
+            return 2;
+        }
+    }
+    if (!c.reps || c.reps > MAXREPS || !c.layers || !c.tokens)
+        return 2;
+    pid_t probe = fork();
+    if (probe == 0)
+        exit(kvw_cuda_available() == KVW_OK ? 0 : 3);
+    int ps = 0;
+    waitpid(probe, &ps, 0);
+    if (!WIFEXITED(ps) || WEXITSTATUS(ps) != 0) {
+        printf("gpu_stream: skipped: no GPU (no CUDA device, driver or kvwire CUDA module)\n");
+        return 77;
+    }
+    kvt_model_t m;
+    if (kvt_model_preset("gpt-oss-120b", &m) ||
+        (c.layers < m.m.num_layers && kvt_model_truncate(&m, c.layers))) {
+        fprintf(stderr, "gpu_stream: no gpt-oss-120b preset\n");
+        return 1;
+    }
+    c.layers = m.m.num_layers;
+    int to_child[2], to_parent[2];
+    if (pipe(to_child) || pipe(to_parent))
+        return 1;
+    pid_t child = fork();
+    if (child == 0) {
+        close(to_child[1]);
+        close(to_parent[0]);
+        int n = 0;
+        kvw_cuda_device_count(&n);
+        exit(decode_main(&c, &m, to_child[0], to_parent[1], n > 1 ? 1 : 0));
+    }
+    close(to_child[0]);
+    close(to_parent[1]);
+    int rc = 1;
+    kvt_rank_t src;
+    void **sdev = NULL;
+    layer_sim_t sim = {0};
+    void **ev = calloc(c.layers, sizeof(void *));
+    kvw_ctx_h ctx = NULL;
+    if (make_rank(&m, c.tokens, 1, 0, &src, &sdev) || sim_init(&sim, c.layer_us)) {
+        fprintf(stderr, "gpu_stream: prefill GPU set-up: %s\n", kvw_last_error());
+        goto out;
+    }
+    for (uint32_t l = 0; l < c.layers; l++)
+        if (kvw__cuda_event_create(&ev[l]) != KVW_OK)
+            goto out;
+    if ((ctx = make_ctx(&c, &src, true, "127.0.0.1:0")) == NULL)
+        goto out;
+    char bs[128] = {0};
+    snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(ctx));
+    if (wr(to_child[1], bs, sizeof(bs)))
+        goto out;
+    kvt_req_pages_t sp = pages_of(&src, c.tokens, 10);
+    kvw_send_chunk_t ch = {.num_tokens = c.tokens, .chunk_end = c.tokens, .last_chunk = 1,
+                           .pages = sp.side};
+    /* Per mode (0 streamed, 1 after): tails, transfer times (after only), forward pass. */
+    uint64_t tail[2][MAXREPS], xfer[MAXREPS], fwd[2][MAXREPS], bytes = 0;
+    int verified = 0;
+    uint32_t nrep = 0;
+    for (uint32_t rep = 0; rep <= c.reps; rep++) {
+        for (int mode = 0; mode < 2; mode++) {
+            uint64_t room = 1 + rep * 2 + (uint64_t)mode, posted = 0, res[3];
+            if (wr(to_child[1], &room, sizeof(room)) || rd(to_parent[0], &posted, 8) || !posted)
+                goto out;
+            kvw_sender_h snd = NULL;
+            if (kvw_sender_create(ctx, room, &snd) != KVW_OK)
+                goto out;
+            uint64_t t0 = kvt_now_ns(), t_end, t_send = 0;
+            if (mode == 0 && kvw_sender_send_streamed(snd, &ch) != KVW_OK)
+                goto out;
+            for (uint32_t l = 0; l < c.layers; l++) {
+                sim_layer(&sim, (int)l);
+                kvw__cuda_event_record(ev[l], sim.stream);
+                if (mode == 0 && kvw_sender_layers_ready_event(snd, l, l + 1, ev[l]) != KVW_OK) {
+                    fprintf(stderr, "gpu_stream: layers_ready_event: %s\n", kvw_last_error());
+                    goto out;
+                }
+            }
+            t_end = wait_event(ev[c.layers - 1]);
+            if (mode == 1) {
+                t_send = kvt_now_ns();
+                if (kvw_sender_send(snd, &ch) != KVW_OK)
+                    goto out;
+            }
+            kvw_room_state_t st = kvw_sender_wait(snd, 120000);
+            kvw_sender_destroy(snd);
+            if (rd(to_parent[0], res, sizeof(res)) || res[0] == 0 || st != KVW_ROOM_SUCCESS) {
+                fprintf(stderr, "gpu_stream: room %llu did not succeed\n",
+                        (unsigned long long)room);
+                goto out;
+            }
+            if (room == 1) {
+                verified = res[2] == 1;
+                if (!verified)
+                    goto out;
+            }
+            bytes = res[1];
+            if (rep == 0)
+                continue; /* warm-up */
+            tail[mode][rep - 1] = res[0] > t_end ? res[0] - t_end : 0;
+            fwd[mode][rep - 1] = t_end - t0;
+            if (mode == 1)
+                xfer[rep - 1] = res[0] - t_send;
+        }
+        nrep = rep;
+    }
+    {
+        uint64_t mt0 = median(tail[0], nrep), mt1 = median(tail[1], nrep);
+        uint64_t mx = median(xfer, nrep), mf = median(fwd[0], nrep), mf1 = median(fwd[1], nrep);
+        /* A full-attention layer's share of the room's bytes (TP1 -> TP1). */
+        uint64_t full_layers = 0, swa_layers = 0;
+        uint32_t window = 0;
+        for (uint32_t l = 0; l < m.m.num_layers; l++) {
+            full_layers += m.m.layers[l].kind == KVW_LAYER_FULL;
+            swa_layers += m.m.layers[l].kind == KVW_LAYER_SWA;
+            if (m.m.layers[l].kind == KVW_LAYER_SWA)
+                window = m.m.layers[l].window;
+        }
+        double per_tok = (double)m.m.num_kv_heads * (m.m.k_head_dim + m.m.v_head_dim) *
+                         m.m.elem_size;
+        double layer_bytes = per_tok * (double)c.tokens;
+        double total = layer_bytes * (double)full_layers +
+                       per_tok * (double)(c.tokens < window ? c.tokens : window) *
+                           (double)swa_layers;
+        double one = (double)mx * layer_bytes / total;
+        printf("\ngpu_stream: gpt-oss-120b %u layers, %llu tokens, TP1 -> TP1 over %s, "
+               "simulated layer %llu us, medians of %u repetitions\n", c.layers,
+               (unsigned long long)c.tokens, c.transport, (unsigned long long)c.layer_us, nrep);
+        printf("room bytes %llu (model %.0f); one full layer %.0f bytes; forward pass %.2f ms "
+               "(streamed) / %.2f ms (after)\n", (unsigned long long)bytes, total, layer_bytes,
+               (double)mf / 1e6, (double)mf1 / 1e6);
+        printf("%-22s %12s %14s %s\n", "mode", "tail ms", "x one layer", "verified");
+        printf("%-22s %12.3f %14.2f %s\n", "streamed (events)", (double)mt0 / 1e6,
+               one > 0 ? (double)mt0 / one : 0.0, verified ? "yes: every byte and guard" : "no");
+        printf("%-22s %12.3f %14.2f\n", "sent after the pass", (double)mt1 / 1e6,
+               one > 0 ? (double)mt1 / one : 0.0);
+        printf("one layer's transfer: %.3f ms (the 'after' transfer, %.3f ms, scaled by a "
+               "full layer's share of the bytes)\n", one / 1e6, (double)mx / 1e6);
+        printf("reproduce: gpu_stream --transport %s --layers %u --tokens %llu --reps %u "
+               "--layer-us %llu\n", c.transport, c.layers, (unsigned long long)c.tokens, c.reps,
+               (unsigned long long)c.layer_us);
+        FILE *jf = fopen(c.json, "w");
+        if (jf) {
+            fprintf(jf, "{\"transport\": \"%s\", \"layers\": %u, \"tokens\": %llu, "
+                    "\"layer_us\": %llu, \"reps\": %u, \"bytes\": %llu, \"verified\": %s, "
+                    "\"tail_streamed_ns\": %llu, \"tail_after_ns\": %llu, "
+                    "\"transfer_after_ns\": %llu, \"one_layer_ns\": %.0f, "
+                    "\"forward_ns\": %llu}\n", c.transport, c.layers,
+                    (unsigned long long)c.tokens, (unsigned long long)c.layer_us, nrep,
+                    (unsigned long long)bytes, verified ? "true" : "false",
+                    (unsigned long long)mt0, (unsigned long long)mt1, (unsigned long long)mx,
+                    one, (unsigned long long)mf);
+            fclose(jf);
+        }
+    }
+    rc = 0;
+out:
+    {
+        uint64_t zero = 0;
+        wr(to_child[1], &zero, sizeof(zero));
+    }
+    close(to_child[1]);
+    int cs = 0;
+    waitpid(child, &cs, 0);
+    kvw_ctx_destroy(ctx);
+    return rc;
+}
