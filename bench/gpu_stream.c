@@ -16,10 +16,12 @@
  * by that layer's share of the room's bytes. Target (#14): streamed tail <= 1.2x one
  * layer's transfer.
  *
- * The simulated layer is device memsets of a scratch buffer, sized from a measured
- * memset rate to last --layer-us (default 5000 us: a gpt-oss-120b layer at 8192 tokens
- * is about 2.6 TFLOP, about 5 ms at 500 TFLOPS on an H200). Memsets are memory bound,
- * so they compete with the copy kernels harder than a compute-bound layer would.
+ * The simulated layer lasts --layer-us (default 5000 us: a gpt-oss-120b layer at 8192
+ * tokens is about 2.6 TFLOP, about 5 ms at 500 TFLOPS on an H200): --sim spin (default)
+ * is a kernel keeping one block of every multiprocessor busy that long, compute-bound
+ * like a layer's GEMMs; --sim memset is device memsets sized from a measured rate,
+ * memory bound, which compete with the copies for memory bandwidth far harder than a
+ * real layer does.
  *
  * The first streamed room's decode bytes are compared, every byte and guard, with the
  * test kit's reference. Exits 77 without a GPU.
@@ -49,6 +51,7 @@ typedef struct cfg {
     uint32_t layers, reps;
     uint64_t tokens, layer_us;
     char json[256];
+    char sim[16]; /* spin (default) or memset */
 } cfg_t;
 
 static int wr(int fd, const void *p, size_t n)
@@ -163,12 +166,13 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
         uint64_t posted = ok;
         wr(res, &posted, sizeof(posted));
         kvw_room_state_t st = ok ? kvw_receiver_wait(rcv, 120000) : KVW_ROOM_FAILED;
-        uint64_t out[3] = {st == KVW_ROOM_SUCCESS ? kvt_now_ns() : 0, 0, 0};
+        uint64_t out[4] = {st == KVW_ROOM_SUCCESS ? kvt_now_ns() : 0, 0, 0, 0};
         kvw_room_metrics_t mt;
         memset(&mt, 0, sizeof(mt));
         if (rcv)
             kvw_receiver_metrics(rcv, &mt);
         out[1] = mt.bytes;
+        out[3] = mt.hop_ns[KVW_HOP_DONE_RX];
         if (st != KVW_ROOM_SUCCESS)
             fprintf(stderr, "gpu_stream: room %llu: %s\n", (unsigned long long)room,
                     rcv ? kvw_receiver_failure(rcv) : kvw_last_error());
@@ -224,6 +228,8 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
 typedef struct layer_sim {
     void *scratch, *stream;
     uint64_t chunk, n; /* n memsets of `chunk` bytes per layer */
+    bool spin;         /* a busy kernel of layer_ns instead */
+    uint64_t layer_ns;
 } layer_sim_t;
 
 static uint64_t wait_event(void *ev)
@@ -236,6 +242,9 @@ static uint64_t wait_event(void *ev)
 /* Sizes the per-layer memsets from a measured rate. */
 static int sim_init(layer_sim_t *s, uint64_t layer_us)
 {
+    s->layer_ns = layer_us * 1000;
+    if (s->spin)
+        return kvw_cuda_stream_create(&s->stream) == KVW_OK ? 0 : -1;
     s->chunk = 1ull << 30;
     if (kvw_cuda_malloc(s->chunk, &s->scratch) != KVW_OK ||
         kvw_cuda_stream_create(&s->stream) != KVW_OK)
@@ -259,6 +268,10 @@ static int sim_init(layer_sim_t *s, uint64_t layer_us)
 
 static void sim_layer(layer_sim_t *s, int l)
 {
+    if (s->spin) {
+        (void)kvw__cuda_busy(s->stream, s->layer_ns);
+        return;
+    }
     for (uint64_t i = 0; i < s->n; i++)
         kvw_cuda_memset(s->scratch, l & 0xff, s->chunk, s->stream);
 }
@@ -280,11 +293,11 @@ static uint64_t median(uint64_t *v, uint32_t n)
 int main(int argc, char **argv)
 {
     cfg_t c = {.transport = "cuda_ipc", .layers = 36, .reps = 5, .tokens = 8192,
-               .layer_us = 5000, .json = "gpu-stream.json"};
+               .layer_us = 5000, .json = "gpu-stream.json", .sim = "spin"};
     static const struct option opts[] = {
         {"transport", 1, 0, 't'}, {"layers", 1, 0, 'L'}, {"tokens", 1, 0, 'n'},
         {"reps", 1, 0, 'r'},      {"layer-us", 1, 0, 'u'}, {"json", 1, 0, 'j'},
-        {0, 0, 0, 0}};
+        {"sim", 1, 0, 's'},       {0, 0, 0, 0}};
     int o;
     while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
@@ -294,6 +307,7 @@ int main(int argc, char **argv)
         case 'r': c.reps = (uint32_t)strtoul(optarg, NULL, 10); break;
         case 'u': c.layer_us = strtoull(optarg, NULL, 10); break;
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
+        case 's': snprintf(c.sim, sizeof(c.sim), "%s", optarg); break;
         default:
             fprintf(stderr, "usage: gpu_stream [--transport T] [--layers N] [--tokens N] "
                             "[--reps N] [--layer-us N] [--json FILE]\n");
@@ -334,7 +348,7 @@ int main(int argc, char **argv)
     int rc = 1;
     kvt_rank_t src;
     void **sdev = NULL;
-    layer_sim_t sim = {0};
+    layer_sim_t sim = {.spin = strcmp(c.sim, "memset") != 0};
     void **ev = calloc(c.layers, sizeof(void *));
     kvw_ctx_h ctx = NULL;
     if (make_rank(&m, c.tokens, 1, 0, &src, &sdev) || sim_init(&sim, c.layer_us)) {
@@ -357,9 +371,10 @@ int main(int argc, char **argv)
     uint64_t tail[2][MAXREPS], xfer[MAXREPS], fwd[2][MAXREPS], bytes = 0;
     int verified = 0;
     uint32_t nrep = 0;
+    char hops[400] = "";
     for (uint32_t rep = 0; rep <= c.reps; rep++) {
         for (int mode = 0; mode < 2; mode++) {
-            uint64_t room = 1 + rep * 2 + (uint64_t)mode, posted = 0, res[3];
+            uint64_t room = 1 + rep * 2 + (uint64_t)mode, posted = 0, res[4];
             if (wr(to_child[1], &room, sizeof(room)) || rd(to_parent[0], &posted, 8) || !posted)
                 goto out;
             kvw_sender_h snd = NULL;
@@ -383,6 +398,9 @@ int main(int argc, char **argv)
                     goto out;
             }
             kvw_room_state_t st = kvw_sender_wait(snd, 120000);
+            kvw_room_metrics_t pm;
+            memset(&pm, 0, sizeof(pm));
+            kvw_sender_metrics(snd, &pm);
             kvw_sender_destroy(snd);
             if (rd(to_parent[0], res, sizeof(res)) || res[0] == 0 || st != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "gpu_stream: room %llu did not succeed\n",
@@ -398,6 +416,16 @@ int main(int argc, char **argv)
             if (rep == 0)
                 continue; /* warm-up */
             tail[mode][rep - 1] = res[0] > t_end ? res[0] - t_end : 0;
+            /* The last streamed room's hops after the forward pass ended (us). */
+            if (mode == 0 && rep == c.reps) {
+                double d[4] = {(double)pm.hop_ns[KVW_HOP_SEND], (double)pm.hop_ns[KVW_HOP_BYTES_OUT],
+                               (double)res[3], (double)res[0]};
+                snprintf(hops, sizeof(hops), "last streamed room, us after the last layer's end: "
+                         "last mark applied %+.0f, last bytes out %+.0f, last completion at the "
+                         "decode %+.0f, Success %+.0f", (d[0] - (double)t_end) / 1e3,
+                         (d[1] - (double)t_end) / 1e3, (d[2] - (double)t_end) / 1e3,
+                         (d[3] - (double)t_end) / 1e3);
+            }
             fwd[mode][rep - 1] = t_end - t0;
             if (mode == 1)
                 xfer[rep - 1] = res[0] - t_send;
@@ -424,8 +452,9 @@ int main(int argc, char **argv)
                            (double)swa_layers;
         double one = (double)mx * layer_bytes / total;
         printf("\ngpu_stream: gpt-oss-120b %u layers, %llu tokens, TP1 -> TP1 over %s, "
-               "simulated layer %llu us, medians of %u repetitions\n", c.layers,
-               (unsigned long long)c.tokens, c.transport, (unsigned long long)c.layer_us, nrep);
+               "simulated layer %llu us (%s), medians of %u repetitions\n", c.layers,
+               (unsigned long long)c.tokens, c.transport, (unsigned long long)c.layer_us,
+               sim.spin ? "a busy kernel on every SM" : "memory-bound memsets", nrep);
         printf("room bytes %llu (model %.0f); one full layer %.0f bytes; forward pass %.2f ms "
                "(streamed) / %.2f ms (after)\n", (unsigned long long)bytes, total, layer_bytes,
                (double)mf / 1e6, (double)mf1 / 1e6);
@@ -434,11 +463,12 @@ int main(int argc, char **argv)
                one > 0 ? (double)mt0 / one : 0.0, verified ? "yes: every byte and guard" : "no");
         printf("%-22s %12.3f %14.2f\n", "sent after the pass", (double)mt1 / 1e6,
                one > 0 ? (double)mt1 / one : 0.0);
+        printf("%s\n", hops);
         printf("one layer's transfer: %.3f ms (the 'after' transfer, %.3f ms, scaled by a "
                "full layer's share of the bytes)\n", one / 1e6, (double)mx / 1e6);
         printf("reproduce: gpu_stream --transport %s --layers %u --tokens %llu --reps %u "
-               "--layer-us %llu\n", c.transport, c.layers, (unsigned long long)c.tokens, c.reps,
-               (unsigned long long)c.layer_us);
+               "--layer-us %llu --sim %s\n", c.transport, c.layers, (unsigned long long)c.tokens,
+               c.reps, (unsigned long long)c.layer_us, c.sim);
         FILE *jf = fopen(c.json, "w");
         if (jf) {
             fprintf(jf, "{\"transport\": \"%s\", \"layers\": %u, \"tokens\": %llu, "

@@ -29,9 +29,10 @@ if [[ " $STAGES " == *" bench "* ]]; then
     tail -12 "$OUT/bench-tcp.log"
 fi
 if [[ " $STAGES " == *" stream "* ]]; then
-    for tl in cuda_ipc tcp; do
-        "$B/gpu_stream" --transport $tl --reps 5 --json "$OUT/gpu-stream-$tl.json" >"$OUT/stream-$tl.log" 2>&1
-        echo "gpu_stream $tl exit $?"
-        tail -8 "$OUT/stream-$tl.log"
+    for run in ${STREAM_RUNS:-cuda_ipc:spin tcp:spin tcp:memset}; do
+        tl=${run%%:*} sim=${run##*:}
+        "$B/gpu_stream" --transport "$tl" --reps 5 --sim "$sim" --json "$OUT/gpu-stream-$tl-$sim.json" >"$OUT/stream-$tl-$sim.log" 2>&1
+        echo "gpu_stream $tl $sim exit $?"
+        tail -9 "$OUT/stream-$tl-$sim.log"
     done
 fi

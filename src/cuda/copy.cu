@@ -628,3 +628,29 @@ kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatte
     prof->launch_ns += kvwc_now_ns() - t0;
     return KVW_OK;
 }
+
+/* ---------------------------------------------------------------- benchmarks */
+
+__global__ void kvwc_busy_kernel(uint64_t ns)
+{
+    uint64_t t0, t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+    do {
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    } while (t - t0 < ns);
+}
+
+kvw_status_t kvwc_busy(void *stream, uint64_t ns)
+{
+    int dev = 0, sms = 0;
+    cudaError_t e = cudaGetDevice(&dev);
+    if (e == cudaSuccess)
+        e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaDeviceGetAttribute(multiprocessor count)");
+    kvwc_busy_kernel<<<sms, 128, 0, (cudaStream_t)stream>>>(ns);
+    e = cudaGetLastError();
+    if (e != cudaSuccess)
+        return kvwc_cuda_error(e, "launching the busy kernel");
+    return KVW_OK;
+}

@@ -34,6 +34,7 @@ kvw_status_t kvwc_exec_launch(kvwc_exec_h exec, const kvwc_plan_in_t *in, int *s
                               kvwc_step_prof_t *prof);
 kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatter, void *host,
                              uint64_t lo, uint64_t hi, int *slot_p, kvwc_step_prof_t *prof);
+kvw_status_t kvwc_busy(void *stream, uint64_t ns);
 kvw_status_t kvwc_exec_reap(kvwc_exec_h exec, int slot, int block, int *done_p,
                             kvwc_step_prof_t *prof);
 

@@ -298,6 +298,7 @@ static const kvwc_ops_t kvwc_ops = {
     .event_record = kvwc_event_record,
     .event_query = kvwc_event_query,
     .event_destroy = kvwc_event_destroy,
+    .busy = kvwc_busy,
 };
 
 extern "C" __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)

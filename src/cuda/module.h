@@ -154,6 +154,9 @@ typedef struct kvwc_ops {
     kvw_status_t (*event_record)(void *event, void *stream);
     kvw_status_t (*event_query)(void *event);
     kvw_status_t (*event_destroy)(void *event);
+    /* Benchmarks: a kernel on `stream` that keeps one block per multiprocessor busy for
+     * `ns` nanoseconds (a compute-bound stand-in for an engine's layer). */
+    kvw_status_t (*busy)(void *stream, uint64_t ns);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -196,6 +199,7 @@ kvw_status_t kvw__cuda_event_create(void **event_p);
 kvw_status_t kvw__cuda_event_record(void *event, void *stream);
 kvw_status_t kvw__cuda_event_query(void *event);
 kvw_status_t kvw__cuda_event_destroy(void *event);
+kvw_status_t kvw__cuda_busy(void *stream, uint64_t ns);
 void kvw__cuda_host_unregister(void *ptr);
 
 /* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */

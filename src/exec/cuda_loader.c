@@ -596,6 +596,11 @@ kvw_status_t kvw__cuda_event_destroy(void *event)
     KVW_CUDA_FORWARD(event_destroy(event));
 }
 
+kvw_status_t kvw__cuda_busy(void *stream, uint64_t ns)
+{
+    KVW_CUDA_FORWARD(busy(stream, ns));
+}
+
 /* ---------------------------------------------------------------- profile */
 
 /* Relaxed atomics: workers add their steps concurrently; a reader only needs totals.

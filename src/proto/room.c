@@ -784,9 +784,33 @@ static kvw_status_t kvw_stage_gpu_launch(struct kvw_ctx *ctx, const struct kvw_p
 {
     kvw_cuda_profile_t prof = {.steps = 1, .bytes = we - wb, .first_start_ns = kvw__now_ns()};
     *slot_p = -1;
+    /* Only the segments the window overlaps go to the device (segments lie in stream
+     * order): a window of a long chunk's plan flattens and uploads a few segments, not
+     * the whole plan, and its offsets become relative to the first one kept. */
+    struct kvw_plan sub = *plan;
+    uint64_t pos = 0, base = 0;
+    uint32_t i0 = plan->num_segs, i1 = 0;
+    for (uint32_t i = 0; i < plan->num_segs && pos < we; i++) {
+        uint64_t b = kvw__seg_bytes(&plan->segs[i]);
+        if (pos + b > wb && b) {
+            if (i0 == plan->num_segs)
+                i0 = i, base = pos;
+            i1 = i + 1;
+        }
+        pos += b;
+    }
+    if (i0 == plan->num_segs)
+        return kvw__error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, %llu) lies past the "
+                          "plan's %llu bytes", (unsigned long long)wb, (unsigned long long)we,
+                          (unsigned long long)pos);
+    sub.segs = &plan->segs[i0];
+    sub.num_segs = i1 - i0;
+    sub.bytes = 0;
+    for (uint32_t i = 0; i < sub.num_segs; i++)
+        sub.bytes += kvw__seg_bytes(&sub.segs[i]);
     kvw_status_t st = kvw_cuda_set_device(ctx->cuda_dev);
     if (st == KVW_OK)
-        st = kvw__cuda_stage_launch(plan, !gather, buf, wb, we, slot_p, &prof);
+        st = kvw__cuda_stage_launch(&sub, !gather, buf, wb - base, we - base, slot_p, &prof);
     kvw__cuda_profile_add(&prof);
     return st;
 }

@@ -379,6 +379,12 @@ static kvw_status_t emu_event_query(void *ev)
     return __atomic_load_n((int *)ev, __ATOMIC_ACQUIRE) ? KVW_OK : KVW_INPROGRESS;
 }
 
+static kvw_status_t emu_busy(void *stream, uint64_t ns)
+{
+    (void)stream, (void)ns;
+    return KVW_OK;
+}
+
 static const kvwc_ops_t emu_ops = {
     .abi = KVWC_ABI_VERSION,
     .size = sizeof(kvwc_ops_t),
@@ -418,6 +424,7 @@ static const kvwc_ops_t emu_ops = {
     .event_record = emu_event_record,
     .event_query = emu_event_query,
     .event_destroy = emu_ok_ptr,
+    .busy = emu_busy,
 };
 
 __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)
