@@ -586,7 +586,7 @@ static void demo_usage(FILE *f)
             "  --decode-pp N         decode PP size (default 1)\n"
             "  --transport NAME      shm (default), tcp or ucx; fault:NAME wraps one of them\n"
             "                        with the fault injection KVW_FAULTS describes (--gpu\n"
-            "                        without --transport: cuda_ipc). Built in: %s\n"
+            "                        alone: cuda_ipc). Built into this library: %s\n"
             "  --requests N          requests (default 24)\n"
             "  --concurrency N       rooms in flight per wave (default 8)\n"
             "  --page-size N         prefill full-pool page size (default 64)\n"
