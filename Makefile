@@ -34,9 +34,13 @@ demo: build
 # All tests: a release build, then the same tests under ASan + UBSan, then the threaded
 # tests under TSan.
 check: build
+	@echo "== make check 1/3: release build, every test ($$(date +%T))"
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
+	@echo "== make check 2/3: ASan + UBSan build, every test one at a time ($$(date +%T))"
 	$(MAKE) check-asan
+	@echo "== make check 3/3: TSan build, the threaded tests ($$(date +%T))"
 	$(MAKE) check-tsan
+	@echo "== make check: all three passed ($$(date +%T))"
 
 check-fast: build
 	cd $(BUILD) && ctest --output-on-failure -j $(JOBS)
