@@ -4,7 +4,7 @@
 # cudaMemcpyAsync, cudaMemcpyBatchAsync and same-GPU device-to-device copies
 # (kvw_gpu_bench, see bench/gpu/gpu_bench.cu); then the whole protocol, prefill and
 # decode processes over cuda_ipc, timed from post to Success with every byte of one run
-# per topology verified (kvwire bench --gpu, see tools/kvwire/cmd_bench_gpu.c). Without
+# per topology verified (kvwire bench --gpu, see bench/cli/cmd_bench_gpu.c). Without
 # nvcc or a GPU it prints "skipped: ..." and exits 0.
 #
 #   scripts/gpu-bench.sh [--tokens N] [--reps N] [--quick]     BUILD=dir, JOBS=n

@@ -1583,7 +1583,7 @@ static void b_usage(FILE *f)
 {
     fprintf(f,
             "usage: kvwire bench [options]\n"
-            "  --gpu                 KV caches in GPU memory over cuda_ipc (kvwire bench --gpu --help)\n"
+            "  --gpu                 KV caches in GPU memory (kvwire bench --gpu --help)\n"
             "  --latency             small-room latency against the raw round trip\n"
             "                        (kvwire bench --latency --help)\n"
             "  --stream              layer-wise streaming against sending after the forward\n"
