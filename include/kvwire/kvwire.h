@@ -68,6 +68,22 @@ KVW_API const char *kvw_status_string(kvw_status_t status);
 /* Detailed message of the last error raised in the calling thread ("" if none). */
 KVW_API const char *kvw_last_error(void);
 
+/*
+ * A log hook. kvwire prints nothing itself: events an operator wants to see (a room that
+ * failed and why, a peer declared dead, a registration refused) go to the handler set
+ * here, at levels up to `max_level`. The handler runs on kvwire's threads, possibly with
+ * a context's lock held: it must return quickly and must not call kvwire. NULL removes
+ * it. `msg` is valid during the call only.
+ */
+typedef enum kvw_log_level {
+    KVW_LOG_ERROR = 0,
+    KVW_LOG_WARN = 1,
+    KVW_LOG_INFO = 2,
+    KVW_LOG_DEBUG = 3
+} kvw_log_level_t;
+typedef void (*kvw_log_fn)(void *arg, kvw_log_level_t level, const char *msg);
+KVW_API void kvw_set_log_handler(kvw_log_fn fn, void *arg, kvw_log_level_t max_level);
+
 /* Version of the loaded library, "MAJOR.MINOR.PATCH" (static storage, never NULL). It
  * may differ from KVW_VERSION_STRING, the version of the headers a program was compiled
  * against, when the program runs with another build of the shared library. */

@@ -29,6 +29,10 @@ kvw_status_t kvw__error(kvw_status_t status, const char *fmt, ...) KVW_PRINTF(2,
 kvw_status_t kvw__verror(kvw_status_t status, const char *fmt, va_list ap);
 void kvw__clear_error(void);
 
+/* Hands a message to the log handler (kvw_set_log_handler) when one is set for
+ * `level`; cheap when none is. */
+void kvw__log(kvw_log_level_t level, const char *fmt, ...) KVW_PRINTF(2, 3);
+
 /* Monotonic clock in nanoseconds. */
 uint64_t kvw__now_ns(void);
 

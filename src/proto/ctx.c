@@ -124,6 +124,8 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     if (peer->dead)
         return;
     peer->dead = true;
+    kvw__log(KVW_LOG_WARN, "peer %s is gone (%s): %s", peer->desc, kvw_status_string(status),
+             reason ? reason : "");
     if (peer->fd >= 0) {
         shutdown(peer->fd, SHUT_RDWR);
     }
@@ -643,6 +645,8 @@ reply:
         pthread_mutex_lock(&ctx->mu);
         ctx->refusals++;
         snprintf(ctx->last_refusal, sizeof(ctx->last_refusal), "decode instance %llu: %s",
+                 (unsigned long long)instance, reason);
+        kvw__log(KVW_LOG_WARN, "refused a registration of decode instance %llu: %s",
                  (unsigned long long)instance, reason);
         pthread_mutex_unlock(&ctx->mu);
     }

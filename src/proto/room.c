@@ -281,6 +281,8 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     va_start(ap, fmt);
     vsnprintf(room->reason, sizeof(room->reason), fmt, ap);
     va_end(ap);
+    kvw__log(KVW_LOG_WARN, "%s room %llu failed (%s): %s", room->is_sender ? "prefill" : "decode",
+             (unsigned long long)room->id, kvw_status_string(status), room->reason);
     if (!room->is_sender && ctx->staging)
         kvw_stage_release_room(ctx, room->id);
     pthread_cond_broadcast(&ctx->cv);
