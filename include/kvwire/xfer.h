@@ -124,6 +124,23 @@ KVW_API uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap);
  * that declares another instance geometry replaces the whole instance.
  */
 KVW_API kvw_status_t kvw_bootstrap_start(const char *addr, kvw_bootstrap_h *bootstrap_p);
+
+enum {
+    KVW_BOOTSTRAP_FIELD_ADDR = 1u << 0,
+    KVW_BOOTSTRAP_FIELD_SECRET = 1u << 1
+};
+
+typedef struct kvw_bootstrap_params {
+    uint64_t field_mask; /* KVW_BOOTSTRAP_FIELD_*; ADDR is required */
+    const char *addr;    /* "address:port"; port 0 picks one */
+    /* The shared secret of the ranks that register here (NULL or "": none). With it, the
+     * endpoint refuses (AUTH, with a reason) any registration without a valid MAC. */
+    const char *secret;
+} kvw_bootstrap_params_t;
+
+/* kvw_bootstrap_start with parameters. Errors: INVALID_PARAM, IO. */
+KVW_API kvw_status_t kvw_bootstrap_start_ex(const kvw_bootstrap_params_t *params,
+                                            kvw_bootstrap_h *bootstrap_p);
 KVW_API const char *kvw_bootstrap_address(kvw_bootstrap_h bootstrap);
 KVW_API void kvw_bootstrap_stop(kvw_bootstrap_h bootstrap);
 
