@@ -405,7 +405,7 @@ static int fzf_connect(const char *addr)
 static void fzf_bootstrap_server(fzc_in_t *in)
 {
     static kvw_bootstrap_t *bs;
-    if (bs == NULL && kvw__bootstrap_start("127.0.0.1", 0, &bs) != KVW_OK)
+    if (bs == NULL && kvw__bootstrap_start("127.0.0.1", 0, NULL, &bs) != KVW_OK)
         fzc_fail("cannot start a bootstrap endpoint: %s", kvw_last_error());
     int fd = fzf_connect(kvw__bootstrap_addr(bs));
     size_t n = fzc_left(in);
@@ -496,7 +496,8 @@ static void fzf_bootstrap_lookup(fzc_in_t *in)
     kvw_bs_entry_t *e = NULL;
     uint32_t count = 0;
     uint64_t t0 = kvw__now_ns();
-    kvw_status_t st = kvw__bootstrap_lookup(f->addr, 1, 1, 1, t0 + 2000000000ull, &e, &count);
+    kvw_status_t st =
+        kvw__bootstrap_lookup(f->addr, 1, 1, 1, NULL, t0 + 2000000000ull, &e, &count);
     FZC_SAY("lookup: %s, %u entries\n", kvw_status_string(st), count);
     if (st == KVW_OK) {
         for (uint32_t i = 0; i < count; i++)

@@ -364,6 +364,7 @@ static void gen_frame(void)
     kvw__wb_u32(&w, 2);
     kvw__wb_u32(&w, 1);
     kvw__wb_str(&w, "127.0.0.1:5555");
+    kvw__wb_u8(&w, 0); /* no MAC */
     gb_frame(&b, &w);
     kvw__wb_init(&w, KVW_MSG_BS_LOOKUP);
     gb_frame(&b, &w);
@@ -382,6 +383,7 @@ static void gen_frame(void)
         gb_u32(&b, 1);
         gb_u32(&b, 14);
         gb_bytes(&b, "127.0.0.1:5555", 14);
+        gb_u8(&b, 0); /* no MAC */
     }
     gen_write("fuzz_frame", "bootstrap-table", b.p, b.n);
     free(b.p);

@@ -1,10 +1,16 @@
 /*
- * Shared-secret authentication at the handshake: a decode rank with the wrong secret,
- * or none, is refused with a clear message; a prefill rank that cannot prove the secret
- * is refused by the decode rank; matching secrets move verified bytes.
+ * Shared-secret authentication at the handshake: a decode rank with the wrong secret
+ * refuses the bootstrap entries (their MACs do not match its secret), one with none is
+ * refused by the prefill with a clear message; a prefill rank without the secret leaves
+ * entries the decode refuses, and, given an entry signed by someone else, cannot prove
+ * the secret at the handshake; matching secrets move verified bytes.
  */
 #include "testkit.h"
 #include "inproc.h"
+
+#include "proto/proto.h"
+
+#include <stdlib.h>
 
 static kvt_model_t model;
 
@@ -44,17 +50,22 @@ int main(void)
 
     char why[512];
     CHECK(kvw_ctx_refusals(pctx, why, sizeof(why)) == 0 && why[0] == 0, "refusals before any");
+    /* A wrong secret: the entry's MAC does not match it, so the decode never connects. */
     kvw_status_t st = make_ctx(KVW_SIDE_DECODE, &dst, bs, "beta", &dctx);
     CHECK(st == KVW_ERR_AUTH, "wrong secret: got %s", kvw_status_string(st));
-    CHECK(kvt_contains(kvw_last_error(), "does not match"), "message: %s", kvw_last_error());
-    /* The prefill side can tell too (the refusal is counted before the answer is sent). */
-    CHECK(kvw_ctx_refusals(pctx, why, sizeof(why)) == 1 && kvt_contains(why, "does not match"),
-          "prefill's view of the refusal: %s", why);
+    CHECK(kvt_contains(kvw_last_error(), "dp0/tp0/pp0") &&
+              kvt_contains(kvw_last_error(), "does not match the shared secret"),
+          "message: %s", kvw_last_error());
+    CHECK(kvw_ctx_refusals(pctx, why, sizeof(why)) == 0, "the prefill saw a handshake: %s", why);
 
     st = make_ctx(KVW_SIDE_DECODE, &dst, bs, NULL, &dctx);
     CHECK(st == KVW_ERR_AUTH, "no secret: got %s", kvw_status_string(st));
     CHECK(kvt_contains(kvw_last_error(), "requires a shared secret"), "message: %s",
           kvw_last_error());
+    /* The prefill side can tell too (the refusal is counted before the answer is sent). */
+    CHECK(kvw_ctx_refusals(pctx, why, sizeof(why)) == 1 &&
+              kvt_contains(why, "requires a shared secret"),
+          "prefill's view of the refusal: %s", why);
 
     st = make_ctx(KVW_SIDE_DECODE, &dst, bs, "alpha", &dctx);
     CHECK(st == KVW_OK, "right secret: %s: %s", kvw_status_string(st), kvw_last_error());
@@ -67,10 +78,26 @@ int main(void)
     }
     kvw_ctx_destroy(pctx);
 
-    /* A prefill rank without the secret cannot prove it: the decode rank refuses. */
+    /* A prefill rank without the secret registers without a MAC: the decode refuses the
+     * entry. Signed by someone who has the secret, the entry leads the decode to the
+     * handshake, where the prefill rank cannot prove the secret. */
     CHECK(make_ctx(KVW_SIDE_PREFILL, &src2, "127.0.0.1:0", NULL, &pctx) == KVW_OK, "%s",
           kvw_last_error());
     snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx));
+    st = make_ctx(KVW_SIDE_DECODE, &dst, bs, "alpha", &dctx);
+    CHECK(st == KVW_ERR_AUTH, "unsigned entry: got %s", kvw_status_string(st));
+    CHECK(kvt_contains(kvw_last_error(), "dp0/tp0/pp0") &&
+              kvt_contains(kvw_last_error(), "carries no MAC"),
+          "message: %s", kvw_last_error());
+    kvw_bs_entry_t *e = NULL;
+    uint32_t n = 0;
+    st = kvw__bootstrap_lookup(bs, 1, 1, 1, NULL, kvt_now_ns() + 5000000000ull, &e, &n);
+    CHECK(st == KVW_OK && n == 1, "lookup: %s", kvw_last_error());
+    if (st == KVW_OK) {
+        st = kvw__bootstrap_register(bs, &e[0], "alpha", kvt_now_ns() + 5000000000ull);
+        CHECK(st == KVW_OK, "signed registration: %s", kvw_last_error());
+        free(e);
+    }
     st = make_ctx(KVW_SIDE_DECODE, &dst, bs, "alpha", &dctx);
     CHECK(st == KVW_ERR_AUTH, "unproven prefill: got %s", kvw_status_string(st));
     CHECK(kvt_contains(kvw_last_error(), "did not prove"), "message: %s", kvw_last_error());

@@ -4,9 +4,10 @@
  * neither alter the registration nor inject frames.
  *
  * Setup (one process, tcp): prefill TP1 with secret "alpha" hosting its bootstrap; a
- * relay thread listens on its own port; a forged bootstrap registration re-points the
- * prefill rank's entry at the relay (anyone can write the table), so the decode
- * connects through the relay, which forwards to the real control port.
+ * relay thread listens on its own port; a registration signed with the secret re-points
+ * the prefill rank's entry at the relay (standing for a redirect on the network: the
+ * table itself is authenticated, test_bootstrap_auth), so the decode connects through
+ * the relay, which forwards to the real control port.
  *   1. The relay flips one byte of the registration body (the decode's identity and
  *      data address live there): the prefill refuses it (AUTH), the decode fails.
  *   2. The relay forwards the handshake untouched and, once the room is posted, injects
@@ -166,21 +167,21 @@ static void relay_stop(relay_t *r)
     close(r->listen_fd);
 }
 
-/* Re-points the bootstrap entry of prefill rank dp0/tp0/pp0 (TP1) at `addr`, the way
- * any client of the endpoint can. Returns the address it replaced. */
+/* Re-points the bootstrap entry of prefill rank dp0/tp0/pp0 (TP1) at `addr` with a
+ * registration under the secret. Returns the address it replaced. */
 static void forge_entry(const char *bs, const char *addr, char *old, size_t cap)
 {
     kvw_bs_entry_t *e = NULL;
     uint32_t n = 0;
-    CHECK(kvw__bootstrap_lookup(bs, 1, 1, 1, kvw__now_ns() + 5000000000ull, &e, &n) == KVW_OK &&
-              n == 1,
-          "lookup: %s", kvw_last_error());
+    kvw_status_t st = kvw__bootstrap_lookup(bs, 1, 1, 1, "alpha", kvw__now_ns() + 5000000000ull,
+                                            &e, &n);
+    CHECK(st == KVW_OK && n == 1, "lookup: %s", kvw_last_error());
     if (n == 1 && old)
         snprintf(old, cap, "%s", e[0].addr);
     kvw_bs_entry_t f = {.dp = 0, .tp = 0, .pp = 0, .dp_size = 1, .tp_size = 1, .pp_size = 1};
     snprintf(f.addr, sizeof(f.addr), "%s", addr);
-    CHECK(kvw__bootstrap_register(bs, &f, kvw__now_ns() + 5000000000ull) == KVW_OK, "%s",
-          kvw_last_error());
+    st = kvw__bootstrap_register(bs, &f, "alpha", kvw__now_ns() + 5000000000ull);
+    CHECK(st == KVW_OK, "%s", kvw_last_error());
     free(e);
 }
 

@@ -2384,6 +2384,7 @@ static int proxy_main(env_t *e)
                             put_le32(out + o, ent[i]), o += 4;
                         put_le32(out + o, (uint32_t)sl), o += 4;
                         memcpy(out + o, fake_ctl, sl), o += sl;
+                        out[o++] = 0; /* no MAC (no secret in these cases) */
                         put_hdr(out, WIRE_MAGIC, 1, T_BS_TABLE, (uint32_t)(o - 12));
                         write_full(c, out, o);
                     }

@@ -70,7 +70,9 @@ typedef struct kvw_ctx_params {
     uint32_t peer_timeout_ms; /* a peer silent this long is dead; default 3000 */
     uint32_t bootstrap_timeout_ms; /* default 10000 */
     uint32_t wait_timeout_ms; /* a room waiting for its peer's half fails; default 30000 */
-    const char *secret;       /* optional shared secret proven at the handshake */
+    /* Optional shared secret proven at the handshake; it also signs this prefill rank's
+     * bootstrap registration, and a decode refuses bootstrap entries not signed with it. */
+    const char *secret;
     /* Decode only: prefill instance size (ranks it waits for at the bootstrap). */
     uint32_t prefill_tp, prefill_pp, prefill_dp;
     /* Decode only: identifies the decode instance this rank belongs to. Every rank of
@@ -121,9 +123,28 @@ KVW_API uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap);
  * register there (contexts with host_bootstrap = 0 and this bootstrap_addr), decode
  * ranks look their instance up. It runs on its own thread until stopped and outlives
  * the ranks: a restarted rank registers again and replaces its entry; a registration
- * that declares another instance geometry replaces the whole instance.
+ * that declares another instance geometry replaces the whole instance. To refuse
+ * registrations not signed with the ranks' shared secret, start it with
+ * kvw_bootstrap_start_ex.
  */
 KVW_API kvw_status_t kvw_bootstrap_start(const char *addr, kvw_bootstrap_h *bootstrap_p);
+
+enum {
+    KVW_BOOTSTRAP_FIELD_ADDR = 1u << 0,
+    KVW_BOOTSTRAP_FIELD_SECRET = 1u << 1
+};
+
+typedef struct kvw_bootstrap_params {
+    uint64_t field_mask; /* KVW_BOOTSTRAP_FIELD_*; ADDR is required */
+    const char *addr;    /* "address:port"; port 0 picks one */
+    /* The shared secret of the ranks that register here (NULL or "": none). With it, the
+     * endpoint refuses (AUTH, with a reason) any registration without a valid MAC. */
+    const char *secret;
+} kvw_bootstrap_params_t;
+
+/* kvw_bootstrap_start with parameters. Errors: INVALID_PARAM, IO. */
+KVW_API kvw_status_t kvw_bootstrap_start_ex(const kvw_bootstrap_params_t *params,
+                                            kvw_bootstrap_h *bootstrap_p);
 KVW_API const char *kvw_bootstrap_address(kvw_bootstrap_h bootstrap);
 KVW_API void kvw_bootstrap_stop(kvw_bootstrap_h bootstrap);
 

@@ -16,6 +16,7 @@ __all__ = [
     "kvw_buffer_desc_t", "kvw_rank_params_t", "kvw_route_t", "kvw_pages_t",
     "kvw_side_pages_t", "kvw_chunk_t", "kvw_plan_stats_t", "kvw_run_t",
     "kvw_ctx_params_t", "kvw_send_chunk_t", "kvw_recv_post_t", "kvw_room_metrics_t",
+    "kvw_bootstrap_params_t", "KVW_BOOTSTRAP_FIELD_ADDR", "KVW_BOOTSTRAP_FIELD_SECRET",
     "STRUCTS",
 ]
 
@@ -178,6 +179,18 @@ class kvw_ctx_params_t(ctypes.Structure):
     ]
 
 
+class kvw_bootstrap_params_t(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("addr", ctypes.c_char_p),
+        ("secret", ctypes.c_char_p),
+    ]
+
+
+KVW_BOOTSTRAP_FIELD_ADDR = 1 << 0
+KVW_BOOTSTRAP_FIELD_SECRET = 1 << 1
+
+
 class kvw_send_chunk_t(ctypes.Structure):
     _fields_ = [
         ("num_tokens", ctypes.c_uint64),
@@ -222,6 +235,7 @@ STRUCTS = {
     "kvw_plan_stats_t": kvw_plan_stats_t,
     "kvw_run_t": kvw_run_t,
     "kvw_ctx_params_t": kvw_ctx_params_t,
+    "kvw_bootstrap_params_t": kvw_bootstrap_params_t,
     "kvw_send_chunk_t": kvw_send_chunk_t,
     "kvw_recv_post_t": kvw_recv_post_t,
     "kvw_room_metrics_t": kvw_room_metrics_t,
@@ -273,6 +287,7 @@ _PROTOTYPES = {
     "kvw_receiver_create": (_st, [_h, _u64, _u32, _P(_h)]),
     "kvw_receiver_create_from": (_st, [_h, _u64, ctypes.c_char_p, _u32, _P(_h)]),
     "kvw_bootstrap_start": (_st, [ctypes.c_char_p, _P(_h)]),
+    "kvw_bootstrap_start_ex": (_st, [_P(kvw_bootstrap_params_t), _P(_h)]),
     "kvw_ctx_refusals": (_u64, [_h, ctypes.c_char_p, ctypes.c_size_t]),
     "kvw_bootstrap_address": (ctypes.c_char_p, [_h]),
     "kvw_bootstrap_stop": (None, [_h]),

@@ -1059,12 +1059,18 @@ class BootstrapServer:
     """A standalone bootstrap endpoint (kvw_bootstrap_start): prefill ranks register
     there (Context(..., bootstrap_addr=server.address), host_bootstrap=False), decode
     ranks look their instance up. It outlives the ranks (a restarted rank registers
-    again). addr: "host:port", port 0 picks one; .address tells which."""
+    again). addr: "host:port", port 0 picks one; .address tells which. secret: the
+    ranks' shared secret; with it, registrations without a valid MAC are refused."""
 
-    def __init__(self, addr="127.0.0.1:0"):
+    def __init__(self, addr="127.0.0.1:0", *, secret=None):
         lib = N.load()
         h = ctypes.c_void_p()
-        _check(lib.kvw_bootstrap_start(_enc(addr), ctypes.byref(h)))
+        keep = [_enc(addr), _enc(secret)]
+        p = N.kvw_bootstrap_params_t(field_mask=N.KVW_BOOTSTRAP_FIELD_ADDR, addr=keep[0])
+        if secret is not None:
+            p.field_mask |= N.KVW_BOOTSTRAP_FIELD_SECRET
+            p.secret = keep[1]
+        _check(lib.kvw_bootstrap_start_ex(ctypes.byref(p), ctypes.byref(h)))
         self._h = h.value
 
     @property

@@ -850,10 +850,11 @@ class KVReceiver(_Request):
 class KVBootstrapServer:
     """SGLang's bootstrap server shape (host, port) over kvwire.BootstrapServer: the
     prefill ranks of one instance register there and decode ranks look them up.
-    port 0 picks one (see .port / .address). It outlives the ranks."""
+    port 0 picks one (see .port / .address). It outlives the ranks. secret: the
+    ranks' shared secret (the one given to their KVManager)."""
 
-    def __init__(self, host, port):
-        self._server = BootstrapServer("%s:%d" % (host, int(port)))
+    def __init__(self, host, port, *, secret=None):
+        self._server = BootstrapServer("%s:%d" % (host, int(port)), secret=secret)
         self.host = host
 
     @property

@@ -92,6 +92,22 @@ class TestMultiInstance(unittest.TestCase):
                 ctx_b.close()
                 ctx_a.close()
 
+    def test_bootstrap_server_secret(self):
+        """A BootstrapServer with a secret refuses a prefill rank without it, naming the
+        cause, and takes one with it."""
+        model = U.gptoss_model(U.WINDOW)
+        r = U.HostRank(model, 1, 0, page_size=U.FULL_PS, swa_page_size=U.SWA_PS,
+                       full_pages=U.FULL_PAGES, swa_pages=U.SWA_PAGES, seed=7)
+        with kvwire.BootstrapServer(secret="alpha") as server:
+            with self.assertRaises(kvwire.KvwireError) as cm:
+                kvwire.Context(r.rank, kvwire.Side.PREFILL, server.address,
+                               transport=TRANSPORT, bootstrap_timeout_ms=3000)
+            self.assertEqual(cm.exception.status, kvwire.Status.ERR_AUTH)
+            self.assertIn("requires the shared secret", cm.exception.message)
+            ctx = kvwire.Context(r.rank, kvwire.Side.PREFILL, server.address,
+                                 transport=TRANSPORT, secret="alpha")
+            ctx.close()
+
 
 if __name__ == "__main__":
     unittest.main()

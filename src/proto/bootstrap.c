@@ -10,8 +10,24 @@
  *    their one frame as soon as they connect, so silent ones are the ones that go);
  *  - a full table refuses a new rank with an error answer (KVW_MSG_BS_ERROR).
  * A malformed frame drops only the connection that sent it.
+ *
+ * Authentication: with a shared secret, a prefill rank first asks the endpoint for a
+ * challenge (KVW_MSG_BS_CHALLENGE, a 32-byte nonce held by that connection, good for one
+ * registration) and registers on the same connection with
+ *   mac = HMAC(secret, "kvwire-bootstrap-entry-1" | nonce | dp tp pp | sizes | address).
+ * An endpoint given the secret refuses (KVW_ERR_AUTH, with a reason) a registration without
+ * a MAC or with a wrong one; any endpoint refuses a MAC over a nonce it did not give that
+ * connection (a replay). The entry keeps nonce and MAC, and a decode with the secret
+ * recomputes the MAC of every entry it looks up, so a hostile endpoint cannot point it at
+ * another address either. An entry is bound to its rank position and address, not to the
+ * endpoint: an endpoint can still serve a genuine entry it saw elsewhere (stale, or of
+ * another instance under the same secret); the handshake then decides (the rank at that
+ * address must prove the secret and be that rank of that geometry).
+ * One-shot registrations (KVW_MSG_BS_REGISTER) expire after KVW_BS_ONESHOT_TTL_MS.
  */
 #include "proto/proto.h"
+
+#include "core/sha256.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -33,6 +49,8 @@ typedef struct kvw_bs_conn {
     int fd;
     uint64_t id;
     bool holds; /* it registered with KVW_MSG_BS_HOLD: its entries live as long as it */
+    bool has_nonce; /* a challenge was given and not used yet */
+    uint8_t nonce[32];
     struct sockaddr_storage src; /* source address (port ignored) */
     uint64_t accepted_ns, deadline_ns;
     bool heard; /* some byte arrived since accept */
@@ -52,9 +70,39 @@ struct kvw_bootstrap {
     pthread_mutex_t mu;
     kvw_bs_entry_t *entries;
     uint32_t num_entries;
+    char secret[256];       /* "" accepts registrations without a MAC */
+    uint64_t ttl_ns;        /* lifetime of one-shot entries (under mu) */
 };
 
-static void kvw_bs_put_entry(kvw_wbuf_t *w, const kvw_bs_entry_t *e)
+#define KVW_BS_MAC_LABEL "kvwire-bootstrap-entry-1"
+
+static void kvw_bs_le32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+void kvw__bootstrap_entry_mac(const char *secret, const kvw_bs_entry_t *e, uint8_t out[32])
+{
+    /* The label differs from every handshake label ("kvwire-hello-2", ...): a MAC made
+     * here can never stand for one made there. */
+    uint8_t f[7 * 4];
+    const uint32_t v[6] = {e->dp, e->tp, e->pp, e->dp_size, e->tp_size, e->pp_size};
+    size_t alen = strnlen(e->addr, sizeof(e->addr));
+    for (int i = 0; i < 6; i++)
+        kvw_bs_le32(f + 4 * i, v[i]);
+    kvw_bs_le32(f + 24, (uint32_t)alen);
+    kvw_hmac_t h;
+    kvw__hmac_init(&h, secret, strlen(secret));
+    kvw__hmac_update(&h, KVW_BS_MAC_LABEL, strlen(KVW_BS_MAC_LABEL));
+    kvw__hmac_update(&h, e->nonce, sizeof(e->nonce));
+    kvw__hmac_update(&h, f, sizeof(f));
+    kvw__hmac_update(&h, e->addr, alen);
+    kvw__hmac_final(&h, out);
+}
+
+/* Fields, address, then a flag and (when set) nonce and MAC. */
+void kvw__bootstrap_put_entry(kvw_wbuf_t *w, const kvw_bs_entry_t *e)
 {
     kvw__wb_u32(w, e->dp);
     kvw__wb_u32(w, e->tp);
@@ -63,10 +111,16 @@ static void kvw_bs_put_entry(kvw_wbuf_t *w, const kvw_bs_entry_t *e)
     kvw__wb_u32(w, e->tp_size);
     kvw__wb_u32(w, e->pp_size);
     kvw__wb_str(w, e->addr);
+    kvw__wb_u8(w, e->has_mac);
+    for (size_t i = 0; e->has_mac && i < sizeof(e->nonce); i++)
+        kvw__wb_u8(w, e->nonce[i]);
+    for (size_t i = 0; e->has_mac && i < sizeof(e->mac); i++)
+        kvw__wb_u8(w, e->mac[i]);
 }
 
 static void kvw_bs_get_entry(kvw_rbuf_t *r, kvw_bs_entry_t *e)
 {
+    *e = (kvw_bs_entry_t){0};
     e->dp = kvw__rb_u32(r);
     e->tp = kvw__rb_u32(r);
     e->pp = kvw__rb_u32(r);
@@ -74,6 +128,48 @@ static void kvw_bs_get_entry(kvw_rbuf_t *r, kvw_bs_entry_t *e)
     e->tp_size = kvw__rb_u32(r);
     e->pp_size = kvw__rb_u32(r);
     kvw__rb_str(r, e->addr, sizeof(e->addr));
+    uint8_t flag = kvw__rb_u8(r);
+    if (flag > 1)
+        r->bad = true;
+    e->has_mac = flag == 1;
+    for (size_t i = 0; e->has_mac && i < sizeof(e->nonce); i++)
+        e->nonce[i] = kvw__rb_u8(r);
+    for (size_t i = 0; e->has_mac && i < sizeof(e->mac); i++)
+        e->mac[i] = kvw__rb_u8(r);
+}
+
+/* Drops one-shot entries whose time is up. Under mu. */
+static void kvw_bs_expire_locked(kvw_bootstrap_t *bs, uint64_t now)
+{
+    uint32_t kept = 0;
+    for (uint32_t j = 0; j < bs->num_entries; j++)
+        if (bs->entries[j].expires_ns == 0 || bs->entries[j].expires_ns > now)
+            bs->entries[kept++] = bs->entries[j];
+    bs->num_entries = kept;
+}
+
+/* Why a registration must be refused ("" when it may go in): a MAC over a challenge this
+ * connection was not given (a replay), or, with a secret, a missing or wrong MAC. The
+ * connection's challenge serves one registration whatever the outcome. */
+static void kvw_bs_auth_check(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, const kvw_bs_entry_t *e,
+                              char *why, size_t cap)
+{
+    bool fresh = c->has_nonce && !memcmp(e->nonce, c->nonce, sizeof(c->nonce));
+    c->has_nonce = false;
+    why[0] = '\0';
+    const char *fault = NULL;
+    uint8_t want[32];
+    if (e->has_mac && !fresh)
+        fault = "its MAC answers no challenge this endpoint gave this connection (a replayed "
+                "registration)";
+    else if (bs->secret[0] && !e->has_mac)
+        fault = "it carries no MAC and this endpoint requires the shared secret";
+    else if (bs->secret[0] && (kvw__bootstrap_entry_mac(bs->secret, e, want),
+                               !kvw__ct_equal(want, e->mac, sizeof(want))))
+        fault = "its MAC does not match this endpoint's shared secret";
+    if (fault)
+        snprintf(why, cap, "registration of rank dp%u/tp%u/pp%u at %s refused: %s", e->dp, e->tp,
+                 e->pp, e->addr, fault);
 }
 
 /* Handles one frame into an answer *w; returns false to drop the connection. */
@@ -83,14 +179,33 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp,
     kvw_rbuf_t r;
     kvw_wbuf_t w;
     kvw__rb_init(&r, p, len);
-    if (type == KVW_MSG_BS_REGISTER || type == KVW_MSG_BS_HOLD) {
+    if (type == KVW_MSG_BS_CHALLENGE) {
+        if (kvw__rb_done(&r, "bootstrap challenge") != KVW_OK ||
+            kvw__random_bytes(c->nonce, sizeof(c->nonce)) != 0)
+            return false;
+        c->has_nonce = true;
+        kvw__wb_init(&w, KVW_MSG_BS_CHALLENGE);
+        for (size_t i = 0; i < sizeof(c->nonce); i++)
+            kvw__wb_u8(&w, c->nonce[i]);
+    } else if (type == KVW_MSG_BS_REGISTER || type == KVW_MSG_BS_HOLD) {
         kvw_bs_entry_t e;
         kvw_bs_get_entry(&r, &e);
-        e.owner = type == KVW_MSG_BS_HOLD ? c->id : 0;
         if (kvw__rb_done(&r, "bootstrap register") != KVW_OK || e.tp >= e.tp_size ||
             e.dp >= KVW_MAX(e.dp_size, 1) || e.pp >= KVW_MAX(e.pp_size, 1))
             return false;
+        char why[400];
+        kvw_bs_auth_check(bs, c, &e, why, sizeof(why));
+        if (why[0]) {
+            kvw__wb_init(&w, KVW_MSG_BS_ERROR);
+            kvw__wb_u32(&w, (uint32_t)(int32_t)KVW_ERR_AUTH);
+            kvw__wb_str(&w, why);
+            goto answer;
+        }
+        uint64_t now = kvw__now_ns();
+        e.owner = type == KVW_MSG_BS_HOLD ? c->id : 0;
         pthread_mutex_lock(&bs->mu);
+        e.expires_ns = type == KVW_MSG_BS_HOLD ? 0 : now + bs->ttl_ns;
+        kvw_bs_expire_locked(bs, now);
         /* A registration declaring other instance sizes starts a new instance (a prefill
          * restarted with another geometry): the old entries go, so that no lookup ever
          * mixes ranks of two geometries. */
@@ -130,13 +245,15 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp,
             return false;
         kvw__wb_init(&w, KVW_MSG_BS_TABLE);
         pthread_mutex_lock(&bs->mu);
+        kvw_bs_expire_locked(bs, kvw__now_ns());
         kvw__wb_u32(&w, bs->num_entries);
         for (uint32_t i = 0; i < bs->num_entries; i++)
-            kvw_bs_put_entry(&w, &bs->entries[i]);
+            kvw__bootstrap_put_entry(&w, &bs->entries[i]);
         pthread_mutex_unlock(&bs->mu);
     } else {
         return false;
     }
+answer:
     if (kvw__wb_finish(&w) != KVW_OK) {
         kvw__wb_free(&w);
         return false;
@@ -368,14 +485,19 @@ static void *kvw_bs_main(void *arg)
     return NULL;
 }
 
-kvw_status_t kvw__bootstrap_start(const char *host, uint16_t port, kvw_bootstrap_t **bs_p)
+kvw_status_t kvw__bootstrap_start(const char *host, uint16_t port, const char *secret,
+                                  kvw_bootstrap_t **bs_p)
 {
+    if (secret && strlen(secret) >= sizeof(((kvw_bootstrap_t *)0)->secret))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "the shared secret is longer than 255 bytes");
     kvw_bootstrap_t *bs = calloc(1, sizeof(*bs));
     kvw_status_t st;
     if (bs == NULL || (bs->entries = calloc(KVW_BS_MAX_ENTRIES, sizeof(kvw_bs_entry_t))) == NULL) {
         free(bs);
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory starting the bootstrap endpoint");
     }
+    snprintf(bs->secret, sizeof(bs->secret), "%s", secret ? secret : "");
+    bs->ttl_ns = KVW_BS_ONESHOT_TTL_MS * 1000000ull;
     uint16_t bound;
     if ((st = kvw__tcp_listen(host, port, &bs->listen_fd, &bound)) != KVW_OK)
         goto err_free;
@@ -409,16 +531,32 @@ err_free:
 
 const char *kvw__bootstrap_addr(kvw_bootstrap_t *bs) { return bs->addr; }
 
+void kvw__bootstrap_set_ttl(kvw_bootstrap_t *bs, uint32_t ttl_ms)
+{
+    pthread_mutex_lock(&bs->mu);
+    bs->ttl_ns = (uint64_t)ttl_ms * 1000000ull;
+    pthread_mutex_unlock(&bs->mu);
+}
+
 kvw_status_t kvw_bootstrap_start(const char *addr, kvw_bootstrap_h *bootstrap_p)
+{
+    kvw_bootstrap_params_t p = {.field_mask = KVW_BOOTSTRAP_FIELD_ADDR, .addr = addr};
+    return kvw_bootstrap_start_ex(&p, bootstrap_p);
+}
+
+kvw_status_t kvw_bootstrap_start_ex(const kvw_bootstrap_params_t *params,
+                                    kvw_bootstrap_h *bootstrap_p)
 {
     char host[128];
     uint16_t port;
-    if (bootstrap_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_bootstrap_start: NULL argument");
-    kvw_status_t st = kvw__parse_hostport(addr, host, sizeof(host), &port);
+    if (params == NULL || bootstrap_p == NULL || !(params->field_mask & KVW_BOOTSTRAP_FIELD_ADDR))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_bootstrap_start: NULL argument or no "
+                          "address");
+    kvw_status_t st = kvw__parse_hostport(params->addr, host, sizeof(host), &port);
     if (st != KVW_OK)
         return st;
-    return kvw__bootstrap_start(host, port, bootstrap_p);
+    const char *secret = (params->field_mask & KVW_BOOTSTRAP_FIELD_SECRET) ? params->secret : NULL;
+    return kvw__bootstrap_start(host, port, secret, bootstrap_p);
 }
 
 const char *kvw_bootstrap_address(kvw_bootstrap_h bs)
@@ -447,30 +585,15 @@ void kvw__bootstrap_stop(kvw_bootstrap_t *bs)
     free(bs);
 }
 
-static kvw_status_t kvw_bs_call_fd(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
-                                   uint8_t want, uint8_t **payload_p, uint32_t *len_p,
-                                   int *keep_fd);
-
-static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
-                                uint8_t want, uint8_t **payload_p, uint32_t *len_p)
+/* One request on an open connection and its answer: `want`, or an error answer whose
+ * reason becomes the error (BUSY and AUTH keep their code, others read REJECTED). */
+static kvw_status_t kvw_bs_exchange(int fd, const char *bs_addr, kvw_wbuf_t *w,
+                                    uint64_t deadline_ns, uint8_t want, uint8_t **payload_p,
+                                    uint32_t *len_p)
 {
-    return kvw_bs_call_fd(bs_addr, w, deadline_ns, want, payload_p, len_p, NULL);
-}
-
-/* One request and its answer; keep_fd: on success the connection stays open there. */
-static kvw_status_t kvw_bs_call_fd(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
-                                   uint8_t want, uint8_t **payload_p, uint32_t *len_p,
-                                   int *keep_fd)
-{
-    char host[128];
-    uint16_t port;
-    int fd;
-    kvw_status_t st = kvw__parse_hostport(bs_addr, host, sizeof(host), &port);
-    if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tcp_connect(host, port, deadline_ns, &fd)) != KVW_OK)
-        return st;
+    kvw_status_t st;
     uint8_t type = 0;
+    *payload_p = NULL;
     if ((st = kvw__wb_finish(w)) == KVW_OK &&
         (st = kvw__sock_send_all(fd, w->p, w->len, deadline_ns)) == KVW_OK &&
         (st = kvw__sock_recv_frame(fd, deadline_ns, &type, payload_p, len_p)) == KVW_OK &&
@@ -478,7 +601,7 @@ static kvw_status_t kvw_bs_call_fd(const char *bs_addr, kvw_wbuf_t *w, uint64_t 
         if (type == KVW_MSG_BS_ERROR) {
             /* The endpoint refused with a reason: pass it on (no retry can cure it). */
             kvw_rbuf_t r;
-            char why[256];
+            char why[400];
             kvw__rb_init(&r, *payload_p, *len_p);
             kvw_status_t code = (kvw_status_t)(int32_t)kvw__rb_u32(&r);
             kvw__rb_str(&r, why, sizeof(why));
@@ -486,13 +609,76 @@ static kvw_status_t kvw_bs_call_fd(const char *bs_addr, kvw_wbuf_t *w, uint64_t 
                 code = KVW_ERR_MALFORMED;
             st = kvw__error(code, "bootstrap %s refused: %s", bs_addr,
                             r.bad ? "(malformed answer)" : why);
-            st = st == KVW_ERR_BUSY ? KVW_ERR_BUSY : KVW_ERR_REJECTED;
+            st = st == KVW_ERR_BUSY || st == KVW_ERR_AUTH ? st : KVW_ERR_REJECTED;
         } else {
             st = kvw__error(KVW_ERR_MALFORMED, "bootstrap %s answered frame type %u", bs_addr,
                             type);
         }
         free(*payload_p);
         *payload_p = NULL;
+    }
+    return st;
+}
+
+static kvw_status_t kvw_bs_connect(const char *bs_addr, uint64_t deadline_ns, int *fd_p)
+{
+    char host[128];
+    uint16_t port;
+    kvw_status_t st = kvw__parse_hostport(bs_addr, host, sizeof(host), &port);
+    if (st != KVW_OK)
+        return st;
+    return kvw__tcp_connect(host, port, deadline_ns, fd_p);
+}
+
+/* One request and its answer on a connection of its own. */
+static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t deadline_ns,
+                                uint8_t want, uint8_t **payload_p, uint32_t *len_p)
+{
+    int fd;
+    kvw_status_t st = kvw_bs_connect(bs_addr, deadline_ns, &fd);
+    if (st != KVW_OK)
+        return st;
+    st = kvw_bs_exchange(fd, bs_addr, w, deadline_ns, want, payload_p, len_p);
+    close(fd);
+    return st;
+}
+
+/* One registration attempt: with a secret, the endpoint's challenge first, then the
+ * entry with its MAC over that challenge, on the same connection. keep_fd: on success
+ * the connection stays open there (a held registration). */
+static kvw_status_t kvw_bs_register_once(const char *bs_addr, const kvw_bs_entry_t *e0,
+                                         const char *secret, uint64_t deadline_ns, int *keep_fd)
+{
+    int fd;
+    kvw_status_t st = kvw_bs_connect(bs_addr, deadline_ns, &fd);
+    if (st != KVW_OK)
+        return st;
+    kvw_bs_entry_t e = *e0;
+    e.has_mac = false;
+    kvw_wbuf_t w;
+    uint8_t *p = NULL;
+    uint32_t len = 0;
+    if (secret && secret[0]) {
+        kvw__wb_init(&w, KVW_MSG_BS_CHALLENGE);
+        st = kvw_bs_exchange(fd, bs_addr, &w, deadline_ns, KVW_MSG_BS_CHALLENGE, &p, &len);
+        kvw__wb_free(&w);
+        if (st == KVW_OK && len != sizeof(e.nonce))
+            st = kvw__error(KVW_ERR_MALFORMED, "bootstrap %s answered a challenge of %u bytes",
+                            bs_addr, len);
+        if (st == KVW_OK) {
+            memcpy(e.nonce, p, sizeof(e.nonce));
+            e.has_mac = true;
+            kvw__bootstrap_entry_mac(secret, &e, e.mac);
+        }
+        free(p);
+        p = NULL;
+    }
+    if (st == KVW_OK) {
+        kvw__wb_init(&w, keep_fd ? KVW_MSG_BS_HOLD : KVW_MSG_BS_REGISTER);
+        kvw__bootstrap_put_entry(&w, &e);
+        st = kvw_bs_exchange(fd, bs_addr, &w, deadline_ns, KVW_MSG_BS_OK, &p, &len);
+        kvw__wb_free(&w);
+        free(p);
     }
     if (st == KVW_OK && keep_fd)
         *keep_fd = fd;
@@ -502,21 +688,14 @@ static kvw_status_t kvw_bs_call_fd(const char *bs_addr, kvw_wbuf_t *w, uint64_t 
 }
 
 static kvw_status_t kvw_bs_register(const char *bs_addr, const kvw_bs_entry_t *e,
-                                     uint64_t deadline_ns, int *keep_fd)
+                                     const char *secret, uint64_t deadline_ns, int *keep_fd)
 {
     kvw_status_t st;
     do {
-        kvw_wbuf_t w;
-        uint8_t *p = NULL;
-        uint32_t len = 0;
-        kvw__wb_init(&w, keep_fd ? KVW_MSG_BS_HOLD : KVW_MSG_BS_REGISTER);
-        kvw_bs_put_entry(&w, e);
-        st = kvw_bs_call_fd(bs_addr, &w, deadline_ns, KVW_MSG_BS_OK, &p, &len, keep_fd);
-        kvw__wb_free(&w);
-        free(p);
+        st = kvw_bs_register_once(bs_addr, e, secret, deadline_ns, keep_fd);
         if (st == KVW_OK)
             return KVW_OK;
-        if (st == KVW_ERR_BUSY || st == KVW_ERR_REJECTED)
+        if (st == KVW_ERR_BUSY || st == KVW_ERR_REJECTED || st == KVW_ERR_AUTH)
             return st; /* refused with a reason (kvw_last_error) */
         usleep(50000); /* the endpoint may not be up yet */
     } while (kvw__now_ns() < deadline_ns);
@@ -525,16 +704,42 @@ static kvw_status_t kvw_bs_register(const char *bs_addr, const kvw_bs_entry_t *e
 }
 
 kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
-                                     uint64_t deadline_ns)
+                                     const char *secret, uint64_t deadline_ns)
 {
-    return kvw_bs_register(bs_addr, e, deadline_ns, NULL);
+    return kvw_bs_register(bs_addr, e, secret, deadline_ns, NULL);
 }
 
 kvw_status_t kvw__bootstrap_hold(const char *bs_addr, const kvw_bs_entry_t *e,
-                                 uint64_t deadline_ns, int *fd_p)
+                                 const char *secret, uint64_t deadline_ns, int *fd_p)
 {
     *fd_p = -1;
-    return kvw_bs_register(bs_addr, e, deadline_ns, fd_p);
+    return kvw_bs_register(bs_addr, e, secret, deadline_ns, fd_p);
+}
+
+/* With a secret, every entry must carry the MAC of its fields under it: a forged one
+ * (no MAC, or a wrong one) fails the lookup, naming the rank and the address it gives,
+ * before anyone connects there. */
+static kvw_status_t kvw_bs_verify_table(const char *bs_addr, const char *secret,
+                                        const kvw_bs_entry_t *e, uint32_t n)
+{
+    if (secret == NULL || !secret[0])
+        return KVW_OK;
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t want[32];
+        if (e[i].has_mac) {
+            kvw__bootstrap_entry_mac(secret, &e[i], want);
+            if (kvw__ct_equal(want, e[i].mac, sizeof(want)))
+                continue;
+        }
+        return kvw__error(KVW_ERR_AUTH, "bootstrap %s: the entry of prefill rank dp%u/tp%u/pp%u "
+                          "(address %s) %s; not connecting to it", bs_addr, e[i].dp, e[i].tp,
+                          e[i].pp, e[i].addr,
+                          e[i].has_mac ? "carries a MAC that does not match the shared secret: "
+                                         "forged, or registered under another secret"
+                                       : "carries no MAC: forged, or registered by a rank "
+                                         "without the shared secret");
+    }
+    return KVW_OK;
 }
 
 /* Checks a table against what the decode expects. Returns KVW_OK when it is complete,
@@ -591,15 +796,15 @@ static kvw_status_t kvw_bs_check_table(const char *bs_addr, const kvw_bs_entry_t
 }
 
 kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
-                                   uint64_t deadline_ns, kvw_bs_entry_t **entries_p,
-                                   uint32_t *count_p)
+                                   const char *secret, uint64_t deadline_ns,
+                                   kvw_bs_entry_t **entries_p, uint32_t *count_p)
 {
-    return kvw__bootstrap_lookup_ex(bs_addr, tp, pp, dp, deadline_ns, false, NULL, entries_p,
-                                    count_p);
+    return kvw__bootstrap_lookup_ex(bs_addr, tp, pp, dp, secret, deadline_ns, false, NULL,
+                                    entries_p, count_p);
 }
 
 kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
-                                      uint64_t deadline_ns, bool fail_fast,
+                                      const char *secret, uint64_t deadline_ns, bool fail_fast,
                                       const _Atomic bool *cancel, kvw_bs_entry_t **entries_p,
                                       uint32_t *count_p)
 {
@@ -634,7 +839,9 @@ kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t
             free(e);
             return kvw__error(KVW_ERR_MALFORMED, "bootstrap %s sent a malformed table", bs_addr);
         }
-        st = kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, last, sizeof(last));
+        st = kvw_bs_verify_table(bs_addr, secret, e, n);
+        if (st == KVW_OK)
+            st = kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, last, sizeof(last));
         if (st == KVW_OK) {
             *entries_p = e;
             *count_p = n;

@@ -963,7 +963,7 @@ static void *kvw_inst_connect_main(void *arg)
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
     kvw_bs_entry_t *entries = NULL;
     uint32_t ne = 0;
-    kvw_status_t st = kvw__bootstrap_lookup_ex(a->addr, 0, 0, 0, deadline, true,
+    kvw_status_t st = kvw__bootstrap_lookup_ex(a->addr, 0, 0, 0, ctx->secret, deadline, true,
                                                &ctx->cancel_connects, &entries, &ne);
     for (uint32_t i = 0; st == KVW_OK && i < ne; i++)
         st = kvw_decode_connect_retry(ctx, &entries[i], a->inst, a->gen, deadline);
@@ -1518,7 +1518,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
             char host[128];
             uint16_t port;
             if ((st = kvw__parse_hostport(params->bootstrap_addr, host, sizeof(host), &port)) != KVW_OK ||
-                (st = kvw__bootstrap_start(host, port, &ctx->bs)) != KVW_OK)
+                (st = kvw__bootstrap_start(host, port, ctx->secret, &ctx->bs)) != KVW_OK)
                 goto err;
             snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s",
                      kvw__bootstrap_addr(ctx->bs));
@@ -1545,7 +1545,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                             .dp_size = KVW_MAX(par->dp_size, 1), .tp_size = par->tp_size,
                             .pp_size = KVW_MAX(par->pp_size, 1)};
         snprintf(e.addr, sizeof(e.addr), "%s:%u", ctx->listen_host, ctx->listen_port);
-        if ((st = kvw__bootstrap_hold(ctx->bootstrap_addr, &e, deadline, &ctx->bs_fd)) != KVW_OK)
+        if ((st = kvw__bootstrap_hold(ctx->bootstrap_addr, &e, ctx->secret, deadline,
+                                       &ctx->bs_fd)) != KVW_OK)
             goto err;
     } else {
         /* Register every buffer, then register with every prefill rank. */
@@ -1623,8 +1624,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
             ctx->insts[i0].gen = 1;
             ctx->insts[i0].state = KVW_INST_CONNECTING;
             if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
-                                            params->prefill_pp, params->prefill_dp, deadline,
-                                            &entries, &ne)) != KVW_OK)
+                                            params->prefill_pp, params->prefill_dp,
+                                            ctx->secret, deadline, &entries, &ne)) != KVW_OK)
                 goto err_decode;
             for (uint32_t i = 0; i < ne; i++)
                 if ((st = kvw_decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,

@@ -40,6 +40,8 @@ typedef enum kvw_msg_type {
     KVW_MSG_BS_ERROR = 24,    /* bootstrap -> client: status, reason (e.g. table full) */
     KVW_MSG_BS_HOLD = 25,     /* prefill rank -> bootstrap: register for as long as this
                                  connection stays open */
+    KVW_MSG_BS_CHALLENGE = 26, /* prefill rank -> bootstrap (empty), and the answer: a
+                                  32-byte nonce the registration on this connection MACs */
     KVW_MSG_CHALLENGE = 30,   /* prefill -> decode: nonce for the shared secret */
     KVW_MSG_META = 13,        /* prefill -> decode: room, the room's metadata bytes */
     KVW_MSG_MAX = 31

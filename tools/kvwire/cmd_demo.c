@@ -534,21 +534,19 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
 
 /* ------------------------------------------------------------ driver */
 
-/* Reads the shared secret from `path`: its first line, at most 255 bytes. The file must
- * not be readable by other users (the secret is the whole of the authentication). */
-static int demo_read_secret(const char *path, char *out, size_t cap)
+int kvw_cli_read_secret(const char *who, const char *path, char *out, size_t cap)
 {
     struct stat sb;
     FILE *f = fopen(path, "r");
     if (f == NULL || fstat(fileno(f), &sb) != 0) {
-        fprintf(stderr, "demo: cannot read the secret file %s: %s\n", path, strerror(errno));
+        fprintf(stderr, "%s: cannot read the secret file %s: %s\n", who, path, strerror(errno));
         if (f)
             fclose(f);
         return -1;
     }
     if (sb.st_mode & (S_IRWXG | S_IRWXO)) {
-        fprintf(stderr, "demo: the secret file %s is accessible by other users (mode %03o); "
-                "chmod 600 it\n", path, (unsigned)(sb.st_mode & 0777));
+        fprintf(stderr, "%s: the secret file %s is accessible by other users (mode %03o); "
+                "chmod 600 it\n", who, path, (unsigned)(sb.st_mode & 0777));
         fclose(f);
         return -1;
     }
@@ -558,7 +556,7 @@ static int demo_read_secret(const char *path, char *out, size_t cap)
     fclose(f);
     line[strcspn(line, "\r\n")] = 0;
     if (!line[0] || strlen(line) >= cap) {
-        fprintf(stderr, "demo: the secret file %s must hold one line of 1 to %zu bytes\n", path,
+        fprintf(stderr, "%s: the secret file %s must hold one line of 1 to %zu bytes\n", who, path,
                 cap - 1);
         return -1;
     }
@@ -693,7 +691,7 @@ static int cmd_demo(int argc, char **argv)
         case 'B': snprintf(c.bootstrap, sizeof(c.bootstrap), "%s", optarg); break;
         case 'I': snprintf(c.listen_host, sizeof(c.listen_host), "%s", optarg); break;
         case 'K':
-            if (demo_read_secret(optarg, c.secret, sizeof(c.secret)))
+            if (kvw_cli_read_secret("demo", optarg, c.secret, sizeof(c.secret)))
                 return 2;
             break;
         case 'h': demo_usage(stdout); return 0;
@@ -701,7 +699,8 @@ static int cmd_demo(int argc, char **argv)
         }
     }
     if (!c.secret[0] && getenv("KVW_SECRET_FILE") && getenv("KVW_SECRET_FILE")[0] &&
-        demo_read_secret(getenv("KVW_SECRET_FILE"), c.secret, sizeof(c.secret)))
+        kvw_cli_read_secret("demo", getenv("KVW_SECRET_FILE"), c.secret,
+                            sizeof(c.secret)))
         return 2;
     if (!c.dpage)
         c.dpage = c.ppage;

@@ -45,22 +45,35 @@ static void kvw_on_signal(int sig)
 static int cmd_bootstrap(int argc, char **argv)
 {
     const char *addr = "0.0.0.0:17000";
+    char secret[256] = "";
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--listen") && i + 1 < argc)
+        if (!strcmp(argv[i], "--listen") && i + 1 < argc) {
             addr = argv[++i];
-        else {
-            fprintf(stderr, "usage: kvwire bootstrap [--listen host:port]   (default %s)\n"
+        } else if (!strcmp(argv[i], "--secret-file") && i + 1 < argc) {
+            if (kvw_cli_read_secret("bootstrap", argv[++i], secret, sizeof(secret)))
+                return 2;
+        } else {
+            fprintf(stderr, "usage: kvwire bootstrap [--listen host:port] [--secret-file PATH]"
+                            "   (default %s)\n"
                             "Runs the bootstrap endpoint where prefill ranks register and decode "
-                            "ranks look them up, until interrupted.\n", addr);
+                            "ranks look them up, until interrupted. With a shared secret "
+                            "(--secret-file or KVW_SECRET_FILE, mode 600), registrations without "
+                            "a valid MAC are refused.\n", addr);
             return strcmp(argv[i], "--help") ? 2 : 0;
         }
     }
+    const char *sf = getenv("KVW_SECRET_FILE");
+    if (!secret[0] && sf && sf[0] && kvw_cli_read_secret("bootstrap", sf, secret, sizeof(secret)))
+        return 2;
+    kvw_bootstrap_params_t bp = {.field_mask = KVW_BOOTSTRAP_FIELD_ADDR | KVW_BOOTSTRAP_FIELD_SECRET,
+                                 .addr = addr, .secret = secret};
     kvw_bootstrap_h bs;
-    if (kvw_bootstrap_start(addr, &bs) != KVW_OK) {
+    if (kvw_bootstrap_start_ex(&bp, &bs) != KVW_OK) {
         fprintf(stderr, "kvwire bootstrap: %s\n", kvw_last_error());
         return 1;
     }
-    printf("kvwire bootstrap listening on %s\n", kvw_bootstrap_address(bs));
+    printf("kvwire bootstrap listening on %s%s\n", kvw_bootstrap_address(bs),
+           secret[0] ? " (registrations authenticated)" : "");
     fflush(stdout);
     signal(SIGINT, kvw_on_signal);
     signal(SIGTERM, kvw_on_signal);
