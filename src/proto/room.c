@@ -843,6 +843,51 @@ static kvw_status_t kvw_stage_move(struct kvw_ctx *ctx, const struct kvw_plan *p
     return st != KVW_OK ? st : st2;
 }
 
+/* The calling worker's host buffer for gathered windows, at least `size` bytes: kept
+ * for the thread's life (grown when a larger window comes), so a step neither allocates
+ * nor faults in up to 16 MiB of fresh pages. Released when the thread exits. */
+static pthread_key_t kvw_wbuf_key;
+static pthread_once_t kvw_wbuf_once = PTHREAD_ONCE_INIT;
+
+typedef struct kvw_worker_buf {
+    uint8_t *p;
+    uint64_t cap;
+} kvw_worker_buf_t;
+
+static void kvw_wbuf_free(void *arg)
+{
+    kvw_worker_buf_t *b = arg;
+    free(b->p);
+    free(b);
+}
+
+static void kvw_wbuf_init(void)
+{
+    (void)pthread_key_create(&kvw_wbuf_key, kvw_wbuf_free);
+}
+
+static uint8_t *kvw_worker_buf(uint64_t size)
+{
+    pthread_once(&kvw_wbuf_once, kvw_wbuf_init);
+    kvw_worker_buf_t *b = pthread_getspecific(kvw_wbuf_key);
+    if (b == NULL) {
+        if ((b = calloc(1, sizeof(*b))) == NULL)
+            return NULL;
+        if (pthread_setspecific(kvw_wbuf_key, b) != 0) {
+            free(b);
+            return NULL;
+        }
+    }
+    if (size > b->cap) {
+        free(b->p);
+        b->cap = 0;
+        if ((b->p = malloc(size)) == NULL)
+            return NULL;
+        b->cap = size;
+    }
+    return b->p;
+}
+
 /* Head-slice plans make many small runs; one bulk write per window beats one write per
  * run: on tcp and ucx (a frame or a put per run) and on shm too, unless the decode's KV
  * buffers are shared memory (then each run is one memcpy, and staging would copy twice).
@@ -966,7 +1011,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     kvw_status_t st = KVW_OK;
     uint64_t wmax = KVW_MAX(KVW_MIN(total, piece_max), 1);
     if (!gpu) {
-        buf[0] = buf[1] = malloc(wmax);
+        buf[0] = buf[1] = kvw_worker_buf(wmax);
         if (buf[0] == NULL)
             st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
     } else {
@@ -1030,8 +1075,6 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     /* A gather still running on an error path must finish before its buffer is reused. */
     for (int k = 0; k < 2; k++)
         (void)kvw_stage_gpu_wait(slot[k]);
-    if (!gpu)
-        free(buf[0]);
     free(win);
     return st;
 }
