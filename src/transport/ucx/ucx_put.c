@@ -138,6 +138,55 @@ typedef struct fence_slot {
     uint64_t hi;
 } fence_slot_t;
 
+/* The requests one put() call has in flight, and how far its writes reached per key. */
+typedef struct put_batch {
+    void *reqs[UCX_INFLIGHT];
+    size_t nreq;
+    uint64_t inflight; /* bytes of the requests in flight */
+    fence_slot_t slots[UCX_FENCE_SLOTS];
+    size_t nslots;
+} put_batch_t;
+
+/* Whether a write at `off` of rk may overlap an earlier write of the call (or the batch
+ * tracks no more keys): the caller orders it first, then clears the slots. */
+static bool batch_overlaps(const put_batch_t *b, const ucx_rkey_t *rk, uint64_t off)
+{
+    size_t k = 0;
+    while (k < b->nslots && b->slots[k].rk != rk)
+        k++;
+    return k < b->nslots ? off < b->slots[k].hi : b->nslots == UCX_FENCE_SLOTS;
+}
+
+/* Records a write of [off, off + len) of rk (with a free slot, see batch_overlaps). */
+static void batch_note(put_batch_t *b, const ucx_rkey_t *rk, uint64_t off, uint64_t len)
+{
+    size_t k = 0;
+    while (k < b->nslots && b->slots[k].rk != rk)
+        k++;
+    if (k == b->nslots)
+        b->slots[b->nslots++] = (fence_slot_t){.rk = rk, .hi = 0};
+    b->slots[k].hi = KVW_MAX(b->slots[k].hi, off + len);
+}
+
+/* Waits for (and releases) every request in flight. */
+static ucs_status_t batch_wait(ucx_iface_t *tl, put_batch_t *b)
+{
+    ucs_status_t s = wait_all(tl, b->reqs, b->nreq);
+    b->nreq = 0;
+    b->inflight = 0;
+    return s;
+}
+
+/* Adds a request in flight for `len` bytes; waits for all once the batch is full. */
+static ucs_status_t batch_add(ucx_iface_t *tl, put_batch_t *b, void *req, uint64_t len)
+{
+    b->reqs[b->nreq++] = req;
+    b->inflight += len;
+    if (b->nreq == UCX_INFLIGHT || b->inflight >= UCX_INFLIGHT_BYTES)
+        return batch_wait(tl, b);
+    return UCS_OK;
+}
+
 /* The outcome of a batch of UCX requests as a kvwire status (ep->rw read-locked). */
 static kvw_status_t puts_status(ucx_ep_t *ep, ucs_status_t s, bool *kill_p)
 {
@@ -173,11 +222,7 @@ static kvw_status_t post_am_puts(ucx_ep_t *ep, uint64_t room, const kvw_tl_put_t
 {
     ucx_iface_t *tl = ep->tl;
     uint8_t hdrs[UCX_INFLIGHT][UCX_MSG_HDR]; /* live until their request completes */
-    void *reqs[UCX_INFLIGHT];
-    size_t nreq = 0;
-    uint64_t inflight = 0;
-    fence_slot_t slots[UCX_FENCE_SLOTS];
-    size_t nslots = 0;
+    put_batch_t b = {.nreq = 0};
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                                .memory_type = UCS_MEMORY_TYPE_HOST};
     ucs_status_t s = UCS_OK;
@@ -185,27 +230,18 @@ static kvw_status_t post_am_puts(ucx_ep_t *ep, uint64_t room, const kvw_tl_put_t
         const ucx_rkey_t *rk = (const ucx_rkey_t *)(const void *)puts[i].rkey;
         if (puts[i].len == 0)
             continue;
-        size_t k = 0;
-        while (k < nslots && slots[k].rk != rk)
-            k++;
-        if ((k < nslots && puts[i].dst_off < slots[k].hi) ||
-            (k == nslots && nslots == UCX_FENCE_SLOTS)) {
-            s = wait_all(tl, reqs, nreq);
-            nreq = 0;
-            inflight = 0;
-            nslots = 0;
-            k = 0;
+        if (batch_overlaps(&b, rk, puts[i].dst_off)) {
+            s = batch_wait(tl, &b);
+            b.nslots = 0;
             if (s != UCS_OK)
                 break;
         }
-        if (k == nslots)
-            slots[nslots++] = (fence_slot_t){.rk = rk, .hi = 0};
-        slots[k].hi = KVW_MAX(slots[k].hi, puts[i].dst_off + puts[i].len);
+        batch_note(&b, rk, puts[i].dst_off, puts[i].len);
         msg_hdr_t h = {.type = MSG_DATA, .to = ep->hd.peer_token, .from = tl->token,
                        .a = ep->remote_id, .b = ep->id, .c = rk->hd.region_id,
                        .d = puts[i].dst_off, .e = room};
-        ucx_hdr_put(hdrs[nreq], &h);
-        void *req = ucp_am_send_nbx(ep->uep, UCX_AM_ID, hdrs[nreq], UCX_MSG_HDR, puts[i].src,
+        ucx_hdr_put(hdrs[b.nreq], &h);
+        void *req = ucp_am_send_nbx(ep->uep, UCX_AM_ID, hdrs[b.nreq], UCX_MSG_HDR, puts[i].src,
                                     (size_t)puts[i].len, &prm);
         if (UCS_PTR_IS_ERR(req)) {
             s = UCS_PTR_STATUS(req);
@@ -213,15 +249,9 @@ static kvw_status_t post_am_puts(ucx_ep_t *ep, uint64_t room, const kvw_tl_put_t
         }
         if (req == NULL)
             continue; /* done: its header slot is free again */
-        reqs[nreq++] = req;
-        inflight += puts[i].len;
-        if (nreq == UCX_INFLIGHT || inflight >= UCX_INFLIGHT_BYTES) {
-            s = wait_all(tl, reqs, nreq);
-            nreq = 0;
-            inflight = 0;
-        }
+        s = batch_add(tl, &b, req, puts[i].len);
     }
-    ucs_status_t w = wait_all(tl, reqs, nreq);
+    ucs_status_t w = batch_wait(tl, &b);
     return puts_status(ep, s != UCS_OK ? s : w, kill_p);
 }
 
@@ -231,11 +261,7 @@ static kvw_status_t post_rma_puts(ucx_ep_t *ep, const kvw_tl_put_t *puts, size_t
                                   bool *kill_p)
 {
     ucx_iface_t *tl = ep->tl;
-    void *reqs[UCX_INFLIGHT];
-    size_t nreq = 0;
-    uint64_t inflight = 0;
-    fence_slot_t slots[UCX_FENCE_SLOTS];
-    size_t nslots = 0;
+    put_batch_t b = {.nreq = 0};
     bool posted = false;
     ucp_request_param_t prm = {.op_attr_mask = UCP_OP_ATTR_FIELD_MEMORY_TYPE,
                                .memory_type = UCS_MEMORY_TYPE_HOST};
@@ -247,18 +273,11 @@ static kvw_status_t post_rma_puts(ucx_ep_t *ep, const kvw_tl_put_t *puts, size_t
         if (puts[i].len == 0)
             continue;
         /* Order against earlier writes of this call that may overlap. */
-        size_t k = 0;
-        while (k < nslots && slots[k].rk != rk)
-            k++;
-        if (posted && ((k < nslots && puts[i].dst_off < slots[k].hi) ||
-                       (k == nslots && nslots == UCX_FENCE_SLOTS))) {
+        if (posted && batch_overlaps(&b, rk, puts[i].dst_off)) {
             (void)ucp_worker_fence(tl->worker);
-            nslots = 0;
-            k = 0;
+            b.nslots = 0;
         }
-        if (k == nslots)
-            slots[nslots++] = (fence_slot_t){.rk = rk, .hi = 0};
-        slots[k].hi = KVW_MAX(slots[k].hi, puts[i].dst_off + puts[i].len);
+        batch_note(&b, rk, puts[i].dst_off, puts[i].len);
         void *req = ucp_put_nbx(ep->uep, puts[i].src, (size_t)puts[i].len,
                                 rk->base + puts[i].dst_off, rk->urkey, &prm);
         posted = true;
@@ -266,26 +285,19 @@ static kvw_status_t post_rma_puts(ucx_ep_t *ep, const kvw_tl_put_t *puts, size_t
             s = UCS_PTR_STATUS(req);
             break;
         }
-        if (req != NULL) {
-            reqs[nreq++] = req;
-            inflight += puts[i].len;
-            if (nreq == UCX_INFLIGHT || inflight >= UCX_INFLIGHT_BYTES) {
-                s = wait_all(tl, reqs, nreq);
-                nreq = 0;
-                inflight = 0;
-            }
-        }
+        if (req != NULL)
+            s = batch_add(tl, &b, req, puts[i].len);
     }
     if (posted)
         atomic_store(&ep->dirty, true);
-    ucs_status_t w = wait_all(tl, reqs, nreq);
+    ucs_status_t w = batch_wait(tl, &b);
     return puts_status(ep, s != UCS_OK ? s : w, kill_p);
 }
 
 kvw_status_t ucx_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, size_t n)
 {
     ucx_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = kvw__tl_check_sendable("ucx", &ep->hd, "put");
+    kvw_status_t st = kvw__tl_check_sendable("ucx", ep ? &ep->hd : NULL, "put");
     if (st != KVW_OK)
         return st;
     /* Check everything before moving a byte. */
@@ -307,7 +319,7 @@ kvw_status_t ucx_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, 
 kvw_status_t ucx_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
 {
     ucx_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = kvw__tl_check_sendable("ucx", &ep->hd, "notify");
+    kvw_status_t st = kvw__tl_check_sendable("ucx", ep ? &ep->hd : NULL, "notify");
     if (st != KVW_OK)
         return st;
     if ((st = kvw__tl_check_notify(&ep->hd, msg, len)) != KVW_OK)
