@@ -17,59 +17,59 @@
 /* epoll user data of the two fixed descriptors; endpoints use their own address. */
 static char wake_tag, listen_tag;
 
-kvw_status_t kvw__sockserv_check_params(const char *name, const kvw_tl_params_t *params,
-                                        const void *tl_p)
-{
-    if (params == NULL || tl_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "%s init: params or tl_p is NULL", name);
-    if (params->cb.on_notify == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "%s init: callbacks.on_notify is required",
-                          name);
-    return KVW_OK;
-}
-
-kvw_status_t kvw__sockserv_init(kvw__sockserv_t *srv, const kvw__sockserv_ops_t *ops,
-                                const kvw_tl_params_t *params)
+void *kvw__sockserv_new(const kvw__sockserv_ops_t *ops, const kvw_tl_params_t *params,
+                        const kvw_tl_h *tl_p, size_t size, kvw_status_t *st_p)
 {
     kvw_status_t st;
+    if (params == NULL || tl_p == NULL) {
+        *st_p = kvw__error(KVW_ERR_INVALID_PARAM, "%s init: params or tl_p is NULL", ops->name);
+        return NULL;
+    }
+    if (params->cb.on_notify == NULL) {
+        *st_p = kvw__error(KVW_ERR_INVALID_PARAM, "%s init: callbacks.on_notify is required",
+                           ops->name);
+        return NULL;
+    }
+    kvw__sockserv_t *srv = calloc(1, size);
+    if (srv == NULL) {
+        *st_p = kvw__error(KVW_ERR_NO_MEMORY, "%s init: no memory", ops->name);
+        return NULL;
+    }
     srv->ops = ops;
     srv->cb = params->cb;
     srv->timeout_ms = kvw__tl_timeout_ms(params);
-    srv->listen_fd = -1;
+    srv->listen_fd = srv->wake_fd = srv->epfd = -1;
     atomic_init(&srv->closed, false);
+    pthread_mutex_init(&srv->mu, NULL);
+    pthread_mutex_init(&srv->reg_mu, NULL);
     do
         kvw__tl_random(&srv->token, sizeof(srv->token));
     while (srv->token == 0);
-    srv->wake_fd = kvw__tl_wake_open();
-    if (srv->wake_fd < 0)
-        return kvw__error(KVW_ERR_IO, "%s init: eventfd: %m", ops->name);
-    srv->epfd = epoll_create1(EPOLL_CLOEXEC);
-    if (srv->epfd < 0) {
-        st = kvw__error(KVW_ERR_IO, "%s init: epoll: %m", ops->name);
-        goto err_close_wake;
-    }
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &wake_tag};
-    if (epoll_ctl(srv->epfd, EPOLL_CTL_ADD, srv->wake_fd, &ev) != 0) {
+    if ((srv->wake_fd = kvw__tl_wake_open()) < 0)
+        st = kvw__error(KVW_ERR_IO, "%s init: eventfd: %m", ops->name);
+    else if ((srv->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)
+        st = kvw__error(KVW_ERR_IO, "%s init: epoll: %m", ops->name);
+    else if (epoll_ctl(srv->epfd, EPOLL_CTL_ADD, srv->wake_fd, &ev) != 0)
         st = kvw__error(KVW_ERR_IO, "%s init: epoll_ctl: %m", ops->name);
-        goto err_close_epoll;
-    }
-    pthread_mutex_init(&srv->mu, NULL);
-    return KVW_OK;
-
-err_close_epoll:
-    close(srv->epfd);
-err_close_wake:
-    close(srv->wake_fd);
-    return st;
+    else
+        return srv;
+    kvw__sockserv_delete(srv);
+    *st_p = st;
+    return NULL;
 }
 
-void kvw__sockserv_abort(kvw__sockserv_t *srv, int listen_fd)
+void kvw__sockserv_delete(kvw__sockserv_t *srv)
 {
-    if (listen_fd >= 0)
-        close(listen_fd);
-    close(srv->epfd);
-    close(srv->wake_fd);
+    if (srv->listen_fd >= 0)
+        close(srv->listen_fd);
+    if (srv->epfd >= 0)
+        close(srv->epfd);
+    if (srv->wake_fd >= 0)
+        close(srv->wake_fd);
     pthread_mutex_destroy(&srv->mu);
+    pthread_mutex_destroy(&srv->reg_mu);
+    free(srv);
 }
 
 /* ---------------------------------------------------------------- endpoints */
@@ -324,28 +324,19 @@ static void *srv_thread(void *arg)
     return NULL;
 }
 
-kvw_status_t kvw__sockserv_start(kvw__sockserv_t *srv, int listen_fd)
+kvw_status_t kvw__sockserv_start(kvw__sockserv_t *srv)
 {
-    kvw_status_t st;
-    srv->listen_fd = listen_fd;
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &listen_tag};
-    if (epoll_ctl(srv->epfd, EPOLL_CTL_ADD, listen_fd, &ev) != 0) {
-        st = kvw__error(KVW_ERR_IO, "%s init: epoll_ctl: %m", srv->ops->name);
-        goto err_abort;
-    }
+    if (epoll_ctl(srv->epfd, EPOLL_CTL_ADD, srv->listen_fd, &ev) != 0)
+        return kvw__error(KVW_ERR_IO, "%s init: epoll_ctl: %m", srv->ops->name);
     int err = pthread_create(&srv->thread, NULL, srv_thread, srv);
     if (err != 0) {
         errno = err;
-        st = kvw__error(KVW_ERR_INTERNAL, "%s init: cannot start the receive thread: %m",
-                        srv->ops->name);
-        goto err_abort;
+        return kvw__error(KVW_ERR_INTERNAL, "%s init: cannot start the receive thread: %m",
+                          srv->ops->name);
     }
     srv->thread_started = true;
     return KVW_OK;
-
-err_abort:
-    kvw__sockserv_abort(srv, listen_fd);
-    return st;
 }
 
 /* ---------------------------------------------------------------- teardown */
@@ -389,5 +380,4 @@ void kvw__sockserv_fini(kvw__sockserv_t *srv)
         srv->rkeys = rk->next;
         srv->ops->rkey_free(rk);
     }
-    kvw__sockserv_abort(srv, srv->listen_fd);
 }

@@ -75,27 +75,31 @@ struct kvw__sockserv {
     atomic_bool closed;
 
     pthread_mutex_t mu; /* eps, rkeys, num_accepted, reap_due, every ep->polled */
+    /* The transport's registered regions (the server only creates and destroys it):
+     * a lock the receive hooks take, so it lives as long as the thread. */
+    pthread_mutex_t reg_mu;
     kvw__sock_ep_t *eps;
     kvw__tl_rkey_t *rkeys;
     unsigned num_accepted;
     bool reap_due; /* an endpoint waits to be freed */
 };
 
-/* init's argument checks, the same for every transport. */
-kvw_status_t kvw__sockserv_check_params(const char *name, const kvw_tl_params_t *params,
-                                        const void *tl_p);
+/*
+ * init, first half: checks init's arguments, allocates a zeroed instance of `size`
+ * bytes (the transport's struct, with the server first) and sets up the server in it:
+ * callbacks, timeout, token, locks, wake-up channel, epoll set. NULL with *st_p set on
+ * failure. The transport then opens its listening socket into srv->listen_fd.
+ */
+void *kvw__sockserv_new(const kvw__sockserv_ops_t *ops, const kvw_tl_params_t *params,
+                        const kvw_tl_h *tl_p, size_t size, kvw_status_t *st_p);
 
-/* Sets up the server inside a zeroed instance: callbacks, timeout, token, lock, wake-up
- * channel, epoll set. On failure nothing needs to be released. */
-kvw_status_t kvw__sockserv_init(kvw__sockserv_t *srv, const kvw__sockserv_ops_t *ops,
-                                const kvw_tl_params_t *params);
+/* init, second half: starts serving srv->listen_fd (non-blocking, listening) on the
+ * receive thread. On failure the caller deletes the instance. */
+kvw_status_t kvw__sockserv_start(kvw__sockserv_t *srv);
 
-/* Starts serving `listen_fd` (non-blocking, listening) on the receive thread. On failure
- * the server is released as by kvw__sockserv_abort. */
-kvw_status_t kvw__sockserv_start(kvw__sockserv_t *srv, int listen_fd);
-
-/* Releases a server that was set up but not started (and listen_fd, if given). */
-void kvw__sockserv_abort(kvw__sockserv_t *srv, int listen_fd);
+/* Frees an instance from kvw__sockserv_new that is not running (never started, or
+ * after kvw__sockserv_fini): its descriptors, locks and memory. */
+void kvw__sockserv_delete(kvw__sockserv_t *srv);
 
 /* Fills an endpoint's head: not failed, not closing, connected ones with a tx lock. */
 void kvw__sock_ep_init(kvw__sock_ep_t *ep, kvw__sockserv_t *srv, int fd, bool accepted);
@@ -117,7 +121,8 @@ void kvw__sockserv_ep_close(kvw_tl_ep_h ep);
 void kvw__sockserv_close(kvw_tl_h tl);
 void kvw__sockserv_stop(kvw_tl_h tl);
 
-/* Stops the thread and frees every endpoint and key; the transport frees the rest. */
+/* fini, first half: stops the thread and frees every endpoint and key. The transport
+ * then frees its regions and calls kvw__sockserv_delete. */
 void kvw__sockserv_fini(kvw__sockserv_t *srv);
 
 #endif

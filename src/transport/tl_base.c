@@ -57,6 +57,17 @@ kvw_status_t kvw__tl_check_notify(const kvw__tl_ep_t *ep, const void *msg, size_
     return KVW_OK;
 }
 
+kvw_status_t kvw__tl_check_address(const char *tl_name, const void *tl, const void *buf,
+                                   const size_t *len_p, size_t need)
+{
+    if (tl == NULL || buf == NULL || len_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "%s address: NULL argument", tl_name);
+    if (*len_p < need)
+        return kvw__error(KVW_ERR_BUFFER_TOO_SMALL, "%s address: needs %zu bytes, buffer has %zu",
+                          tl_name, need, *len_p);
+    return KVW_OK;
+}
+
 kvw_status_t kvw__tl_check_mem_reg(const char *tl_name, const void *tl, const void *addr,
                                    uint64_t len, kvw_mem_kind_t kind, uint64_t region_id,
                                    const void *mem_p, const void *rkey_buf,

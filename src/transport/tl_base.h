@@ -48,6 +48,11 @@ kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts
 /* A notification's size and buffer. INVALID_PARAM. */
 kvw_status_t kvw__tl_check_notify(const kvw__tl_ep_t *ep, const void *msg, size_t len);
 
+/* address's arguments: an instance, and a buffer of at least `need` bytes.
+ * INVALID_PARAM, BUFFER_TOO_SMALL. */
+kvw_status_t kvw__tl_check_address(const char *tl_name, const void *tl, const void *buf,
+                                   const size_t *len_p, size_t need);
+
 /* mem_reg's arguments, for transports that register host memory only. INVALID_PARAM,
  * UNSUPPORTED. */
 kvw_status_t kvw__tl_check_mem_reg(const char *tl_name, const void *tl, const void *addr,

@@ -126,8 +126,7 @@ struct shm_iface {
     struct sockaddr_un sun;
     socklen_t sun_len;
 
-    pthread_mutex_t reg_mu; /* regions */
-    shm_region_t *regions;
+    shm_region_t *regions; /* srv.reg_mu */
 
     uint8_t rxbuf[SHM_MAX_MSG + 8]; /* receive thread only */
 };
@@ -337,7 +336,7 @@ static void serve_fd_req(shm_iface_t *tl, shm_ep_t *ep, const uint8_t *p)
     uint8_t rep[24] = {0};
     int fd = -1;
     int32_t status = KVW_ERR_NOT_FOUND;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     for (shm_region_t *r = tl->regions; r; r = r->next) {
         if (r->id != id)
             continue;
@@ -351,7 +350,7 @@ static void serve_fd_req(shm_iface_t *tl, shm_ep_t *ep, const uint8_t *p)
         kvw__le64_put(rep + 16, r->len);
         break;
     }
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
     kvw__le32_put(rep, (uint32_t)status);
     /* The reply is small and the socket fresh: do not wait for room. */
     (void)send_msg(ep->s.fd, SHM_FD_REP, rep, sizeof(rep), fd, 0, "shm fd reply");
@@ -518,49 +517,38 @@ static const kvw__sockserv_ops_t shm_srv_ops = {
 
 static kvw_status_t shm_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
 {
-    kvw_status_t st = kvw__sockserv_check_params("shm", params, tl_p);
-    if (st != KVW_OK)
-        return st;
-    shm_iface_t *tl = calloc(1, sizeof(*tl));
+    kvw_status_t st;
+    shm_iface_t *tl = kvw__sockserv_new(&shm_srv_ops, params, tl_p, sizeof(*tl), &st);
     if (tl == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "shm init: no memory");
-    if ((st = kvw__sockserv_init(&tl->srv, &shm_srv_ops, params)) != KVW_OK)
-        goto err_free;
-    pthread_mutex_init(&tl->reg_mu, NULL);
+        return st;
     /* listen_host and listen_port do not apply: the socket is named by pid and token. */
     make_sun((uint64_t)getpid(), tl->srv.token, &tl->sun, &tl->sun_len);
-    int listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (listen_fd < 0) {
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
         st = kvw__error(KVW_ERR_IO, "shm init: socket: %m");
-        goto err_abort;
+        goto err_delete;
     }
-    if (bind(listen_fd, (struct sockaddr *)&tl->sun, tl->sun_len) != 0 ||
-        listen(listen_fd, 512) != 0) {
+    tl->srv.listen_fd = fd;
+    if (bind(fd, (struct sockaddr *)&tl->sun, tl->sun_len) != 0 || listen(fd, 512) != 0) {
         st = kvw__error(KVW_ERR_IO, "shm init: cannot listen on @%s: %m", tl->sun.sun_path + 1);
-        goto err_abort;
+        goto err_delete;
     }
-    if ((st = kvw__sockserv_start(&tl->srv, listen_fd)) != KVW_OK)
-        goto err_destroy_reg; /* the server released itself */
+    if ((st = kvw__sockserv_start(&tl->srv)) != KVW_OK)
+        goto err_delete;
     *tl_p = (kvw_tl_h)(void *)tl;
     return KVW_OK;
 
-err_abort:
-    kvw__sockserv_abort(&tl->srv, listen_fd);
-err_destroy_reg:
-    pthread_mutex_destroy(&tl->reg_mu);
-err_free:
-    free(tl);
+err_delete:
+    kvw__sockserv_delete(&tl->srv);
     return st;
 }
 
 static kvw_status_t shm_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
 {
     shm_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL || buf == NULL || len_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm address: NULL argument");
-    if (*len_p < SHM_ADDR_LEN)
-        return kvw__error(KVW_ERR_BUFFER_TOO_SMALL, "shm address: needs %u bytes, buffer has %zu",
-                          SHM_ADDR_LEN, *len_p);
+    kvw_status_t st = kvw__tl_check_address("shm", tl, buf, len_p, SHM_ADDR_LEN);
+    if (st != KVW_OK)
+        return st;
     uint8_t *p = buf;
     memset(p, 0, SHM_ADDR_LEN);
     kvw__le32_put(p, SHM_ADDR_MAGIC);
@@ -589,10 +577,10 @@ static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     r->memfd = -1;
     if (len > 0 && kvw__shm_mem_lookup(addr, len, &r->memfd, &r->memfd_off))
         kvw__tl_random(&r->secret, sizeof(r->secret));
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     for (shm_region_t *o = tl->regions; o; o = o->next) {
         if (o->id == region_id) {
-            pthread_mutex_unlock(&tl->reg_mu);
+            pthread_mutex_unlock(&tl->srv.reg_mu);
             if (r->memfd >= 0)
                 close(r->memfd);
             free(r);
@@ -603,7 +591,7 @@ static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     }
     r->next = tl->regions;
     tl->regions = r;
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
 
     uint8_t *p = rkey_buf;
     memset(p, 0, SHM_RKEY_LEN);
@@ -627,14 +615,14 @@ static void shm_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
     shm_region_t *r = (shm_region_t *)(void *)mem;
     if (tl == NULL || r == NULL)
         return;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     shm_region_t **pp = &tl->regions;
     while (*pp && *pp != r)
         pp = &(*pp)->next;
     bool found = *pp == r;
     if (found)
         *pp = r->next;
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
     if (!found)
         return;
     if (r->memfd >= 0)
@@ -972,8 +960,7 @@ static void shm_fini(kvw_tl_h tl_h)
             close(r->memfd);
         free(r);
     }
-    pthread_mutex_destroy(&tl->reg_mu);
-    free(tl);
+    kvw__sockserv_delete(&tl->srv);
 }
 
 const kvw_tl_ops_t kvw_tl_shm_ops = {

@@ -94,7 +94,7 @@ struct tcp_iface {
     kvw__sockserv_t srv; /* listener, endpoints, receive thread; srv.token names us */
     struct sockaddr_storage listen_addr;
 
-    pthread_mutex_t reg_mu; /* regions, and every payload byte landing in them */
+    /* Under srv.reg_mu, as is every payload byte landing in these regions. */
     tcp_region_t *buckets[TCP_REGION_BUCKETS];
 
     uint8_t discard[TCP_DISCARD_CHUNK]; /* receive thread only */
@@ -125,7 +125,7 @@ static size_t region_bucket(uint64_t id)
     return (size_t)(id & (TCP_REGION_BUCKETS - 1));
 }
 
-/* reg_mu held. */
+/* srv.reg_mu held. */
 static tcp_region_t *region_find(tcp_iface_t *tl, uint64_t id)
 {
     for (tcp_region_t *r = tl->buckets[region_bucket(id)]; r; r = r->next)
@@ -134,7 +134,7 @@ static tcp_region_t *region_find(tcp_iface_t *tl, uint64_t id)
     return NULL;
 }
 
-/* reg_mu held. */
+/* srv.reg_mu held. */
 static void region_unref(tcp_region_t *r)
 {
     if (--r->refs == 0)
@@ -173,9 +173,9 @@ static void format_sockaddr(const struct sockaddr *sa, char *out, size_t cap)
 static void ep_rx_release(tcp_iface_t *tl, tcp_ep_t *ep)
 {
     if (ep->rx_region) {
-        pthread_mutex_lock(&tl->reg_mu);
+        pthread_mutex_lock(&tl->srv.reg_mu);
         region_unref(ep->rx_region);
-        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->srv.reg_mu);
         ep->rx_region = NULL;
     }
 }
@@ -237,13 +237,13 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
 
     switch (h.type) {
     case KVW_TCP_PUT: {
-        pthread_mutex_lock(&tl->reg_mu);
+        pthread_mutex_lock(&tl->srv.reg_mu);
         tcp_region_t *r = region_find(tl, h.region);
         uint64_t rlen = r ? r->len : 0;
         bool inside = r && h.off <= rlen && h.len <= rlen - h.off;
         if (inside && h.len > 0)
             r->refs++;
-        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->srv.reg_mu);
         if (r == NULL) {
             kvw__sock_ep_fail(&ep->s, KVW_ERR_OUT_OF_RANGE,
                               "PUT of %llu bytes for room %llu into unregistered region %llu",
@@ -266,9 +266,9 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
         if (tl->srv.cb.check_write)
             st = tl->srv.cb.check_write(tl->srv.cb.arg, h.room, h.region, h.off, h.len);
         if (st != KVW_OK) {
-            pthread_mutex_lock(&tl->reg_mu);
+            pthread_mutex_lock(&tl->srv.reg_mu);
             region_unref(r);
-            pthread_mutex_unlock(&tl->reg_mu);
+            pthread_mutex_unlock(&tl->srv.reg_mu);
             ep->rx_state = RX_DISCARD;
             ep->rx_left = h.len;
             return;
@@ -379,15 +379,15 @@ static void ep_rx(tcp_iface_t *tl, tcp_ep_t *ep)
             struct iovec iov[2] = {{.iov_base = ep->rx_dst, .iov_len = want},
                                    {.iov_base = ep->rx_hdr, .iov_len = KVW_TCP_HDR_LEN}};
             struct msghdr msg = {.msg_iov = iov, .msg_iovlen = want == ep->rx_left ? 2 : 1};
-            pthread_mutex_lock(&tl->reg_mu);
+            pthread_mutex_lock(&tl->srv.reg_mu);
             if (ep->rx_region->dead) {
-                pthread_mutex_unlock(&tl->reg_mu);
+                pthread_mutex_unlock(&tl->srv.reg_mu);
                 ep_rx_release(tl, ep);
                 ep->rx_state = RX_DISCARD;
                 break;
             }
             r = recvmsg(ep->s.fd, &msg, 0);
-            pthread_mutex_unlock(&tl->reg_mu);
+            pthread_mutex_unlock(&tl->srv.reg_mu);
             if (!rx_result(ep, r, want))
                 return;
             budget -= KVW_MIN((size_t)r, budget);
@@ -514,16 +514,10 @@ static const kvw__sockserv_ops_t tcp_srv_ops = {
 
 static kvw_status_t tcp_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
 {
-    kvw_status_t st = kvw__sockserv_check_params("tcp", params, tl_p);
-    if (st != KVW_OK)
-        return st;
-    tcp_iface_t *tl = calloc(1, sizeof(*tl));
+    kvw_status_t st;
+    tcp_iface_t *tl = kvw__sockserv_new(&tcp_srv_ops, params, tl_p, sizeof(*tl), &st);
     if (tl == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "tcp init: no memory");
-    if ((st = kvw__sockserv_init(&tl->srv, &tcp_srv_ops, params)) != KVW_OK)
-        goto err_free;
-    pthread_mutex_init(&tl->reg_mu, NULL);
-    int listen_fd = -1;
+        return st;
 
     const char *host = params->listen_host ? params->listen_host : "127.0.0.1";
     char port[8];
@@ -536,10 +530,10 @@ static kvw_status_t tcp_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
     if (gai != 0) {
         st = kvw__error(KVW_ERR_INVALID_PARAM, "tcp init: cannot resolve listen host '%s': %s",
                         host, gai_strerror(gai));
-        goto err_abort;
+        goto err_delete;
     }
     int last_errno = 0;
-    for (struct addrinfo *ai = res; ai && listen_fd < 0; ai = ai->ai_next) {
+    for (struct addrinfo *ai = res; ai && tl->srv.listen_fd < 0; ai = ai->ai_next) {
         if (ai->ai_family != AF_INET && ai->ai_family != AF_INET6)
             continue;
         int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -556,43 +550,36 @@ static kvw_status_t tcp_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
             close(fd);
             continue;
         }
-        listen_fd = fd;
+        tl->srv.listen_fd = fd;
     }
     freeaddrinfo(res);
-    if (listen_fd < 0) {
+    if (tl->srv.listen_fd < 0) {
         errno = last_errno;
         st = kvw__error(KVW_ERR_IO, "tcp init: cannot listen on %s port %u: %m", host,
                         (unsigned)params->listen_port);
-        goto err_abort;
+        goto err_delete;
     }
     socklen_t sl = sizeof(tl->listen_addr);
-    if (getsockname(listen_fd, (struct sockaddr *)&tl->listen_addr, &sl) != 0) {
+    if (getsockname(tl->srv.listen_fd, (struct sockaddr *)&tl->listen_addr, &sl) != 0) {
         st = kvw__error(KVW_ERR_IO, "tcp init: getsockname: %m");
-        goto err_abort;
+        goto err_delete;
     }
-    if ((st = kvw__sockserv_start(&tl->srv, listen_fd)) != KVW_OK)
-        goto err_destroy_reg; /* the server released itself */
+    if ((st = kvw__sockserv_start(&tl->srv)) != KVW_OK)
+        goto err_delete;
     *tl_p = (kvw_tl_h)(void *)tl;
     return KVW_OK;
 
-err_abort:
-    kvw__sockserv_abort(&tl->srv, listen_fd);
-err_destroy_reg:
-    pthread_mutex_destroy(&tl->reg_mu);
-err_free:
-    free(tl);
+err_delete:
+    kvw__sockserv_delete(&tl->srv);
     return st;
 }
 
 static kvw_status_t tcp_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
 {
     tcp_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL || buf == NULL || len_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp address: NULL argument");
-    if (*len_p < KVW_TCP_ADDR_LEN)
-        return kvw__error(KVW_ERR_BUFFER_TOO_SMALL,
-                          "tcp address: needs %u bytes, buffer has %zu", KVW_TCP_ADDR_LEN,
-                          *len_p);
+    kvw_status_t st = kvw__tl_check_address("tcp", tl, buf, len_p, KVW_TCP_ADDR_LEN);
+    if (st != KVW_OK)
+        return st;
     kvw_tcp_addr_t a = {.token = tl->srv.token};
     int v6 = tl->listen_addr.ss_family == AF_INET6;
     if (v6) {
@@ -625,9 +612,9 @@ static kvw_status_t tcp_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     r->addr = addr;
     r->len = len;
     r->refs = 1;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     if (region_find(tl, region_id)) {
-        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->srv.reg_mu);
         free(r);
         return kvw__error(KVW_ERR_INVALID_PARAM, "tcp mem_reg: region id %llu is already registered",
                           (unsigned long long)region_id);
@@ -635,7 +622,7 @@ static kvw_status_t tcp_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     size_t b = region_bucket(region_id);
     r->next = tl->buckets[b];
     tl->buckets[b] = r;
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
 
     uint8_t *p = rkey_buf;
     kvw__le32_put(p, KVW_TCP_RKEY_MAGIC);
@@ -656,7 +643,7 @@ static void tcp_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
     tcp_region_t *r = (tcp_region_t *)(void *)mem;
     if (tl == NULL || r == NULL)
         return;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     tcp_region_t **pp = &tl->buckets[region_bucket(r->id)];
     while (*pp && *pp != r)
         pp = &(*pp)->next;
@@ -665,7 +652,7 @@ static void tcp_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
         r->dead = true;
         region_unref(r);
     }
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
 }
 
 static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw_tl_ep_h *ep_p)
@@ -895,8 +882,7 @@ static void tcp_fini(kvw_tl_h tl_h)
             free(r);
         }
     }
-    pthread_mutex_destroy(&tl->reg_mu);
-    free(tl);
+    kvw__sockserv_delete(&tl->srv);
 }
 
 const kvw_tl_ops_t kvw_tl_tcp_ops = {

@@ -572,12 +572,10 @@ err_free:
 static kvw_status_t ucx_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
 {
     ucx_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL || buf == NULL || len_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "ucx address: NULL argument");
-    size_t need = UCX_ADDR_HDR + tl->waddr_len;
-    if (*len_p < need)
-        return kvw__error(KVW_ERR_BUFFER_TOO_SMALL, "ucx address: needs %zu bytes, buffer has %zu",
-                          need, *len_p);
+    size_t need = tl ? UCX_ADDR_HDR + tl->waddr_len : 0;
+    kvw_status_t st = kvw__tl_check_address("ucx", tl, buf, len_p, need);
+    if (st != KVW_OK)
+        return st;
     uint8_t *p = buf;
     memset(p, 0, UCX_ADDR_HDR);
     kvw__le32_put(p, UCX_ADDR_MAGIC);
