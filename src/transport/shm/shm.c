@@ -196,14 +196,11 @@ static kvw_status_t send_msg(int fd, uint8_t type, const void *payload, uint32_t
         ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (r >= 0)
             return KVW_OK; /* a SOCK_SEQPACKET message goes whole or not at all */
-        if (errno == EINTR)
+        kvw_status_t st;
+        if (kvw__tl_retry(fd, POLLOUT, timeout_ms, what, &st))
             continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            kvw_status_t st = kvw__tl_wait_fd(fd, POLLOUT, timeout_ms, what);
-            if (st != KVW_OK)
-                return st;
-            continue;
-        }
+        if (st != KVW_OK)
+            return st;
         if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN)
             return kvw__error(KVW_ERR_CONN_CLOSED, "%s: the peer closed the connection: %m",
                               what);
@@ -248,14 +245,11 @@ static kvw_status_t recv_msg(int fd, uint8_t type, void *payload, uint32_t len, 
                              .msg_control = cm.buf,
                              .msg_controllen = sizeof(cm.buf)};
         ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (r < 0 && errno == EINTR)
+        kvw_status_t st;
+        if (r < 0 && kvw__tl_retry(fd, POLLIN, timeout_ms, what, &st))
             continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            kvw_status_t st = kvw__tl_wait_fd(fd, POLLIN, timeout_ms, what);
-            if (st != KVW_OK)
-                return st;
-            continue;
-        }
+        if (r < 0 && st != KVW_OK)
+            return st;
         if (r < 0)
             return kvw__error(errno == ECONNRESET ? KVW_ERR_CONN_CLOSED : KVW_ERR_IO,
                               "%s: recvmsg: %m", what);
