@@ -133,6 +133,20 @@ static void ep_free(kvw__sock_ep_t *ep)
     ep->srv->ops->ep_free(ep);
 }
 
+kvw_status_t kvw__sock_check_sendable(const char *name, kvw__sock_ep_t *ep, const char *what)
+{
+    kvw_status_t st = kvw__tl_check_sendable(name, ep ? &ep->hd : NULL, what);
+    if (st == KVW_ERR_UNSUPPORTED) {
+        /* An accepted endpoint belongs to the receive thread, which frees it after it
+         * failed (reap takes srv->mu first). This caller read it while it was alive;
+         * passing through srv->mu orders that read before the free also for checkers
+         * that cannot follow the causality through the sockets (ThreadSanitizer). */
+        pthread_mutex_lock(&ep->srv->mu);
+        pthread_mutex_unlock(&ep->srv->mu);
+    }
+    return st;
+}
+
 void kvw__sock_ep_add(kvw__sock_ep_t *ep)
 {
     pthread_mutex_lock(&ep->srv->mu);

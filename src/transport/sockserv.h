@@ -104,6 +104,9 @@ void kvw__sockserv_delete(kvw__sockserv_t *srv);
 /* Fills an endpoint's head: not failed, not closing, connected ones with a tx lock. */
 void kvw__sock_ep_init(kvw__sock_ep_t *ep, kvw__sockserv_t *srv, int fd, bool accepted);
 
+/* kvw__tl_check_sendable for a socket endpoint. */
+kvw_status_t kvw__sock_check_sendable(const char *name, kvw__sock_ep_t *ep, const char *what);
+
 /* Adds a connected endpoint made with kvw__sock_ep_init; the thread watches it. */
 void kvw__sock_ep_add(kvw__sock_ep_t *ep);
 

@@ -18,9 +18,9 @@ kvw_status_t kvw__tl_check_sendable(const char *tl_name, const kvw__tl_ep_t *ep,
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s %s: endpoint is NULL", tl_name, what);
     if (ep->accepted)
         return kvw__error(KVW_ERR_UNSUPPORTED, "%s %s: accepted endpoints only receive",
-                          ep->tl_name, what);
+                          tl_name, what);
     if (atomic_load(ep->closed))
-        return kvw__error(KVW_ERR_SHUTDOWN, "%s %s: the transport is closed", ep->tl_name, what);
+        return kvw__error(KVW_ERR_SHUTDOWN, "%s %s: the transport is closed", tl_name, what);
     return KVW_OK;
 }
 

@@ -819,7 +819,7 @@ static void shm_rkey_release(kvw_tl_rkey_h rkey)
  * holds its end of the socket. */
 static kvw_status_t check_sendable(shm_ep_t *ep, const char *what)
 {
-    kvw_status_t st = kvw__tl_check_sendable("shm", ep ? &ep->s.hd : NULL, what);
+    kvw_status_t st = kvw__sock_check_sendable("shm", ep ? &ep->s : NULL, what);
     if (st != KVW_OK)
         return st;
     if (!atomic_load(&ep->s.dead)) {

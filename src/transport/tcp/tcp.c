@@ -796,7 +796,7 @@ static void tcp_rkey_release(kvw_tl_rkey_h rkey)
 
 static kvw_status_t check_sendable(tcp_ep_t *ep, const char *what)
 {
-    kvw_status_t st = kvw__tl_check_sendable("tcp", ep ? &ep->s.hd : NULL, what);
+    kvw_status_t st = kvw__sock_check_sendable("tcp", ep ? &ep->s : NULL, what);
     if (st == KVW_OK && atomic_load(&ep->s.dead))
         st = kvw__error(KVW_ERR_CONN_CLOSED, "tcp %s: the connection to %s has failed", what,
                         ep->s.hd.peer);
