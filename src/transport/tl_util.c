@@ -29,6 +29,18 @@ kvw_status_t kvw__tl_wait_fd(int fd, short events, uint32_t timeout_ms, const ch
     }
 }
 
+bool kvw__tl_retry(int fd, short events, uint32_t timeout_ms, const char *what,
+                   kvw_status_t *st_p)
+{
+    *st_p = KVW_OK;
+    if (errno == EINTR)
+        return true;
+    if (errno != EAGAIN && errno != EWOULDBLOCK)
+        return false;
+    *st_p = kvw__tl_wait_fd(fd, events, timeout_ms, what);
+    return *st_p == KVW_OK;
+}
+
 static kvw_status_t send_errno_status(int err, int fd, const char *what)
 {
     errno = err;
@@ -49,16 +61,10 @@ kvw_status_t kvw__tl_send_iov(int fd, struct iovec *iov, size_t iovcnt, uint32_t
                              .msg_iovlen = KVW_MIN(iovcnt - i, (size_t)IOV_MAX)};
         ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL);
         if (r < 0) {
-            int err = errno;
-            if (err == EINTR)
+            kvw_status_t st;
+            if (kvw__tl_retry(fd, POLLOUT, timeout_ms, what, &st))
                 continue;
-            if (err == EAGAIN || err == EWOULDBLOCK) {
-                kvw_status_t st = kvw__tl_wait_fd(fd, POLLOUT, timeout_ms, what);
-                if (st != KVW_OK)
-                    return st;
-                continue;
-            }
-            return send_errno_status(err, fd, what);
+            return st != KVW_OK ? st : send_errno_status(errno, fd, what);
         }
         size_t left = (size_t)r;
         while (i < iovcnt && left >= iov[i].iov_len) {
@@ -90,14 +96,11 @@ kvw_status_t kvw__tl_recv_exact(int fd, void *buf, size_t len, uint32_t timeout_
             return kvw__error(KVW_ERR_CONN_CLOSED,
                               "%s: peer closed the connection after %zu of %zu bytes", what,
                               got, len);
-        if (errno == EINTR)
+        kvw_status_t st;
+        if (kvw__tl_retry(fd, POLLIN, timeout_ms, what, &st))
             continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            kvw_status_t st = kvw__tl_wait_fd(fd, POLLIN, timeout_ms, what);
-            if (st != KVW_OK)
-                return st;
-            continue;
-        }
+        if (st != KVW_OK)
+            return st;
         if (errno == ECONNRESET)
             return kvw__error(KVW_ERR_CONN_CLOSED, "%s: connection reset: %m", what);
         return kvw__error(KVW_ERR_IO, "%s: recv on fd %d: %m", what, fd);

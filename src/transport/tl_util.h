@@ -57,6 +57,15 @@ static inline uint32_t kvw__tl_timeout_ms(const kvw_tl_params_t *params)
 kvw_status_t kvw__tl_wait_fd(int fd, short events, uint32_t timeout_ms, const char *what);
 
 /*
+ * After a non-blocking socket call failed (errno set): true when the caller should try
+ * again, after EINTR, or after EAGAIN once fd reported `events` within timeout_ms. Else
+ * false, with *st_p the wait's error (TIMEOUT, IO), or KVW_OK and errno untouched for
+ * any other failure, which the caller reports itself.
+ */
+bool kvw__tl_retry(int fd, short events, uint32_t timeout_ms, const char *what,
+                   kvw_status_t *st_p);
+
+/*
  * Sends every byte of iov[0..iovcnt) on a non-blocking socket (MSG_NOSIGNAL), waiting
  * for room when the socket is full. Consumes (modifies) iov. Gives up with TIMEOUT when
  * the socket stays full for timeout_ms. Errors: CONN_CLOSED (peer gone), IO, TIMEOUT.

@@ -9,7 +9,7 @@
  * shm, the sending library confines them (plans only address the decode's own pages of
  * the room, inside registered regions).
  */
-#include "transport/transport.h"
+#include "transport/tl_util.h"
 
 #include <kvwire/cuda.h>
 
@@ -36,19 +36,6 @@ typedef struct cipc_rkey {
 /* Packed key: kind u8, region u64, len u64, offset u64, handle, then tcp's key. */
 #define CIPC_HDR (1 + 8 + 8 + 8 + KVW_CUDA_IPC_HANDLE_SIZE)
 
-static void put64(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-static uint64_t get64(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 0; i < 8; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
-
 static kvw_status_t cipc_mem_reg(kvw_tl_h tl, void *addr, uint64_t len, kvw_mem_kind_t kind,
                                  uint64_t region_id, kvw_tl_mem_h *mem_p, void *rkey_buf,
                                  size_t *rkey_len_p)
@@ -60,8 +47,8 @@ static kvw_status_t cipc_mem_reg(kvw_tl_h tl, void *addr, uint64_t len, kvw_mem_
         return kvw__error(KVW_ERR_NO_MEMORY, "cuda_ipc: out of memory registering");
     memset(k, 0, CIPC_HDR);
     k[0] = kind == KVW_MEM_CUDA ? CIPC_CUDA : CIPC_HOST;
-    put64(k + 1, region_id);
-    put64(k + 9, len);
+    kvw__le64_put(k + 1, region_id);
+    kvw__le64_put(k + 9, len);
     size_t inner_len = KVW_TL_MAX_RKEY - CIPC_HDR;
     if (kind == KVW_MEM_CUDA) {
         kvw_cuda_ipc_handle_t h;
@@ -71,7 +58,7 @@ static kvw_status_t cipc_mem_reg(kvw_tl_h tl, void *addr, uint64_t len, kvw_mem_
             free(m);
             return st;
         }
-        put64(k + 17, (uint64_t)((uint8_t *)addr - (uint8_t *)base));
+        kvw__le64_put(k + 17, (uint64_t)((uint8_t *)addr - (uint8_t *)base));
         memcpy(k + 25, h.bytes, KVW_CUDA_IPC_HANDLE_SIZE);
         inner_len = 0;
         m->kind = CIPC_CUDA;
@@ -110,7 +97,7 @@ static kvw_status_t cipc_rkey_unpack(kvw_tl_ep_h ep, const void *rkey, size_t le
     if (r == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "cuda_ipc: out of memory");
     r->kind = k[0];
-    r->len = get64(k + 9);
+    r->len = kvw__le64_get(k + 9);
     kvw_status_t st;
     if (r->kind == CIPC_CUDA) {
         kvw_cuda_ipc_handle_t h;
@@ -120,7 +107,7 @@ static kvw_status_t cipc_rkey_unpack(kvw_tl_ep_h ep, const void *rkey, size_t le
             return kvw__error(st, "cuda_ipc: cannot map the peer's GPU buffer: %s",
                               kvw_last_error());
         }
-        r->ptr = (uint8_t *)r->base + get64(k + 17);
+        r->ptr = (uint8_t *)r->base + kvw__le64_get(k + 17);
     } else if ((st = TCP->rkey_unpack(ep, k + CIPC_HDR, len - CIPC_HDR, &r->inner)) != KVW_OK) {
         free(r);
         return st;

@@ -23,7 +23,8 @@
  * its own user or root may connect. Which connection may complete which room is the
  * protocol layer's business (it binds each data connection to a control session). Puts complete
  * synchronously before put() returns, so a notification sent afterwards is naturally
- * ordered after them. The receiver runs one thread that accepts connections, answers
+ * ordered after them. The receiver runs one thread (the socket server, sockserv.c)
+ * that accepts connections, answers
  * rkey fetches, reads notifications and reports failures; the same thread watches the
  * sender's connections for the receiver going away.
  *
@@ -38,6 +39,7 @@
  * one.
  */
 #include "transport/shm/shm_mem.h"
+#include "transport/sockserv.h"
 #include "transport/tl_util.h"
 
 #include <errno.h>
@@ -66,7 +68,6 @@
 #define SHM_RKEY_LEN 64
 #define SHM_HDR_LEN 16
 #define SHM_MAX_MSG (SHM_HDR_LEN + KVW_TL_MAX_NOTIFY)
-#define SHM_POLL_MS 200
 #define SHM_RX_BUDGET 64 /* messages taken from one connection before the others */
 #define SHM_MAX_CONNS 4096
 #define SHM_BATCH 1024 /* process_vm_writev iovecs per call */
@@ -101,58 +102,31 @@ typedef struct shm_region {
 } shm_region_t;
 
 typedef struct shm_ep {
-    shm_iface_t *tl;
-    int fd;
-    bool accepted;
-    atomic_bool dead;
-    atomic_bool closing;
-    bool reported; /* thread only */
-    bool polled;   /* under tl->mu */
-    char peer[64];
+    kvw__sock_ep_t s; /* fd, peer, peer_token (the receiver's), dead, tx_mu, ... */
     /* accepted: thread only */
     int state;
-    uint64_t last_ns;
     /* connected */
     pid_t peer_pid;
-    uint64_t peer_token;
     struct sockaddr_un peer_sun;
     socklen_t peer_sun_len;
-    pthread_mutex_t tx_mu;
-    struct shm_ep *prev, *next;
 } shm_ep_t;
 
 typedef struct shm_rkey {
+    kvw__tl_rkey_t hd; /* ep, region_id, len; on srv.rkeys */
     shm_iface_t *tl;
-    shm_ep_t *ep;
-    uint64_t region_id, len;
     int mode;
     void *map;      /* memfd mode: the mapping */
     size_t map_len;
     uint8_t *dst;   /* memfd mode: the region's first byte in the mapping */
     uint64_t raddr; /* cma mode: the region's address in the receiver */
-    struct shm_rkey *prev, *next;
 } shm_rkey_t;
 
 struct shm_iface {
-    kvw_tl_callbacks_t cb;
-    uint32_t timeout_ms;
-    uint64_t token;
-    int listen_fd;
-    int wake_fd;
+    kvw__sockserv_t srv; /* listener, endpoints, receive thread; srv.token names us */
     struct sockaddr_un sun;
     socklen_t sun_len;
-    pthread_t thread;
-    bool thread_started;
-    atomic_bool closed;
 
-    pthread_mutex_t mu; /* eps, rkeys, eps_changed, num_accepted */
-    shm_ep_t *eps;
-    shm_rkey_t *rkeys;
-    bool eps_changed;
-    unsigned num_accepted;
-
-    pthread_mutex_t reg_mu; /* regions */
-    shm_region_t *regions;
+    shm_region_t *regions; /* srv.reg_mu */
 
     uint8_t rxbuf[SHM_MAX_MSG + 8]; /* receive thread only */
 };
@@ -164,6 +138,14 @@ static inline shm_iface_t *to_iface(kvw_tl_h tl)
 static inline shm_ep_t *to_ep(kvw_tl_ep_h ep)
 {
     return (shm_ep_t *)(void *)ep;
+}
+static inline shm_ep_t *sock_to_ep(kvw__sock_ep_t *ep)
+{
+    return (shm_ep_t *)(void *)ep;
+}
+static inline shm_iface_t *ep_iface(const shm_ep_t *ep)
+{
+    return (shm_iface_t *)(void *)ep->s.srv;
 }
 
 static void hdr_encode(uint8_t *p, uint8_t type, uint32_t len)
@@ -214,14 +196,11 @@ static kvw_status_t send_msg(int fd, uint8_t type, const void *payload, uint32_t
         ssize_t r = sendmsg(fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (r >= 0)
             return KVW_OK; /* a SOCK_SEQPACKET message goes whole or not at all */
-        if (errno == EINTR)
+        kvw_status_t st;
+        if (kvw__tl_retry(fd, POLLOUT, timeout_ms, what, &st))
             continue;
-        if (errno == EAGAIN || errno == EWOULDBLOCK) {
-            kvw_status_t st = kvw__tl_wait_fd(fd, POLLOUT, timeout_ms, what);
-            if (st != KVW_OK)
-                return st;
-            continue;
-        }
+        if (st != KVW_OK)
+            return st;
         if (errno == EPIPE || errno == ECONNRESET || errno == ENOTCONN)
             return kvw__error(KVW_ERR_CONN_CLOSED, "%s: the peer closed the connection: %m",
                               what);
@@ -266,14 +245,11 @@ static kvw_status_t recv_msg(int fd, uint8_t type, void *payload, uint32_t len, 
                              .msg_control = cm.buf,
                              .msg_controllen = sizeof(cm.buf)};
         ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
-        if (r < 0 && errno == EINTR)
+        kvw_status_t st;
+        if (r < 0 && kvw__tl_retry(fd, POLLIN, timeout_ms, what, &st))
             continue;
-        if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
-            kvw_status_t st = kvw__tl_wait_fd(fd, POLLIN, timeout_ms, what);
-            if (st != KVW_OK)
-                return st;
-            continue;
-        }
+        if (r < 0 && st != KVW_OK)
+            return st;
         if (r < 0)
             return kvw__error(errno == ECONNRESET ? KVW_ERR_CONN_CLOSED : KVW_ERR_IO,
                               "%s: recvmsg: %m", what);
@@ -346,129 +322,6 @@ static kvw_status_t connect_sun(const struct sockaddr_un *sun, socklen_t sun_len
 
 /* ---------------------------------------------------------------- endpoints */
 
-static void ep_free(shm_ep_t *ep)
-{
-    if (ep->fd >= 0)
-        close(ep->fd);
-    if (!ep->accepted)
-        pthread_mutex_destroy(&ep->tx_mu);
-    free(ep);
-}
-
-/* tl->mu held. */
-static void ep_link(shm_iface_t *tl, shm_ep_t *ep)
-{
-    ep->prev = NULL;
-    ep->next = tl->eps;
-    if (tl->eps)
-        tl->eps->prev = ep;
-    tl->eps = ep;
-    ep->polled = true;
-    tl->eps_changed = true;
-    if (ep->accepted)
-        tl->num_accepted++;
-}
-
-/* tl->mu held. */
-static void ep_unlink(shm_iface_t *tl, shm_ep_t *ep)
-{
-    if (ep->prev)
-        ep->prev->next = ep->next;
-    else
-        tl->eps = ep->next;
-    if (ep->next)
-        ep->next->prev = ep->prev;
-    if (ep->accepted)
-        tl->num_accepted--;
-    tl->eps_changed = true;
-}
-
-/* Receive thread: stop serving an endpoint; report why unless `status` is OK (a
- * one-shot rkey fetch that ended normally) or the owner closed it. */
-static void ep_fail(shm_iface_t *tl, shm_ep_t *ep, kvw_status_t status, const char *fmt, ...)
-    KVW_PRINTF(4, 5);
-static void ep_fail(shm_iface_t *tl, shm_ep_t *ep, kvw_status_t status, const char *fmt, ...)
-{
-    if (ep->reported)
-        return;
-    ep->reported = true;
-    atomic_store(&ep->dead, true);
-    pthread_mutex_lock(&tl->mu);
-    ep->polled = false;
-    tl->eps_changed = true;
-    pthread_mutex_unlock(&tl->mu);
-    if (status == KVW_OK || atomic_load(&ep->closing) || tl->cb.on_ep_error == NULL)
-        return;
-    char reason[384];
-    int n = snprintf(reason, sizeof(reason), "shm %s %s: ",
-                     ep->accepted ? "connection from" : "connection to", ep->peer);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(reason + n, sizeof(reason) - (size_t)n, fmt, ap);
-    va_end(ap);
-    tl->cb.on_ep_error(tl->cb.arg, (kvw_tl_ep_h)(void *)ep, status, reason);
-}
-
-static void reap(shm_iface_t *tl)
-{
-    shm_ep_t *dead = NULL;
-    pthread_mutex_lock(&tl->mu);
-    for (shm_ep_t *ep = tl->eps, *next; ep; ep = next) {
-        next = ep->next;
-        if (atomic_load(&ep->closing) || (ep->accepted && ep->reported)) {
-            ep_unlink(tl, ep);
-            ep->next = dead;
-            dead = ep;
-        }
-    }
-    pthread_mutex_unlock(&tl->mu);
-    while (dead) {
-        shm_ep_t *next = dead->next;
-        ep_free(dead);
-        dead = next;
-    }
-}
-
-static void accept_all(shm_iface_t *tl, uint64_t *pause_until_p)
-{
-    for (;;) {
-        int fd = accept4(tl->listen_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED)
-                continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                *pause_until_p = kvw__now_ns() + 100000000ull;
-            return;
-        }
-        pthread_mutex_lock(&tl->mu);
-        bool full = tl->num_accepted >= SHM_MAX_CONNS;
-        pthread_mutex_unlock(&tl->mu);
-        /* Abstract socket names are visible to every local user (/proc/net/unix) and
-         * carry no permissions: only the receiver's own user, or root, may connect.
-         * Anyone else is closed before a byte is read. */
-        struct ucred cr;
-        socklen_t cl = sizeof(cr);
-        bool allowed = getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) == 0 &&
-                       (cr.uid == geteuid() || cr.uid == 0);
-        shm_ep_t *ep = full || !allowed ? NULL : calloc(1, sizeof(*ep));
-        if (ep == NULL) {
-            close(fd);
-            continue;
-        }
-        snprintf(ep->peer, sizeof(ep->peer), "pid %d", (int)cr.pid);
-        ep->tl = tl;
-        ep->fd = fd;
-        ep->accepted = true;
-        atomic_init(&ep->dead, false);
-        atomic_init(&ep->closing, false);
-        ep->state = CONN_NEW;
-        ep->last_ns = kvw__now_ns();
-        pthread_mutex_lock(&tl->mu);
-        ep_link(tl, ep);
-        pthread_mutex_unlock(&tl->mu);
-    }
-}
-
 /* Receive thread: answers an rkey fetch. Every outcome ends the connection quietly;
  * the requester learns the status from the reply. */
 static void serve_fd_req(shm_iface_t *tl, shm_ep_t *ep, const uint8_t *p)
@@ -477,7 +330,7 @@ static void serve_fd_req(shm_iface_t *tl, shm_ep_t *ep, const uint8_t *p)
     uint8_t rep[24] = {0};
     int fd = -1;
     int32_t status = KVW_ERR_NOT_FOUND;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     for (shm_region_t *r = tl->regions; r; r = r->next) {
         if (r->id != id)
             continue;
@@ -491,20 +344,20 @@ static void serve_fd_req(shm_iface_t *tl, shm_ep_t *ep, const uint8_t *p)
         kvw__le64_put(rep + 16, r->len);
         break;
     }
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
     kvw__le32_put(rep, (uint32_t)status);
     /* The reply is small and the socket fresh: do not wait for room. */
-    (void)send_msg(ep->fd, SHM_FD_REP, rep, sizeof(rep), fd, 0, "shm fd reply");
+    (void)send_msg(ep->s.fd, SHM_FD_REP, rep, sizeof(rep), fd, 0, "shm fd reply");
     if (fd >= 0)
         close(fd);
     ep->state = CONN_DONE;
-    ep_fail(tl, ep, KVW_OK, "rkey fetch served");
+    kvw__sock_ep_fail(&ep->s, KVW_OK, "rkey fetch served");
 }
 
 /* Receive thread: reads the messages an accepted connection has. */
 static void ep_rx(shm_iface_t *tl, shm_ep_t *ep)
 {
-    for (int k = 0; k < SHM_RX_BUDGET && !ep->reported && !atomic_load(&ep->closing); k++) {
+    for (int k = 0; k < SHM_RX_BUDGET && !ep->s.reported && !atomic_load(&ep->s.closing); k++) {
         struct iovec iov = {.iov_base = tl->rxbuf, .iov_len = sizeof(tl->rxbuf)};
         union {
             struct cmsghdr align;
@@ -514,62 +367,66 @@ static void ep_rx(shm_iface_t *tl, shm_ep_t *ep)
                              .msg_iovlen = 1,
                              .msg_control = cm.buf,
                              .msg_controllen = sizeof(cm.buf)};
-        ssize_t r = recvmsg(ep->fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
+        ssize_t r = recvmsg(ep->s.fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
         if (r < 0) {
             if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)
                 return;
-            ep_fail(tl, ep, errno == ECONNRESET ? KVW_ERR_CONN_CLOSED : KVW_ERR_IO,
-                    "recvmsg: %s", strerror(errno));
+            kvw__sock_ep_fail(&ep->s, errno == ECONNRESET ? KVW_ERR_CONN_CLOSED : KVW_ERR_IO,
+                              "recvmsg: %s", strerror(errno));
             return;
         }
         if (msg.msg_controllen > 0)
             close_passed_fds(&msg); /* nobody may push descriptors at the receiver */
         if (r == 0) {
-            ep_fail(tl, ep, KVW_ERR_CONN_CLOSED, "%s",
-                    ep->state == CONN_NEW ? "peer closed the connection before HELLO"
-                                          : "peer closed the connection");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_CONN_CLOSED, "%s",
+                              ep->state == CONN_NEW ? "peer closed the connection before HELLO"
+                              : "peer closed the connection");
             return;
         }
-        ep->last_ns = kvw__now_ns();
+        ep->s.last_rx_ns = kvw__now_ns();
         const uint8_t *b = tl->rxbuf;
         if ((msg.msg_flags & MSG_TRUNC) || (size_t)r > SHM_MAX_MSG) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED, "message of more than %u bytes", SHM_MAX_MSG);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED, "message of more than %u bytes",
+                              SHM_MAX_MSG);
             return;
         }
         if (r < SHM_HDR_LEN) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED, "message of %zd bytes is shorter than a header",
-                    r);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                              "message of %zd bytes is shorter than a header",
+                              r);
             return;
         }
         uint32_t magic = kvw__le32_get(b), len = kvw__le32_get(b + 8);
         if (magic != SHM_MSG_MAGIC || b[4] != SHM_VERSION || kvw__le16_get(b + 6) != 0 ||
             kvw__le32_get(b + 12) != 0) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED,
-                    "bad message header (magic 0x%08x, version %u; this side speaks %u)", magic,
-                    b[4], SHM_VERSION);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                              "bad message header (magic 0x%08x, version %u; this side speaks "
+                              "%u)",
+                              magic, b[4], SHM_VERSION);
             return;
         }
         if ((size_t)len != (size_t)r - SHM_HDR_LEN) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED, "message says %u payload bytes but carries %zd",
-                    len, r - SHM_HDR_LEN);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                              "message says %u payload bytes but carries %zd",
+                              len, r - SHM_HDR_LEN);
             return;
         }
         const uint8_t *p = b + SHM_HDR_LEN;
         uint8_t type = b[5];
         if (ep->state == CONN_NEW && type == SHM_HELLO && len == 16) {
             uint64_t token = kvw__le64_get(p);
-            if (token != tl->token) {
-                ep_fail(tl, ep, KVW_ERR_REJECTED,
-                        "HELLO for receiver token %016llx, but this receiver is %016llx",
-                        (unsigned long long)token, (unsigned long long)tl->token);
+            if (token != tl->srv.token) {
+                kvw__sock_ep_fail(&ep->s, KVW_ERR_REJECTED,
+                                  "HELLO for receiver token %016llx, but this receiver is %016llx",
+                                  (unsigned long long)token, (unsigned long long)tl->srv.token);
                 return;
             }
             uint8_t ack[8];
-            kvw__le64_put(ack, tl->token);
-            kvw_status_t st = send_msg(ep->fd, SHM_HELLO_ACK, ack, sizeof(ack), -1, 0,
+            kvw__le64_put(ack, tl->srv.token);
+            kvw_status_t st = send_msg(ep->s.fd, SHM_HELLO_ACK, ack, sizeof(ack), -1, 0,
                                        "shm HELLO_ACK");
             if (st != KVW_OK) {
-                ep_fail(tl, ep, st, "cannot answer HELLO: %s", kvw_last_error());
+                kvw__sock_ep_fail(&ep->s, st, "cannot answer HELLO: %s", kvw_last_error());
                 return;
             }
             ep->state = CONN_EP;
@@ -577,186 +434,120 @@ static void ep_rx(shm_iface_t *tl, shm_ep_t *ep)
             serve_fd_req(tl, ep, p);
             return;
         } else if (ep->state == CONN_EP && type == SHM_NOTIFY) {
-            tl->cb.on_notify(tl->cb.arg, (kvw_tl_ep_h)(void *)ep, len ? p : (const void *)"",
-                             len);
+            tl->srv.cb.on_notify(tl->srv.cb.arg, (kvw_tl_ep_h)(void *)ep,
+                                 len ? p : (const void *)"", len);
         } else {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED, "unexpected message type %u (%u bytes) %s", type,
-                    len, ep->state == CONN_NEW ? "before HELLO" : "after HELLO");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                              "unexpected message type %u (%u bytes) %s", type,
+                              len, ep->state == CONN_NEW ? "before HELLO" : "after HELLO");
             return;
         }
     }
 }
 
-/* Receive thread: a connected endpoint's socket became readable or hung up: the
- * receiver sends nothing after HELLO_ACK. */
-static void ep_watch(shm_iface_t *tl, shm_ep_t *ep)
+/* ---------------------------------------------------------------- socket server hooks */
+
+static kvw__sock_ep_t *srv_accept(kvw__sockserv_t *srv, int fd, const struct sockaddr *sa,
+                                  socklen_t sa_len)
 {
-    uint8_t b[SHM_HDR_LEN];
-    ssize_t r = recv(ep->fd, b, sizeof(b), MSG_DONTWAIT);
-    if (r == 0)
-        ep_fail(tl, ep, KVW_ERR_CONN_CLOSED, "receiver closed the connection");
-    else if (r > 0)
-        ep_fail(tl, ep, KVW_ERR_MALFORMED, "unexpected message from the receiver");
-    else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-        ep_fail(tl, ep, errno == ECONNRESET ? KVW_ERR_CONN_CLOSED : KVW_ERR_IO, "%s",
-                strerror(errno));
+    (void)sa;
+    (void)sa_len;
+    /* Abstract socket names are visible to every local user (/proc/net/unix) and carry
+     * no permissions: only the receiver's own user, or root, may connect. Anyone else
+     * is closed before a byte is read. */
+    struct ucred cr;
+    socklen_t cl = sizeof(cr);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 ||
+        (cr.uid != geteuid() && cr.uid != 0))
+        return NULL;
+    shm_ep_t *ep = calloc(1, sizeof(*ep));
+    if (ep == NULL)
+        return NULL;
+    kvw__sock_ep_init(&ep->s, srv, fd, true);
+    snprintf(ep->s.hd.peer, sizeof(ep->s.hd.peer), "pid %d", (int)cr.pid);
+    ep->state = CONN_NEW;
+    return &ep->s;
 }
 
-static void check_stalls(shm_iface_t *tl, shm_ep_t **eps, size_t n)
+static void srv_rx(kvw__sock_ep_t *s)
 {
-    uint64_t now = kvw__now_ns(), limit = (uint64_t)tl->timeout_ms * 1000000ull;
-    for (size_t i = 0; i < n; i++) {
-        shm_ep_t *ep = eps[i];
-        if (ep->accepted && ep->state == CONN_NEW && !ep->reported &&
-            !atomic_load(&ep->closing) && now - ep->last_ns > limit)
-            ep_fail(tl, ep, KVW_ERR_TIMEOUT, "no HELLO within %u ms", tl->timeout_ms);
-    }
+    shm_ep_t *ep = sock_to_ep(s);
+    ep_rx(ep_iface(ep), ep);
 }
 
-static void *rx_thread(void *arg)
+/* A connection must say HELLO (or ask for an rkey) within the timeout. */
+static void srv_stalled(kvw__sock_ep_t *s)
 {
-    shm_iface_t *tl = arg;
-    struct pollfd *pfds = NULL;
-    shm_ep_t **peps = NULL;
-    size_t cap = 0, n = 0;
-    bool rebuild = true;
-    uint64_t listen_pause_until = 0;
-
-    while (!atomic_load(&tl->closed)) {
-        if (rebuild) {
-            pthread_mutex_lock(&tl->mu);
-            size_t count = 2;
-            for (shm_ep_t *ep = tl->eps; ep; ep = ep->next)
-                count += ep->polled;
-            if (count > cap) {
-                size_t ncap = KVW_MAX(count, 2 * cap);
-                struct pollfd *np = realloc(pfds, ncap * sizeof(*np));
-                if (np)
-                    pfds = np;
-                shm_ep_t **ne = realloc(peps, ncap * sizeof(*ne));
-                if (ne)
-                    peps = ne;
-                if (np && ne)
-                    cap = ncap;
-            }
-            n = 2;
-            for (shm_ep_t *ep = tl->eps; ep && n < cap; ep = ep->next) {
-                if (!ep->polled)
-                    continue;
-                pfds[n] = (struct pollfd){.fd = ep->fd, .events = POLLIN | POLLRDHUP};
-                peps[n++] = ep;
-            }
-            tl->eps_changed = false;
-            pthread_mutex_unlock(&tl->mu);
-            if (cap < 2) {
-                usleep(10000);
-                continue;
-            }
-        }
-        pfds[0] = (struct pollfd){.fd = tl->wake_fd, .events = POLLIN};
-        bool listen_on = kvw__now_ns() >= listen_pause_until;
-        pfds[1] = (struct pollfd){.fd = listen_on ? tl->listen_fd : -1, .events = POLLIN};
-        int r = poll(pfds, (nfds_t)n, SHM_POLL_MS);
-        if (r < 0 && errno != EINTR)
-            usleep(1000);
-        if (r > 0) {
-            if (pfds[0].revents)
-                kvw__tl_wake_drain(tl->wake_fd);
-            if (pfds[1].revents)
-                accept_all(tl, &listen_pause_until);
-            for (size_t i = 2; i < n; i++) {
-                shm_ep_t *ep = peps[i];
-                if (pfds[i].revents == 0 || ep->reported || atomic_load(&ep->closing))
-                    continue;
-                if (ep->accepted)
-                    ep_rx(tl, ep);
-                else
-                    ep_watch(tl, ep);
-            }
-        }
-        check_stalls(tl, peps + 2, n - 2);
-        reap(tl);
-        pthread_mutex_lock(&tl->mu);
-        rebuild = tl->eps_changed;
-        pthread_mutex_unlock(&tl->mu);
-    }
-    free(pfds);
-    free(peps);
-    return NULL;
+    shm_ep_t *ep = sock_to_ep(s);
+    if (ep->state == CONN_NEW)
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_TIMEOUT, "no HELLO within %u ms",
+                          ep_iface(ep)->srv.timeout_ms);
 }
+
+static void srv_ep_free(kvw__sock_ep_t *s)
+{
+    free(sock_to_ep(s));
+}
+
+static void rkey_free(shm_rkey_t *rk);
+
+static void srv_rkey_free(kvw__tl_rkey_t *rk)
+{
+    rkey_free((shm_rkey_t *)(void *)rk);
+}
+
+static const kvw__sockserv_ops_t shm_srv_ops = {
+    .name = "shm",
+    .max_conns = SHM_MAX_CONNS,
+    .unexpected = "unexpected message from the receiver",
+    .accept = srv_accept,
+    .rx = srv_rx,
+    .stalled = srv_stalled,
+    .ep_free = srv_ep_free,
+    .rkey_free = srv_rkey_free,
+};
 
 /* ---------------------------------------------------------------- ops */
 
 static kvw_status_t shm_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
 {
-    if (params == NULL || tl_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm init: params or tl_p is NULL");
-    if (params->cb.on_notify == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm init: callbacks.on_notify is required");
-    shm_iface_t *tl = calloc(1, sizeof(*tl));
-    if (tl == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "shm init: no memory");
     kvw_status_t st;
-    tl->cb = params->cb;
-    tl->timeout_ms = kvw__tl_timeout_ms(params);
-    atomic_init(&tl->closed, false);
-    pthread_mutex_init(&tl->mu, NULL);
-    pthread_mutex_init(&tl->reg_mu, NULL);
-    do
-        kvw__tl_random(&tl->token, sizeof(tl->token));
-    while (tl->token == 0);
-
-    tl->wake_fd = kvw__tl_wake_open();
-    if (tl->wake_fd < 0) {
-        st = kvw__error(KVW_ERR_IO, "shm init: eventfd: %m");
-        goto err_free;
-    }
+    shm_iface_t *tl = kvw__sockserv_new(&shm_srv_ops, params, tl_p, sizeof(*tl), &st);
+    if (tl == NULL)
+        return st;
     /* listen_host and listen_port do not apply: the socket is named by pid and token. */
-    make_sun((uint64_t)getpid(), tl->token, &tl->sun, &tl->sun_len);
-    tl->listen_fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (tl->listen_fd < 0) {
+    make_sun((uint64_t)getpid(), tl->srv.token, &tl->sun, &tl->sun_len);
+    int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
         st = kvw__error(KVW_ERR_IO, "shm init: socket: %m");
-        goto err_close_wake;
+        goto err_delete;
     }
-    if (bind(tl->listen_fd, (struct sockaddr *)&tl->sun, tl->sun_len) != 0 ||
-        listen(tl->listen_fd, 512) != 0) {
+    tl->srv.listen_fd = fd;
+    if (bind(fd, (struct sockaddr *)&tl->sun, tl->sun_len) != 0 || listen(fd, 512) != 0) {
         st = kvw__error(KVW_ERR_IO, "shm init: cannot listen on @%s: %m", tl->sun.sun_path + 1);
-        goto err_close_listen;
+        goto err_delete;
     }
-    int err = pthread_create(&tl->thread, NULL, rx_thread, tl);
-    if (err != 0) {
-        errno = err;
-        st = kvw__error(KVW_ERR_INTERNAL, "shm init: cannot start the receive thread: %m");
-        goto err_close_listen;
-    }
-    tl->thread_started = true;
+    if ((st = kvw__sockserv_start(&tl->srv)) != KVW_OK)
+        goto err_delete;
     *tl_p = (kvw_tl_h)(void *)tl;
     return KVW_OK;
 
-err_close_listen:
-    close(tl->listen_fd);
-err_close_wake:
-    close(tl->wake_fd);
-err_free:
-    pthread_mutex_destroy(&tl->mu);
-    pthread_mutex_destroy(&tl->reg_mu);
-    free(tl);
+err_delete:
+    kvw__sockserv_delete(&tl->srv);
     return st;
 }
 
 static kvw_status_t shm_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
 {
     shm_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL || buf == NULL || len_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm address: NULL argument");
-    if (*len_p < SHM_ADDR_LEN)
-        return kvw__error(KVW_ERR_BUFFER_TOO_SMALL, "shm address: needs %u bytes, buffer has %zu",
-                          SHM_ADDR_LEN, *len_p);
+    kvw_status_t st = kvw__tl_check_address("shm", tl, buf, len_p, SHM_ADDR_LEN);
+    if (st != KVW_OK)
+        return st;
     uint8_t *p = buf;
     memset(p, 0, SHM_ADDR_LEN);
     kvw__le32_put(p, SHM_ADDR_MAGIC);
     p[4] = SHM_VERSION;
-    kvw__le64_put(p + 8, tl->token);
+    kvw__le64_put(p + 8, tl->srv.token);
     kvw__le64_put(p + 16, (uint64_t)getpid());
     *len_p = SHM_ADDR_LEN;
     return KVW_OK;
@@ -767,17 +558,10 @@ static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
                                 size_t *rkey_len_p)
 {
     shm_iface_t *tl = to_iface(tl_h);
-    uint64_t end;
-    if (tl == NULL || mem_p == NULL || rkey_buf == NULL || rkey_len_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm mem_reg: NULL argument");
-    if (kind != KVW_MEM_HOST)
-        return kvw__error(KVW_ERR_UNSUPPORTED,
-                          "shm mem_reg: region %llu: only host memory can be registered "
-                          "(memory kind %d)",
-                          (unsigned long long)region_id, (int)kind);
-    if ((addr == NULL && len > 0) || !kvw__add_u64((uint64_t)(uintptr_t)addr, len, &end))
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm mem_reg: region %llu: bad range %p + %llu",
-                          (unsigned long long)region_id, addr, (unsigned long long)len);
+    kvw_status_t st = kvw__tl_check_mem_reg("shm", tl, addr, len, kind, region_id, mem_p,
+                                            rkey_buf, rkey_len_p);
+    if (st != KVW_OK)
+        return st;
     shm_region_t *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "shm mem_reg: no memory");
@@ -787,10 +571,10 @@ static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     r->memfd = -1;
     if (len > 0 && kvw__shm_mem_lookup(addr, len, &r->memfd, &r->memfd_off))
         kvw__tl_random(&r->secret, sizeof(r->secret));
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     for (shm_region_t *o = tl->regions; o; o = o->next) {
         if (o->id == region_id) {
-            pthread_mutex_unlock(&tl->reg_mu);
+            pthread_mutex_unlock(&tl->srv.reg_mu);
             if (r->memfd >= 0)
                 close(r->memfd);
             free(r);
@@ -801,14 +585,14 @@ static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     }
     r->next = tl->regions;
     tl->regions = r;
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
 
     uint8_t *p = rkey_buf;
     memset(p, 0, SHM_RKEY_LEN);
     kvw__le32_put(p, SHM_RKEY_MAGIC);
     p[4] = SHM_VERSION;
     p[5] = r->memfd >= 0 ? SHM_MODE_MEMFD : SHM_MODE_CMA;
-    kvw__le64_put(p + 8, tl->token);
+    kvw__le64_put(p + 8, tl->srv.token);
     kvw__le64_put(p + 16, region_id);
     kvw__le64_put(p + 24, len);
     kvw__le64_put(p + 32, (uint64_t)getpid());
@@ -825,14 +609,14 @@ static void shm_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
     shm_region_t *r = (shm_region_t *)(void *)mem;
     if (tl == NULL || r == NULL)
         return;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     shm_region_t **pp = &tl->regions;
     while (*pp && *pp != r)
         pp = &(*pp)->next;
     bool found = *pp == r;
     if (found)
         *pp = r->next;
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
     if (!found)
         return;
     if (r->memfd >= 0)
@@ -846,7 +630,7 @@ static kvw_status_t shm_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     const uint8_t *a = addr;
     if (tl == NULL || ep_p == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "shm connect: NULL argument");
-    if (atomic_load(&tl->closed))
+    if (atomic_load(&tl->srv.closed))
         return kvw__error(KVW_ERR_SHUTDOWN, "shm connect: the transport is closed");
     if (a == NULL || len != SHM_ADDR_LEN || kvw__le32_get(a) != SHM_ADDR_MAGIC ||
         a[4] != SHM_VERSION)
@@ -858,18 +642,18 @@ static kvw_status_t shm_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     if (ep == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "shm connect: no memory");
     make_sun(pid, token, &ep->peer_sun, &ep->peer_sun_len);
-    kvw_status_t st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tl->timeout_ms,
-                                  "shm connect", &ep->fd);
+    kvw_status_t st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tl->srv.timeout_ms,
+                                  "shm connect", &ep->s.fd);
     if (st != KVW_OK)
         goto err_free;
     uint8_t hello[16];
     kvw__le64_put(hello, token);
     kvw__le64_put(hello + 8, (uint64_t)getpid());
-    st = send_msg(ep->fd, SHM_HELLO, hello, sizeof(hello), -1, tl->timeout_ms, "shm HELLO");
+    st = send_msg(ep->s.fd, SHM_HELLO, hello, sizeof(hello), -1, tl->srv.timeout_ms, "shm HELLO");
     if (st != KVW_OK)
         goto err_close_socket;
     uint8_t ack[8];
-    st = recv_msg(ep->fd, SHM_HELLO_ACK, ack, sizeof(ack), NULL, tl->timeout_ms,
+    st = recv_msg(ep->s.fd, SHM_HELLO_ACK, ack, sizeof(ack), NULL, tl->srv.timeout_ms,
                   "shm HELLO_ACK");
     if (st == KVW_ERR_CONN_CLOSED)
         st = kvw__error(KVW_ERR_REJECTED,
@@ -884,26 +668,20 @@ static kvw_status_t shm_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     }
     struct ucred cr;
     socklen_t cl = sizeof(cr);
-    if (getsockopt(ep->fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 || cr.pid <= 0) {
+    if (getsockopt(ep->s.fd, SOL_SOCKET, SO_PEERCRED, &cr, &cl) != 0 || cr.pid <= 0) {
         st = kvw__error(KVW_ERR_IO, "shm connect: cannot identify the receiving process: %m");
         goto err_close_socket;
     }
-    ep->tl = tl;
+    kvw__sock_ep_init(&ep->s, &tl->srv, ep->s.fd, false);
     ep->peer_pid = cr.pid;
-    ep->peer_token = token;
-    atomic_init(&ep->dead, false);
-    atomic_init(&ep->closing, false);
-    pthread_mutex_init(&ep->tx_mu, NULL);
-    snprintf(ep->peer, sizeof(ep->peer), "pid %d", (int)cr.pid);
-    pthread_mutex_lock(&tl->mu);
-    ep_link(tl, ep);
-    pthread_mutex_unlock(&tl->mu);
-    kvw__tl_wake(tl->wake_fd);
+    ep->s.hd.peer_token = token;
+    snprintf(ep->s.hd.peer, sizeof(ep->s.hd.peer), "pid %d", (int)cr.pid);
+    kvw__sock_ep_add(&ep->s);
     *ep_p = (kvw_tl_ep_h)(void *)ep;
     return KVW_OK;
 
 err_close_socket:
-    close(ep->fd);
+    close(ep->s.fd);
 err_free:
     free(ep);
     return st;
@@ -912,13 +690,13 @@ err_free:
 /* Fetches and maps the memory file behind a memfd-mode region. */
 static kvw_status_t map_region(shm_ep_t *ep, shm_rkey_t *rk, uint64_t secret)
 {
-    uint32_t tmo = ep->tl->timeout_ms;
+    uint32_t tmo = ep_iface(ep)->srv.timeout_ms;
     int sock, memfd = -1;
     kvw_status_t st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tmo, "shm rkey fetch", &sock);
     if (st != KVW_OK)
         return st;
     uint8_t req[16], rep[24];
-    kvw__le64_put(req, rk->region_id);
+    kvw__le64_put(req, rk->hd.region_id);
     kvw__le64_put(req + 8, secret);
     st = send_msg(sock, SHM_FD_REQ, req, sizeof(req), -1, tmo, "shm rkey fetch");
     if (st == KVW_OK)
@@ -931,7 +709,7 @@ static kvw_status_t map_region(shm_ep_t *ep, shm_rkey_t *rk, uint64_t secret)
     if (status != KVW_OK || memfd < 0) {
         st = kvw__error(status == KVW_ERR_NOT_FOUND ? KVW_ERR_NOT_FOUND : KVW_ERR_REJECTED,
                         "shm rkey_unpack: the receiver refused the memory of region %llu: %s",
-                        (unsigned long long)rk->region_id,
+                        (unsigned long long)rk->hd.region_id,
                         status != KVW_OK ? kvw_status_string((kvw_status_t)status)
                                          : "no descriptor attached");
         goto err_close_fd;
@@ -941,12 +719,12 @@ static kvw_status_t map_region(shm_ep_t *ep, shm_rkey_t *rk, uint64_t secret)
     struct stat sb;
     int seals = fcntl(memfd, F_GET_SEALS);
     uint64_t end;
-    if (len != rk->len || fstat(memfd, &sb) != 0 || !kvw__add_u64(off, len, &end) ||
+    if (len != rk->hd.len || fstat(memfd, &sb) != 0 || !kvw__add_u64(off, len, &end) ||
         end > (uint64_t)sb.st_size || seals < 0 || !(seals & F_SEAL_SHRINK)) {
         st = kvw__error(KVW_ERR_REJECTED,
                         "shm rkey_unpack: region %llu: the memory file does not hold "
                         "[%llu, +%llu) or is not sealed against shrinking",
-                        (unsigned long long)rk->region_id, (unsigned long long)off,
+                        (unsigned long long)rk->hd.region_id, (unsigned long long)off,
                         (unsigned long long)len);
         goto err_close_fd;
     }
@@ -964,7 +742,7 @@ static kvw_status_t map_region(shm_ep_t *ep, shm_rkey_t *rk, uint64_t secret)
     if (m == MAP_FAILED) {
         st = kvw__error(errno == ENOMEM ? KVW_ERR_NO_MEMORY : KVW_ERR_IO,
                         "shm rkey_unpack: mmap of region %llu (%llu bytes): %m",
-                        (unsigned long long)rk->region_id, (unsigned long long)map_len);
+                        (unsigned long long)rk->hd.region_id, (unsigned long long)map_len);
         goto err_close_fd;
     }
     close(memfd);
@@ -984,48 +762,38 @@ static kvw_status_t shm_rkey_unpack(kvw_tl_ep_h ep_h, const void *buf, size_t le
 {
     shm_ep_t *ep = to_ep(ep_h);
     const uint8_t *p = buf;
-    if (ep == NULL || buf == NULL || rkey_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm rkey_unpack: NULL argument");
-    if (ep->accepted)
-        return kvw__error(KVW_ERR_UNSUPPORTED, "shm rkey_unpack: accepted endpoints only receive");
+    kvw_status_t st = kvw__tl_check_unpack("shm", ep ? &ep->s.hd : NULL, buf, rkey_p);
+    if (st != KVW_OK)
+        return st;
     if (len != SHM_RKEY_LEN || kvw__le32_get(p) != SHM_RKEY_MAGIC || p[4] != SHM_VERSION ||
         (p[5] != SHM_MODE_MEMFD && p[5] != SHM_MODE_CMA))
         return kvw__error(KVW_ERR_INVALID_PARAM,
                           "shm rkey_unpack: %zu bytes are not an shm remote key of version %u",
                           len, SHM_VERSION);
-    uint64_t token = kvw__le64_get(p + 8);
-    if (token != ep->peer_token)
-        return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "shm rkey_unpack: the key was packed by receiver %016llx, but this "
-                          "endpoint leads to receiver %016llx",
-                          (unsigned long long)token, (unsigned long long)ep->peer_token);
+    if ((st = kvw__tl_check_key_token(&ep->s.hd, kvw__le64_get(p + 8))) != KVW_OK)
+        return st;
     shm_rkey_t *rk = calloc(1, sizeof(*rk));
     if (rk == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "shm rkey_unpack: no memory");
-    rk->tl = ep->tl;
-    rk->ep = ep;
+    rk->tl = ep_iface(ep);
+    rk->hd.ep = &ep->s.hd;
     rk->mode = p[5];
-    rk->region_id = kvw__le64_get(p + 16);
-    rk->len = kvw__le64_get(p + 24);
+    rk->hd.region_id = kvw__le64_get(p + 16);
+    rk->hd.len = kvw__le64_get(p + 24);
     rk->raddr = kvw__le64_get(p + 40);
     uint64_t end;
-    if (!kvw__add_u64(rk->raddr, rk->len, &end)) {
+    if (!kvw__add_u64(rk->raddr, rk->hd.len, &end)) {
         free(rk);
         return kvw__error(KVW_ERR_INVALID_PARAM, "shm rkey_unpack: region wraps the address space");
     }
-    if (rk->mode == SHM_MODE_MEMFD && rk->len > 0) {
-        kvw_status_t st = map_region(ep, rk, kvw__le64_get(p + 48));
+    if (rk->mode == SHM_MODE_MEMFD && rk->hd.len > 0) {
+        st = map_region(ep, rk, kvw__le64_get(p + 48));
         if (st != KVW_OK) {
             free(rk);
             return st;
         }
     }
-    pthread_mutex_lock(&ep->tl->mu);
-    rk->next = ep->tl->rkeys;
-    if (rk->next)
-        rk->next->prev = rk;
-    ep->tl->rkeys = rk;
-    pthread_mutex_unlock(&ep->tl->mu);
+    kvw__tl_rkey_link(&rk->tl->srv.mu, &rk->tl->srv.rkeys, &rk->hd);
     *rkey_p = (kvw_tl_rkey_h)(void *)rk;
     return KVW_OK;
 }
@@ -1042,15 +810,7 @@ static void shm_rkey_release(kvw_tl_rkey_h rkey)
     shm_rkey_t *rk = (shm_rkey_t *)(void *)rkey;
     if (rk == NULL)
         return;
-    shm_iface_t *tl = rk->tl;
-    pthread_mutex_lock(&tl->mu);
-    if (rk->prev)
-        rk->prev->next = rk->next;
-    else
-        tl->rkeys = rk->next;
-    if (rk->next)
-        rk->next->prev = rk->prev;
-    pthread_mutex_unlock(&tl->mu);
+    kvw__tl_rkey_unlink(&rk->tl->srv.mu, &rk->tl->srv.rkeys, &rk->hd);
     rkey_free(rk);
 }
 
@@ -1059,20 +819,17 @@ static void shm_rkey_release(kvw_tl_rkey_h rkey)
  * holds its end of the socket. */
 static kvw_status_t check_sendable(shm_ep_t *ep, const char *what)
 {
-    if (ep == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm %s: endpoint is NULL", what);
-    if (ep->accepted)
-        return kvw__error(KVW_ERR_UNSUPPORTED, "shm %s: accepted endpoints only receive", what);
-    if (atomic_load(&ep->tl->closed))
-        return kvw__error(KVW_ERR_SHUTDOWN, "shm %s: the transport is closed", what);
-    if (!atomic_load(&ep->dead)) {
-        struct pollfd pfd = {.fd = ep->fd, .events = POLLRDHUP};
+    kvw_status_t st = kvw__sock_check_sendable("shm", ep ? &ep->s : NULL, what);
+    if (st != KVW_OK)
+        return st;
+    if (!atomic_load(&ep->s.dead)) {
+        struct pollfd pfd = {.fd = ep->s.fd, .events = POLLRDHUP};
         if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)))
-            atomic_store(&ep->dead, true);
+            atomic_store(&ep->s.dead, true);
     }
-    if (atomic_load(&ep->dead))
+    if (atomic_load(&ep->s.dead))
         return kvw__error(KVW_ERR_CONN_CLOSED, "shm %s: the receiver (%s) is gone", what,
-                          ep->peer);
+                          ep->s.hd.peer);
     return KVW_OK;
 }
 
@@ -1086,9 +843,9 @@ static kvw_status_t cma_flush(shm_ep_t *ep, struct iovec *l, struct iovec *r, si
         if (w < 0) {
             int err = errno;
             if (err == ESRCH) {
-                atomic_store(&ep->dead, true);
+                atomic_store(&ep->s.dead, true);
                 return kvw__error(KVW_ERR_CONN_CLOSED, "shm put: receiver %s is gone: %m",
-                                  ep->peer);
+                                  ep->s.hd.peer);
             }
             if (err == EPERM)
                 return kvw__error(KVW_ERR_IO,
@@ -1096,14 +853,14 @@ static kvw_status_t cma_flush(shm_ep_t *ep, struct iovec *l, struct iovec *r, si
                                   "needs the same user or CAP_SYS_PTRACE, and Yama "
                                   "ptrace_scope <= 1; or register memory from "
                                   "kvw_mem_alloc_shared",
-                                  ep->peer);
+                                  ep->s.hd.peer);
             return kvw__error(err == ENOMEM ? KVW_ERR_NO_MEMORY : KVW_ERR_IO,
-                              "shm put: process_vm_writev into %s at 0x%llx: %m", ep->peer,
+                              "shm put: process_vm_writev into %s at 0x%llx: %m", ep->s.hd.peer,
                               (unsigned long long)(uintptr_t)r[i].iov_base);
         }
         if (w == 0)
             return kvw__error(KVW_ERR_IO, "shm put: process_vm_writev into %s made no progress",
-                              ep->peer);
+                              ep->s.hd.peer);
         size_t left = (size_t)w;
         while (i < cnt && left >= l[i].iov_len) {
             left -= l[i].iov_len;
@@ -1126,24 +883,9 @@ static kvw_status_t shm_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
     kvw_status_t st = check_sendable(ep, "put");
     if (st != KVW_OK)
         return st;
-    if (n > 0 && puts == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm put: puts is NULL");
+    if ((st = kvw__tl_check_puts(&ep->s.hd, puts, n)) != KVW_OK)
+        return st;
     for (size_t i = 0; i < n; i++) {
-        const shm_rkey_t *rk = (const shm_rkey_t *)(const void *)puts[i].rkey;
-        if (rk == NULL || rk->ep != ep)
-            return kvw__error(KVW_ERR_INVALID_PARAM,
-                              "shm put %zu of %zu: the rkey is NULL or was unpacked on another "
-                              "endpoint",
-                              i, n);
-        if (puts[i].dst_off > rk->len || puts[i].len > rk->len - puts[i].dst_off)
-            return kvw__error(KVW_ERR_OUT_OF_RANGE,
-                              "shm put %zu of %zu: offset %llu + %llu bytes is outside remote "
-                              "region %llu of %llu bytes",
-                              i, n, (unsigned long long)puts[i].dst_off,
-                              (unsigned long long)puts[i].len, (unsigned long long)rk->region_id,
-                              (unsigned long long)rk->len);
-        if (puts[i].src == NULL && puts[i].len > 0)
-            return kvw__error(KVW_ERR_INVALID_PARAM, "shm put %zu of %zu: src is NULL", i, n);
         if (puts[i].len > (uint64_t)SSIZE_MAX)
             return kvw__error(KVW_ERR_INVALID_PARAM, "shm put %zu of %zu: %llu bytes is too large",
                               i, n, (unsigned long long)puts[i].len);
@@ -1175,7 +917,7 @@ static kvw_status_t shm_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
     if (st == KVW_OK && cnt > 0)
         st = cma_flush(ep, l, r, cnt);
     if (st != KVW_OK)
-        atomic_store(&ep->dead, true); /* same rule as every transport: see transport.h */
+        atomic_store(&ep->s.dead, true); /* same rule as every transport: see transport.h */
     return st;
 }
 
@@ -1185,59 +927,18 @@ static kvw_status_t shm_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
     kvw_status_t st = check_sendable(ep, "notify");
     if (st != KVW_OK)
         return st;
-    if (len > KVW_TL_MAX_NOTIFY || (msg == NULL && len > 0))
-        return kvw__error(KVW_ERR_INVALID_PARAM, "shm notify: %zu bytes (limit %u), msg %p", len,
-                          KVW_TL_MAX_NOTIFY, msg);
+    if ((st = kvw__tl_check_notify(&ep->s.hd, msg, len)) != KVW_OK)
+        return st;
     /* The writes before this call were plain stores into shared pages (or completed
      * inside the kernel): make them visible before the message that announces them. */
     atomic_thread_fence(memory_order_seq_cst);
-    pthread_mutex_lock(&ep->tx_mu);
-    st = send_msg(ep->fd, SHM_NOTIFY, msg, (uint32_t)len, -1, ep->tl->timeout_ms, "shm notify");
+    pthread_mutex_lock(&ep->s.tx_mu);
+    st = send_msg(ep->s.fd, SHM_NOTIFY, msg, (uint32_t)len, -1, ep_iface(ep)->srv.timeout_ms,
+                  "shm notify");
     if (st != KVW_OK)
-        atomic_store(&ep->dead, true);
-    pthread_mutex_unlock(&ep->tx_mu);
+        atomic_store(&ep->s.dead, true);
+    pthread_mutex_unlock(&ep->s.tx_mu);
     return st;
-}
-
-static int shm_progress(kvw_tl_h tl)
-{
-    (void)tl;
-    return 0;
-}
-
-static void shm_ep_close(kvw_tl_ep_h ep_h)
-{
-    shm_ep_t *ep = to_ep(ep_h);
-    if (ep == NULL)
-        return;
-    shm_iface_t *tl = ep->tl;
-    pthread_mutex_lock(&tl->mu);
-    atomic_store(&ep->closing, true);
-    ep->polled = false;
-    tl->eps_changed = true;
-    pthread_mutex_unlock(&tl->mu);
-    kvw__tl_wake(tl->wake_fd);
-}
-
-static void shm_close(kvw_tl_h tl_h)
-{
-    shm_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL)
-        return;
-    atomic_store(&tl->closed, true);
-    kvw__tl_wake(tl->wake_fd);
-}
-
-static void shm_stop(kvw_tl_h tl_h)
-{
-    shm_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL)
-        return;
-    shm_close(tl_h);
-    if (tl->thread_started) {
-        pthread_join(tl->thread, NULL);
-        tl->thread_started = false;
-    }
 }
 
 static void shm_fini(kvw_tl_h tl_h)
@@ -1245,17 +946,7 @@ static void shm_fini(kvw_tl_h tl_h)
     shm_iface_t *tl = to_iface(tl_h);
     if (tl == NULL)
         return;
-    shm_stop(tl_h);
-    while (tl->eps) {
-        shm_ep_t *ep = tl->eps;
-        tl->eps = ep->next;
-        ep_free(ep);
-    }
-    while (tl->rkeys) {
-        shm_rkey_t *rk = tl->rkeys;
-        tl->rkeys = rk->next;
-        rkey_free(rk);
-    }
+    kvw__sockserv_fini(&tl->srv);
     while (tl->regions) {
         shm_region_t *r = tl->regions;
         tl->regions = r->next;
@@ -1263,11 +954,7 @@ static void shm_fini(kvw_tl_h tl_h)
             close(r->memfd);
         free(r);
     }
-    close(tl->listen_fd);
-    close(tl->wake_fd);
-    pthread_mutex_destroy(&tl->mu);
-    pthread_mutex_destroy(&tl->reg_mu);
-    free(tl);
+    kvw__sockserv_delete(&tl->srv);
 }
 
 const kvw_tl_ops_t kvw_tl_shm_ops = {
@@ -1281,10 +968,10 @@ const kvw_tl_ops_t kvw_tl_shm_ops = {
     .rkey_release = shm_rkey_release,
     .put = shm_put,
     .notify = shm_notify,
-    .progress = shm_progress,
-    .ep_close = shm_ep_close,
-    .close = shm_close,
-    .stop = shm_stop,
+    .progress = kvw__sockserv_progress,
+    .ep_close = kvw__sockserv_ep_close,
+    .close = kvw__sockserv_close,
+    .stop = kvw__sockserv_stop,
     .fini = shm_fini,
     .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
 };

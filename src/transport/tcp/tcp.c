@@ -9,8 +9,8 @@
  * callers whole. notify() writes a NOTIFY frame on the same byte stream, so it is
  * delivered after every PUT written before it.
  *
- * Receiver: one thread polls the listening socket and every connection (non-blocking)
- * and runs a small state machine per connection. For each PUT header it checks that
+ * Receiver: one thread (the socket server, sockserv.c) polls the listening socket and
+ * every connection (non-blocking), and tcp runs a small state machine per connection. For each PUT header it checks that
  * the region is registered and that [off, off + len) lies inside it, asks
  * cb.check_write, and only then receives the payload with recv straight into the
  * registered memory (no intermediate copy); a refused payload is read and discarded.
@@ -30,6 +30,7 @@
  * mem_dereg returns no byte lands in that region any more; the rest of such a payload
  * is discarded.
  */
+#include "transport/sockserv.h"
 #include "transport/tcp/tcp_wire.h"
 
 #include <arpa/inet.h>
@@ -53,7 +54,6 @@
 #define TCP_DISCARD_CHUNK (64u << 10)
 #define TCP_MAX_CONNS 4096         /* accepted connections at once; more are refused */
 #define TCP_REGION_BUCKETS 1024
-#define TCP_POLL_MS 200            /* upper bound on one poll; stall checks run this often */
 #define TCP_SOCKBUF (4 << 20)
 
 typedef struct tcp_iface tcp_iface_t;
@@ -70,17 +70,7 @@ typedef struct tcp_region {
 enum { RX_HELLO, RX_HDR, RX_PAYLOAD, RX_DISCARD, RX_NOTIFY };
 
 typedef struct tcp_ep {
-    tcp_iface_t *tl;
-    int fd;
-    bool accepted;
-    atomic_bool dead;    /* failed: put/notify refuse with CONN_CLOSED */
-    atomic_bool closing; /* ep_close was called: no callback, freed by the thread */
-    bool reported;       /* thread only: the failure was handled (reported or not) */
-    bool polled;         /* under tl->mu: the thread polls this socket */
-    char peer[64];
-    uint64_t peer_token; /* connected endpoints: the receiver's token */
-
-    pthread_mutex_t tx_mu; /* connected endpoints: one sender at a time */
+    kvw__sock_ep_t s;      /* fd, peer, peer_token (the receiver's), dead, tx_mu, ... */
     uint8_t *tx_hdrs;      /* TCP_MAX_BATCH headers */
     struct iovec *tx_iov;  /* 2 * TCP_MAX_BATCH + 1 */
 
@@ -93,36 +83,18 @@ typedef struct tcp_ep {
     uint64_t rx_left;
     uint8_t *rx_note;
     size_t rx_note_len, rx_note_got;
-    uint64_t rx_last_ns;
-
-    struct tcp_ep *prev, *next;
 } tcp_ep_t;
 
 typedef struct tcp_rkey {
+    kvw__tl_rkey_t hd; /* ep, region_id, len; on srv.rkeys */
     tcp_iface_t *tl;
-    tcp_ep_t *ep;
-    uint64_t region_id, len;
-    struct tcp_rkey *prev, *next;
 } tcp_rkey_t;
 
 struct tcp_iface {
-    kvw_tl_callbacks_t cb;
-    uint32_t timeout_ms;
-    uint64_t token;
-    int listen_fd;
-    int wake_fd;
+    kvw__sockserv_t srv; /* listener, endpoints, receive thread; srv.token names us */
     struct sockaddr_storage listen_addr;
-    pthread_t thread;
-    bool thread_started;
-    atomic_bool closed;
 
-    pthread_mutex_t mu; /* eps, rkeys, eps_changed, num_accepted */
-    tcp_ep_t *eps;
-    tcp_rkey_t *rkeys;
-    bool eps_changed;
-    unsigned num_accepted;
-
-    pthread_mutex_t reg_mu; /* regions, and every payload byte landing in them */
+    /* Under srv.reg_mu, as is every payload byte landing in these regions. */
     tcp_region_t *buckets[TCP_REGION_BUCKETS];
 
     uint8_t discard[TCP_DISCARD_CHUNK]; /* receive thread only */
@@ -136,6 +108,14 @@ static inline tcp_ep_t *to_ep(kvw_tl_ep_h ep)
 {
     return (tcp_ep_t *)(void *)ep;
 }
+static inline tcp_ep_t *sock_to_ep(kvw__sock_ep_t *ep)
+{
+    return (tcp_ep_t *)(void *)ep;
+}
+static inline tcp_iface_t *ep_iface(const tcp_ep_t *ep)
+{
+    return (tcp_iface_t *)(void *)ep->s.srv;
+}
 
 static size_t region_bucket(uint64_t id)
 {
@@ -145,7 +125,7 @@ static size_t region_bucket(uint64_t id)
     return (size_t)(id & (TCP_REGION_BUCKETS - 1));
 }
 
-/* reg_mu held. */
+/* srv.reg_mu held. */
 static tcp_region_t *region_find(tcp_iface_t *tl, uint64_t id)
 {
     for (tcp_region_t *r = tl->buckets[region_bucket(id)]; r; r = r->next)
@@ -154,7 +134,7 @@ static tcp_region_t *region_find(tcp_iface_t *tl, uint64_t id)
     return NULL;
 }
 
-/* reg_mu held. */
+/* srv.reg_mu held. */
 static void region_unref(tcp_region_t *r)
 {
     if (--r->refs == 0)
@@ -189,144 +169,14 @@ static void format_sockaddr(const struct sockaddr *sa, char *out, size_t cap)
     }
 }
 
-static void ep_free(tcp_ep_t *ep)
-{
-    if (ep->fd >= 0)
-        close(ep->fd);
-    if (!ep->accepted)
-        pthread_mutex_destroy(&ep->tx_mu);
-    free(ep->tx_hdrs);
-    free(ep->tx_iov);
-    free(ep->rx_note);
-    free(ep);
-}
-
-/* tl->mu held. */
-static void ep_link(tcp_iface_t *tl, tcp_ep_t *ep)
-{
-    ep->prev = NULL;
-    ep->next = tl->eps;
-    if (tl->eps)
-        tl->eps->prev = ep;
-    tl->eps = ep;
-    ep->polled = true;
-    tl->eps_changed = true;
-    if (ep->accepted)
-        tl->num_accepted++;
-}
-
-/* tl->mu held. */
-static void ep_unlink(tcp_iface_t *tl, tcp_ep_t *ep)
-{
-    if (ep->prev)
-        ep->prev->next = ep->next;
-    else
-        tl->eps = ep->next;
-    if (ep->next)
-        ep->next->prev = ep->prev;
-    if (ep->accepted)
-        tl->num_accepted--;
-    tl->eps_changed = true;
-}
-
 /* Receive thread: drops the receive state's region reference. */
 static void ep_rx_release(tcp_iface_t *tl, tcp_ep_t *ep)
 {
     if (ep->rx_region) {
-        pthread_mutex_lock(&tl->reg_mu);
+        pthread_mutex_lock(&tl->srv.reg_mu);
         region_unref(ep->rx_region);
-        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->srv.reg_mu);
         ep->rx_region = NULL;
-    }
-}
-
-/*
- * Receive thread: an endpoint failed. Marks it dead, stops polling it and reports the
- * reason once (unless the owner closed it). Accepted endpoints are freed by the next
- * reap; connected ones stay until their owner calls ep_close.
- */
-static void ep_fail(tcp_iface_t *tl, tcp_ep_t *ep, kvw_status_t status, const char *fmt, ...)
-    KVW_PRINTF(4, 5);
-static void ep_fail(tcp_iface_t *tl, tcp_ep_t *ep, kvw_status_t status, const char *fmt, ...)
-{
-    if (ep->reported)
-        return;
-    ep->reported = true;
-    atomic_store(&ep->dead, true);
-    ep_rx_release(tl, ep);
-    char reason[384];
-    int n = snprintf(reason, sizeof(reason), "tcp %s %s: ",
-                     ep->accepted ? "connection from" : "connection to", ep->peer);
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(reason + n, sizeof(reason) - (size_t)n, fmt, ap);
-    va_end(ap);
-    pthread_mutex_lock(&tl->mu);
-    ep->polled = false;
-    tl->eps_changed = true;
-    pthread_mutex_unlock(&tl->mu);
-    if (!ep->accepted)
-        shutdown(ep->fd, SHUT_RDWR); /* wakes a sender blocked on this socket */
-    if (!atomic_load(&ep->closing) && tl->cb.on_ep_error)
-        tl->cb.on_ep_error(tl->cb.arg, (kvw_tl_ep_h)(void *)ep, status, reason);
-}
-
-/* Receive thread: frees endpoints that were closed, and accepted ones that failed. */
-static void reap(tcp_iface_t *tl)
-{
-    tcp_ep_t *dead = NULL;
-    pthread_mutex_lock(&tl->mu);
-    for (tcp_ep_t *ep = tl->eps, *next; ep; ep = next) {
-        next = ep->next;
-        if (atomic_load(&ep->closing) || (ep->accepted && ep->reported)) {
-            ep_unlink(tl, ep);
-            ep->next = dead;
-            dead = ep;
-        }
-    }
-    pthread_mutex_unlock(&tl->mu);
-    while (dead) {
-        tcp_ep_t *next = dead->next;
-        ep_rx_release(tl, dead);
-        ep_free(dead);
-        dead = next;
-    }
-}
-
-static void accept_all(tcp_iface_t *tl, uint64_t *pause_until_p)
-{
-    for (;;) {
-        struct sockaddr_storage ss;
-        socklen_t sl = sizeof(ss);
-        int fd = accept4(tl->listen_fd, (struct sockaddr *)&ss, &sl,
-                         SOCK_NONBLOCK | SOCK_CLOEXEC);
-        if (fd < 0) {
-            if (errno == EINTR || errno == ECONNABORTED)
-                continue;
-            if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
-                *pause_until_p = kvw__now_ns() + 100000000ull; /* retry in 100 ms */
-            return;
-        }
-        pthread_mutex_lock(&tl->mu);
-        bool full = tl->num_accepted >= TCP_MAX_CONNS;
-        pthread_mutex_unlock(&tl->mu);
-        tcp_ep_t *ep = full ? NULL : calloc(1, sizeof(*ep));
-        if (ep == NULL) {
-            close(fd);
-            continue;
-        }
-        set_sock_opts(fd);
-        ep->tl = tl;
-        ep->fd = fd;
-        ep->accepted = true;
-        atomic_init(&ep->dead, false);
-        atomic_init(&ep->closing, false);
-        ep->rx_state = RX_HELLO;
-        ep->rx_last_ns = kvw__now_ns();
-        format_sockaddr((struct sockaddr *)&ss, ep->peer, sizeof(ep->peer));
-        pthread_mutex_lock(&tl->mu);
-        ep_link(tl, ep);
-        pthread_mutex_unlock(&tl->mu);
     }
 }
 
@@ -336,34 +186,36 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
     kvw_tcp_hdr_t h;
     kvw_tcp_hdr_decode(ep->rx_hdr, &h);
     if (h.magic != KVW_TCP_FRAME_MAGIC) {
-        ep_fail(tl, ep, KVW_ERR_MALFORMED, "bad frame magic 0x%08x (expected 0x%08x)",
-                h.magic, KVW_TCP_FRAME_MAGIC);
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED, "bad frame magic 0x%08x (expected 0x%08x)",
+                          h.magic, KVW_TCP_FRAME_MAGIC);
         return;
     }
     if (h.version != KVW_TCP_VERSION) {
-        ep_fail(tl, ep, KVW_ERR_MALFORMED, "unsupported frame version %u (this side speaks %u)",
-                h.version, KVW_TCP_VERSION);
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                          "unsupported frame version %u (this side speaks %u)",
+                          h.version, KVW_TCP_VERSION);
         return;
     }
     if (h.flags != 0) {
-        ep_fail(tl, ep, KVW_ERR_MALFORMED, "frame type %u with unknown flags 0x%04x", h.type,
-                h.flags);
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                          "frame type %u with unknown flags 0x%04x", h.type,
+                          h.flags);
         return;
     }
     if (ep->rx_state == RX_HELLO) {
         if (h.type != KVW_TCP_HELLO) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED, "expected HELLO first, got frame type %u",
-                    h.type);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED, "expected HELLO first, got frame type %u",
+                              h.type);
             return;
         }
         if (h.region != 0 || h.off != 0 || h.len != 0) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED, "HELLO with non-zero fields");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED, "HELLO with non-zero fields");
             return;
         }
-        if (h.room != tl->token) {
-            ep_fail(tl, ep, KVW_ERR_REJECTED,
-                    "HELLO for receiver token %016llx, but this receiver is %016llx",
-                    (unsigned long long)h.room, (unsigned long long)tl->token);
+        if (h.room != tl->srv.token) {
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_REJECTED,
+                              "HELLO for receiver token %016llx, but this receiver is %016llx",
+                              (unsigned long long)h.room, (unsigned long long)tl->srv.token);
             return;
         }
         uint8_t ack[KVW_TCP_ACK_LEN];
@@ -371,12 +223,12 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
         ack[4] = KVW_TCP_VERSION;
         ack[5] = KVW_TCP_HELLO_ACK;
         kvw__le16_put(ack + 6, 0);
-        kvw__le64_put(ack + 8, tl->token);
+        kvw__le64_put(ack + 8, tl->srv.token);
         /* A fresh socket's send buffer always has room for 16 bytes. */
-        ssize_t r = send(ep->fd, ack, sizeof(ack), MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t r = send(ep->s.fd, ack, sizeof(ack), MSG_NOSIGNAL | MSG_DONTWAIT);
         if (r != (ssize_t)sizeof(ack)) {
-            ep_fail(tl, ep, KVW_ERR_IO, "cannot send HELLO_ACK: %s",
-                    r < 0 ? strerror(errno) : "short write");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_IO, "cannot send HELLO_ACK: %s",
+                              r < 0 ? strerror(errno) : "short write");
             return;
         }
         ep->rx_state = RX_HDR;
@@ -385,38 +237,38 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
 
     switch (h.type) {
     case KVW_TCP_PUT: {
-        pthread_mutex_lock(&tl->reg_mu);
+        pthread_mutex_lock(&tl->srv.reg_mu);
         tcp_region_t *r = region_find(tl, h.region);
         uint64_t rlen = r ? r->len : 0;
         bool inside = r && h.off <= rlen && h.len <= rlen - h.off;
         if (inside && h.len > 0)
             r->refs++;
-        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->srv.reg_mu);
         if (r == NULL) {
-            ep_fail(tl, ep, KVW_ERR_OUT_OF_RANGE,
-                    "PUT of %llu bytes for room %llu into unregistered region %llu",
-                    (unsigned long long)h.len, (unsigned long long)h.room,
-                    (unsigned long long)h.region);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_OUT_OF_RANGE,
+                              "PUT of %llu bytes for room %llu into unregistered region %llu",
+                              (unsigned long long)h.len, (unsigned long long)h.room,
+                              (unsigned long long)h.region);
             return;
         }
         if (!inside) {
-            ep_fail(tl, ep, KVW_ERR_OUT_OF_RANGE,
-                    "PUT for room %llu at offset %llu, %llu bytes, outside region %llu of %llu "
-                    "bytes",
-                    (unsigned long long)h.room, (unsigned long long)h.off,
-                    (unsigned long long)h.len, (unsigned long long)h.region,
-                    (unsigned long long)rlen);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_OUT_OF_RANGE,
+                              "PUT for room %llu at offset %llu, %llu bytes, outside region "
+                              "%llu of %llu bytes",
+                              (unsigned long long)h.room, (unsigned long long)h.off,
+                              (unsigned long long)h.len, (unsigned long long)h.region,
+                              (unsigned long long)rlen);
             return;
         }
         if (h.len == 0)
             return;
         kvw_status_t st = KVW_OK;
-        if (tl->cb.check_write)
-            st = tl->cb.check_write(tl->cb.arg, h.room, h.region, h.off, h.len);
+        if (tl->srv.cb.check_write)
+            st = tl->srv.cb.check_write(tl->srv.cb.arg, h.room, h.region, h.off, h.len);
         if (st != KVW_OK) {
-            pthread_mutex_lock(&tl->reg_mu);
+            pthread_mutex_lock(&tl->srv.reg_mu);
             region_unref(r);
-            pthread_mutex_unlock(&tl->reg_mu);
+            pthread_mutex_unlock(&tl->srv.reg_mu);
             ep->rx_state = RX_DISCARD;
             ep->rx_left = h.len;
             return;
@@ -430,22 +282,22 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
     }
     case KVW_TCP_NOTIFY:
         if (h.room != 0 || h.region != 0 || h.off != 0) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED, "NOTIFY with non-zero room/region/offset");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED, "NOTIFY with non-zero room/region/offset");
             return;
         }
         if (h.len > KVW_TL_MAX_NOTIFY) {
-            ep_fail(tl, ep, KVW_ERR_MALFORMED,
-                    "NOTIFY of %llu bytes exceeds the limit of %u bytes",
-                    (unsigned long long)h.len, KVW_TL_MAX_NOTIFY);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                              "NOTIFY of %llu bytes exceeds the limit of %u bytes",
+                              (unsigned long long)h.len, KVW_TL_MAX_NOTIFY);
             return;
         }
         if (h.len == 0) {
-            if (!atomic_load(&ep->closing))
-                tl->cb.on_notify(tl->cb.arg, (kvw_tl_ep_h)(void *)ep, "", 0);
+            if (!atomic_load(&ep->s.closing))
+                tl->srv.cb.on_notify(tl->srv.cb.arg, (kvw_tl_ep_h)(void *)ep, "", 0);
             return;
         }
         if (ep->rx_note == NULL && (ep->rx_note = malloc(KVW_TL_MAX_NOTIFY)) == NULL) {
-            ep_fail(tl, ep, KVW_ERR_NO_MEMORY, "no memory for a notification buffer");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_NO_MEMORY, "no memory for a notification buffer");
             return;
         }
         ep->rx_note_len = (size_t)h.len;
@@ -453,10 +305,10 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
         ep->rx_state = RX_NOTIFY;
         return;
     case KVW_TCP_HELLO:
-        ep_fail(tl, ep, KVW_ERR_MALFORMED, "second HELLO on one connection");
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED, "second HELLO on one connection");
         return;
     default:
-        ep_fail(tl, ep, KVW_ERR_MALFORMED, "unknown frame type %u", h.type);
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED, "unknown frame type %u", h.type);
         return;
     }
 }
@@ -466,35 +318,36 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
  * the caller should consume them; false when the socket is drained (EAGAIN) or the
  * endpoint failed.
  */
-static bool rx_result(tcp_iface_t *tl, tcp_ep_t *ep, ssize_t r, size_t want)
+static bool rx_result(tcp_ep_t *ep, ssize_t r, size_t want)
 {
     if (r > 0) {
-        ep->rx_last_ns = kvw__now_ns();
+        ep->s.last_rx_ns = kvw__now_ns();
         return true;
     }
     if (r == 0 && want > 0) {
         if (ep->rx_state == RX_HDR && ep->rx_hdr_got == 0)
-            ep_fail(tl, ep, KVW_ERR_CONN_CLOSED, "peer closed the connection");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_CONN_CLOSED, "peer closed the connection");
         else if (ep->rx_state == RX_HELLO && ep->rx_hdr_got == 0)
-            ep_fail(tl, ep, KVW_ERR_CONN_CLOSED, "peer closed the connection before HELLO");
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_CONN_CLOSED,
+                              "peer closed the connection before HELLO");
         else if (ep->rx_state == RX_HELLO || ep->rx_state == RX_HDR)
-            ep_fail(tl, ep, KVW_ERR_MALFORMED,
-                    "truncated frame: peer closed after %zu of %u header bytes",
-                    ep->rx_hdr_got, KVW_TCP_HDR_LEN);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                              "truncated frame: peer closed after %zu of %u header bytes",
+                              ep->rx_hdr_got, KVW_TCP_HDR_LEN);
         else
-            ep_fail(tl, ep, KVW_ERR_MALFORMED,
-                    "truncated frame: peer closed with %llu payload bytes missing",
-                    (unsigned long long)(ep->rx_state == RX_NOTIFY
-                                             ? ep->rx_note_len - ep->rx_note_got
-                                             : ep->rx_left));
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_MALFORMED,
+                              "truncated frame: peer closed with %llu payload bytes missing",
+                              (unsigned long long)(ep->rx_state == RX_NOTIFY
+                              ? ep->rx_note_len - ep->rx_note_got
+                              : ep->rx_left));
         return false;
     }
     if (r < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
         return false;
     if (r < 0 && errno == ECONNRESET)
-        ep_fail(tl, ep, KVW_ERR_CONN_CLOSED, "connection reset by peer");
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_CONN_CLOSED, "connection reset by peer");
     else if (r < 0)
-        ep_fail(tl, ep, KVW_ERR_IO, "recv: %s", strerror(errno));
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_IO, "recv: %s", strerror(errno));
     return false;
 }
 
@@ -502,14 +355,14 @@ static bool rx_result(tcp_iface_t *tl, tcp_ep_t *ep, ssize_t r, size_t want)
 static void ep_rx(tcp_iface_t *tl, tcp_ep_t *ep)
 {
     size_t budget = TCP_RX_BUDGET;
-    while (budget > 0 && !ep->reported && !atomic_load(&ep->closing)) {
+    while (budget > 0 && !ep->s.reported && !atomic_load(&ep->s.closing)) {
         ssize_t r;
         switch (ep->rx_state) {
         case RX_HELLO:
         case RX_HDR: {
             size_t want = KVW_TCP_HDR_LEN - ep->rx_hdr_got;
-            r = recv(ep->fd, ep->rx_hdr + ep->rx_hdr_got, want, 0);
-            if (!rx_result(tl, ep, r, want))
+            r = recv(ep->s.fd, ep->rx_hdr + ep->rx_hdr_got, want, 0);
+            if (!rx_result(ep, r, want))
                 return;
             ep->rx_hdr_got += (size_t)r;
             budget -= KVW_MIN((size_t)r, budget);
@@ -526,16 +379,16 @@ static void ep_rx(tcp_iface_t *tl, tcp_ep_t *ep)
             struct iovec iov[2] = {{.iov_base = ep->rx_dst, .iov_len = want},
                                    {.iov_base = ep->rx_hdr, .iov_len = KVW_TCP_HDR_LEN}};
             struct msghdr msg = {.msg_iov = iov, .msg_iovlen = want == ep->rx_left ? 2 : 1};
-            pthread_mutex_lock(&tl->reg_mu);
+            pthread_mutex_lock(&tl->srv.reg_mu);
             if (ep->rx_region->dead) {
-                pthread_mutex_unlock(&tl->reg_mu);
+                pthread_mutex_unlock(&tl->srv.reg_mu);
                 ep_rx_release(tl, ep);
                 ep->rx_state = RX_DISCARD;
                 break;
             }
-            r = recvmsg(ep->fd, &msg, 0);
-            pthread_mutex_unlock(&tl->reg_mu);
-            if (!rx_result(tl, ep, r, want))
+            r = recvmsg(ep->s.fd, &msg, 0);
+            pthread_mutex_unlock(&tl->srv.reg_mu);
+            if (!rx_result(ep, r, want))
                 return;
             budget -= KVW_MIN((size_t)r, budget);
             if ((size_t)r < want) {
@@ -558,8 +411,8 @@ static void ep_rx(tcp_iface_t *tl, tcp_ep_t *ep)
         }
         case RX_DISCARD: {
             size_t want = (size_t)KVW_MIN(ep->rx_left, (uint64_t)sizeof(tl->discard));
-            r = recv(ep->fd, tl->discard, want, 0);
-            if (!rx_result(tl, ep, r, want))
+            r = recv(ep->s.fd, tl->discard, want, 0);
+            if (!rx_result(ep, r, want))
                 return;
             budget -= KVW_MIN((size_t)r, budget);
             ep->rx_left -= (uint64_t)r;
@@ -569,161 +422,102 @@ static void ep_rx(tcp_iface_t *tl, tcp_ep_t *ep)
         }
         case RX_NOTIFY: {
             size_t want = ep->rx_note_len - ep->rx_note_got;
-            r = recv(ep->fd, ep->rx_note + ep->rx_note_got, want, 0);
-            if (!rx_result(tl, ep, r, want))
+            r = recv(ep->s.fd, ep->rx_note + ep->rx_note_got, want, 0);
+            if (!rx_result(ep, r, want))
                 return;
             budget -= KVW_MIN((size_t)r, budget);
             ep->rx_note_got += (size_t)r;
             if (ep->rx_note_got == ep->rx_note_len) {
                 ep->rx_state = RX_HDR;
-                if (!atomic_load(&ep->closing))
-                    tl->cb.on_notify(tl->cb.arg, (kvw_tl_ep_h)(void *)ep, ep->rx_note,
+                if (!atomic_load(&ep->s.closing))
+                    tl->srv.cb.on_notify(tl->srv.cb.arg, (kvw_tl_ep_h)(void *)ep, ep->rx_note,
                                      ep->rx_note_len);
             }
             break;
         }
         default:
-            ep_fail(tl, ep, KVW_ERR_INTERNAL, "bad receive state %d", ep->rx_state);
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_INTERNAL, "bad receive state %d", ep->rx_state);
             return;
         }
     }
 }
 
-/* Receive thread: a connected (sending) endpoint became readable. The receiver sends
- * nothing after HELLO_ACK, so this is the peer closing, or a protocol violation. */
-static void ep_watch(tcp_iface_t *tl, tcp_ep_t *ep)
+/* ---------------------------------------------------------------- socket server hooks */
+
+static kvw__sock_ep_t *srv_accept(kvw__sockserv_t *srv, int fd, const struct sockaddr *sa,
+                                  socklen_t sa_len)
 {
-    uint8_t b;
-    ssize_t r = recv(ep->fd, &b, 1, MSG_DONTWAIT);
-    if (r == 0)
-        ep_fail(tl, ep, KVW_ERR_CONN_CLOSED, "receiver closed the connection");
-    else if (r > 0)
-        ep_fail(tl, ep, KVW_ERR_MALFORMED, "unexpected bytes from the receiver");
-    else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
-        ep_fail(tl, ep, errno == ECONNRESET || errno == EPIPE ? KVW_ERR_CONN_CLOSED : KVW_ERR_IO,
-                "%s", strerror(errno));
+    (void)sa_len;
+    tcp_ep_t *ep = calloc(1, sizeof(*ep));
+    if (ep == NULL)
+        return NULL;
+    set_sock_opts(fd);
+    kvw__sock_ep_init(&ep->s, srv, fd, true);
+    ep->rx_state = RX_HELLO;
+    format_sockaddr(sa, ep->s.hd.peer, sizeof(ep->s.hd.peer));
+    return &ep->s;
 }
 
-/* Receive thread: fails accepted connections that stopped in the middle of a frame
- * (or never said HELLO) for longer than the timeout. */
-static void check_stalls(tcp_iface_t *tl, tcp_ep_t **eps, size_t n)
+static void srv_rx(kvw__sock_ep_t *s)
 {
-    uint64_t now = kvw__now_ns();
-    uint64_t limit = (uint64_t)tl->timeout_ms * 1000000ull;
-    for (size_t i = 0; i < n; i++) {
-        tcp_ep_t *ep = eps[i];
-        if (!ep->accepted || ep->reported || atomic_load(&ep->closing))
-            continue;
-        bool idle = ep->rx_state == RX_HDR && ep->rx_hdr_got == 0;
-        if (!idle && now - ep->rx_last_ns > limit)
-            ep_fail(tl, ep, KVW_ERR_TIMEOUT, "peer stalled %s for more than %u ms",
-                    ep->rx_state == RX_HELLO ? "before HELLO" : "in the middle of a frame",
-                    tl->timeout_ms);
-    }
+    tcp_ep_t *ep = sock_to_ep(s);
+    ep_rx(ep_iface(ep), ep);
 }
 
-static void *rx_thread(void *arg)
+/* Accepted connections that stopped in the middle of a frame (or never said HELLO). */
+static void srv_stalled(kvw__sock_ep_t *s)
 {
-    tcp_iface_t *tl = arg;
-    struct pollfd *pfds = NULL;
-    tcp_ep_t **peps = NULL;
-    size_t cap = 0, n = 0;
-    bool rebuild = true;
-    uint64_t listen_pause_until = 0;
-
-    while (!atomic_load(&tl->closed)) {
-        if (rebuild) {
-            pthread_mutex_lock(&tl->mu);
-            size_t count = 2;
-            for (tcp_ep_t *ep = tl->eps; ep; ep = ep->next)
-                count += ep->polled;
-            if (count > cap) {
-                size_t ncap = KVW_MAX(count, 2 * cap);
-                struct pollfd *np = realloc(pfds, ncap * sizeof(*np));
-                if (np)
-                    pfds = np;
-                tcp_ep_t **ne = realloc(peps, ncap * sizeof(*ne));
-                if (ne)
-                    peps = ne;
-                if (np && ne)
-                    cap = ncap;
-            }
-            n = 2;
-            for (tcp_ep_t *ep = tl->eps; ep && n < cap; ep = ep->next) {
-                if (!ep->polled)
-                    continue;
-                pfds[n] = (struct pollfd){.fd = ep->fd, .events = POLLIN | POLLRDHUP};
-                peps[n++] = ep;
-            }
-            tl->eps_changed = false;
-            pthread_mutex_unlock(&tl->mu);
-            if (cap < 2) { /* no memory even for the fixed entries: wait and retry */
-                usleep(10000);
-                continue;
-            }
-        }
-        pfds[0] = (struct pollfd){.fd = tl->wake_fd, .events = POLLIN};
-        bool listen_on = kvw__now_ns() >= listen_pause_until;
-        pfds[1] = (struct pollfd){.fd = listen_on ? tl->listen_fd : -1, .events = POLLIN};
-
-        int r = poll(pfds, (nfds_t)n, TCP_POLL_MS);
-        if (r < 0 && errno != EINTR)
-            usleep(1000); /* ENOMEM: back off instead of spinning */
-        if (r > 0) {
-            if (pfds[0].revents)
-                kvw__tl_wake_drain(tl->wake_fd);
-            if (pfds[1].revents)
-                accept_all(tl, &listen_pause_until);
-            for (size_t i = 2; i < n; i++) {
-                tcp_ep_t *ep = peps[i];
-                if (pfds[i].revents == 0 || ep->reported || atomic_load(&ep->closing))
-                    continue;
-                if (ep->accepted)
-                    ep_rx(tl, ep);
-                else
-                    ep_watch(tl, ep);
-            }
-        }
-        check_stalls(tl, peps + 2, n - 2);
-        reap(tl);
-        pthread_mutex_lock(&tl->mu);
-        rebuild = tl->eps_changed;
-        pthread_mutex_unlock(&tl->mu);
-    }
-    free(pfds);
-    free(peps);
-    return NULL;
+    tcp_ep_t *ep = sock_to_ep(s);
+    if (ep->rx_state == RX_HDR && ep->rx_hdr_got == 0)
+        return; /* idle between frames */
+    kvw__sock_ep_fail(&ep->s, KVW_ERR_TIMEOUT, "peer stalled %s for more than %u ms",
+                      ep->rx_state == RX_HELLO ? "before HELLO" : "in the middle of a frame",
+                      ep_iface(ep)->srv.timeout_ms);
 }
+
+static void srv_failed(kvw__sock_ep_t *s)
+{
+    tcp_ep_t *ep = sock_to_ep(s);
+    ep_rx_release(ep_iface(ep), ep);
+    if (!ep->s.hd.accepted)
+        shutdown(ep->s.fd, SHUT_RDWR); /* wakes a sender blocked on this socket */
+}
+
+static void srv_ep_free(kvw__sock_ep_t *s)
+{
+    tcp_ep_t *ep = sock_to_ep(s);
+    ep_rx_release(ep_iface(ep), ep);
+    free(ep->tx_hdrs);
+    free(ep->tx_iov);
+    free(ep->rx_note);
+    free(ep);
+}
+
+static void srv_rkey_free(kvw__tl_rkey_t *rk)
+{
+    free(rk);
+}
+
+static const kvw__sockserv_ops_t tcp_srv_ops = {
+    .name = "tcp",
+    .max_conns = TCP_MAX_CONNS,
+    .unexpected = "unexpected bytes from the receiver",
+    .accept = srv_accept,
+    .rx = srv_rx,
+    .stalled = srv_stalled,
+    .failed = srv_failed,
+    .ep_free = srv_ep_free,
+    .rkey_free = srv_rkey_free,
+};
 
 /* ---------------------------------------------------------------- ops */
 
-static void tcp_fini(kvw_tl_h tl_h);
-
 static kvw_status_t tcp_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
 {
-    if (params == NULL || tl_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp init: params or tl_p is NULL");
-    if (params->cb.on_notify == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp init: callbacks.on_notify is required");
-    tcp_iface_t *tl = calloc(1, sizeof(*tl));
-    if (tl == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "tcp init: no memory");
     kvw_status_t st;
-    tl->cb = params->cb;
-    tl->timeout_ms = kvw__tl_timeout_ms(params);
-    tl->listen_fd = -1;
-    atomic_init(&tl->closed, false);
-    pthread_mutex_init(&tl->mu, NULL);
-    pthread_mutex_init(&tl->reg_mu, NULL);
-    do
-        kvw__tl_random(&tl->token, sizeof(tl->token));
-    while (tl->token == 0);
-
-    tl->wake_fd = kvw__tl_wake_open();
-    if (tl->wake_fd < 0) {
-        st = kvw__error(KVW_ERR_IO, "tcp init: eventfd: %m");
-        goto err_free;
-    }
+    tcp_iface_t *tl = kvw__sockserv_new(&tcp_srv_ops, params, tl_p, sizeof(*tl), &st);
+    if (tl == NULL)
+        return st;
 
     const char *host = params->listen_host ? params->listen_host : "127.0.0.1";
     char port[8];
@@ -736,10 +530,10 @@ static kvw_status_t tcp_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
     if (gai != 0) {
         st = kvw__error(KVW_ERR_INVALID_PARAM, "tcp init: cannot resolve listen host '%s': %s",
                         host, gai_strerror(gai));
-        goto err_close_wake;
+        goto err_delete;
     }
     int last_errno = 0;
-    for (struct addrinfo *ai = res; ai && tl->listen_fd < 0; ai = ai->ai_next) {
+    for (struct addrinfo *ai = res; ai && tl->srv.listen_fd < 0; ai = ai->ai_next) {
         if (ai->ai_family != AF_INET && ai->ai_family != AF_INET6)
             continue;
         int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -756,52 +550,37 @@ static kvw_status_t tcp_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
             close(fd);
             continue;
         }
-        tl->listen_fd = fd;
+        tl->srv.listen_fd = fd;
     }
     freeaddrinfo(res);
-    if (tl->listen_fd < 0) {
+    if (tl->srv.listen_fd < 0) {
         errno = last_errno;
         st = kvw__error(KVW_ERR_IO, "tcp init: cannot listen on %s port %u: %m", host,
                         (unsigned)params->listen_port);
-        goto err_close_wake;
+        goto err_delete;
     }
     socklen_t sl = sizeof(tl->listen_addr);
-    if (getsockname(tl->listen_fd, (struct sockaddr *)&tl->listen_addr, &sl) != 0) {
+    if (getsockname(tl->srv.listen_fd, (struct sockaddr *)&tl->listen_addr, &sl) != 0) {
         st = kvw__error(KVW_ERR_IO, "tcp init: getsockname: %m");
-        goto err_close_listen;
+        goto err_delete;
     }
-    int err = pthread_create(&tl->thread, NULL, rx_thread, tl);
-    if (err != 0) {
-        errno = err;
-        st = kvw__error(KVW_ERR_INTERNAL, "tcp init: cannot start the receive thread: %m");
-        goto err_close_listen;
-    }
-    tl->thread_started = true;
+    if ((st = kvw__sockserv_start(&tl->srv)) != KVW_OK)
+        goto err_delete;
     *tl_p = (kvw_tl_h)(void *)tl;
     return KVW_OK;
 
-err_close_listen:
-    close(tl->listen_fd);
-err_close_wake:
-    if (tl->wake_fd >= 0)
-        close(tl->wake_fd);
-err_free:
-    pthread_mutex_destroy(&tl->mu);
-    pthread_mutex_destroy(&tl->reg_mu);
-    free(tl);
+err_delete:
+    kvw__sockserv_delete(&tl->srv);
     return st;
 }
 
 static kvw_status_t tcp_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
 {
     tcp_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL || buf == NULL || len_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp address: NULL argument");
-    if (*len_p < KVW_TCP_ADDR_LEN)
-        return kvw__error(KVW_ERR_BUFFER_TOO_SMALL,
-                          "tcp address: needs %u bytes, buffer has %zu", KVW_TCP_ADDR_LEN,
-                          *len_p);
-    kvw_tcp_addr_t a = {.token = tl->token};
+    kvw_status_t st = kvw__tl_check_address("tcp", tl, buf, len_p, KVW_TCP_ADDR_LEN);
+    if (st != KVW_OK)
+        return st;
+    kvw_tcp_addr_t a = {.token = tl->srv.token};
     int v6 = tl->listen_addr.ss_family == AF_INET6;
     if (v6) {
         const struct sockaddr_in6 *in6 = (const struct sockaddr_in6 *)(const void *)&tl->listen_addr;
@@ -822,18 +601,10 @@ static kvw_status_t tcp_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
                                 size_t *rkey_len_p)
 {
     tcp_iface_t *tl = to_iface(tl_h);
-    uint64_t end;
-    if (tl == NULL || mem_p == NULL || rkey_buf == NULL || rkey_len_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp mem_reg: NULL argument");
-    if (kind != KVW_MEM_HOST)
-        return kvw__error(KVW_ERR_UNSUPPORTED,
-                          "tcp mem_reg: region %llu: only host memory can be registered "
-                          "(memory kind %d)",
-                          (unsigned long long)region_id, (int)kind);
-    if ((addr == NULL && len > 0) || !kvw__add_u64((uint64_t)(uintptr_t)addr, len, &end))
-        return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "tcp mem_reg: region %llu: bad range %p + %llu bytes",
-                          (unsigned long long)region_id, addr, (unsigned long long)len);
+    kvw_status_t st = kvw__tl_check_mem_reg("tcp", tl, addr, len, kind, region_id, mem_p,
+                                            rkey_buf, rkey_len_p);
+    if (st != KVW_OK)
+        return st;
     tcp_region_t *r = calloc(1, sizeof(*r));
     if (r == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "tcp mem_reg: no memory");
@@ -841,9 +612,9 @@ static kvw_status_t tcp_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     r->addr = addr;
     r->len = len;
     r->refs = 1;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     if (region_find(tl, region_id)) {
-        pthread_mutex_unlock(&tl->reg_mu);
+        pthread_mutex_unlock(&tl->srv.reg_mu);
         free(r);
         return kvw__error(KVW_ERR_INVALID_PARAM, "tcp mem_reg: region id %llu is already registered",
                           (unsigned long long)region_id);
@@ -851,14 +622,14 @@ static kvw_status_t tcp_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     size_t b = region_bucket(region_id);
     r->next = tl->buckets[b];
     tl->buckets[b] = r;
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
 
     uint8_t *p = rkey_buf;
     kvw__le32_put(p, KVW_TCP_RKEY_MAGIC);
     p[4] = KVW_TCP_VERSION;
     p[5] = KVW_TCP_RKEY_KIND;
     kvw__le16_put(p + 6, 0);
-    kvw__le64_put(p + 8, tl->token);
+    kvw__le64_put(p + 8, tl->srv.token);
     kvw__le64_put(p + 16, region_id);
     kvw__le64_put(p + 24, len);
     *rkey_len_p = KVW_TCP_RKEY_LEN;
@@ -872,7 +643,7 @@ static void tcp_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
     tcp_region_t *r = (tcp_region_t *)(void *)mem;
     if (tl == NULL || r == NULL)
         return;
-    pthread_mutex_lock(&tl->reg_mu);
+    pthread_mutex_lock(&tl->srv.reg_mu);
     tcp_region_t **pp = &tl->buckets[region_bucket(r->id)];
     while (*pp && *pp != r)
         pp = &(*pp)->next;
@@ -881,7 +652,7 @@ static void tcp_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
         r->dead = true;
         region_unref(r);
     }
-    pthread_mutex_unlock(&tl->reg_mu);
+    pthread_mutex_unlock(&tl->srv.reg_mu);
 }
 
 static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw_tl_ep_h *ep_p)
@@ -890,7 +661,7 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     kvw_tcp_addr_t a;
     if (tl == NULL || ep_p == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "tcp connect: NULL argument");
-    if (atomic_load(&tl->closed))
+    if (atomic_load(&tl->srv.closed))
         return kvw__error(KVW_ERR_SHUTDOWN, "tcp connect: the transport is closed");
     if (kvw_tcp_addr_decode(addr, len, &a) != 0)
         return kvw__error(KVW_ERR_INVALID_PARAM,
@@ -926,7 +697,7 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
                             "tcp connect to %s: %m", peer);
             goto err_close_socket;
         }
-        st = kvw__tl_wait_fd(fd, POLLOUT, tl->timeout_ms, "tcp connect");
+        st = kvw__tl_wait_fd(fd, POLLOUT, tl->srv.timeout_ms, "tcp connect");
         if (st != KVW_OK)
             goto err_close_socket;
         int soerr = 0;
@@ -943,11 +714,11 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     uint8_t hello[KVW_TCP_HDR_LEN];
     kvw_tcp_hdr_encode(hello, KVW_TCP_HELLO, a.token, 0, 0, 0);
     struct iovec iov = {.iov_base = hello, .iov_len = sizeof(hello)};
-    st = kvw__tl_send_iov(fd, &iov, 1, tl->timeout_ms, "tcp connect: HELLO");
+    st = kvw__tl_send_iov(fd, &iov, 1, tl->srv.timeout_ms, "tcp connect: HELLO");
     if (st != KVW_OK)
         goto err_close_socket;
     uint8_t ack[KVW_TCP_ACK_LEN];
-    st = kvw__tl_recv_exact(fd, ack, sizeof(ack), tl->timeout_ms, "tcp connect: HELLO_ACK");
+    st = kvw__tl_recv_exact(fd, ack, sizeof(ack), tl->srv.timeout_ms, "tcp connect: HELLO_ACK");
     if (st == KVW_ERR_CONN_CLOSED)
         st = kvw__error(KVW_ERR_REJECTED,
                         "tcp connect to %s: the receiver closed the connection during the "
@@ -975,17 +746,10 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
         st = kvw__error(KVW_ERR_NO_MEMORY, "tcp connect: no memory");
         goto err_close_socket;
     }
-    ep->tl = tl;
-    ep->fd = fd;
-    ep->peer_token = a.token;
-    atomic_init(&ep->dead, false);
-    atomic_init(&ep->closing, false);
-    pthread_mutex_init(&ep->tx_mu, NULL);
-    snprintf(ep->peer, sizeof(ep->peer), "%s", peer);
-    pthread_mutex_lock(&tl->mu);
-    ep_link(tl, ep);
-    pthread_mutex_unlock(&tl->mu);
-    kvw__tl_wake(tl->wake_fd);
+    kvw__sock_ep_init(&ep->s, &tl->srv, fd, false);
+    ep->s.hd.peer_token = a.token;
+    snprintf(ep->s.hd.peer, sizeof(ep->s.hd.peer), "%s", peer);
+    kvw__sock_ep_add(&ep->s);
     *ep_p = (kvw_tl_ep_h)(void *)ep;
     return KVW_OK;
 
@@ -999,35 +763,24 @@ static kvw_status_t tcp_rkey_unpack(kvw_tl_ep_h ep_h, const void *buf, size_t le
 {
     tcp_ep_t *ep = to_ep(ep_h);
     const uint8_t *p = buf;
-    if (ep == NULL || buf == NULL || rkey_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp rkey_unpack: NULL argument");
-    if (ep->accepted)
-        return kvw__error(KVW_ERR_UNSUPPORTED,
-                          "tcp rkey_unpack: accepted endpoints only receive");
+    kvw_status_t st = kvw__tl_check_unpack("tcp", ep ? &ep->s.hd : NULL, buf, rkey_p);
+    if (st != KVW_OK)
+        return st;
     if (len != KVW_TCP_RKEY_LEN || kvw__le32_get(p) != KVW_TCP_RKEY_MAGIC ||
         p[4] != KVW_TCP_VERSION || p[5] != KVW_TCP_RKEY_KIND || kvw__le16_get(p + 6) != 0)
         return kvw__error(KVW_ERR_INVALID_PARAM,
                           "tcp rkey_unpack: %zu bytes are not a tcp remote key of version %u",
                           len, KVW_TCP_VERSION);
-    uint64_t token = kvw__le64_get(p + 8);
-    if (token != ep->peer_token)
-        return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "tcp rkey_unpack: the key was packed by receiver %016llx, but this "
-                          "endpoint leads to receiver %016llx",
-                          (unsigned long long)token, (unsigned long long)ep->peer_token);
+    if ((st = kvw__tl_check_key_token(&ep->s.hd, kvw__le64_get(p + 8))) != KVW_OK)
+        return st;
     tcp_rkey_t *rk = calloc(1, sizeof(*rk));
     if (rk == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "tcp rkey_unpack: no memory");
-    rk->tl = ep->tl;
-    rk->ep = ep;
-    rk->region_id = kvw__le64_get(p + 16);
-    rk->len = kvw__le64_get(p + 24);
-    pthread_mutex_lock(&ep->tl->mu);
-    rk->next = ep->tl->rkeys;
-    if (rk->next)
-        rk->next->prev = rk;
-    ep->tl->rkeys = rk;
-    pthread_mutex_unlock(&ep->tl->mu);
+    rk->tl = ep_iface(ep);
+    rk->hd.ep = &ep->s.hd;
+    rk->hd.region_id = kvw__le64_get(p + 16);
+    rk->hd.len = kvw__le64_get(p + 24);
+    kvw__tl_rkey_link(&rk->tl->srv.mu, &rk->tl->srv.rkeys, &rk->hd);
     *rkey_p = (kvw_tl_rkey_h)(void *)rk;
     return KVW_OK;
 }
@@ -1037,41 +790,28 @@ static void tcp_rkey_release(kvw_tl_rkey_h rkey)
     tcp_rkey_t *rk = (tcp_rkey_t *)(void *)rkey;
     if (rk == NULL)
         return;
-    tcp_iface_t *tl = rk->tl;
-    pthread_mutex_lock(&tl->mu);
-    if (rk->prev)
-        rk->prev->next = rk->next;
-    else
-        tl->rkeys = rk->next;
-    if (rk->next)
-        rk->next->prev = rk->prev;
-    pthread_mutex_unlock(&tl->mu);
+    kvw__tl_rkey_unlink(&rk->tl->srv.mu, &rk->tl->srv.rkeys, &rk->hd);
     free(rk);
 }
 
 static kvw_status_t check_sendable(tcp_ep_t *ep, const char *what)
 {
-    if (ep == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp %s: endpoint is NULL", what);
-    if (ep->accepted)
-        return kvw__error(KVW_ERR_UNSUPPORTED, "tcp %s: accepted endpoints only receive",
-                          what);
-    if (atomic_load(&ep->tl->closed))
-        return kvw__error(KVW_ERR_SHUTDOWN, "tcp %s: the transport is closed", what);
-    if (atomic_load(&ep->dead))
-        return kvw__error(KVW_ERR_CONN_CLOSED, "tcp %s: the connection to %s has failed", what,
-                          ep->peer);
-    return KVW_OK;
+    kvw_status_t st = kvw__sock_check_sendable("tcp", ep ? &ep->s : NULL, what);
+    if (st == KVW_OK && atomic_load(&ep->s.dead))
+        st = kvw__error(KVW_ERR_CONN_CLOSED, "tcp %s: the connection to %s has failed", what,
+                        ep->s.hd.peer);
+    return st;
 }
+
 
 /* tx_mu held. Sends iov; on failure the stream may hold half a frame, so the
  * connection is marked dead and shut down (the receiver then drops it too). */
 static kvw_status_t ep_send(tcp_ep_t *ep, struct iovec *iov, size_t cnt, const char *what)
 {
-    kvw_status_t st = kvw__tl_send_iov(ep->fd, iov, cnt, ep->tl->timeout_ms, what);
+    kvw_status_t st = kvw__tl_send_iov(ep->s.fd, iov, cnt, ep_iface(ep)->srv.timeout_ms, what);
     if (st != KVW_OK) {
-        atomic_store(&ep->dead, true);
-        shutdown(ep->fd, SHUT_RDWR);
+        atomic_store(&ep->s.dead, true);
+        shutdown(ep->s.fd, SHUT_RDWR);
     }
     return st;
 }
@@ -1082,27 +822,10 @@ static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
     kvw_status_t st = check_sendable(ep, "put");
     if (st != KVW_OK)
         return st;
-    if (n > 0 && puts == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp put: puts is NULL");
     /* Check every write before sending any, so a bad batch moves nothing. */
-    for (size_t i = 0; i < n; i++) {
-        const tcp_rkey_t *rk = (const tcp_rkey_t *)(const void *)puts[i].rkey;
-        if (rk == NULL || rk->ep != ep)
-            return kvw__error(KVW_ERR_INVALID_PARAM,
-                              "tcp put %zu of %zu: the rkey is NULL or was unpacked on another "
-                              "endpoint",
-                              i, n);
-        if (puts[i].dst_off > rk->len || puts[i].len > rk->len - puts[i].dst_off)
-            return kvw__error(KVW_ERR_OUT_OF_RANGE,
-                              "tcp put %zu of %zu: offset %llu + %llu bytes is outside remote "
-                              "region %llu of %llu bytes",
-                              i, n, (unsigned long long)puts[i].dst_off,
-                              (unsigned long long)puts[i].len, (unsigned long long)rk->region_id,
-                              (unsigned long long)rk->len);
-        if (puts[i].src == NULL && puts[i].len > 0)
-            return kvw__error(KVW_ERR_INVALID_PARAM, "tcp put %zu of %zu: src is NULL", i, n);
-    }
-    pthread_mutex_lock(&ep->tx_mu);
+    if ((st = kvw__tl_check_puts(&ep->s.hd, puts, n)) != KVW_OK)
+        return st;
+    pthread_mutex_lock(&ep->s.tx_mu);
     st = check_sendable(ep, "put");
     size_t i = 0;
     while (st == KVW_OK && i < n) {
@@ -1112,7 +835,7 @@ static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
             if (puts[i].len == 0)
                 continue;
             uint8_t *h = ep->tx_hdrs + frames * KVW_TCP_HDR_LEN;
-            kvw_tcp_hdr_encode(h, KVW_TCP_PUT, room, rk->region_id, puts[i].dst_off,
+            kvw_tcp_hdr_encode(h, KVW_TCP_PUT, room, rk->hd.region_id, puts[i].dst_off,
                                puts[i].len);
             ep->tx_iov[cnt++] = (struct iovec){.iov_base = h, .iov_len = KVW_TCP_HDR_LEN};
             ep->tx_iov[cnt++] =
@@ -1122,7 +845,7 @@ static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
         if (cnt > 0)
             st = ep_send(ep, ep->tx_iov, cnt, "tcp put");
     }
-    pthread_mutex_unlock(&ep->tx_mu);
+    pthread_mutex_unlock(&ep->s.tx_mu);
     return st;
 }
 
@@ -1132,61 +855,18 @@ static kvw_status_t tcp_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
     kvw_status_t st = check_sendable(ep, "notify");
     if (st != KVW_OK)
         return st;
-    if (len > KVW_TL_MAX_NOTIFY || (msg == NULL && len > 0))
-        return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "tcp notify: %zu bytes (limit %u), msg %p", len, KVW_TL_MAX_NOTIFY,
-                          msg);
+    if ((st = kvw__tl_check_notify(&ep->s.hd, msg, len)) != KVW_OK)
+        return st;
     uint8_t h[KVW_TCP_HDR_LEN];
     kvw_tcp_hdr_encode(h, KVW_TCP_NOTIFY, 0, 0, 0, len);
     struct iovec iov[2] = {{.iov_base = h, .iov_len = sizeof(h)},
                            {.iov_base = (void *)msg, .iov_len = len}};
-    pthread_mutex_lock(&ep->tx_mu);
+    pthread_mutex_lock(&ep->s.tx_mu);
     st = check_sendable(ep, "notify");
     if (st == KVW_OK)
         st = ep_send(ep, iov, len > 0 ? 2 : 1, "tcp notify");
-    pthread_mutex_unlock(&ep->tx_mu);
+    pthread_mutex_unlock(&ep->s.tx_mu);
     return st;
-}
-
-static int tcp_progress(kvw_tl_h tl)
-{
-    (void)tl;
-    return 0; /* the receive thread does all the work */
-}
-
-static void tcp_ep_close(kvw_tl_ep_h ep_h)
-{
-    tcp_ep_t *ep = to_ep(ep_h);
-    if (ep == NULL)
-        return;
-    tcp_iface_t *tl = ep->tl;
-    pthread_mutex_lock(&tl->mu);
-    atomic_store(&ep->closing, true);
-    ep->polled = false;
-    tl->eps_changed = true;
-    pthread_mutex_unlock(&tl->mu);
-    kvw__tl_wake(tl->wake_fd);
-}
-
-static void tcp_close(kvw_tl_h tl_h)
-{
-    tcp_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL)
-        return;
-    atomic_store(&tl->closed, true);
-    kvw__tl_wake(tl->wake_fd);
-}
-
-static void tcp_stop(kvw_tl_h tl_h)
-{
-    tcp_iface_t *tl = to_iface(tl_h);
-    if (tl == NULL)
-        return;
-    tcp_close(tl_h);
-    if (tl->thread_started) {
-        pthread_join(tl->thread, NULL);
-        tl->thread_started = false;
-    }
 }
 
 static void tcp_fini(kvw_tl_h tl_h)
@@ -1194,21 +874,7 @@ static void tcp_fini(kvw_tl_h tl_h)
     tcp_iface_t *tl = to_iface(tl_h);
     if (tl == NULL)
         return;
-    tcp_stop(tl_h);
-    while (tl->eps) {
-        tcp_ep_t *ep = tl->eps;
-        tl->eps = ep->next;
-        if (ep->rx_region) {
-            region_unref(ep->rx_region);
-            ep->rx_region = NULL;
-        }
-        ep_free(ep);
-    }
-    while (tl->rkeys) {
-        tcp_rkey_t *rk = tl->rkeys;
-        tl->rkeys = rk->next;
-        free(rk);
-    }
+    kvw__sockserv_fini(&tl->srv);
     for (size_t b = 0; b < TCP_REGION_BUCKETS; b++) {
         while (tl->buckets[b]) {
             tcp_region_t *r = tl->buckets[b];
@@ -1216,11 +882,7 @@ static void tcp_fini(kvw_tl_h tl_h)
             free(r);
         }
     }
-    close(tl->listen_fd);
-    close(tl->wake_fd);
-    pthread_mutex_destroy(&tl->mu);
-    pthread_mutex_destroy(&tl->reg_mu);
-    free(tl);
+    kvw__sockserv_delete(&tl->srv);
 }
 
 const kvw_tl_ops_t kvw_tl_tcp_ops = {
@@ -1234,10 +896,10 @@ const kvw_tl_ops_t kvw_tl_tcp_ops = {
     .rkey_release = tcp_rkey_release,
     .put = tcp_put,
     .notify = tcp_notify,
-    .progress = tcp_progress,
-    .ep_close = tcp_ep_close,
-    .close = tcp_close,
-    .stop = tcp_stop,
+    .progress = kvw__sockserv_progress,
+    .ep_close = kvw__sockserv_ep_close,
+    .close = kvw__sockserv_close,
+    .stop = kvw__sockserv_stop,
     .fini = tcp_fini,
     .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_OWN_THREAD,
 };

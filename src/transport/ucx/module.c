@@ -1,7 +1,7 @@
 /*
  * The module side of libkvwire-ucx.so (see transport/tl_module.h): the entry point, and
- * the core services that ucx.c and tl_util.c call, forwarded to the library that
- * loaded the module. Nothing else of the core is linked in.
+ * the core services that ucx_*.c, tl_base.c and tl_util.c call, forwarded to the
+ * library that loaded the module. Nothing else of the core is linked in.
  */
 #include "transport/tl_module.h"
 

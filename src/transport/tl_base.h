@@ -1,0 +1,80 @@
+/*
+ * What every transport does the same way, done once: the head of an endpoint and of an
+ * unpacked remote key, the list of live keys, and the argument checks of put, notify,
+ * mem_reg and rkey_unpack (a put is checked against the remote region of its key before
+ * any byte moves). The messages name the transport ("tcp put 3 of 8: ...").
+ *
+ * A transport puts kvw__tl_ep_t first in its endpoint and kvw__tl_rkey_t first in its
+ * unpacked key, so that a handle converts to either.
+ */
+#ifndef KVW_TRANSPORT_TL_BASE_H
+#define KVW_TRANSPORT_TL_BASE_H
+
+#include "transport/transport.h"
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+/* The head of an endpoint. */
+typedef struct kvw__tl_ep {
+    const char *tl_name;       /* the transport's name: prefix of every message */
+    const atomic_bool *closed; /* the instance's "closed" flag (close() was called) */
+    bool accepted;             /* accepted endpoints only receive */
+    uint64_t peer_token;       /* connected: the receiving instance's token */
+    char peer[64];             /* the peer, for messages */
+} kvw__tl_ep_t;
+
+/* The head of an unpacked remote key. */
+typedef struct kvw__tl_rkey {
+    const kvw__tl_ep_t *ep; /* the endpoint it was unpacked on */
+    uint64_t region_id, len;
+    struct kvw__tl_rkey *prev, *next; /* the instance's list of live keys */
+} kvw__tl_rkey_t;
+
+void kvw__tl_ep_init(kvw__tl_ep_t *ep, const char *tl_name, const atomic_bool *closed,
+                     bool accepted);
+
+/* The first checks of put and notify: an endpoint that is not NULL, connected (not
+ * accepted), on an instance that is not closed. INVALID_PARAM, UNSUPPORTED, SHUTDOWN. */
+kvw_status_t kvw__tl_check_sendable(const char *tl_name, const kvw__tl_ep_t *ep,
+                                    const char *what);
+
+/* Checks every write of a put before any moves: a key unpacked on `ep`, a range inside
+ * its remote region (OUT_OF_RANGE), a source. INVALID_PARAM, OUT_OF_RANGE. */
+kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts, size_t n);
+
+/* A notification's size and buffer. INVALID_PARAM. */
+kvw_status_t kvw__tl_check_notify(const kvw__tl_ep_t *ep, const void *msg, size_t len);
+
+/* address's arguments: an instance, and a buffer of at least `need` bytes.
+ * INVALID_PARAM, BUFFER_TOO_SMALL. */
+kvw_status_t kvw__tl_check_address(const char *tl_name, const void *tl, const void *buf,
+                                   const size_t *len_p, size_t need);
+
+/* mem_reg's arguments, for transports that register host memory only. INVALID_PARAM,
+ * UNSUPPORTED. */
+kvw_status_t kvw__tl_check_mem_reg(const char *tl_name, const void *tl, const void *addr,
+                                   uint64_t len, kvw_mem_kind_t kind, uint64_t region_id,
+                                   const void *mem_p, const void *rkey_buf,
+                                   const void *rkey_len_p);
+
+/* rkey_unpack's arguments: a connected endpoint, a key, an output. INVALID_PARAM,
+ * UNSUPPORTED. */
+kvw_status_t kvw__tl_check_unpack(const char *tl_name, const kvw__tl_ep_t *ep, const void *buf,
+                                  const void *rkey_p);
+
+/* A key must come from the receiver behind ep (its token). INVALID_PARAM. */
+kvw_status_t kvw__tl_check_key_token(const kvw__tl_ep_t *ep, uint64_t token);
+
+/* Writes the reason an endpoint failed, as on_ep_error reports it, into buf:
+ * "<tl> connection from|to <peer>: " and then the formatted text. */
+void kvw__tl_format_reason(const kvw__tl_ep_t *ep, char *buf, size_t cap, const char *fmt,
+                           va_list ap) KVW_PRINTF(4, 0);
+
+/* Adds a key (its head filled in) to, and removes it from, an instance's list, under mu. */
+void kvw__tl_rkey_link(pthread_mutex_t *mu, kvw__tl_rkey_t **head, kvw__tl_rkey_t *rk);
+void kvw__tl_rkey_unlink(pthread_mutex_t *mu, kvw__tl_rkey_t **head, kvw__tl_rkey_t *rk);
+
+#endif
