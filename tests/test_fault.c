@@ -819,7 +819,8 @@ int main(int argc, char **argv)
          * time is up; contexts come and go, so memory must stay flat. */
         kvt_rng_t rng = {seed * 7919 + 1};
         uint64_t t_end = now_ms() + (uint64_t)(soak_s * 1000);
-        uint32_t runs = 0;
+        uint32_t runs = 0, nquiet = 0, cap_quiet = 0;
+        long *quiet = NULL; /* RSS between runs, when no context of this process lives */
         while (now_ms() < t_end) {
             const profile_t *pf = &profiles[kvt_rng_below(&rng, ARRAY_N(profiles))];
             if (!profile_selected(plist, pf->name))
@@ -828,8 +829,26 @@ int main(int argc, char **argv)
                         kvt_rng_next(&rng), insts, &tot);
             if (++runs == 2)
                 rss_warm = rss_kb();
+            if (nquiet == cap_quiet) {
+                long *n = realloc(quiet, sizeof(*n) * (cap_quiet = cap_quiet ? cap_quiet * 2 : 64));
+                if (n == NULL)
+                    break;
+                quiet = n;
+            }
+            quiet[nquiet++] = rss_kb();
         }
         long rss1 = rss_kb();
+        /* Growth between quiet points: the lowest of the second quarter of the runs
+         * (after warm-up) against the lowest of the last quarter. */
+        long qwarm = -1, qend = -1;
+        if (nquiet >= 4) {
+            uint32_t q = nquiet / 4;
+            for (uint32_t i = q; i < 2 * q; i++)
+                qwarm = qwarm < 0 || quiet[i] < qwarm ? quiet[i] : qwarm;
+            for (uint32_t i = nquiet - q; i < nquiet; i++)
+                qend = qend < 0 || quiet[i] < qend ? quiet[i] : qend;
+        }
+        free(quiet);
         print_totals("test_fault soak:", &tot);
         say("SOAK rooms=%llu succeeded=%llu failed=%llu lost=%llu corrupted=%llu "
             "xfail_corrupted=%llu stray=%llu no_reason=%llu put_calls=%llu faults=",
@@ -841,8 +860,9 @@ int main(int argc, char **argv)
         uint64_t nf = 0;
         for (int i = KVW_FAULT_DELAY; i < KVW_FAULT_NUM_KINDS; i++)
             nf += tot.faults[i];
-        say("%llu rss_kb_start=%ld rss_kb_warm=%ld rss_kb_end=%ld bad=%d\n",
-            (unsigned long long)nf, rss0, rss_warm, rss1, g_bad);
+        say("%llu rss_kb_start=%ld rss_kb_warm=%ld rss_kb_end=%ld quiet_runs=%u "
+            "rss_quiet_warm=%ld rss_quiet_end=%ld bad=%d\n",
+            (unsigned long long)nf, rss0, rss_warm, rss1, nquiet, qwarm, qend, g_bad);
     } else {
         for (uint32_t i = 0; i < ntl; i++) {
             say("transport %s:\n", tls[i]);
