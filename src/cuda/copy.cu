@@ -421,6 +421,49 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
     return KVW_OK;
 }
 
+/* Gives an idle slot a pinned image and a device plan buffer of exactly `cap` bytes. */
+static kvw_status_t kvwc_slot_alloc(kvwc_slot *o, uint64_t cap)
+{
+    if (o->host)
+        cudaFreeHost(o->host);
+    if (o->dmem)
+        cudaFree(o->dmem);
+    o->host = NULL;
+    o->dmem = NULL;
+    o->cap = 0;
+    cudaError_t e;
+    if ((e = cudaHostAlloc(&o->host, cap, cudaHostAllocDefault)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
+    if ((e = cudaMalloc(&o->dmem, cap)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaMalloc for device plans");
+    o->cap = cap;
+    return KVW_OK;
+}
+
+/* The capacity a slot grows to for a plan of `size` bytes: doubling, 1 MiB at least. */
+static uint64_t kvwc_grown(uint64_t cap, uint64_t size)
+{
+    uint64_t c = size > 2 * cap ? size : 2 * cap;
+    return c < (1u << 20) ? (1u << 20) : c;
+}
+
+/* Lays the plan out into slot s for device plan p and enqueues, on the executor's
+ * stream, the slot's first event and the upload of the image. */
+static kvw_status_t kvwc_slot_upload(kvwc_exec *x, kvwc_slot *s, const kvwc_plan_in_t *in,
+                                     const kvwc_layout_t *L, kvwc_plan *p)
+{
+    p->device = x->device;
+    p->grid = x->grid;
+    kvwc_fill(in, L, (uint64_t)(uintptr_t)s->dmem, s->host, p);
+    cudaError_t e;
+    if ((e = cudaEventRecord(s->ev[0], x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaEventRecord");
+    if ((e = cudaMemcpyAsync(s->dmem, s->host, L->size, cudaMemcpyHostToDevice, x->stream)) !=
+        cudaSuccess)
+        return kvwc_cuda_error(e, "cudaMemcpyAsync uploading a device plan");
+    return KVW_OK;
+}
+
 kvw_status_t kvwc_exec_launch(kvwc_exec_h x, const kvwc_plan_in_t *in, int *slot_p,
                               kvwc_step_prof_t *prof)
 {
@@ -443,41 +486,17 @@ kvw_status_t kvwc_exec_launch(kvwc_exec_h x, const kvwc_plan_in_t *in, int *slot
          * idle slot with it: cudaFree and cudaFreeHost synchronise the whole device, so
          * this must happen once, on a first step, not on each slot's first use. An idle
          * slot's last kernel has completed: it was reaped. */
-        uint64_t cap = L.size > 2 * s->cap ? L.size : 2 * s->cap;
-        if (cap < (1u << 20))
-            cap = 1u << 20;
-        for (int j = 0; j < KVWC_EXEC_SLOTS; j++) {
-            kvwc_slot *o = &x->slot[j];
-            if (o->busy || o->cap >= cap)
-                continue;
-            if (o->host)
-                cudaFreeHost(o->host);
-            if (o->dmem)
-                cudaFree(o->dmem);
-            o->host = NULL;
-            o->dmem = NULL;
-            o->cap = 0;
-            if ((e = cudaHostAlloc(&o->host, cap, cudaHostAllocDefault)) != cudaSuccess)
-                return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
-            if ((e = cudaMalloc(&o->dmem, cap)) != cudaSuccess)
-                return kvwc_cuda_error(e, "cudaMalloc for device plans");
-            o->cap = cap;
-        }
+        uint64_t cap = kvwc_grown(s->cap, L.size);
+        for (int j = 0; j < KVWC_EXEC_SLOTS; j++)
+            if (!x->slot[j].busy && x->slot[j].cap < cap &&
+                (st = kvwc_slot_alloc(&x->slot[j], cap)) != KVW_OK)
+                return st;
     }
     kvwc_plan p = {};
-    p.device = x->device;
-    p.grid = x->grid;
-    kvwc_fill(in, &L, (uint64_t)(uintptr_t)s->dmem, s->host, &p);
-    const char *what = NULL;
-    if ((e = cudaEventRecord(s->ev[0], x->stream)) != cudaSuccess)
-        what = "cudaEventRecord";
-    else if ((e = cudaMemcpyAsync(s->dmem, s->host, L.size, cudaMemcpyHostToDevice,
-                                  x->stream)) != cudaSuccess)
-        what = "cudaMemcpyAsync uploading a device plan";
-    else if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
-        what = "cudaEventRecord";
-    if (what)
-        return kvwc_cuda_error(e, what);
+    if ((st = kvwc_slot_upload(x, s, in, &L, &p)) != KVW_OK)
+        return st;
+    if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaEventRecord");
     if ((st = kvwc_launch(&p, KVWC_MODE_DIRECT, 0, x->stream)) != KVW_OK)
         return st;
     if ((e = cudaEventRecord(s->ev[2], x->stream)) != cudaSuccess)
@@ -526,31 +545,6 @@ kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
 
 /* ---------------------------------------------------------------- staged windows */
 
-/* Grows a pinned image and device plan buffer pair to hold `size` bytes (doubling, 1 MiB
- * at least). Only for an idle slot. */
-static kvw_status_t kvwc_slot_grow(kvwc_slot *o, uint64_t size)
-{
-    if (size <= o->cap)
-        return KVW_OK;
-    uint64_t cap = size > 2 * o->cap ? size : 2 * o->cap;
-    if (cap < (1u << 20))
-        cap = 1u << 20;
-    if (o->host)
-        cudaFreeHost(o->host);
-    if (o->dmem)
-        cudaFree(o->dmem);
-    o->host = NULL;
-    o->dmem = NULL;
-    o->cap = 0;
-    cudaError_t e;
-    if ((e = cudaHostAlloc(&o->host, cap, cudaHostAllocDefault)) != cudaSuccess)
-        return kvwc_cuda_error(e, "cudaHostAlloc for plan images");
-    if ((e = cudaMalloc(&o->dmem, cap)) != cudaSuccess)
-        return kvwc_cuda_error(e, "cudaMalloc for device plans");
-    o->cap = cap;
-    return KVW_OK;
-}
-
 kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatter, void *host,
                              uint64_t lo, uint64_t hi, int *slot_p, kvwc_step_prof_t *prof)
 {
@@ -581,7 +575,7 @@ kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatte
     kvwc_slot *s = &ss->plan;
     uint64_t len = hi - lo;
     cudaError_t e;
-    if ((st = kvwc_slot_grow(s, L.size)) != KVW_OK)
+    if (L.size > s->cap && (st = kvwc_slot_alloc(s, kvwc_grown(s->cap, L.size))) != KVW_OK)
         return st;
     if (len > ss->scap) {
         uint64_t cap = len > 2 * ss->scap ? len : 2 * ss->scap;
@@ -596,25 +590,16 @@ kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatte
         ss->scap = cap;
     }
     kvwc_plan p = {};
-    p.device = x->device;
-    p.grid = x->grid;
-    kvwc_fill(in, &L, (uint64_t)(uintptr_t)s->dmem, s->host, &p);
+    if ((st = kvwc_slot_upload(x, s, in, &L, &p)) != KVW_OK)
+        return st;
     kvwc_window_t w;
     kvwc_window_of(in, lo, hi, &w);
     uint64_t stage = (uint64_t)(uintptr_t)ss->scratch - lo;
-    const char *what = NULL;
-    if ((e = cudaEventRecord(s->ev[0], x->stream)) != cudaSuccess)
-        what = "cudaEventRecord";
-    else if ((e = cudaMemcpyAsync(s->dmem, s->host, L.size, cudaMemcpyHostToDevice,
-                                  x->stream)) != cudaSuccess)
-        what = "cudaMemcpyAsync uploading a device plan";
-    else if (scatter && (e = cudaMemcpyAsync(ss->scratch, host, len, cudaMemcpyHostToDevice,
-                                             x->stream)) != cudaSuccess)
-        what = "cudaMemcpyAsync of a staged window to the device";
-    else if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
-        what = "cudaEventRecord";
-    if (what)
-        return kvwc_cuda_error(e, what);
+    if (scatter && (e = cudaMemcpyAsync(ss->scratch, host, len, cudaMemcpyHostToDevice,
+                                        x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaMemcpyAsync of a staged window to the device");
+    if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaEventRecord");
     if ((st = kvwc_launch_window(&p, scatter ? KVWC_MODE_SCATTER : KVWC_MODE_GATHER, stage, &w,
                                  x->stream)) != KVW_OK)
         return st;

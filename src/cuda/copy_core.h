@@ -316,6 +316,19 @@ static inline uint64_t kvwc_seg_job_bytes(uint64_t row_bytes)
     return row_bytes * KVWC_MAX_TOK < KVWC_JOB_BYTES ? row_bytes * KVWC_MAX_TOK : KVWC_JOB_BYTES;
 }
 
+/* A segment's bytes and jobs; 0 for an empty segment (no tokens or heads), which the
+ * layout drops. */
+static inline int kvwc_seg_size(const kvwc_seg_in_t *g, uint64_t *bytes_p, uint64_t *jobs_p)
+{
+    if (g->tok_end <= g->tok_begin || g->num_heads == 0)
+        return 0;
+    uint64_t row = (uint64_t)g->num_heads * g->head_bytes;
+    uint64_t jb = kvwc_seg_job_bytes(row);
+    *bytes_p = (g->tok_end - g->tok_begin) * row;
+    *jobs_p = jb ? (*bytes_p + jb - 1) / jb : 0; /* zero head bytes: refused by the layout */
+    return 1;
+}
+
 static inline int kvwc_blob_layout(const kvwc_plan_in_t *in, kvwc_layout_t *L, const char **err)
 {
     if (in->num_maps > KVWC_MAX_MAPS) {
@@ -326,7 +339,8 @@ static inline int kvwc_blob_layout(const kvwc_plan_in_t *in, kvwc_layout_t *L, c
     uint64_t jobs = 0;
     for (uint32_t i = 0; i < in->num_segs; i++) {
         const kvwc_seg_in_t *g = &in->segs[i];
-        if (g->tok_end <= g->tok_begin || g->num_heads == 0)
+        uint64_t bytes, nj;
+        if (!kvwc_seg_size(g, &bytes, &nj))
             continue;
         if (g->head_bytes == 0 || g->src.page_size == 0 || g->dst.page_size == 0 ||
             g->src.map >= in->num_maps || g->dst.map >= in->num_maps) {
@@ -344,9 +358,7 @@ static inline int kvwc_blob_layout(const kvwc_plan_in_t *in, kvwc_layout_t *L, c
             *err = "a page map spanning 2^32 tokens or more, or not covering its segment";
             return -1;
         }
-        uint64_t bytes = (g->tok_end - g->tok_begin) * row;
-        uint64_t jb = kvwc_seg_job_bytes(row);
-        jobs += (bytes + jb - 1) / jb;
+        jobs += nj;
         n++;
     }
     L->num_segs = n;
@@ -377,7 +389,8 @@ static inline void kvwc_blob_fill(const kvwc_plan_in_t *in, const kvwc_layout_t 
     uint64_t jobs = 0, stage = 0;
     for (uint32_t i = 0; i < in->num_segs; i++) {
         const kvwc_seg_in_t *g = &in->segs[i];
-        if (g->tok_end <= g->tok_begin || g->num_heads == 0)
+        uint64_t bytes, nj;
+        if (!kvwc_seg_size(g, &bytes, &nj))
             continue;
         kvwc_dseg_t *d = &out[n];
         memset(d, 0, sizeof(*d));
@@ -397,7 +410,7 @@ static inline void kvwc_blob_fill(const kvwc_plan_in_t *in, const kvwc_layout_t 
         d->tok_end = g->tok_end;
         d->head_bytes = g->head_bytes;
         d->row_bytes = (uint64_t)g->num_heads * g->head_bytes;
-        d->bytes = (g->tok_end - g->tok_begin) * d->row_bytes;
+        d->bytes = bytes;
         d->stage_off = stage;
         uint64_t hb = g->head_bytes;
         uint64_t sb = kvwc_side_bits(&g->src, g->num_heads) | hb;
@@ -408,7 +421,6 @@ static inline void kvwc_blob_fill(const kvwc_plan_in_t *in, const kvwc_layout_t 
         d->w[KVWC_MODE_SCATTER] = kvwc_align_of(tb | db);
         d->job_bytes = kvwc_seg_job_bytes(d->row_bytes);
         d->job_begin = jobs;
-        uint64_t nj = (d->bytes + d->job_bytes - 1) / d->job_bytes;
         for (uint64_t j = 0; j < nj; j++)
             job_seg[jobs + j] = n;
         jobs += nj;
@@ -439,13 +451,9 @@ static inline void kvwc_window_of(const kvwc_plan_in_t *in, uint64_t lo, uint64_
     int first = 1;
     uint64_t jobs = 0, stage = 0;
     for (uint32_t i = 0; i < in->num_segs; i++) {
-        const kvwc_seg_in_t *g = &in->segs[i];
-        if (g->tok_end <= g->tok_begin || g->num_heads == 0)
+        uint64_t bytes, nj;
+        if (!kvwc_seg_size(&in->segs[i], &bytes, &nj))
             continue;
-        uint64_t row = (uint64_t)g->num_heads * g->head_bytes;
-        uint64_t bytes = (g->tok_end - g->tok_begin) * row;
-        uint64_t jb = kvwc_seg_job_bytes(row);
-        uint64_t nj = (bytes + jb - 1) / jb;
         if (stage < hi && stage + bytes > lo) {
             if (first)
                 w->j0 = jobs;

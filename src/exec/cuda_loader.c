@@ -467,29 +467,48 @@ static void kvw_prof_add_step(kvw_cuda_profile_t *prof, const kvwc_step_prof_t *
     prof->kernel_dev_ns += (uint64_t)(sp->kernel_ms * 1e6);
 }
 
+/* What both kinds of step start with: the module, this thread's executor and the plan
+ * flattened for `uses`; *t0_p when preparing began. */
+static kvw_status_t kvw_step_prepare(const struct kvw_plan *plan, unsigned uses,
+                                     const kvwc_ops_t **ops_p, kvw_texec_t **t_p,
+                                     kvwc_map_in_t *maps, kvwc_plan_in_t *in, uint64_t *t0_p)
+{
+    kvw_status_t st = kvw_cuda_get(ops_p);
+    if (st == KVW_OK)
+        st = kvw_texec_get(*ops_p, t_p);
+    if (st != KVW_OK)
+        return st;
+    *t0_p = kvw__now_ns();
+    return kvw__cuda_plan_in_make(plan, uses, maps, in);
+}
+
+/* Records a launched step's figures and in-flight count, and releases the flattening. */
+static kvw_status_t kvw_step_launched(kvw_texec_t *t, kvwc_plan_in_t *in, kvw_status_t st,
+                                      int slot, const kvwc_step_prof_t *sp,
+                                      kvw_cuda_profile_t *prof)
+{
+    kvw__cuda_plan_in_free(in);
+    kvw_prof_add_step(prof, sp);
+    if (st == KVW_OK && slot >= 0)
+        t->inflight++;
+    return st;
+}
+
 kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
                                    kvw_cuda_profile_t *prof)
 {
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
-    *slot_p = -1;
-    kvw_status_t st = kvw_cuda_get(&ops);
-    if (st == KVW_OK)
-        st = kvw_texec_get(ops, &t);
-    if (st != KVW_OK)
-        return st;
-    uint64_t t0 = kvw__now_ns();
     kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
     kvwc_plan_in_t in;
-    if ((st = kvw__cuda_plan_in_make(plan, KVWC_USE_DIRECT, maps, &in)) != KVW_OK)
+    uint64_t t0 = 0;
+    *slot_p = -1;
+    kvw_status_t st = kvw_step_prepare(plan, KVWC_USE_DIRECT, &ops, &t, maps, &in, &t0);
+    if (st != KVW_OK)
         return st;
     kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
     st = kvw_cuda_ret(ops, ops->exec_launch(t->ex, &in, slot_p, &sp));
-    kvw__cuda_plan_in_free(&in);
-    kvw_prof_add_step(prof, &sp);
-    if (st == KVW_OK && *slot_p >= 0)
-        t->inflight++;
-    return st;
+    return kvw_step_launched(t, &in, st, *slot_p, &sp, prof);
 }
 
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_profile_t *prof)
@@ -513,25 +532,17 @@ kvw_status_t kvw__cuda_stage_launch(const struct kvw_plan *plan, bool scatter, v
 {
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
-    *slot_p = -1;
-    kvw_status_t st = kvw_cuda_get(&ops);
-    if (st == KVW_OK)
-        st = kvw_texec_get(ops, &t);
-    if (st != KVW_OK)
-        return st;
-    uint64_t t0 = kvw__now_ns();
     kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
     kvwc_plan_in_t in;
-    unsigned use = scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER;
-    if ((st = kvw__cuda_plan_in_make(plan, use, maps, &in)) != KVW_OK)
+    uint64_t t0 = 0;
+    *slot_p = -1;
+    kvw_status_t st = kvw_step_prepare(plan, scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER, &ops,
+                                       &t, maps, &in, &t0);
+    if (st != KVW_OK)
         return st;
     kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
     st = kvw_cuda_ret(ops, ops->exec_stage(t->ex, &in, scatter, host, lo, hi, slot_p, &sp));
-    kvw__cuda_plan_in_free(&in);
-    kvw_prof_add_step(prof, &sp);
-    if (st == KVW_OK && *slot_p >= 0)
-        t->inflight++;
-    return st;
+    return kvw_step_launched(t, &in, st, *slot_p, &sp, prof);
 }
 
 kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p)
