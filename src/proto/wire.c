@@ -1,5 +1,7 @@
 #include "proto/wire.h"
 
+#include "core/le.h"
+
 #include <arpa/inet.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -35,21 +37,20 @@ static void kvw_wb_put(kvw_wbuf_t *w, const void *p, size_t n)
 void kvw__wb_u8(kvw_wbuf_t *w, uint8_t v) { kvw_wb_put(w, &v, 1); }
 void kvw__wb_u16(kvw_wbuf_t *w, uint16_t v)
 {
-    uint8_t b[2] = {(uint8_t)v, (uint8_t)(v >> 8)};
+    uint8_t b[2];
+    kvw__le16_put(b, v);
     kvw_wb_put(w, b, 2);
 }
 void kvw__wb_u32(kvw_wbuf_t *w, uint32_t v)
 {
     uint8_t b[4];
-    for (int i = 0; i < 4; i++)
-        b[i] = (uint8_t)(v >> (8 * i));
+    kvw__le32_put(b, v);
     kvw_wb_put(w, b, 4);
 }
 void kvw__wb_u64(kvw_wbuf_t *w, uint64_t v)
 {
     uint8_t b[8];
-    for (int i = 0; i < 8; i++)
-        b[i] = (uint8_t)(v >> (8 * i));
+    kvw__le64_put(b, v);
     kvw_wb_put(w, b, 8);
 }
 void kvw__wb_bytes(kvw_wbuf_t *w, const void *p, size_t n)
@@ -77,9 +78,7 @@ kvw_status_t kvw__wb_finish(kvw_wbuf_t *w)
 {
     if (w->oom)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory encoding a frame");
-    uint32_t n = (uint32_t)(w->len - KVW_WIRE_HDR);
-    for (int i = 0; i < 4; i++)
-        w->p[8 + i] = (uint8_t)(n >> (8 * i));
+    kvw__le32_put(w->p + 8, (uint32_t)(w->len - KVW_WIRE_HDR));
     return KVW_OK;
 }
 
@@ -89,14 +88,9 @@ void kvw__wb_free(kvw_wbuf_t *w)
     memset(w, 0, sizeof(*w));
 }
 
-static uint32_t kvw_le32(const uint8_t *b)
-{
-    return (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 | (uint32_t)b[3] << 24;
-}
-
 kvw_status_t kvw__wire_header(const uint8_t h[KVW_WIRE_HDR], uint8_t *type_p, uint32_t *len_p)
 {
-    uint32_t magic = kvw_le32(h);
+    uint32_t magic = kvw__le32_get(h);
     if (magic != KVW_WIRE_MAGIC)
         return kvw__error(KVW_ERR_MALFORMED, "bad frame magic 0x%08x (expected 0x%08x)", magic,
                           KVW_WIRE_MAGIC);
@@ -105,7 +99,7 @@ kvw_status_t kvw__wire_header(const uint8_t h[KVW_WIRE_HDR], uint8_t *type_p, ui
                           h[4], KVW_WIRE_VERSION);
     if (h[5] == 0 || h[5] >= KVW_MSG_MAX)
         return kvw__error(KVW_ERR_MALFORMED, "unknown frame type %u", h[5]);
-    uint32_t len = kvw_le32(h + 8);
+    uint32_t len = kvw__le32_get(h + 8);
     if (len > KVW_WIRE_MAX_PAYLOAD)
         return kvw__error(KVW_ERR_MALFORMED, "frame payload of %u bytes exceeds the %u-byte limit",
                           len, KVW_WIRE_MAX_PAYLOAD);
@@ -141,17 +135,17 @@ uint8_t kvw__rb_u8(kvw_rbuf_t *r)
 uint16_t kvw__rb_u16(kvw_rbuf_t *r)
 {
     const uint8_t *b = kvw_rb_take(r, 2);
-    return b ? (uint16_t)(b[0] | b[1] << 8) : 0;
+    return b ? kvw__le16_get(b) : 0;
 }
 uint32_t kvw__rb_u32(kvw_rbuf_t *r)
 {
     const uint8_t *b = kvw_rb_take(r, 4);
-    return b ? kvw_le32(b) : 0;
+    return b ? kvw__le32_get(b) : 0;
 }
 uint64_t kvw__rb_u64(kvw_rbuf_t *r)
 {
     const uint8_t *b = kvw_rb_take(r, 8);
-    return b ? (uint64_t)kvw_le32(b) | (uint64_t)kvw_le32(b + 4) << 32 : 0;
+    return b ? kvw__le64_get(b) : 0;
 }
 const void *kvw__rb_bytes(kvw_rbuf_t *r, size_t max, size_t *len_p)
 {

@@ -1,49 +1,16 @@
 /*
- * Helpers shared by the socket-based transports (tcp, shm): fixed-width little-endian
- * field access for wire formats, and socket I/O loops in which every wait is bounded.
+ * Helpers shared by the socket-based transports (tcp, shm): socket I/O loops in which
+ * every wait is bounded. Wire fields are encoded with core/le.h (included here).
  */
 #ifndef KVW_TRANSPORT_TL_UTIL_H
 #define KVW_TRANSPORT_TL_UTIL_H
 
+#include "core/le.h"
 #include "transport/transport.h"
 
 #include <stdint.h>
 #include <string.h>
 #include <sys/uio.h>
-
-static inline void kvw__le16_put(uint8_t *p, uint16_t v)
-{
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
-}
-static inline void kvw__le32_put(uint8_t *p, uint32_t v)
-{
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline void kvw__le64_put(uint8_t *p, uint64_t v)
-{
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint16_t kvw__le16_get(const uint8_t *p)
-{
-    return (uint16_t)(p[0] | (p[1] << 8));
-}
-static inline uint32_t kvw__le32_get(const uint8_t *p)
-{
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
-static inline uint64_t kvw__le64_get(const uint8_t *p)
-{
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
-}
 
 /* The effective timeout of an instance: params->timeout_ms, or the default. */
 static inline uint32_t kvw__tl_timeout_ms(const kvw_tl_params_t *params)
