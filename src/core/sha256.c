@@ -1,7 +1,6 @@
 #include "core/sha256.h"
 
 #include <string.h>
-#include <sys/random.h>
 
 static const uint32_t K[64] = {
     0x428a2f98, 0x71374491, 0xb5c0fbcf, 0xe9b5dba5, 0x3956c25b, 0x59f111f1, 0x923f82a4, 0xab1c5ed5,
@@ -130,16 +129,4 @@ int kvw__ct_equal(const uint8_t *a, const uint8_t *b, size_t n)
     for (size_t i = 0; i < n; i++)
         d |= a[i] ^ b[i];
     return d == 0;
-}
-
-int kvw__random_bytes(void *buf, size_t n)
-{
-    uint8_t *p = buf;
-    while (n) {
-        ssize_t k = getrandom(p, n, 0);
-        if (k <= 0)
-            return -1;
-        p += k, n -= (size_t)k;
-    }
-    return 0;
 }

@@ -27,7 +27,5 @@ void kvw__hmac_update(kvw_hmac_t *h, const void *p, size_t n);
 void kvw__hmac_final(kvw_hmac_t *h, uint8_t out[32]);
 /* Constant-time comparison: 1 if equal. */
 int kvw__ct_equal(const uint8_t *a, const uint8_t *b, size_t n);
-/* Fills buf with bytes from the kernel's random source; 0 on success. */
-int kvw__random_bytes(void *buf, size_t n);
 
 #endif

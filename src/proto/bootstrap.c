@@ -27,6 +27,7 @@
  */
 #include "proto/proto.h"
 
+#include "core/rand.h"
 #include "core/sha256.h"
 
 #include <errno.h>

@@ -8,6 +8,7 @@
 
 #include <kvwire/mem.h>
 
+#include "core/rand.h"
 #include "core/sha256.h"
 #include "cuda/module.h"
 

@@ -43,10 +43,12 @@ void *kvw__sockserv_new(const kvw__sockserv_ops_t *ops, const kvw_tl_params_t *p
     pthread_mutex_init(&srv->mu, NULL);
     pthread_mutex_init(&srv->reg_mu, NULL);
     do
-        kvw__tl_random(&srv->token, sizeof(srv->token));
-    while (srv->token == 0);
+        st = kvw__random_bytes(&srv->token, sizeof(srv->token));
+    while (st == KVW_OK && srv->token == 0);
     struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &wake_tag};
-    if ((srv->wake_fd = kvw__tl_wake_open()) < 0)
+    if (st != KVW_OK) {
+        /* No random token: kvw__random_bytes said why. */
+    } else if ((srv->wake_fd = kvw__tl_wake_open()) < 0)
         st = kvw__error(KVW_ERR_IO, "%s init: eventfd: %m", ops->name);
     else if ((srv->epfd = epoll_create1(EPOLL_CLOEXEC)) < 0)
         st = kvw__error(KVW_ERR_IO, "%s init: epoll: %m", ops->name);

@@ -7,7 +7,6 @@
 #include <poll.h>
 #include <string.h>
 #include <sys/eventfd.h>
-#include <sys/random.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -134,29 +133,4 @@ void kvw__tl_wake_drain(int wake_fd)
     uint64_t v;
     ssize_t r = read(wake_fd, &v, sizeof(v));
     (void)r;
-}
-
-void kvw__tl_random(void *buf, size_t len)
-{
-    size_t got = 0;
-    while (got < len) {
-        ssize_t r = getrandom((char *)buf + got, len - got, GRND_NONBLOCK);
-        if (r > 0) {
-            got += (size_t)r;
-            continue;
-        }
-        if (r < 0 && errno == EINTR)
-            continue;
-        break;
-    }
-    if (got < len) {
-        /* No entropy yet (early boot): tokens only need to differ between instances. */
-        uint64_t x = kvw__now_ns() ^ ((uint64_t)getpid() << 32) ^ (uint64_t)(uintptr_t)buf;
-        for (; got < len; got++) {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            ((uint8_t *)buf)[got] = (uint8_t)x;
-        }
-    }
 }

@@ -6,9 +6,11 @@
 #define KVW_TRANSPORT_TL_UTIL_H
 
 #include "core/le.h"
+#include "core/rand.h"
 #include "transport/transport.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 
@@ -54,7 +56,13 @@ int kvw__tl_wake_open(void);
 void kvw__tl_wake(int wake_fd);
 void kvw__tl_wake_drain(int wake_fd);
 
-/* Fills buf with random bytes (getrandom, with a clock-based fallback). */
-void kvw__tl_random(void *buf, size_t len);
+/* Random bytes come from core/rand.h (kvw__random_bytes), which fails closed. This
+ * wrapper stays only for ucx_iface.c until it checks that status itself: rather than go
+ * on with predictable bytes, it ends the process when the kernel gives none. */
+static inline void kvw__tl_random(void *buf, size_t len)
+{
+    if (kvw__random_bytes(buf, len) != KVW_OK)
+        abort();
+}
 
 #endif

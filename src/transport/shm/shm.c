@@ -569,8 +569,14 @@ static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     r->addr = addr;
     r->len = len;
     r->memfd = -1;
-    if (len > 0 && kvw__shm_mem_lookup(addr, len, &r->memfd, &r->memfd_off))
-        kvw__tl_random(&r->secret, sizeof(r->secret));
+    if (len > 0 && kvw__shm_mem_lookup(addr, len, &r->memfd, &r->memfd_off)) {
+        kvw_status_t st = kvw__random_bytes(&r->secret, sizeof(r->secret));
+        if (st != KVW_OK) {
+            close(r->memfd);
+            free(r);
+            return st;
+        }
+    }
     pthread_mutex_lock(&tl->srv.reg_mu);
     for (shm_region_t *o = tl->regions; o; o = o->next) {
         if (o->id == region_id) {
