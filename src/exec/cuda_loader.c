@@ -4,6 +4,7 @@
  * include/kvwire/cuda.h on top of the module's operations table. It also flattens plans
  * for the module: segments with buffer addresses resolved, plus the page lists.
  */
+#include "core/config.h"
 #include "core/core.h"
 #include "cuda/module.h"
 #include "plan/plan.h"
@@ -46,8 +47,9 @@ static void *kvw_cuda_try(const char *path)
 static void kvw_cuda_load(void)
 {
     void *h = NULL;
-    const char *env = getenv("KVW_CUDA_MODULE");
-    if (env && *env) {
+    const char *env; /* any text; "" when unset */
+    kvw__config_str("KVW_CUDA_MODULE", &env);
+    if (*env) {
         h = kvw_cuda_try(env);
     } else {
         /* Next to the object that holds this code: libkvwire.so, or the executable a

@@ -8,6 +8,7 @@
 
 #include <kvwire/mem.h>
 
+#include "core/config.h"
 #include "core/rand.h"
 #include "core/sha256.h"
 #include "cuda/module.h"
@@ -1448,6 +1449,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     uint64_t fm = params->field_mask;
     if ((fm & KVW_CTX_FIELD_SECRET) && params->secret && strlen(params->secret) >= 256)
         return kvw__error(KVW_ERR_INVALID_PARAM, "the shared secret is longer than 255 bytes");
+    if ((st = kvw__config_check()) != KVW_OK) /* every KVW_* variable, once per context */
+        return st;
     struct kvw_ctx *ctx = calloc(1, sizeof(*ctx));
     if (ctx == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a context");
@@ -1472,12 +1475,12 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     ctx->peer_timeout_ms = t && params->peer_timeout_ms ? params->peer_timeout_ms : 3000;
     ctx->bootstrap_timeout_ms = t && params->bootstrap_timeout_ms ? params->bootstrap_timeout_ms : 10000;
     ctx->wait_timeout_ms = t && params->wait_timeout_ms ? params->wait_timeout_ms : 30000;
-    const char *bp = getenv("KVW_BUSY_POLL_US");
-    uint64_t busy_us = (fm & KVW_CTX_FIELD_BUSY_POLL) ? params->busy_poll_us
-                       : bp                           ? strtoull(bp, NULL, 10)
-                                                      : 0;
+    uint64_t bp; /* the getters cannot fail after kvw__config_check */
+    kvw__config_u64("KVW_BUSY_POLL_US", &bp);
+    uint64_t busy_us = (fm & KVW_CTX_FIELD_BUSY_POLL) ? params->busy_poll_us : bp;
     ctx->busy_poll_ns = KVW_MIN(busy_us, 1000000ull) * 1000ull; /* at most 1 s */
-    const char *path = getenv("KVW_PATH");
+    const char *path;
+    kvw__config_str("KVW_PATH", &path);
     ctx->path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT
                      : path && !strcmp(path, "staged") ? KVW_PATH_STAGED
                                                        : KVW_PATH_AUTO;
@@ -1527,9 +1530,9 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         if ((st = kvw__tcp_listen(ctx->listen_host, 0, &ctx->listen_fd, &ctx->listen_port)) != KVW_OK)
             goto err;
         /* Workers send to different decode ranks in parallel (KVW_WORKERS, default 4). */
-        const char *wenv = getenv("KVW_WORKERS");
-        uint32_t nw = wenv ? (uint32_t)strtoul(wenv, NULL, 10) : 4;
-        nw = KVW_MAX(1, KVW_MIN(nw, (uint32_t)KVW_ARRAY_SIZE(ctx->workers)));
+        uint64_t nw;
+        kvw__config_u64("KVW_WORKERS", &nw);
+        nw = KVW_MAX(1, KVW_MIN(nw, KVW_ARRAY_SIZE(ctx->workers)));
         for (uint32_t i = 0; i < nw; i++) {
             if (pthread_create(&ctx->workers[i], NULL, kvw__worker_main, ctx) != 0) {
                 st = kvw__error(KVW_ERR_IO, "cannot start worker thread %u", i);
@@ -1576,8 +1579,9 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
             }
         }
         /* The staging area receives gathered head slices in one bulk write each. */
-        const char *smb = getenv("KVW_STAGING_MB");
-        ctx->staging_len = (uint64_t)(smb ? strtoull(smb, NULL, 10) : 64) << 20;
+        uint64_t smb;
+        kvw__config_u64("KVW_STAGING_MB", &smb);
+        ctx->staging_len = smb << 20;
         if (ctx->staged_cuda && ctx->staging_len == 0) {
             st = kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are GPU memory, which "
                             "'%s' writes through the staging area, but KVW_STAGING_MB=0 "

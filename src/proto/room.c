@@ -2,6 +2,7 @@
  * Rooms: the per-request state machines on both sides, the frames that drive them,
  * the prefill worker that moves bytes, and the decode side's transport callbacks.
  */
+#include "core/config.h"
 #include "cuda/module.h"
 #include "plan/walk.h"
 #include "proto/proto.h"
@@ -1282,8 +1283,8 @@ void *kvw__worker_main(void *arg)
     memset(&g, 0, sizeof(g));
     /* Kernels in flight per worker (default all slots); 1 waits for each kernel before
      * the next launch, as a step that synchronises would. */
-    const char *genv = getenv("KVW_GPU_INFLIGHT");
-    long depth = genv && *genv ? strtol(genv, NULL, 10) : KVWC_EXEC_SLOTS;
+    uint64_t depth; /* checked when the context was created */
+    kvw__config_u64("KVW_GPU_INFLIGHT", &depth);
     g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
     pthread_mutex_lock(&ctx->mu);
     for (;;) {

@@ -87,30 +87,6 @@ const char *const *kvw_transport_names(void)
     return kvw__tl_names();
 }
 
-/* Environment variables kvwire reads, in one table (name, default, help). */
-static const kvw_config_var_t kvw_config_table[] = {
-    {"KVW_CUDA_MODULE", "libkvwire_cuda.so next to libkvwire",
-     "path of the CUDA module loaded at run time"},
-    {"KVW_TL_MODULE_DIR", "next to libkvwire, ../lib, loader path",
-     "the only directory searched for transport modules (libkvwire-ucx.so)"},
-    {"KVW_UCX_TIMEOUT_MS", "10000", "deadline of every UCX wait (flush, put, notify)"},
-    {"KVW_UCX_PUT", "am", "am: writes as active messages the receiver applies; rma: ucp_put"},
-    {"KVW_UCX_ERR_MODE", "peer", "peer: detect dead peers (UCX then uses tcp lanes); none"},
-    {"KVW_WORKERS", "4", "prefill sender threads per context (decode ranks served in parallel)"},
-    {"KVW_GPU_INFLIGHT", "8", "GPU copy kernels in flight per sender thread (1..8; 1 waits for each)"},
-    {"KVW_STAGING_MB", "64", "decode staging area for gathered head slices, per rank"},
-    {"KVW_PATH", "auto", "direct | staged: force the data path of every plan"},
-    {"KVW_BUSY_POLL_US", "0", "spin this long for the next event before sleeping (latency)"},
-    {"UCX_TLS", "(UCX default)", "UCX transports to use; set tcp across network namespaces"},
-};
-
-const kvw_config_var_t *kvw_config_vars(size_t *count_p)
-{
-    if (count_p)
-        *count_p = sizeof(kvw_config_table) / sizeof(kvw_config_table[0]);
-    return kvw_config_table;
-}
-
 kvw_status_t kvw__tl_unsupported(void)
 {
     return kvw__error(KVW_ERR_UNSUPPORTED, "operation not supported by this transport");

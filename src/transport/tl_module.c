@@ -1,6 +1,8 @@
 /* Loading transport modules (libkvwire-NAME.so); see tl_module.h. */
 #include "transport/tl_module.h"
 
+#include "core/config.h"
+
 #include <dlfcn.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -77,8 +79,9 @@ static void tl_module_load(tl_module_t *m)
 {
     char file[128];
     snprintf(file, sizeof(file), "libkvwire-%s.so", m->name);
-    const char *env = getenv("KVW_TL_MODULE_DIR");
-    if (env != NULL && *env != '\0') {
+    const char *env; /* any text; "" when unset */
+    kvw__config_str("KVW_TL_MODULE_DIR", &env);
+    if (*env != '\0') {
         tl_module_try_dir(m, env, strlen(env), file);
         return;
     }
