@@ -3,7 +3,8 @@
  * process, talking over loopback): the CHECK macro and its failure counter, host ranks
  * of a preset model, context parameters, one room moved and verified against the test
  * kit's reference, and a few raw-socket and fd helpers for the tests that play a
- * hostile peer.
+ * hostile peer. Timeouts are scaled by timeout.h (KVW_TEST_TIMEOUT_SCALE): callers pass
+ * values already scaled (kvt_tmo_ms / kvt_tmo_ns), helpers scale their own.
  *
  * Header only: every function is static inline, so a test pays only for what it uses.
  * Include it once, after testkit.h, from the test's own .c file.
@@ -12,6 +13,7 @@
 #define KVW_TESTS_INPROC_H
 
 #include "testkit.h"
+#include "timeout.h"
 
 #include <kvwire/xfer.h>
 
@@ -103,7 +105,8 @@ static inline void ip_params_decode(kvw_ctx_params_t *p, kvw_ctx_h pctx, const k
 
 /* ---------------------------------------------------------------- rooms */
 
-/* Polls a receiver until Success or Failed, at most deadline_ns; returns its state. */
+/* Polls a receiver until Success or Failed, at most deadline_ns (scaled by the caller);
+ * returns its state. */
 static inline kvw_room_state_t ip_wait_recv(kvw_receiver_h rcv, uint64_t deadline_ns)
 {
     uint64_t t0 = kvt_now_ns();
@@ -158,7 +161,7 @@ typedef struct ip_room {
     uint64_t id;
     uint64_t tokens;      /* the whole request, sent as one last chunk */
     uint64_t seed;        /* random pages on both sides */
-    uint64_t deadline_ns; /* for the receiver to end */
+    uint64_t deadline_ns; /* for the receiver to end (scaled: kvt_tmo_ns) */
     const char *what;     /* names the room in the end-state check ("room") */
     void (*posted)(uint64_t id); /* optional: after the receiver posted, before the send */
 } ip_room_t;
@@ -218,7 +221,7 @@ static inline int ip_count_fds(void)
     return n - 1; /* the directory's own fd */
 }
 
-/* A raw connection to 127.0.0.1:port; -1 on failure. Waits up to 10 s. */
+/* A raw connection to 127.0.0.1:port; -1 on failure. Waits up to 10 s (scaled). */
 static inline int ip_raw_connect(uint16_t port)
 {
     int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
@@ -233,14 +236,15 @@ static inline int ip_raw_connect(uint16_t port)
     struct pollfd p = {.fd = fd, .events = POLLOUT};
     int err = 0;
     socklen_t el = sizeof(err);
-    if (poll(&p, 1, 10000) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err) {
+    if (poll(&p, 1, (int)kvt_tmo_ms(10000)) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err) {
         close(fd);
         return -1;
     }
     return fd;
 }
 
-/* Waits until the other end closed `fd` (EOF or reset), up to timeout_ms. */
+/* Waits until the other end closed `fd` (EOF or reset), up to timeout_ms (scaled by the
+ * caller). */
 static inline bool ip_closed_by_peer(int fd, int timeout_ms)
 {
     uint64_t end = kvt_now_ns() + (uint64_t)timeout_ms * 1000000ull;

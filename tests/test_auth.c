@@ -20,8 +20,8 @@ static kvw_status_t make_ctx(kvw_side_t side, kvt_rank_t *r, const char *bs, con
     kvw_ctx_params_t p = ip_params(side, r, "tcp", bs, side == KVW_SIDE_PREFILL);
     p.field_mask |= KVW_CTX_FIELD_SECRET;
     p.secret = secret;
-    p.bootstrap_timeout_ms = 3000;
-    p.wait_timeout_ms = 5000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(3000);
+    p.wait_timeout_ms = kvt_tmo_ms(5000);
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -71,7 +71,7 @@ int main(void)
     CHECK(st == KVW_OK, "right secret: %s: %s", kvw_status_string(st), kvw_last_error());
     if (st == KVW_OK) {
         /* One verified room from prefill TP1 to decode TP2 rank 0. */
-        ip_room_t room = {.id = 77, .tokens = 40, .seed = 7, .deadline_ns = 10000000000ull,
+        ip_room_t room = {.id = 77, .tokens = 40, .seed = 7, .deadline_ns = kvt_tmo_ns(10000000000ull),
                           .what = "room"};
         ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
         kvw_ctx_destroy(dctx);

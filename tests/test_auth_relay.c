@@ -52,7 +52,7 @@ typedef struct relay {
     pthread_t thread;
 } relay_t;
 
-#define RELAY_IO_NS (10ull * 1000000000ull) /* one frame's reads and writes, at most */
+#define RELAY_IO_NS kvt_tmo_ns(10ull * 1000000000ull) /* one frame's reads and writes, at most */
 
 /* Moves one whole frame from `from` to `to` (the library's own socket helpers and frame
  * header reader); `tamper` flips a byte of its payload at `at`. Returns the frame type,
@@ -80,10 +80,10 @@ static int relay_frame(int from, int to, bool tamper, size_t at)
     return rc;
 }
 
-/* Waits until fd is readable (10 s at most) or the relay is stopped. */
+/* Waits until fd is readable (10 s at most, scaled) or the relay is stopped. */
 static bool relay_wait(relay_t *r, int fd)
 {
-    for (int i = 0; i < 100 && !atomic_load(&r->stop); i++) {
+    for (uint32_t i = 0; i < kvt_tmo_ms(10000) / 100 && !atomic_load(&r->stop); i++) {
         struct pollfd pf = {.fd = fd, .events = POLLIN};
         if (poll(&pf, 1, 100) > 0)
             return true;
@@ -103,7 +103,7 @@ static void *relay_main(void *arg)
     uint16_t port;
     int pfd = -1;
     if (kvw__parse_hostport(r->target, host, sizeof(host), &port) != KVW_OK ||
-        kvw__tcp_connect(host, port, kvw__now_ns() + 5000000000ull, &pfd) != KVW_OK) {
+        kvw__tcp_connect(host, port, kvw__now_ns() + kvt_tmo_ns(5000000000ull), &pfd) != KVW_OK) {
         close(dfd);
         return NULL;
     }
@@ -173,14 +173,14 @@ static void forge_entry(const char *bs, const char *addr, char *old, size_t cap)
 {
     kvw_bs_entry_t *e = NULL;
     uint32_t n = 0;
-    kvw_status_t st = kvw__bootstrap_lookup(bs, 1, 1, 1, "alpha", kvw__now_ns() + 5000000000ull,
-                                            &e, &n);
+    kvw_status_t st = kvw__bootstrap_lookup(bs, 1, 1, 1, "alpha",
+                                            kvw__now_ns() + kvt_tmo_ns(5000000000ull), &e, &n);
     CHECK(st == KVW_OK && n == 1, "lookup: %s", kvw_last_error());
     if (n == 1 && old)
         snprintf(old, cap, "%s", e[0].addr);
     kvw_bs_entry_t f = {.dp = 0, .tp = 0, .pp = 0, .dp_size = 1, .tp_size = 1, .pp_size = 1};
     snprintf(f.addr, sizeof(f.addr), "%s", addr);
-    st = kvw__bootstrap_register(bs, &f, "alpha", kvw__now_ns() + 5000000000ull);
+    st = kvw__bootstrap_register(bs, &f, "alpha", kvw__now_ns() + kvt_tmo_ns(5000000000ull));
     CHECK(st == KVW_OK, "%s", kvw_last_error());
     free(e);
 }
@@ -191,8 +191,8 @@ static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *bs, kvw_ct
         ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, "tcp", bs, prefill);
     p.field_mask |= KVW_CTX_FIELD_SECRET;
     p.secret = "alpha";
-    p.bootstrap_timeout_ms = 5000;
-    p.wait_timeout_ms = 10000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(5000);
+    p.wait_timeout_ms = kvt_tmo_ms(10000);
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -261,7 +261,7 @@ int main(void)
         CHECK(kvw_receiver_post(rv, &post) == KVW_OK, "post through the relay: %s",
               kvw_last_error());
         atomic_store(&r.inject, true);
-        kvw_room_state_t s = kvw_receiver_wait(rv, 20000);
+        kvw_room_state_t s = kvw_receiver_wait(rv, kvt_tmo_ms(20000));
         CHECK(s == KVW_ROOM_FAILED && kvt_contains(kvw_receiver_failure(rv), "authentic"),
               "room after an injected frame: %s: %s", kvw_room_state_string(s),
               kvw_receiver_failure(rv));
@@ -289,8 +289,8 @@ int main(void)
               "%s", kvw_last_error());
         CHECK(kvw_sender_create(pctx, 8, &s) == KVW_OK && kvw_sender_send(s, &c) == KVW_OK, "%s",
               kvw_last_error());
-        CHECK(kvw_receiver_wait(rv, 20000) == KVW_ROOM_SUCCESS, "%s", kvw_receiver_failure(rv));
-        CHECK(kvw_sender_wait(s, 20000) == KVW_ROOM_SUCCESS, "%s", kvw_sender_failure(s));
+        CHECK(kvw_receiver_wait(rv, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s", kvw_receiver_failure(rv));
+        CHECK(kvw_sender_wait(s, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s", kvw_sender_failure(s));
         ip_ref(&model, &src, 1, &pages, &dst, &pages, expect.data, 20, NULL);
         ip_verify(&dst, &expect, "");
         kvt_copy_free(&expect);

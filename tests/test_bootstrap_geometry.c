@@ -26,8 +26,8 @@ static kvt_model_t model;
 static kvw_status_t make_prefill(kvt_rank_t *r, const char *bs, bool host, kvw_ctx_h *ctx)
 {
     kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, r, "tcp", bs, host);
-    p.bootstrap_timeout_ms = 5000;
-    p.wait_timeout_ms = 10000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(5000);
+    p.wait_timeout_ms = kvt_tmo_ms(10000);
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -38,7 +38,7 @@ static kvw_status_t make_decode(kvt_rank_t *r, const char *bs, uint32_t tp, uint
     kvw_ctx_params_t p = ip_params(KVW_SIDE_DECODE, r, "tcp", bs, false);
     p.field_mask = (p.field_mask & ~KVW_CTX_FIELD_HOST_BOOTSTRAP) | KVW_CTX_FIELD_PREFILL_SIZE;
     p.bootstrap_timeout_ms = boot_ms;
-    p.wait_timeout_ms = 10000;
+    p.wait_timeout_ms = kvt_tmo_ms(10000);
     p.prefill_tp = tp;
     p.prefill_pp = pp;
     p.prefill_dp = dp;
@@ -88,11 +88,11 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
     }
     /* kvw_receiver_wait blocks until the state change (a generous bound, never reached
      * unless the room hangs). */
-    kvw_room_state_t st = kvw_receiver_wait(rcv, 30000);
+    kvw_room_state_t st = kvw_receiver_wait(rcv, kvt_tmo_ms(30000));
     CHECK(st == KVW_ROOM_SUCCESS, "room ended %s: %s", kvw_room_state_string(st),
           kvw_receiver_failure(rcv));
     for (int k = 0; k < 2; k++) {
-        kvw_room_state_t ps = kvw_sender_wait(snd[k], 30000);
+        kvw_room_state_t ps = kvw_sender_wait(snd[k], kvt_tmo_ms(30000));
         CHECK(ps == KVW_ROOM_SUCCESS, "sender %d ended %s: %s", k, kvw_room_state_string(ps),
               kvw_sender_failure(snd[k]));
         /* Each side stamps its own hops, in protocol order. */
@@ -161,20 +161,20 @@ int main(void)
 
     /* Only prefill rank 0 of TP2 has registered. A decode expecting TP1 is refused at
      * once (before the fix it connected to rank 0 alone and took half the heads for all). */
-    kvw_status_t st = make_decode(&dst, bs, 1, 1, 1, 3000, &dctx);
+    kvw_status_t st = make_decode(&dst, bs, 1, 1, 1, kvt_tmo_ms(3000), &dctx);
     expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_tp=1 against TP2 rank 0",
                    "expects a prefill instance of TP 1", "declare TP 2");
     /* The same for PP and DP. */
-    st = make_decode(&dst, bs, 2, 2, 1, 3000, &dctx);
+    st = make_decode(&dst, bs, 2, 2, 1, kvt_tmo_ms(3000), &dctx);
     expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_pp=2 against PP1", "PP 2", "PP 1");
-    st = make_decode(&dst, bs, 2, 1, 2, 3000, &dctx);
+    st = make_decode(&dst, bs, 2, 1, 2, kvt_tmo_ms(3000), &dctx);
     expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_dp=2 against DP1", "DP 2", "DP 1");
     /* Sizes taken from the table (0) or given right: the decode waits for rank 1 and says
      * how many ranks registered at its timeout. */
-    st = make_decode(&dst, bs, 0, 0, 0, 600, &dctx);
+    st = make_decode(&dst, bs, 0, 0, 0, kvt_tmo_ms(600), &dctx);
     expect_refused(st, dctx, KVW_ERR_TIMEOUT, "sizes from the table, rank 1 missing",
                    "1 of 2 prefill ranks registered", NULL);
-    st = make_decode(&dst, bs, 2, 1, 1, 600, &dctx);
+    st = make_decode(&dst, bs, 2, 1, 1, kvt_tmo_ms(600), &dctx);
     expect_refused(st, dctx, KVW_ERR_TIMEOUT, "TP2 expected, rank 1 missing",
                    "1 of 2 prefill ranks registered", NULL);
 
@@ -183,7 +183,7 @@ int main(void)
      * ways of waiting for events move the same verified bytes. */
     setenv("KVW_BUSY_POLL_US", "200", 1);
     CHECK(make_prefill(&src[1], bs, false, &pctx[1]) == KVW_OK, "%s", kvw_last_error());
-    st = make_decode(&dst, bs, 2, 1, 1, 5000, &dctx);
+    st = make_decode(&dst, bs, 2, 1, 1, kvt_tmo_ms(5000), &dctx);
     unsetenv("KVW_BUSY_POLL_US");
     CHECK(st == KVW_OK, "TP2 decode: %s", kvw_last_error());
     if (st == KVW_OK) {
@@ -196,14 +196,14 @@ int main(void)
                                 .pages = {.full = {pg, 3, 0}, .swa = {pg, 3, 0}, .state_slot = -1}};
         CHECK(kvw_receiver_create(dctx, 9, 0, &idle) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_receiver_post(idle, &post) == KVW_OK, "%s", kvw_last_error());
-        kvw_room_state_t ws = kvw_receiver_wait(idle, 300);
+        kvw_room_state_t ws = kvw_receiver_wait(idle, kvt_tmo_ms(300));
         CHECK(ws == KVW_ROOM_WAITING_FOR_INPUT, "idle room after wait(300): %s",
               kvw_room_state_string(ws));
         kvw_receiver_destroy(idle);
         kvw_ctx_destroy(dctx);
     }
     /* With the whole instance registered, TP1 is still refused (n >= want is not enough). */
-    st = make_decode(&dst, bs, 1, 0, 0, 3000, &dctx);
+    st = make_decode(&dst, bs, 1, 0, 0, kvt_tmo_ms(3000), &dctx);
     expect_refused(st, dctx, KVW_ERR_INCOMPATIBLE, "prefill_tp=1 against the full TP2",
                    "TP 1", "TP 2");
 
@@ -213,11 +213,11 @@ int main(void)
      * instance is whole again. */
     kvw_ctx_destroy(pctx[1]);
     pctx[1] = NULL;
-    st = make_decode(&dst, bs, 2, 1, 1, 3000, &dctx);
+    st = make_decode(&dst, bs, 2, 1, 1, kvt_tmo_ms(3000), &dctx);
     expect_refused(st, dctx, KVW_ERR_TIMEOUT, "TP2 decode after rank 1 went away",
                    "1 of 2 prefill ranks registered", NULL);
     CHECK(make_prefill(&src[1], bs, false, &pctx[1]) == KVW_OK, "%s", kvw_last_error());
-    st = make_decode(&dst, bs, 2, 1, 1, 5000, &dctx);
+    st = make_decode(&dst, bs, 2, 1, 1, kvt_tmo_ms(5000), &dctx);
     CHECK(st == KVW_OK, "TP2 decode after rank 1 came back: %s", kvw_last_error());
     if (st == KVW_OK)
         kvw_ctx_destroy(dctx);

@@ -61,8 +61,8 @@ int main(void)
     int quiet = ip_raw_connect(port), half = ip_raw_connect(port);
     CHECK(quiet >= 0 && half >= 0, "connect: %s", strerror(errno));
     CHECK(send(half, "KVW", 3, MSG_NOSIGNAL) == 3, "send: %s", strerror(errno));
-    CHECK(ip_closed_by_peer(quiet, 60000), "a silent connection was never closed");
-    CHECK(ip_closed_by_peer(half, 60000), "a connection stuck inside a frame was never closed");
+    CHECK(ip_closed_by_peer(quiet, kvt_tmo_ms(60000)), "a silent connection was never closed");
+    CHECK(ip_closed_by_peer(half, kvt_tmo_ms(60000)), "a connection stuck inside a frame was never closed");
     close(quiet);
     close(half);
     printf("silent and half-frame connections closed\n");
@@ -81,12 +81,12 @@ int main(void)
     }
     printf("%d silent connections and %d slow senders open\n", opened, SLOW);
     kvw_bs_entry_t e = entry(0, 1);
-    kvw_status_t st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + 10 * SEC);
+    kvw_status_t st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(10 * SEC));
     CHECK(st == KVW_OK, "register beside silent connections: %s: %s", kvw_status_string(st),
           kvw_last_error());
     kvw_bs_entry_t *tab = NULL;
     uint32_t n = 0;
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, NULL, kvt_now_ns() + 10 * SEC, &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, NULL, kvt_now_ns() + kvt_tmo_ns(10 * SEC), &tab, &n);
     CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, e.addr),
           "lookup beside silent connections: %s: %s", kvw_status_string(st), kvw_last_error());
     free(tab);
@@ -101,17 +101,17 @@ int main(void)
     uint32_t ok = 0;
     for (uint32_t i = 0; i < 4096; i++) {
         e = entry(i, 8192);
-        ok += kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + 10 * SEC) == KVW_OK;
+        ok += kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(10 * SEC)) == KVW_OK;
     }
     CHECK(ok == 4096, "only %u of 4096 registrations succeeded: %s", ok, kvw_last_error());
     e = entry(4096, 8192);
-    st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + 10 * SEC);
+    st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(10 * SEC));
     CHECK(st == KVW_ERR_BUSY, "registration into a full table: %s", kvw_status_string(st));
     CHECK(kvt_contains(kvw_last_error(), "bootstrap table is full (4096 entries): rank "
                                          "dp0/tp4096/pp0 was not registered"),
           "message: %s", kvw_last_error());
     e = entry(7, 8192);
-    st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + 10 * SEC);
+    st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(10 * SEC));
     CHECK(st == KVW_OK, "re-registration into a full table: %s: %s", kvw_status_string(st),
           kvw_last_error());
 

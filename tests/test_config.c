@@ -243,7 +243,7 @@ static void check_context(void)
     kvt_rank_t r = {0};
     CHECK(ip_rank(&model, 1, 0, 4, 1, &r) == KVW_OK, "%s", kvw_last_error());
     kvw_ctx_params_t p = ip_params(KVW_SIDE_DECODE, &r, "tcp", NULL, false);
-    p.bootstrap_timeout_ms = 10000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
     static const char *const cases[][2] = {
         {"KVW_STAGING_MB", "abc"}, /* once silently no staging at all */
         {"KVW_WORKERS", "many"},

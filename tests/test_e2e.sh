@@ -62,8 +62,9 @@ fi
 [[ $help_bad -eq 0 ]] || exit 1
 
 # Each run is a few seconds; a stuck run is killed rather than hanging CTest.
-PER_RUN_TIMEOUT=60
-COMMON=(--layers 4 --requests 12 --max-tokens 512 --timeout-ms 20000 --quiet)
+source "$(dirname "${BASH_SOURCE[0]}")/timeout.sh"
+PER_RUN_TIMEOUT=$(kvt_tmo 60)
+COMMON=(--layers 4 --requests 12 --max-tokens 512 --timeout-ms "$(kvt_tmo 20000)" --quiet)
 
 # name | demo arguments
 CASES=(

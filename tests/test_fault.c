@@ -28,6 +28,7 @@
  * Exit: 0 pass, 1 fail, 77 skip (no transport usable).
  */
 #include "testkit.h"
+#include "timeout.h"
 
 #include <kvwire/xfer.h>
 
@@ -44,12 +45,12 @@
 /* ------------------------------------------------------------------ settings */
 
 #define HEARTBEAT_MS 50
-#define PEER_TIMEOUT_MS 800
-#define WAIT_TIMEOUT_MS 1500
-#define BOOT_TIMEOUT_MS 10000
+#define PEER_TIMEOUT_MS kvt_tmo_ms(800)
+#define WAIT_TIMEOUT_MS kvt_tmo_ms(1500)
+#define BOOT_TIMEOUT_MS kvt_tmo_ms(10000)
 /* A room still open this long after its wave started is lost (the library's own
  * timeouts are far shorter; the rest is slack for a loaded machine and sanitizers). */
-#define ROOM_DEADLINE_MS (WAIT_TIMEOUT_MS * 3 + PEER_TIMEOUT_MS + 6000)
+#define ROOM_DEADLINE_MS (WAIT_TIMEOUT_MS * 3 + PEER_TIMEOUT_MS + kvt_tmo_ms(6000))
 
 #define PAGE 16
 #define SWA_PAGE 16

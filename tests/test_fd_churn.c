@@ -25,7 +25,7 @@ static void churn(const char *tl, int cycles)
     kvt_rank_fill(&dst, 2);
     kvw_ctx_h pctx = NULL, dctx = NULL;
     kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, tl, "127.0.0.1:0", true);
-    p.bootstrap_timeout_ms = 10000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
     CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
     if (pctx == NULL)
         return;
@@ -43,7 +43,7 @@ static void churn(const char *tl, int cycles)
     }
     /* The prefill rank notices each departure asynchronously (closed socket). */
     int now = ip_count_fds();
-    for (uint64_t t0 = kvt_now_ns(); now > base && kvt_now_ns() - t0 < 30000000000ull;
+    for (uint64_t t0 = kvt_now_ns(); now > base && kvt_now_ns() - t0 < kvt_tmo_ns(30000000000ull);
          now = ip_count_fds())
         usleep(10000);
     CHECK(now <= base, "%s: %d fds before %d register-and-leave cycles, %d after", tl, base,
@@ -52,7 +52,7 @@ static void churn(const char *tl, int cycles)
     CHECK(kvw_ctx_create(&p, &dctx) == KVW_OK, "decode after the churn: %s", kvw_last_error());
     if (dctx) {
         /* One verified room (proves the prefill context still serves after the churn). */
-        ip_room_t room = {.id = 1, .tokens = TOKENS, .seed = 9, .deadline_ns = 30000000000ull,
+        ip_room_t room = {.id = 1, .tokens = TOKENS, .seed = 9, .deadline_ns = kvt_tmo_ns(30000000000ull),
                           .what = "room"};
         ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
         kvw_ctx_destroy(dctx);

@@ -27,7 +27,7 @@
 
 #define TOKENS 64
 #define ROOM 9
-#define DEADLINE_NS 30000000000ull
+#define DEADLINE_NS kvt_tmo_ns(30000000000ull)
 
 static kvt_model_t model;
 
@@ -165,8 +165,8 @@ static void run(const char *tl_name)
     kvt_rank_fill(&dst, 4);
     kvw_ctx_h pctx = NULL, dctx = NULL;
     kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, tl_name, "127.0.0.1:0", true);
-    p.bootstrap_timeout_ms = 10000;
-    p.wait_timeout_ms = 20000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
+    p.wait_timeout_ms = kvt_tmo_ms(20000);
     CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
     if (pctx == NULL)
         goto out;

@@ -19,6 +19,8 @@
 #include "../fuzz/fuzz_hello.c"
 #include "../fuzz/fuzz_plan.c"
 
+#include "timeout.h"
+
 #include <dirent.h>
 #include <errno.h>
 #include <signal.h>
@@ -77,7 +79,7 @@ static int replay(target_fn fn, const char *path, const char *kind)
         return -1;
     }
     if (pid == 0) {
-        alarm(15);
+        alarm(kvt_tmo_s(15));
         size_t len = 0;
         uint8_t *data = read_file(path, &len);
         if (data == NULL) {

@@ -43,8 +43,8 @@ int main(void)
      * hold their slots for the whole test if nothing displaced them. */
     kvw_ctx_h pctx = NULL, dctx = NULL;
     kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, "tcp", "127.0.0.1:0", true);
-    p.bootstrap_timeout_ms = 10000;
-    p.peer_timeout_ms = 15000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
+    p.peer_timeout_ms = kvt_tmo_ms(15000);
     p.heartbeat_ms = 200;
     CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
     if (pctx == NULL)
@@ -58,12 +58,12 @@ int main(void)
     for (int i = 0; i < SILENT; i++) {
         struct pollfd pf = {.fd = silent[i], .events = POLLIN};
         if (silent[i] >= 0)
-            poll(&pf, 1, 10000);
+            poll(&pf, 1, (int)kvt_tmo_ms(10000));
     }
 
     char bs[128];
     ip_params_decode(&p, pctx, &dst, bs, sizeof(bs));
-    p.peer_timeout_ms = 10000;
+    p.peer_timeout_ms = kvt_tmo_ms(10000);
     kvw_status_t st = kvw_ctx_create(&p, &dctx);
     CHECK(st == KVW_OK, "an honest decode rank could not register beside %d silent "
           "connections: %s: %s", SILENT, kvw_status_string(st), kvw_last_error());
@@ -71,7 +71,7 @@ int main(void)
     int closed = 0;
     for (int i = 0; i < SILENT; i++)
         if (silent[i] >= 0) {
-            closed += ip_closed_by_peer(silent[i], 60000);
+            closed += ip_closed_by_peer(silent[i], kvt_tmo_ms(60000));
             close(silent[i]);
         }
     CHECK(closed == opened, "%d of %d silent connections were never closed", opened - closed,

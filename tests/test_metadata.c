@@ -29,8 +29,8 @@ static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *tl, const 
 {
     kvw_ctx_params_t p =
         ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, tl, bs, host);
-    p.bootstrap_timeout_ms = 20000;
-    p.wait_timeout_ms = 20000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(20000);
+    p.wait_timeout_ms = kvt_tmo_ms(20000);
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -87,7 +87,7 @@ static void room(env_t *e, uint64_t id, const uint8_t *const meta[2], const size
         CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), "before the last chunk"),
               "[%s] late metadata: %s: %s", e->tl, kvw_status_string(st), kvw_last_error());
     }
-    kvw_room_state_t s = kvw_receiver_wait(rcv, 60000);
+    kvw_room_state_t s = kvw_receiver_wait(rcv, kvt_tmo_ms(60000));
     CHECK(s == want, "[%s] room %llu ended %s (want %s): %s", e->tl, (unsigned long long)id,
           kvw_room_state_string(s), kvw_room_state_string(want), kvw_receiver_failure(rcv));
     if (s == KVW_ROOM_FAILED && needle)
@@ -120,7 +120,7 @@ static void room(env_t *e, uint64_t id, const uint8_t *const meta[2], const size
         ip_verify(&e->dst, &expect_kv, prefix);
     }
     for (int k = 0; k < 2; k++) {
-        kvw_sender_wait(snd[k], 20000);
+        kvw_sender_wait(snd[k], kvt_tmo_ms(20000));
         kvw_sender_destroy(snd[k]);
     }
     kvw_receiver_destroy(rcv);

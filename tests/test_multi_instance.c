@@ -39,9 +39,9 @@ static kvw_status_t ctx_open(kvt_rank_t *r, bool prefill, const char *bs, bool h
     if (bs == NULL)
         p.field_mask &= ~KVW_CTX_FIELD_BOOTSTRAP;
     p.heartbeat_ms = 100;
-    p.peer_timeout_ms = 3000;
-    p.bootstrap_timeout_ms = 20000;
-    p.wait_timeout_ms = 20000;
+    p.peer_timeout_ms = kvt_tmo_ms(3000);
+    p.bootstrap_timeout_ms = kvt_tmo_ms(20000);
+    p.wait_timeout_ms = kvt_tmo_ms(20000);
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -144,7 +144,7 @@ static void p_send(room_t *rm)
 
 static void expect_room(room_t *rm, kvw_room_state_t want, const char *needle)
 {
-    kvw_room_state_t s = kvw_receiver_wait(rm->rv, 30000);
+    kvw_room_state_t s = kvw_receiver_wait(rm->rv, kvt_tmo_ms(30000));
     CHECK(s == want, "[%s] room %llu: %s (want %s): %s", g_tl, (unsigned long long)rm->id,
           kvw_room_state_string(s), kvw_room_state_string(want), kvw_receiver_failure(rm->rv));
     if (s == KVW_ROOM_FAILED && needle)
@@ -286,7 +286,7 @@ static void run(const char *tl)
         CHECK(inst_start(&c, 1, 71, c_addr, false) == KVW_OK, "instance C: %s", kvw_last_error());
         kvw_sender_h s = NULL;
         CHECK(kvw_sender_create(c.ctx[0], 41, &s) == KVW_OK, "%s", kvw_last_error());
-        kvw_room_state_t ps = kvw_sender_wait(s, 30000);
+        kvw_room_state_t ps = kvw_sender_wait(s, kvt_tmo_ms(30000));
         CHECK(ps == KVW_ROOM_FAILED && kvt_contains(kvw_sender_failure(s), "abort"),
               "[%s] C's sender of the aborted room: %s: %s", g_tl, kvw_room_state_string(ps),
               kvw_sender_failure(s));

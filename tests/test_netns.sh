@@ -5,6 +5,7 @@
 # namespaces cannot be created. The namespaces are deleted on every exit path.
 set -u
 CLI=${KVW_CLI:-build/kvwire}
+source "$(dirname "${BASH_SOURCE[0]}")/timeout.sh"
 A=kvwt$$a
 B=kvwt$$b
 IPA=10.231.$((RANDOM % 200 + 10)).1
@@ -47,12 +48,12 @@ for t in $transports; do
         set -- $topo
         port=$((port + 1))
         args=(--transport "$t" --prefill-tp "$1" --decode-tp "$2" --layers 4 --requests 8
-              --max-tokens 512 --timeout-ms 30000)
+              --max-tokens 512 --timeout-ms "$(kvt_tmo 30000)")
         # Across namespaces UCX's shared-memory lanes would be chosen and hang; use tcp lanes.
         ip netns exec "$A" env UCX_TLS=tcp "$CLI" demo --role prefill --bootstrap "$IPA:$port" \
             --listen-host "$IPA" "${args[@]}" >"/tmp/kvw_netns_pf.$$" 2>&1 &
         PF_PID=$!
-        out=$(timeout 120 ip netns exec "$B" env UCX_TLS=tcp "$CLI" demo --role decode \
+        out=$(timeout "$(kvt_tmo 120)" ip netns exec "$B" env UCX_TLS=tcp "$CLI" demo --role decode \
               --bootstrap "$IPA:$port" --listen-host "$IPB" "${args[@]}" 2>&1)
         rc=$?
         wait "$PF_PID"

@@ -33,8 +33,8 @@ static kvw_status_t ctx_open(kvt_rank_t *r, bool prefill, const char *tl, const 
     kvw_ctx_params_t p =
         ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, tl, bs, prefill);
     p.field_mask |= KVW_CTX_FIELD_INSTANCE;
-    p.bootstrap_timeout_ms = 20000;
-    p.wait_timeout_ms = 20000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(20000);
+    p.wait_timeout_ms = kvt_tmo_ms(20000);
     p.instance_id = 0;
     return kvw_ctx_create(&p, ctx);
 }
@@ -54,10 +54,10 @@ static void one_room(kvw_ctx_h pctx, kvt_rank_t *src, kvw_ctx_h dctx, kvt_rank_t
           "%s", kvw_last_error());
     CHECK(kvw_sender_create(pctx, id, &s) == KVW_OK && kvw_sender_send(s, &c) == KVW_OK, "%s",
           kvw_last_error());
-    kvw_room_state_t st = kvw_receiver_wait(rv, 30000);
+    kvw_room_state_t st = kvw_receiver_wait(rv, kvt_tmo_ms(30000));
     CHECK(st == KVW_ROOM_SUCCESS, "room %llu: %s", (unsigned long long)id,
           kvw_receiver_failure(rv));
-    CHECK(kvw_sender_wait(s, 30000) == KVW_ROOM_SUCCESS, "sender %llu: %s",
+    CHECK(kvw_sender_wait(s, kvt_tmo_ms(30000)) == KVW_ROOM_SUCCESS, "sender %llu: %s",
           (unsigned long long)id, kvw_sender_failure(s));
     ip_ref(&model, src, 1, &pages, dst, &pages, expect.data, 20, NULL);
     ip_verify(dst, &expect, "");
@@ -101,12 +101,12 @@ static void run(const char *tl)
         one_room(pctx, &src, dctx, &dst, 10 + (uint64_t)i);
         kvw_ctx_destroy(dctx);
     }
-    /* Released within a few control-thread passes; 20 s is far beyond that. */
+    /* Released within a few control-thread passes; 20 s (scaled) is far beyond that. */
     int fds = ip_count_fds(), maps = count_maps();
     /* Mappings may grow by a few for reasons of their own (glibc's per-thread malloc
      * arenas, up to 8 per core); a leak per departed peer adds at least one per round. */
     const int map_slack = ROUNDS / 2;
-    for (int i = 0; i < 400 && (fds > fds0 || maps > maps0 + map_slack); i++) {
+    for (uint32_t i = 0; i < kvt_tmo_ms(20000) / 50 && (fds > fds0 || maps > maps0 + map_slack); i++) {
         usleep(50000);
         fds = ip_count_fds(), maps = count_maps();
     }

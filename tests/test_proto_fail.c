@@ -24,6 +24,7 @@
  * Exit: 0 pass, 1 fail, 77 skip (no transport usable).
  */
 #include "testkit.h"
+#include "timeout.h"
 
 #include <kvwire/xfer.h>
 
@@ -47,11 +48,11 @@
 /* ------------------------------------------------------------------ settings */
 
 #define HEARTBEAT_MS 50
-#define PEER_TIMEOUT_MS 500
-#define WAIT_TIMEOUT_MS 2000
-#define BOOT_TIMEOUT_MS 5000
+#define PEER_TIMEOUT_MS kvt_tmo_ms(500)
+#define WAIT_TIMEOUT_MS kvt_tmo_ms(2000)
+#define BOOT_TIMEOUT_MS kvt_tmo_ms(5000)
 /* Scheduling slack on a loaded two-core machine, sanitizers included. */
-#define SLACK_MS 1500
+#define SLACK_MS kvt_tmo_ms(1500)
 
 #define PAGE 16
 #define MAX_SLOTS 8
@@ -776,7 +777,7 @@ static int d_start(env_t *e, dctx_t *d, bool connect)
 {
     msg_t m;
     memset(d, 0, sizeof(*d));
-    int r = ch_recv(e->ch[0], &m, 15000);
+    int r = ch_recv(e->ch[0], &m, kvt_tmo_ms(15000));
     if (r == -2)
         return 77; /* the prefill process skipped (or failed; it reports that) */
     if (!CHECK(r == 0 && !strcmp(m.tag, "bs"), "no bootstrap address from the prefill"))
@@ -826,7 +827,7 @@ static int sanity_prefill(env_t *e)
     room_t rooms[4];
     for (int i = 0; i < 4; i++)
         rooms[i] = room_def(10 + (uint64_t)i, i);
-    if (ch_expect(e->ch[1], "ready", NULL, 15000))
+    if (ch_expect(e->ch[1], "ready", NULL, kvt_tmo_ms(15000)))
         return 1;
     /* Rooms 0 and 1 are sent before the decode posts them. */
     for (int i = 0; i < 2; i++) {
@@ -834,7 +835,7 @@ static int sanity_prefill(env_t *e)
         p_send_all(&in, &rooms[i]);
     }
     ch_tag(e->ch[1], "sent01");
-    if (ch_expect(e->ch[1], "posted", NULL, 10000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(10000)))
         return 1;
     p_open(&in, &rooms[2]);
     p_send_all(&in, &rooms[2]);
@@ -847,7 +848,7 @@ static int sanity_prefill(env_t *e)
           err);
     CHECK(p_send(&in, &rooms[3], 2 * n / 3, n, true, err, sizeof(err)) == KVW_OK, "chunk: %s", err);
     for (int i = 0; i < 4; i++)
-        p_expect(&in, &rooms[i], KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+        p_expect(&in, &rooms[i], KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     /* A second sender for an open room is refused. */
     kvw_sender_h dup = NULL;
     CHECK(kvw_sender_create(in.ctx[0], rooms[0].id, &dup) == KVW_ERR_BUSY,
@@ -856,7 +857,7 @@ static int sanity_prefill(env_t *e)
         kvw_sender_destroy(dup);
     for (int i = 0; i < 4; i++)
         p_close(&in, &rooms[i]);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -870,13 +871,13 @@ static int sanity_decode(env_t *e)
     for (int i = 0; i < 4; i++)
         rooms[i] = room_def(10 + (uint64_t)i, i);
     ch_tag(e->ch[0], "ready");
-    if (ch_expect(e->ch[0], "sent01", NULL, 10000))
+    if (ch_expect(e->ch[0], "sent01", NULL, kvt_tmo_ms(10000)))
         return 1;
     for (int i = 0; i < 4; i++)
         d_open_post(&d.dec, &rooms[i], NULL);
     ch_tag(e->ch[0], "posted");
     for (int i = 0; i < 4; i++)
-        d_expect(&d.dec, &rooms[i], KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+        d_expect(&d.dec, &rooms[i], KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     room_t *rp[4] = {&rooms[0], &rooms[1], &rooms[2], &rooms[3]};
     int out[4] = {V_OK, V_OK, V_OK, V_OK};
     if (d_verify(&d.dec, &d.snap, &d.src, rp, out, 4))
@@ -903,18 +904,18 @@ static int pdeath_prefill(env_t *e)
     if (rc)
         return rc;
     room_t rm = room_def(20, 3);
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     p_open(&in, &rm);
     if (g_variant == 1) {
         char err[256];
         CHECK(p_send(&in, &rm, 0, rm.n / 2, false, err, sizeof(err)) == KVW_OK, "chunk: %s", err);
         ch_tag(e->ch[1], "chunk1");
-        if (ch_expect(e->ch[1], "transferring", NULL, 10000))
+        if (ch_expect(e->ch[1], "transferring", NULL, kvt_tmo_ms(10000)))
             return 1;
     } else {
         ch_tag(e->ch[1], "sender");
-        if (ch_expect(e->ch[1], "go", NULL, 10000))
+        if (ch_expect(e->ch[1], "go", NULL, kvt_tmo_ms(10000)))
             return 1;
     }
     if (g_variant == 2) {
@@ -939,23 +940,23 @@ static int pdeath_decode(env_t *e)
     ch_tag(e->ch[0], "posted");
     int outcome = V_UNTOUCHED;
     if (g_variant == 1) {
-        if (ch_expect(e->ch[0], "chunk1", NULL, 10000))
+        if (ch_expect(e->ch[0], "chunk1", NULL, kvt_tmo_ms(10000)))
             return 1;
         for (uint32_t k = 0; k < d.dec.n; k++)
-            CHECK(wait_recv(rm.r[k], KVW_ROOM_TRANSFERRING, 5000) == KVW_ROOM_TRANSFERRING,
+            CHECK(wait_recv(rm.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) == KVW_ROOM_TRANSFERRING,
                   "decode rank %u never saw the first chunk (state %s: %s)", k,
                   kvw_room_state_string(kvw_receiver_poll(rm.r[k])),
                   kvw_receiver_failure(rm.r[k]));
         ch_tag(e->ch[0], "transferring");
         outcome = V_PARTIAL;
     } else {
-        if (ch_expect(e->ch[0], "sender", NULL, 10000))
+        if (ch_expect(e->ch[0], "sender", NULL, kvt_tmo_ms(10000)))
             return 1;
         ch_tag(e->ch[0], "go");
     }
     /* "dying" arrives just before the signal (or never, if the process is gone). */
     msg_t m;
-    ch_recv(e->ch[0], &m, 5000);
+    ch_recv(e->ch[0], &m, kvt_tmo_ms(5000));
     uint64_t t0 = now_ms();
     const char *needle = g_variant == 2 ? "heartbeat" : NULL;
     d_expect(&d.dec, &rm, KVW_ROOM_FAILED, needle, PEER_TIMEOUT_MS + SLACK_MS, NULL);
@@ -1013,12 +1014,12 @@ static int ddeath_prefill(env_t *e)
         return rc;
     room_t r1 = room_def(30, 0), r2 = room_def(31, 1);
     if (g_variant == 0) {
-        if (ch_expect(e->ch[1], "posted", NULL, 15000))
+        if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
             return 1;
         p_open(&in, &r1);
-        p_wait_state(&in, &r1, KVW_ROOM_WAITING_FOR_INPUT, 5000); /* the REQ is here */
+        p_wait_state(&in, &r1, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000)); /* the REQ is here */
         ch_tag(e->ch[1], "die");
-        CHECK(ch_wait_gone(e->ch[1], 5000), "the first decode process did not go away");
+        CHECK(ch_wait_gone(e->ch[1], kvt_tmo_ms(5000)), "the first decode process did not go away");
         uint64_t t0 = now_ms();
         p_expect(&in, &r1, KVW_ROOM_FAILED, "decode", PEER_TIMEOUT_MS + SLACK_MS, NULL);
         say("sender failed %llu ms after the decode process died",
@@ -1029,7 +1030,7 @@ static int ddeath_prefill(env_t *e)
         p_close(&in, &r1); /* frees the room */
         /* A new decode instance connects to the same prefill. */
         ch_tag(e->ch[2], "go");
-        if (ch_expect(e->ch[2], "posted", NULL, 15000))
+        if (ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
             return 1;
         p_open(&in, &r2);
         p_send_all(&in, &r2);
@@ -1037,7 +1038,7 @@ static int ddeath_prefill(env_t *e)
         /* The same room id as the dead instance's room works again. */
         room_t r3 = room_def(30, 2);
         ch_tag(e->ch[2], "again");
-        if (ch_expect(e->ch[2], "posted", NULL, 15000))
+        if (ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
             return 1;
         p_open(&in, &r3);
         p_send_all(&in, &r3);
@@ -1048,7 +1049,7 @@ static int ddeath_prefill(env_t *e)
     } else {
         ch_tag(e->ch[1], "go");
         ch_tag(e->ch[2], "go");
-        if (ch_expect(e->ch[1], "posted", NULL, 15000) || ch_expect(e->ch[2], "posted", NULL, 15000))
+        if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)) || ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
             return 1;
         p_open(&in, &r1);
         p_open(&in, &r2);
@@ -1061,7 +1062,7 @@ static int ddeath_prefill(env_t *e)
         p_close(&in, &r1);
         p_close(&in, &r2);
     }
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -1072,7 +1073,7 @@ static int ddeath_victim(env_t *e)
     int rc = d_start(e, &d, false);
     if (rc)
         return rc;
-    if (g_variant == 1 && ch_expect(e->ch[0], "go", NULL, 15000))
+    if (g_variant == 1 && ch_expect(e->ch[0], "go", NULL, kvt_tmo_ms(15000)))
         return 1;
     if (g_variant == 1)
         g_instance = 1; /* instances sharing a prefill each pass their own id */
@@ -1084,7 +1085,7 @@ static int ddeath_victim(env_t *e)
     d_open_post(&d.dec, &rm, NULL);
     ch_tag(e->ch[0], "posted");
     if (g_variant == 0) {
-        ch_expect(e->ch[0], "die", NULL, 15000);
+        ch_expect(e->ch[0], "die", NULL, kvt_tmo_ms(15000));
         raise(SIGKILL);
         return 1;
     }
@@ -1093,7 +1094,7 @@ static int ddeath_victim(env_t *e)
     room_t *rp[1] = {&rm};
     int out = kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
-    ch_expect(e->ch[0], "done", NULL, 15000);
+    ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     d_close(&d.dec, &rm);
     d_end(&d);
     return 0;
@@ -1106,7 +1107,7 @@ static int ddeath_second(env_t *e)
     int rc = d_start(e, &d, false);
     if (rc)
         return rc;
-    if (ch_expect(e->ch[0], "go", NULL, 15000))
+    if (ch_expect(e->ch[0], "go", NULL, kvt_tmo_ms(15000)))
         return 1;
     if (g_variant == 1)
         g_instance = 2;
@@ -1124,7 +1125,7 @@ static int ddeath_second(env_t *e)
     room_t *rp[2] = {&rm, &r3};
     int out[2] = {kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL, V_UNTOUCHED};
     if (g_variant == 0) {
-        if (ch_expect(e->ch[0], "again", NULL, 15000))
+        if (ch_expect(e->ch[0], "again", NULL, kvt_tmo_ms(15000)))
             return 1;
         d_open_post(&d.dec, &r3, NULL);
         ch_tag(e->ch[0], "posted");
@@ -1132,7 +1133,7 @@ static int ddeath_second(env_t *e)
         out[1] = kvw_receiver_poll(r3.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     }
     d_verify(&d.dec, &d.snap, &d.src, rp, out, 2);
-    ch_expect(e->ch[0], "done", NULL, 15000);
+    ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     d_close(&d.dec, &rm);
     d_close(&d.dec, &r3);
     d_end(&d);
@@ -1149,7 +1150,7 @@ static int dabort_prefill(env_t *e)
     if (rc)
         return rc;
     room_t a = room_def(40, 0), b = room_def(41, 1), c = room_def(42, 2);
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     p_open(&in, &a);
     p_open(&in, &b);
@@ -1157,7 +1158,7 @@ static int dabort_prefill(env_t *e)
     char err[256];
     CHECK(p_send(&in, &c, 0, c.n / 2, false, err, sizeof(err)) == KVW_OK, "chunk: %s", err);
     ch_tag(e->ch[1], "c1");
-    if (ch_expect(e->ch[1], "aborted", NULL, 15000))
+    if (ch_expect(e->ch[1], "aborted", NULL, kvt_tmo_ms(15000)))
         return 1;
     p_expect(&in, &a, KVW_ROOM_FAILED, "abort", PEER_TIMEOUT_MS + SLACK_MS, NULL);
     p_expect(&in, &c, KVW_ROOM_FAILED, "abort", PEER_TIMEOUT_MS + SLACK_MS, NULL);
@@ -1172,12 +1173,12 @@ static int dabort_prefill(env_t *e)
           "sending the rest of an aborted room succeeded");
     say("send on the aborted room: %s", err);
     p_send_all(&in, &b);
-    p_expect(&in, &b, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    p_expect(&in, &b, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     ch_tag(e->ch[1], "bsent");
     p_close(&in, &a);
     p_close(&in, &b);
     p_close(&in, &c);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -1192,12 +1193,12 @@ static int dabort_decode(env_t *e)
     d_open_post(&d.dec, &b, NULL);
     d_open_post(&d.dec, &c, NULL);
     ch_tag(e->ch[0], "posted");
-    if (ch_expect(e->ch[0], "c1", NULL, 10000))
+    if (ch_expect(e->ch[0], "c1", NULL, kvt_tmo_ms(10000)))
         return 1;
     for (uint32_t k = 0; k < d.dec.n; k++)
         kvw_receiver_abort(a.r[k]);
     for (uint32_t k = 0; k < d.dec.n; k++)
-        CHECK(wait_recv(c.r[k], KVW_ROOM_TRANSFERRING, 5000) == KVW_ROOM_TRANSFERRING,
+        CHECK(wait_recv(c.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) == KVW_ROOM_TRANSFERRING,
               "room C never started on decode rank %u: %s", k, kvw_receiver_failure(c.r[k]));
     kvw_receiver_abort(c.r[0]); /* only decode rank 0 aborts C */
     uint64_t t0 = now_ms();
@@ -1218,8 +1219,8 @@ static int dabort_decode(env_t *e)
     BUGCHECK("abort-propagation", !kvt_contains(why1, "timed out") && dt < WAIT_TIMEOUT_MS,
              "decode rank 1 did not abort room C and learned of decode rank 0's abort only "
              "through its own wait timeout, %llu ms later: %s", (unsigned long long)dt, why1);
-    d_expect(&d.dec, &b, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
-    if (ch_expect(e->ch[0], "bsent", NULL, 15000))
+    d_expect(&d.dec, &b, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
+    if (ch_expect(e->ch[0], "bsent", NULL, kvt_tmo_ms(15000)))
         return 1;
     sleep_ms(100); /* late writes for A or C would land now */
     room_t *rp[3] = {&a, &b, &c};
@@ -1241,7 +1242,7 @@ static int pabort_prefill(env_t *e)
     if (rc)
         return rc;
     room_t dd = room_def(50, 0), ee = room_def(51, 1), ff = room_def(52, 2);
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     p_open(&in, &dd);
     p_open(&in, &ee);
@@ -1249,7 +1250,7 @@ static int pabort_prefill(env_t *e)
     char err[256];
     CHECK(p_send(&in, &ff, 0, ff.n / 2, false, err, sizeof(err)) == KVW_OK, "chunk: %s", err);
     ch_tag(e->ch[1], "f1");
-    if (ch_expect(e->ch[1], "transferring", NULL, 10000))
+    if (ch_expect(e->ch[1], "transferring", NULL, kvt_tmo_ms(10000)))
         return 1;
     for (uint32_t k = 0; k < in.n; k++) {
         kvw_sender_abort(dd.s[k]);
@@ -1264,12 +1265,12 @@ static int pabort_prefill(env_t *e)
     CHECK(p_send(&in, &ff, ff.n / 2, ff.n, true, err, sizeof(err)) != KVW_OK,
           "sending on an aborted room succeeded");
     p_send_all(&in, &ee);
-    p_expect(&in, &ee, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    p_expect(&in, &ee, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     ch_tag(e->ch[1], "esent");
     p_close(&in, &dd);
     p_close(&in, &ee);
     p_close(&in, &ff);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -1284,10 +1285,10 @@ static int pabort_decode(env_t *e)
     d_open_post(&d.dec, &ee, NULL);
     d_open_post(&d.dec, &ff, NULL);
     ch_tag(e->ch[0], "posted");
-    if (ch_expect(e->ch[0], "f1", NULL, 10000))
+    if (ch_expect(e->ch[0], "f1", NULL, kvt_tmo_ms(10000)))
         return 1;
     for (uint32_t k = 0; k < d.dec.n; k++)
-        CHECK(wait_recv(ff.r[k], KVW_ROOM_TRANSFERRING, 5000) == KVW_ROOM_TRANSFERRING,
+        CHECK(wait_recv(ff.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) == KVW_ROOM_TRANSFERRING,
               "room F never started on decode rank %u", k);
     ch_tag(e->ch[0], "transferring");
     d_expect(&d.dec, &dd, KVW_ROOM_FAILED, "aborted by the prefill", PEER_TIMEOUT_MS + SLACK_MS,
@@ -1298,8 +1299,8 @@ static int pabort_decode(env_t *e)
         CHECK(kvw_receiver_status(dd.r[k]) == KVW_ERR_ABORTED,
               "room aborted by the prefill has status %s on the decode",
               kvw_status_string(kvw_receiver_status(dd.r[k])));
-    d_expect(&d.dec, &ee, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
-    if (ch_expect(e->ch[0], "esent", NULL, 15000))
+    d_expect(&d.dec, &ee, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
+    if (ch_expect(e->ch[0], "esent", NULL, kvt_tmo_ms(15000)))
         return 1;
     sleep_ms(100);
     room_t *rp[3] = {&dd, &ee, &ff};
@@ -1320,14 +1321,14 @@ static int hs_prefill(env_t *e)
     int rc = p_start(e, &in, 0);
     if (rc)
         return rc;
-    if (ch_expect(e->ch[1], "posted", NULL, 60000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(60000)))
         return 1;
     room_t rm = room_def(60, 0);
     p_open(&in, &rm);
     p_send_all(&in, &rm);
-    p_expect(&in, &rm, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    p_expect(&in, &rm, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     p_close(&in, &rm);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -1361,7 +1362,7 @@ static void hs_try(const char *bs, const kvt_model_t *m, kvw_layout_t layout, co
     if (st != KVW_OK) {
         CHECK(kvt_contains(err, v->needle) && (!v->needle2 || kvt_contains(err, v->needle2)),
               "%s: the reason lacks '%s': %s", v->what, v->needle, err);
-        CHECK(dt < 3000, "%s: the rejection took %llu ms", v->what, (unsigned long long)dt);
+        CHECK(dt < kvt_tmo_ms(3000), "%s: the rejection took %llu ms", v->what, (unsigned long long)dt);
         say("%s: %s in %llu ms: %s", v->what, kvw_status_string(st), (unsigned long long)dt, err);
     }
     inst_free(&bad);
@@ -1448,7 +1449,7 @@ static int hs_decode(env_t *e)
     room_t rm = room_def(60, 0);
     d_open_post(&d.dec, &rm, NULL);
     ch_tag(e->ch[0], "posted");
-    d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     room_t *rp[1] = {&rm};
     int out = V_OK;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
@@ -1611,7 +1612,7 @@ static bool expect_dropped(int fd, int timeout_ms, char *out, size_t cap)
  * entry's control address in ctl_addr), or -1. */
 static int bs_lookup(const char *bs, char *ctl_addr, size_t cap)
 {
-    int fd = raw_connect(bs, 2000);
+    int fd = raw_connect(bs, kvt_tmo_ms(2000));
     if (fd < 0)
         return -1;
     uint8_t h[12], type;
@@ -1643,12 +1644,12 @@ static int g_challenge = -1;
 /* Connects to a port; on the control port, consumes the CHALLENGE if one comes. */
 static int port_connect(const char *addr, bool control)
 {
-    int fd = raw_connect(addr, 3000);
+    int fd = raw_connect(addr, kvt_tmo_ms(3000));
     if (fd < 0 || !control)
         return fd;
     if (g_challenge < 0) {
         struct pollfd p = {.fd = fd, .events = POLLIN};
-        g_challenge = poll(&p, 1, 500) > 0;
+        g_challenge = poll(&p, 1, (int)kvt_tmo_ms(500)) > 0;
     }
     if (g_challenge) {
         uint8_t type, *pl = NULL;
@@ -1784,7 +1785,7 @@ static void hello_probe(const char *addr, uint32_t layers)
         put_le32(b + o, layers), o += 4;  /* the rank description starts: layer count */
         put_hdr(b, WIRE_MAGIC, 1, T_HELLO, (uint32_t)(o - 12));
         write_full(fd, b, o);
-        bool closed = expect_dropped(fd, 3000, last, sizeof(last));
+        bool closed = expect_dropped(fd, kvt_tmo_ms(3000), last, sizeof(last));
         close(fd);
         CHECK(closed, "control port: a registration with %u layers left the connection open",
               layers);
@@ -1819,7 +1820,7 @@ static void run_attacks(const char *addr, bool control, const char *bs)
             write_full(fd, at[i].bytes, at[i].len);
         if (at[i].expect_close) {
             char out[600];
-            bool closed = expect_dropped(fd, 3000, out, sizeof(out));
+            bool closed = expect_dropped(fd, kvt_tmo_ms(3000), out, sizeof(out));
             CHECK(closed, "%s port: '%s': the server kept the connection: %s",
                   control ? "control" : "bootstrap", at[i].what, out);
             if (at[i].reject_needle)
@@ -1848,14 +1849,14 @@ static int malformed_prefill(env_t *e)
     int rc = p_start(e, &in, 0);
     if (rc)
         return rc;
-    if (ch_expect(e->ch[1], "posted", NULL, 60000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(60000)))
         return 1;
     room_t rm = room_def(70, 1);
     p_open(&in, &rm);
     p_send_all(&in, &rm);
-    p_expect(&in, &rm, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    p_expect(&in, &rm, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     p_close(&in, &rm);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -1881,7 +1882,7 @@ static int malformed_decode(env_t *e)
     room_t rm = room_def(70, 1);
     d_open_post(&d.dec, &rm, NULL);
     ch_tag(e->ch[0], "posted");
-    d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     room_t *rp[1] = {&rm};
     int out = V_OK;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
@@ -1900,13 +1901,13 @@ static int stall_prefill(env_t *e)
     if (rc)
         return rc;
     room_t rm = room_def(80, 0);
-    if (ch_expect(e->ch[1], "posted", NULL, 20000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(20000)))
         return 1;
     p_open(&in, &rm);
     p_send_all(&in, &rm);
     p_expect(&in, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, "stall");
     p_close(&in, &rm);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -1922,13 +1923,13 @@ static int stall_decode(env_t *e)
      * timeouts: 16 silent ones and one with half a header. */
     int silent[16];
     for (int i = 0; i < 16; i++)
-        silent[i] = raw_connect(ctl, 3000);
-    int s2 = raw_connect(ctl, 3000);
+        silent[i] = raw_connect(ctl, kvt_tmo_ms(3000));
+    int s2 = raw_connect(ctl, kvt_tmo_ms(3000));
     uint8_t h[12];
     put_hdr(h, WIRE_MAGIC, 1, T_HELLO, 100);
     if (s2 >= 0)
         write_full(s2, h, 6);
-    int s3 = raw_connect(d.bs, 3000);
+    int s3 = raw_connect(d.bs, kvt_tmo_ms(3000));
     if (s3 >= 0)
         write_full(s3, h, 6);
     /* The bootstrap serves one frame at a time: how long does a lookup wait behind a
@@ -1984,7 +1985,7 @@ static int badpages_prefill(env_t *e)
     int rc = p_start(e, &in, 0);
     if (rc)
         return rc;
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     room_t rm[BP_N];
     for (int i = 0; i < BP_N; i++) {
@@ -1997,7 +1998,7 @@ static int badpages_prefill(env_t *e)
                  WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     for (int i = 0; i < BP_N; i++)
         p_close(&in, &rm[i]);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -2083,7 +2084,7 @@ static int timeout_prefill(env_t *e)
     if (rc)
         return rc;
     room_t r2 = room_def(102, 1), r3 = room_def(103, 2), r4 = room_def(104, 3);
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     uint64_t t0 = now_ms();
     p_open(&in, &r2);
@@ -2091,7 +2092,7 @@ static int timeout_prefill(env_t *e)
     p_open(&in, &r3);
     p_open(&in, &r4);
     p_send_all(&in, &r4);
-    p_expect(&in, &r4, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    p_expect(&in, &r4, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     p_expect(&in, &r2, KVW_ROOM_FAILED, "timed out", WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     p_expect(&in, &r3, KVW_ROOM_FAILED, "timed out", WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     uint64_t dt = now_ms() - t0;
@@ -2106,7 +2107,7 @@ static int timeout_prefill(env_t *e)
     p_close(&in, &r2);
     p_close(&in, &r3);
     p_close(&in, &r4);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -2122,7 +2123,7 @@ static int timeout_decode(env_t *e)
     d_open_post(&d.dec, &r3, NULL);
     d_open_post(&d.dec, &r4, NULL);
     ch_tag(e->ch[0], "posted");
-    d_expect(&d.dec, &r4, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
+    d_expect(&d.dec, &r4, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     d_expect(&d.dec, &r1, KVW_ROOM_FAILED, "timed out", WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     uint64_t dt = now_ms() - t0;
     CHECK(dt + 150 >= WAIT_TIMEOUT_MS, "decode room timed out after %llu ms, before the %u ms "
@@ -2135,7 +2136,7 @@ static int timeout_decode(env_t *e)
               "timed-out room status %s", kvw_status_string(st));
     }
     d_expect(&d.dec, &r3, KVW_ROOM_FAILED, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
-    ch_expect(e->ch[0], "done", NULL, 15000);
+    ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     room_t *rp[3] = {&r1, &r3, &r4};
     int out[3] = {V_UNTOUCHED, V_UNTOUCHED, V_OK};
     d_verify(&d.dec, &d.snap, &d.src, rp, out, 3);
@@ -2156,7 +2157,7 @@ static int slowchunk_prefill(env_t *e)
     if (rc)
         return rc;
     room_t rm = room_def(110, 4);
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     p_open(&in, &rm);
     char err[256];
@@ -2170,10 +2171,10 @@ static int slowchunk_prefill(env_t *e)
         if (c < 2)
             sleep_ms((unsigned)gap);
     }
-    p_expect(&in, &rm, KVW_ROOM_SUCCESS, NULL, 5000, "slow-chunks");
+    p_expect(&in, &rm, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(5000), "slow-chunks");
     ch_tag(e->ch[1], "done");
     p_close(&in, &rm);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -2187,7 +2188,7 @@ static int slowchunk_decode(env_t *e)
     d_open_post(&d.dec, &rm, NULL);
     ch_tag(e->ch[0], "posted");
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, 3 * WAIT_TIMEOUT_MS, "slow-chunks");
-    ch_expect(e->ch[0], "done", NULL, 15000);
+    ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     room_t *rp[1] = {&rm};
     int out = kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
@@ -2303,7 +2304,7 @@ static size_t unhex(const char *s, uint8_t *out, size_t cap)
 static int proxy_main(env_t *e)
 {
     msg_t m;
-    int r = ch_recv(e->ch[0], &m, 15000);
+    int r = ch_recv(e->ch[0], &m, kvt_tmo_ms(15000));
     if (r == -2)
         return 77;
     if (!CHECK(r == 0 && !strcmp(m.tag, "bs"), "proxy: no bootstrap address"))
@@ -2321,7 +2322,7 @@ static int proxy_main(env_t *e)
     pxconn_t conns[8];
     int nc = 0;
     memset(conns, 0, sizeof(conns));
-    uint64_t end = now_ms() + 60000;
+    uint64_t end = now_ms() + kvt_tmo_ms(60000);
     while (now_ms() < end) {
         struct pollfd p[3 + 16];
         int np = 0;
@@ -2394,7 +2395,7 @@ static int proxy_main(env_t *e)
         }
         if (p[2].revents && nc < 8) {
             int c = accept4(lctl, NULL, NULL, SOCK_CLOEXEC);
-            int u = c >= 0 ? raw_connect(real_ctl, 3000) : -1;
+            int u = c >= 0 ? raw_connect(real_ctl, kvt_tmo_ms(3000)) : -1;
             if (c >= 0 && u >= 0) {
                 int one = 1;
                 setsockopt(c, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -2447,7 +2448,7 @@ static int mitm_dstart(env_t *e, dctx_t *d)
     if (rc)
         return rc;
     msg_t m;
-    if (ch_expect(e->ch[2], "proxy", &m, 15000))
+    if (ch_expect(e->ch[2], "proxy", &m, kvt_tmo_ms(15000)))
         return 1;
     char err[512];
     kvw_status_t st = inst_open(&d->dec, false, g_tl, m.text, NULL, 0, err, sizeof(err));
@@ -2460,7 +2461,7 @@ static void px_cmd(env_t *e, const char *tag, const char *text)
 {
     ch_send(e->ch[2], tag, "%s", text);
     msg_t m;
-    ch_expect(e->ch[2], "ok", &m, 5000);
+    ch_expect(e->ch[2], "ok", &m, kvt_tmo_ms(5000));
 }
 
 static int mitm_prefill(env_t *e)
@@ -2470,15 +2471,15 @@ static int mitm_prefill(env_t *e)
     if (rc)
         return rc;
     room_t r1 = room_def(120, 0), r2 = room_def(121, 1);
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     p_open(&in, &r1);
     p_open(&in, &r2);
     if (g_variant >= 2) {
         /* Corruption in the established stream: the room on that connection fails
          * with a reason on the prefill too. Inject only once both REQs are here. */
-        p_wait_state(&in, &r1, KVW_ROOM_WAITING_FOR_INPUT, 5000);
-        p_wait_state(&in, &r2, KVW_ROOM_WAITING_FOR_INPUT, 5000);
+        p_wait_state(&in, &r1, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000));
+        p_wait_state(&in, &r2, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000));
         ch_tag(e->ch[1], "senders");
         const char *needle = g_variant == 2 ? "magic" : g_variant == 4 ? "truncated" : NULL;
         p_expect(&in, &r1, KVW_ROOM_FAILED, needle, PEER_TIMEOUT_MS + SLACK_MS, NULL);
@@ -2486,15 +2487,15 @@ static int mitm_prefill(env_t *e)
     } else {
         p_send_all(&in, &r1);
         p_send_all(&in, &r2);
-        p_expect(&in, &r2, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
-        kvw_room_state_t s = wait_send(r1.s[0], 10000);
+        p_expect(&in, &r2, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
+        kvw_room_state_t s = wait_send(r1.s[0], kvt_tmo_ms(10000));
         say("prefill sender of the tampered room: %s %s", kvw_room_state_string(s),
             kvw_sender_failure(r1.s[0]));
         ch_tag(e->ch[1], "sent");
     }
     p_close(&in, &r1);
     p_close(&in, &r2);
-    p_end(e, &in, 20000);
+    p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
 
@@ -2516,13 +2517,13 @@ static int mitm_decode(env_t *e)
         d_open_post(&d.dec, &r1, NULL);
         d_open_post(&d.dec, &r2, NULL);
         ch_tag(e->ch[0], "posted");
-        d_expect(&d.dec, &r2, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
-        ch_expect(e->ch[0], "sent", NULL, 15000);
-        kvw_room_state_t s = wait_recv(r1.r[0], KVW_ROOM_SUCCESS, 3000);
+        d_expect(&d.dec, &r2, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
+        ch_expect(e->ch[0], "sent", NULL, kvt_tmo_ms(15000));
+        kvw_room_state_t s = wait_recv(r1.r[0], KVW_ROOM_SUCCESS, kvt_tmo_ms(3000));
         bool landed = page_changed(&d.dec, d.snap.c, 0, KVW_POOL_FULL, foreign);
         if (!strcmp(g_tl, "tcp")) {
             /* tcp: the receiver refuses every write outside the room's grant. */
-            d_expect(&d.dec, &r1, KVW_ROOM_FAILED, "not granted", 3000, NULL);
+            d_expect(&d.dec, &r1, KVW_ROOM_FAILED, "not granted", kvt_tmo_ms(3000), NULL);
             CHECK(!landed, "bytes landed in page %u, which no room was granted", foreign);
             d_verify(&d.dec, &d.snap, &d.src, rp, out, 2);
         } else {
@@ -2546,8 +2547,8 @@ static int mitm_decode(env_t *e)
         d_open_post(&d.dec, &r2, NULL);
         d_close(&d.dec, &r1);
         ch_tag(e->ch[0], "posted");
-        d_expect(&d.dec, &r2, KVW_ROOM_SUCCESS, NULL, 10000, NULL);
-        ch_expect(e->ch[0], "sent", NULL, 15000);
+        d_expect(&d.dec, &r2, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
+        ch_expect(e->ch[0], "sent", NULL, kvt_tmo_ms(15000));
         sleep_ms(200);
         rpages_t p1;
         room_pages(false, r1.slot, r1.n, &p1);
@@ -2572,7 +2573,7 @@ static int mitm_decode(env_t *e)
         d_open_post(&d.dec, &r1, NULL);
         d_open_post(&d.dec, &r2, NULL);
         ch_tag(e->ch[0], "posted");
-        ch_expect(e->ch[0], "senders", NULL, 15000);
+        ch_expect(e->ch[0], "senders", NULL, kvt_tmo_ms(15000));
         uint8_t f[32];
         size_t n = 0;
         const char *dir = "inject_d2p";
@@ -2630,21 +2631,21 @@ static int leave_prefill(env_t *e)
     if (rc)
         return rc;
     room_t ra = room_def(60, 0), rb = room_def(61, 1);
-    if (ch_expect(e->ch[1], "posted", NULL, 15000))
+    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
         return 1;
     p_open(&in, &ra);
-    p_wait_state(&in, &ra, KVW_ROOM_WAITING_FOR_INPUT, 5000);
+    p_wait_state(&in, &ra, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000));
     CHECK(kvw_sender_create(in.ctx[1], rb.id, &rb.s[1]) == KVW_OK, "sender B rank 1: %s",
           kvw_last_error());
     /* Prefill rank 1 serves decode rank 1, which then leaves. */
     p_send_rank(&in, &ra, 1);
     p_send_rank(&in, &rb, 1);
-    CHECK(wait_send(ra.s[1], 10000) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
+    CHECK(wait_send(ra.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
           kvw_sender_failure(ra.s[1]));
-    CHECK(wait_send(rb.s[1], 10000) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
+    CHECK(wait_send(rb.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
           kvw_sender_failure(rb.s[1]));
     ch_tag(e->ch[1], "sent1");
-    if (ch_expect(e->ch[1], "left1", NULL, 15000))
+    if (ch_expect(e->ch[1], "left1", NULL, kvt_tmo_ms(15000)))
         return 1;
     /* Let prefill rank 0 see the departure first (the case also holds if it has not). */
     sleep_ms(300);
@@ -2658,7 +2659,7 @@ static int leave_prefill(env_t *e)
     p_expect(&in, &ra, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     p_expect(&in, &rb, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     ch_tag(e->ch[1], "done0");
-    CHECK(ch_wait_gone(e->ch[1], 20000), "the decode process did not go away");
+    CHECK(ch_wait_gone(e->ch[1], kvt_tmo_ms(20000)), "the decode process did not go away");
     /* Both decode ranks are gone now: finished rooms stay finished. */
     sleep_ms(300);
     for (uint32_t k = 0; k < 2; k++) {
@@ -2683,11 +2684,11 @@ static int leave_decode(env_t *e)
     d_open_post(&d.dec, &ra, NULL);
     d_open_post(&d.dec, &rb, NULL);
     ch_tag(e->ch[0], "posted");
-    if (ch_expect(e->ch[0], "sent1", NULL, 15000))
+    if (ch_expect(e->ch[0], "sent1", NULL, kvt_tmo_ms(15000)))
         return 1;
-    CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, 10000) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
+    CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
           kvw_receiver_failure(ra.r[1]));
-    CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, 10000) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
+    CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
           kvw_receiver_failure(rb.r[1]));
     /* Decode rank 1 leaves: its rooms are done, its context goes away. */
     kvw_receiver_destroy(ra.r[1]);
@@ -2704,7 +2705,7 @@ static int leave_decode(env_t *e)
     int out[2] = {V_OK, V_OK};
     if (d_verify(&d.dec, &d.snap, &d.src, rp, out, 2))
         say("2 rooms verified byte-exact on both decode ranks (guards intact)");
-    ch_expect(e->ch[0], "done0", NULL, 15000);
+    ch_expect(e->ch[0], "done0", NULL, kvt_tmo_ms(15000));
     d_close(&d.dec, &ra);
     d_close(&d.dec, &rb);
     d_end(&d);
@@ -2754,7 +2755,7 @@ static int run_case(const case_def_t *c)
         }
         if (pid[i] == 0) {
             snprintf(g_who, sizeof(g_who), "%s", c->roles[i].who);
-            alarm((unsigned)c->deadline_s + 5);
+            alarm(kvt_tmo_s((unsigned)c->deadline_s) + 5);
             env_t e = {.me = i};
             for (int a = 0; a < MAXP; a++)
                 e.ch[a] = -1;
@@ -2789,7 +2790,7 @@ static int run_case(const case_def_t *c)
         }
     int status[MAXP] = {0};
     bool done[MAXP] = {false};
-    uint64_t end = t0 + (uint64_t)c->deadline_s * 1000;
+    uint64_t end = t0 + (uint64_t)kvt_tmo_s((unsigned)c->deadline_s) * 1000;
     bool hung = false;
     for (;;) {
         bool others_left = false;
@@ -2812,8 +2813,8 @@ static int run_case(const case_def_t *c)
             kill(pid[i], SIGKILL);
             waitpid(pid[i], &status[i], 0);
             if (!c->roles[i].victim || hung)
-                fprintf(stderr, "  [%s %s] %s did not finish within %d s: killed\n", g_tl,
-                        c->name, c->roles[i].who, c->deadline_s);
+                fprintf(stderr, "  [%s %s] %s did not finish within %u s: killed\n", g_tl,
+                        c->name, c->roles[i].who, kvt_tmo_s((unsigned)c->deadline_s));
             if (!hung && c->roles[i].victim)
                 status[i] = 0; /* a frozen victim, killed as planned */
             else

@@ -13,6 +13,7 @@ set -u
 SRC="${KVW_SOURCE_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)}"
 BUILD="${KVW_BUILD_DIR:-$SRC/build}"
 LIB="$BUILD/libkvwire.so"
+source "$(dirname "${BASH_SOURCE[0]}")/timeout.sh"
 
 # An ASan/TSan-instrumented libkvwire.so cannot be loaded into an uninstrumented
 # python3 unless the sanitizer runtime is preloaded; the release build's run covers
@@ -55,7 +56,7 @@ export PYTHONDONTWRITEBYTECODE=1
 
 echo "test_python: $("$PY" --version 2>&1) ($PY), KVWIRE_LIB=$LIB"
 # The suite takes a few seconds; a stuck transfer is killed rather than hanging CTest.
-timeout -k 5 120 "$PY" -m unittest discover -s "$SRC/python/tests" -t "$SRC/python/tests" -v
+timeout -k 5 "$(kvt_tmo 120)" "$PY" -m unittest discover -s "$SRC/python/tests" -t "$SRC/python/tests" -v
 rc=$?
 if [[ $rc -eq 124 || $rc -eq 137 ]]; then
     echo "test_python: FAILED: the suite did not finish within 120 s" >&2

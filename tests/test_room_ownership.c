@@ -18,7 +18,7 @@
 #include "proto/proto.h"
 
 #define TOKENS 48
-#define DEADLINE_NS 30000000000ull
+#define DEADLINE_NS kvt_tmo_ns(30000000000ull)
 
 static kvt_model_t model;
 static kvw_ctx_h g_b; /* decode instance 2 */
@@ -97,8 +97,8 @@ int main(void)
     kvt_rank_fill(&db, 3);
     kvw_ctx_h pctx = NULL, a = NULL;
     kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, "tcp", "127.0.0.1:0", true);
-    p.bootstrap_timeout_ms = 10000;
-    p.wait_timeout_ms = 20000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
+    p.wait_timeout_ms = kvt_tmo_ms(20000);
     CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
     if (pctx == NULL)
         return 1;
@@ -162,7 +162,7 @@ int main(void)
     kvw_ctx_h c = NULL;
     p.rank = dc.h;
     p.instance_id = 1;
-    p.bootstrap_timeout_ms = 1500; /* BUSY is retried until then */
+    p.bootstrap_timeout_ms = kvt_tmo_ms(1500); /* BUSY is retried until then */
     kvw_status_t st = kvw_ctx_create(&p, &c);
     CHECK(st == KVW_ERR_BUSY, "a second registration of a live identity: %s",
           kvw_status_string(st));
@@ -175,7 +175,7 @@ int main(void)
     one_room(pctx, &src, a, &da, 8, NULL);
     kvw_ctx_destroy(a);
     a = NULL;
-    p.bootstrap_timeout_ms = 10000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
     st = kvw_ctx_create(&p, &c);
     CHECK(st == KVW_OK, "the identity once its holder left: %s: %s", kvw_status_string(st),
           kvw_last_error());

@@ -52,6 +52,7 @@ static kvw_status_t make_rank(uint32_t tp, uint32_t pp, uint32_t rank, kvt_rank_
     return kvt_rank_build(&s, r);
 }
 
+/* A context; wait_ms is the wait timeout before scaling (timeout.h). */
 static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *tl, const char *bs,
                              bool host, uint32_t wait_ms, kvw_ctx_h *ctx)
 {
@@ -60,8 +61,8 @@ static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *tl, const 
                                         KVW_CTX_FIELD_HOST_BOOTSTRAP | KVW_CTX_FIELD_TIMEOUTS,
                           .side = prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE,
                           .rank = r->h, .transport = tl, .bootstrap_addr = bs,
-                          .host_bootstrap = host, .bootstrap_timeout_ms = 20000,
-                          .wait_timeout_ms = wait_ms};
+                          .host_bootstrap = host, .bootstrap_timeout_ms = kvt_tmo_ms(20000),
+                          .wait_timeout_ms = kvt_tmo_ms(wait_ms)};
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -119,7 +120,7 @@ static void room_close(room_t *rm)
 {
     env_t *e = rm->e;
     for (uint32_t k = 0; k < e->np; k++) {
-        kvw_sender_wait(rm->snd[k], 30000);
+        kvw_sender_wait(rm->snd[k], kvt_tmo_ms(30000));
         kvw_sender_destroy(rm->snd[k]);
         kvt_req_pages_free(&rm->sp[k]);
         free(rm->sdata[k]);
@@ -196,7 +197,7 @@ static void check_partial(room_t *rm, const char *when)
     env_t *e = rm->e;
     for (uint32_t d = 0; d < e->nd; d++) {
         kvw_room_metrics_t m;
-        uint64_t deadline = kvt_now_ns() + 60000000000ull;
+        uint64_t deadline = kvt_now_ns() + kvt_tmo_ns(60000000000ull);
         for (;;) {
             kvw_receiver_metrics(rm->rcv[d], &m);
             if (m.bytes >= rm->want[d] || kvw_receiver_poll(rm->rcv[d]) == KVW_ROOM_FAILED ||
@@ -243,7 +244,7 @@ static void check_success(room_t *rm, const char *what)
     env_t *e = rm->e;
     char msg[512];
     for (uint32_t d = 0; d < e->nd; d++) {
-        kvw_room_state_t s = kvw_receiver_wait(rm->rcv[d], 60000);
+        kvw_room_state_t s = kvw_receiver_wait(rm->rcv[d], kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_SUCCESS, "[%s] %s: decode %u ended %s: %s", e->name, what, d,
               kvw_room_state_string(s), kvw_receiver_failure(rm->rcv[d]));
         kvw_room_metrics_t m;
@@ -254,7 +255,7 @@ static void check_success(room_t *rm, const char *what)
               m.path ? m.path : "(none)");
     }
     for (uint32_t k = 0; k < e->np; k++) {
-        kvw_room_state_t s = kvw_sender_wait(rm->snd[k], 60000);
+        kvw_room_state_t s = kvw_sender_wait(rm->snd[k], kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_SUCCESS, "[%s] %s: prefill %u ended %s: %s", e->name, what, k,
               kvw_room_state_string(s), kvw_sender_failure(rm->snd[k]));
     }
@@ -379,7 +380,7 @@ static void case_abort(env_t *e, uint64_t id, bool by_decode)
         for (uint32_t k = 0; k < e->np; k++)
             kvw_sender_abort(rm.snd[k]);
     for (uint32_t k = 0; k < e->np; k++) {
-        kvw_room_state_t s = kvw_sender_wait(rm.snd[k], 60000);
+        kvw_room_state_t s = kvw_sender_wait(rm.snd[k], kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED, "[%s] %s: prefill %u ended %s", e->name, what, k,
               kvw_room_state_string(s));
         if (by_decode)
@@ -394,7 +395,7 @@ static void case_abort(env_t *e, uint64_t id, bool by_decode)
               kvw_last_error());
     }
     for (uint32_t d = 0; d < e->nd; d++) {
-        kvw_room_state_t s = kvw_receiver_wait(rm.rcv[d], 60000);
+        kvw_room_state_t s = kvw_receiver_wait(rm.rcv[d], kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED, "[%s] %s: decode %u ended %s", e->name, what, d,
               kvw_room_state_string(s));
     }
@@ -529,7 +530,7 @@ static void run_timeout(const char *tl)
         send_streamed(&rm, &c);
         mark(&rm, &c, 0, 1);
         mark(&rm, &c, 2, 3);
-        kvw_room_state_t s = kvw_sender_wait(rm.snd[0], 60000);
+        kvw_room_state_t s = kvw_sender_wait(rm.snd[0], kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED && kvw_sender_status(rm.snd[0]) == KVW_ERR_TIMEOUT,
               "[%s] never-ready layers: prefill ended %s (%s)", e.name, kvw_room_state_string(s),
               kvw_status_string(kvw_sender_status(rm.snd[0])));
@@ -538,7 +539,7 @@ static void run_timeout(const char *tl)
                                "chunk [0, 40) waits for layers 1, 3 to be marked ready"),
               "[%s] timeout reason: %s", e.name, kvw_sender_failure(rm.snd[0]));
         for (uint32_t d = 0; d < e.nd; d++) {
-            s = kvw_receiver_wait(rm.rcv[d], 60000);
+            s = kvw_receiver_wait(rm.rcv[d], kvt_tmo_ms(60000));
             CHECK(s == KVW_ROOM_FAILED &&
                       kvt_contains(kvw_receiver_failure(rm.rcv[d]), "waits for layers 1, 3"),
                   "[%s] decode %u ended %s: %s", e.name, d, kvw_room_state_string(s),
@@ -570,7 +571,7 @@ static void run_timeout_pp(const char *tl)
          * with the room (its own wait timeout, or the decode's failure, whichever comes
          * first). On shm each stage is confirmed on its own. */
         bool room_wide = !strcmp(tl, "tcp");
-        kvw_room_state_t s = kvw_sender_wait(rm.snd[0], 60000);
+        kvw_room_state_t s = kvw_sender_wait(rm.snd[0], kvt_tmo_ms(60000));
         if (room_wide)
             CHECK(s == KVW_ROOM_FAILED && kvw_sender_failure(rm.snd[0])[0],
                   "[%s] stage 0 ended %s: %s", e.name, kvw_room_state_string(s),
@@ -578,7 +579,7 @@ static void run_timeout_pp(const char *tl)
         else
             CHECK(s == KVW_ROOM_SUCCESS, "[%s] stage 0 ended %s: %s", e.name,
                   kvw_room_state_string(s), kvw_sender_failure(rm.snd[0]));
-        s = kvw_sender_wait(rm.snd[1], 60000);
+        s = kvw_sender_wait(rm.snd[1], kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED &&
                   (room_wide || (kvw_sender_status(rm.snd[1]) == KVW_ERR_TIMEOUT &&
                                  kvt_contains(kvw_sender_failure(rm.snd[1]),
@@ -586,7 +587,7 @@ static void run_timeout_pp(const char *tl)
                                               "ready"))),
               "[%s] stage 1 ended %s: %s", e.name, kvw_room_state_string(s),
               kvw_sender_failure(rm.snd[1]));
-        s = kvw_receiver_wait(rm.rcv[0], 60000);
+        s = kvw_receiver_wait(rm.rcv[0], kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED &&
                   (kvt_contains(kvw_receiver_failure(rm.rcv[0]), "waits for layer 3") ||
                    (room_wide && kvt_contains(kvw_receiver_failure(rm.rcv[0]), "timed out"))),

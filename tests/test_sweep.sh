@@ -20,6 +20,7 @@ if ! command -v python3 >/dev/null; then
     exit 77
 fi
 sweep="$(cd "$(dirname "$0")/.." && pwd)/scripts/sweep.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/timeout.sh"
 
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
@@ -58,7 +59,7 @@ chmod +x "$fake"
 run_fake() {
     local mode=$1 runs=$2
     shift 2
-    SWEEP_FAKE=$mode "$sweep" --cli "$fake" --seed 11 --runs "$runs" --timeout 3 "$@" \
+    SWEEP_FAKE=$mode "$sweep" --cli "$fake" --seed 11 --runs "$runs" --timeout "$(kvt_tmo 3)" "$@" \
         >"$tmp/out" 2>&1
     rc=$?
 }

@@ -26,6 +26,7 @@
  * Every wait has a timeout; each child process also has an alarm.
  * Exit 0 on success, 1 on the first failure, with a message naming the case.
  */
+#include "timeout.h"
 #include "transport/transport.h"
 
 #include <kvwire/mem.h>
@@ -759,7 +760,7 @@ static int child_receiver_rounds(int ctl, void *arg)
     setup_from(&r, &su);
     CHECK(ctl_send(ctl, CTL_SETUP, 0, 0, &su) == 0, "ctl send");
     for (unsigned k = 0; k < XROUNDS; k++) {
-        CHECK(wait_notes(&r.st, k + 1, 20000), "notification of round %u did not arrive", k);
+        CHECK(wait_notes(&r.st, k + 1, kvt_tmo_ms(20000)), "notification of round %u did not arrive", k);
         apply_round(&r, su.seed, k, 7);
         if (verify_note(&r, k, su.seed, k, 7) != 0)
             FAILF("round %u", k);
@@ -769,7 +770,7 @@ static int child_receiver_rounds(int ctl, void *arg)
         CHECK(ctl_send(ctl, CTL_ACK, 0, k, NULL) == 0, "ctl send");
     }
     ctl_msg_t m;
-    CHECK(ctl_recv(ctl, CTL_DONE, &m, 20000) == 0, "sender did not finish");
+    CHECK(ctl_recv(ctl, CTL_DONE, &m, kvt_tmo_ms(20000)) == 0, "sender did not finish");
 out:
     receiver_close(&r);
     return rc;
@@ -781,7 +782,7 @@ static int child_sender_rounds(int ctl, void *arg)
     int rc = 0;
     sender_t s;
     ctl_msg_t m;
-    if (ctl_recv(ctl, CTL_SETUP, &m, 20000) != 0) {
+    if (ctl_recv(ctl, CTL_SETUP, &m, kvt_tmo_ms(20000)) != 0) {
         fprintf(stderr, "FAIL [%s/%s]: no setup from the receiver\n", T->name, g_case);
         return 1;
     }
@@ -791,7 +792,7 @@ static int child_sender_rounds(int ctl, void *arg)
         if (send_round(s.ep, s.rkeys, m.setup.seed, k, 7, 1000 + k) != 0)
             FAILF("round %u", k);
         ctl_msg_t a;
-        CHECK(ctl_recv(ctl, CTL_ACK, &a, 20000) == 0 && a.value == k, "no ack for round %u", k);
+        CHECK(ctl_recv(ctl, CTL_ACK, &a, kvt_tmo_ms(20000)) == 0 && a.value == k, "no ack for round %u", k);
     }
     CHECK(ctl_send(ctl, CTL_DONE, 0, 0, NULL) == 0, "ctl send");
 out:
@@ -807,8 +808,8 @@ static int xproc_integrity(void)
     pid_t sp = spawn(child_sender_rounds, sv[1], sv[0], NULL);
     close(sv[0]);
     close(sv[1]);
-    int rrc = reap_child(rp, 60000, "receiver");
-    int src = reap_child(sp, 60000, "sender");
+    int rrc = reap_child(rp, kvt_tmo_ms(60000), "receiver");
+    int src = reap_child(sp, kvt_tmo_ms(60000), "sender");
     CHECK(rrc == 0 && src == 0, "receiver exited %d, sender exited %d", rrc, src);
 out:
     return rc;
@@ -832,7 +833,7 @@ static int child_sender_stream(int ctl, void *arg)
     buf = malloc(1u << 20);
     CHECK(buf, "no memory");
     memset(buf, 0x5a, 1u << 20);
-    uint64_t end = now_ms() + 60000;
+    uint64_t end = now_ms() + kvt_tmo_ms(60000);
     for (uint64_t i = 0; now_ms() < end; i++) {
         kvw_tl_put_t p = {.src = buf,
                           .rkey = s.rkeys[i % NREG],
@@ -859,7 +860,7 @@ static int child_sender_one_round(int ctl, void *arg)
     if (send_round(s.ep, s.rkeys, g_setup.seed + 1, 0, 7, 77) != 0)
         FAILF("round");
     ctl_msg_t m;
-    CHECK(ctl_recv(ctl, CTL_ACK, &m, 20000) == 0, "no ack from the receiver");
+    CHECK(ctl_recv(ctl, CTL_ACK, &m, kvt_tmo_ms(20000)) == 0, "no ack from the receiver");
 out:
     sender_close(&s);
     return rc;
@@ -876,13 +877,13 @@ static int child_receiver_killed_peer(int ctl, void *arg)
     setup_t su;
     setup_from(&r, &su);
     CHECK(ctl_send(ctl, CTL_SETUP, 0, 0, &su) == 0, "ctl send");
-    CHECK(wait_notes(&r.st, 1, 20000), "the streaming sender never announced itself");
+    CHECK(wait_notes(&r.st, 1, kvt_tmo_ms(20000)), "the streaming sender never announced itself");
     pthread_mutex_lock(&r.st.mu);
     kvw_tl_ep_h victim = r.st.notes[0].ep;
     pthread_mutex_unlock(&r.st.mu);
     CHECK(ctl_send(ctl, CTL_STARTED, 0, 0, NULL) == 0, "ctl send");
-    CHECK(ctl_recv(ctl, CTL_KILLED, &m, 20000) == 0, "parent did not kill the sender");
-    CHECK(wait_errs(&r.st, 1, 10000), "no on_ep_error within 10 s after SIGKILL of the sender");
+    CHECK(ctl_recv(ctl, CTL_KILLED, &m, kvt_tmo_ms(20000)) == 0, "parent did not kill the sender");
+    CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)), "no on_ep_error within 10 s after SIGKILL of the sender");
     pthread_mutex_lock(&r.st.mu);
     ep_err_t e = r.st.errs[0];
     pthread_mutex_unlock(&r.st.mu);
@@ -901,12 +902,12 @@ static int child_receiver_killed_peer(int ctl, void *arg)
     r.st.snap_n = NREG;
     pthread_mutex_unlock(&r.st.mu);
     CHECK(ctl_send(ctl, CTL_EPERR, e.status, 0, NULL) == 0, "ctl send");
-    CHECK(wait_notes(&r.st, 1, 20000), "the second sender's round did not arrive");
+    CHECK(wait_notes(&r.st, 1, kvt_tmo_ms(20000)), "the second sender's round did not arrive");
     apply_round(&r, su.seed + 1, 0, 7);
     if (verify_note(&r, 0, su.seed + 1, 0, 7) != 0)
         FAILF("second sender");
     CHECK(ctl_send(ctl, CTL_ACK, 0, 0, NULL) == 0, "ctl send");
-    CHECK(ctl_recv(ctl, CTL_DONE, &m, 20000) == 0, "parent did not finish");
+    CHECK(ctl_recv(ctl, CTL_DONE, &m, kvt_tmo_ms(20000)) == 0, "parent did not finish");
 out:
     receiver_close(&r);
     return rc;
@@ -921,39 +922,39 @@ static int xproc_peer_killed(void)
     rp = spawn(child_receiver_killed_peer, rv[1], rv[0], NULL);
     close(rv[1]);
     rv[1] = -1;
-    CHECK(ctl_recv(rv[0], CTL_SETUP, &m, 20000) == 0, "no setup from the receiver");
+    CHECK(ctl_recv(rv[0], CTL_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup from the receiver");
     g_setup = m.setup;
     s1 = spawn(child_sender_stream, -1, rv[0], NULL);
-    CHECK(ctl_recv(rv[0], CTL_STARTED, &m, 20000) == 0, "the receiver never saw sender 1");
+    CHECK(ctl_recv(rv[0], CTL_STARTED, &m, kvt_tmo_ms(20000)) == 0, "the receiver never saw sender 1");
     sleep_ms(100); /* let the stream run */
     kill(s1, SIGKILL);
-    reap_child(s1, 5000, "sender 1");
+    reap_child(s1, kvt_tmo_ms(5000), "sender 1");
     s1 = -1;
     CHECK(ctl_send(rv[0], CTL_KILLED, 0, 0, NULL) == 0, "ctl send");
-    CHECK(ctl_recv(rv[0], CTL_EPERR, &m, 20000) == 0, "the receiver did not report the error");
+    CHECK(ctl_recv(rv[0], CTL_EPERR, &m, kvt_tmo_ms(20000)) == 0, "the receiver did not report the error");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     s2 = spawn(child_sender_one_round, sv[1], sv[0], NULL);
     close(sv[1]);
     sv[1] = -1;
     /* Relay the receiver's ack to sender 2. */
-    CHECK(ctl_recv(rv[0], CTL_ACK, &m, 30000) == 0, "the receiver did not verify sender 2");
+    CHECK(ctl_recv(rv[0], CTL_ACK, &m, kvt_tmo_ms(30000)) == 0, "the receiver did not verify sender 2");
     CHECK(ctl_send(sv[0], CTL_ACK, 0, 0, NULL) == 0, "ctl send");
-    int c2 = reap_child(s2, 30000, "sender 2");
+    int c2 = reap_child(s2, kvt_tmo_ms(30000), "sender 2");
     s2 = -1;
     CHECK(c2 == 0, "sender 2 exited %d", c2);
     CHECK(ctl_send(rv[0], CTL_DONE, 0, 0, NULL) == 0, "ctl send");
-    int cr = reap_child(rp, 30000, "receiver");
+    int cr = reap_child(rp, kvt_tmo_ms(30000), "receiver");
     rp = -1;
     CHECK(cr == 0, "receiver exited %d", cr);
 out:
     if (s1 > 0) {
         kill(s1, SIGKILL);
-        reap_child(s1, 5000, "sender 1");
+        reap_child(s1, kvt_tmo_ms(5000), "sender 1");
     }
     if (s2 > 0)
-        reap_child(s2, 5000, "sender 2");
+        reap_child(s2, kvt_tmo_ms(5000), "sender 2");
     if (rp > 0)
-        reap_child(rp, 10000, "receiver");
+        reap_child(rp, kvt_tmo_ms(10000), "receiver");
     for (int i = 0; i < 2; i++) {
         if (rv[i] >= 0)
             close(rv[i]);
@@ -977,7 +978,7 @@ static int child_receiver_idle(int ctl, void *arg)
     setup_from(&r, &su);
     CHECK(ctl_send(ctl, CTL_SETUP, 0, 0, &su) == 0, "ctl send");
     /* Serve until the parent says DONE (or kills us, which is the point). */
-    CHECK(ctl_recv(ctl, CTL_DONE, &m, 80000) == 0, "parent went away");
+    CHECK(ctl_recv(ctl, CTL_DONE, &m, kvt_tmo_ms(80000)) == 0, "parent went away");
 out:
     receiver_close(&r);
     return rc;
@@ -1005,10 +1006,10 @@ static int child_sender_until_error(int ctl, void *arg)
     CHECK_OK(T->put(s.ep, 1, &p, 1));
     CHECK_OK(T->notify(s.ep, "ok", 2));
     CHECK(ctl_send(ctl, CTL_READY, 0, 0, NULL) == 0, "ctl send");
-    CHECK(ctl_recv(ctl, CTL_GO, &m, 20000) == 0, "no GO");
+    CHECK(ctl_recv(ctl, CTL_GO, &m, kvt_tmo_ms(20000)) == 0, "no GO");
     kvw_status_t st = KVW_OK;
     uint64_t t0 = now_ms(), slowest = 0;
-    while (st == KVW_OK && now_ms() - t0 < 30000) {
+    while (st == KVW_OK && now_ms() - t0 < kvt_tmo_ms(30000)) {
         uint64_t c0 = now_ms();
         st = T->put(s.ep, 1, &p, 1);
         if (st == KVW_OK)
@@ -1024,7 +1025,7 @@ static int child_sender_until_error(int ctl, void *arg)
               kvw_status_string(ga->want));
     else
         CHECK(st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO, "got %s", kvw_status_string(st));
-    CHECK(slowest < (uint64_t)ga->timeout_ms + 3000, "a call blocked for %llu ms",
+    CHECK(slowest < (uint64_t)ga->timeout_ms + kvt_tmo_ms(3000), "a call blocked for %llu ms",
           (unsigned long long)slowest);
     /* Once failed, the endpoint stays failed. */
     CHECK(T->put(s.ep, 1, &p, 1) != KVW_OK, "put succeeded after a failure");
@@ -1039,36 +1040,36 @@ static int xproc_receiver_trouble(bool stall)
     int rc = 0, rv[2] = {-1, -1}, sv[2] = {-1, -1};
     pid_t rp = -1, sp = -1;
     ctl_msg_t m;
-    gone_arg_t ga = {.timeout_ms = stall ? 700 : 3000,
+    gone_arg_t ga = {.timeout_ms = kvt_tmo_ms(stall ? 700 : 3000),
                      .want = stall ? KVW_ERR_TIMEOUT : KVW_OK};
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, rv) == 0, "socketpair");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     rp = spawn(child_receiver_idle, rv[1], rv[0], NULL);
     close(rv[1]);
     rv[1] = -1;
-    CHECK(ctl_recv(rv[0], CTL_SETUP, &m, 20000) == 0, "no setup from the receiver");
+    CHECK(ctl_recv(rv[0], CTL_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup from the receiver");
     g_setup = m.setup;
     sp = spawn(child_sender_until_error, sv[1], sv[0], &ga);
     close(sv[1]);
     sv[1] = -1;
-    CHECK(ctl_recv(sv[0], CTL_READY, &m, 20000) == 0, "the sender did not get ready");
+    CHECK(ctl_recv(sv[0], CTL_READY, &m, kvt_tmo_ms(20000)) == 0, "the sender did not get ready");
     if (stall) {
         kill(rp, SIGSTOP);
     } else {
         kill(rp, SIGKILL);
-        reap_child(rp, 5000, "receiver");
+        reap_child(rp, kvt_tmo_ms(5000), "receiver");
         rp = -1;
     }
     CHECK(ctl_send(sv[0], CTL_GO, 0, 0, NULL) == 0, "ctl send");
-    int cs = reap_child(sp, 45000, "sender");
+    int cs = reap_child(sp, kvt_tmo_ms(45000), "sender");
     sp = -1;
     CHECK(cs == 0, "sender exited %d", cs);
 out:
     if (sp > 0)
-        reap_child(sp, 5000, "sender");
+        reap_child(sp, kvt_tmo_ms(5000), "sender");
     if (rp > 0) {
         kill(rp, SIGKILL);
-        reap_child(rp, 5000, "receiver");
+        reap_child(rp, kvt_tmo_ms(5000), "receiver");
     }
     for (int i = 0; i < 2; i++) {
         if (rv[i] >= 0)
@@ -1107,7 +1108,7 @@ static int inproc_integrity(void)
     for (unsigned k = 0; k < 40; k++) {
         if (send_round(s.ep, s.rkeys, su.seed, k, 7, k) != 0)
             FAILF("round %u", k);
-        CHECK(wait_notes(&r.st, k + 1, 20000), "round %u: no notification", k);
+        CHECK(wait_notes(&r.st, k + 1, kvt_tmo_ms(20000)), "round %u: no notification", k);
         apply_round(&r, su.seed, k, 7);
         if (verify_note(&r, k, su.seed, k, 7) != 0)
             FAILF("round %u", k);
@@ -1146,7 +1147,7 @@ static int inproc_multi_ep(void)
         if (send_round(a.ep, a.rkeys, su.seed, k, ma, 1) != 0 ||
             send_round(b.ep, b.rkeys, su.seed + 7, k, mb, 2) != 0)
             FAILF("round %u", k);
-        CHECK(wait_notes(&r.st, 2 * (k + 1), 20000), "round %u: notifications missing", k);
+        CHECK(wait_notes(&r.st, 2 * (k + 1), kvt_tmo_ms(20000)), "round %u: notifications missing", k);
         apply_round(&r, su.seed, k, ma);
         apply_round(&r, su.seed + 7, k, mb);
         for (size_t i = 2 * k; i < 2 * k + 2; i++) {
@@ -1229,7 +1230,7 @@ static int inproc_threads(void)
     for (unsigned i = 0; i < NTHREADS; i++)
         CHECK(ta[i].st == KVW_OK, "thread %u: %s: %s", i, kvw_status_string(ta[i].st), ta[i].err);
     CHECK_OK(T->notify(s.ep, "done", 4));
-    CHECK(wait_notes(&r.st, 1, 20000), "no notification");
+    CHECK(wait_notes(&r.st, 1, kvt_tmo_ms(20000)), "no notification");
     /* Same bytes as the threads wrote, computed the same way. */
     for (unsigned i = 0; i < NTHREADS; i++) {
         uint64_t ss = 1000 + i, base = i * span;
@@ -1339,7 +1340,7 @@ static int inproc_bounds(void)
         kvw_status_t st = T->connect(s.tl, addr, alen, &ep);
         CHECK(st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_REJECTED || st == KVW_ERR_IO,
               "connect to a closed receiver: %s", kvw_status_string(st));
-        CHECK(now_ms() - t0 < 5000, "connect to a closed receiver took %llu ms",
+        CHECK(now_ms() - t0 < kvt_tmo_ms(5000), "connect to a closed receiver took %llu ms",
               (unsigned long long)(now_ms() - t0));
     }
     /* Memory kinds the host transports cannot register. */
@@ -1354,7 +1355,7 @@ static int inproc_bounds(void)
     }
     /* Nothing above may have changed a byte or broken the connection. */
     CHECK_OK(T->notify(s.ep, "end", 3));
-    CHECK(wait_notes(&r.st, 2, 20000), "notifications missing");
+    CHECK(wait_notes(&r.st, 2, kvt_tmo_ms(20000)), "notifications missing");
     if (verify_live(&r) != 0)
         FAILF("rejected puts changed memory");
     {
@@ -1414,7 +1415,7 @@ static int inproc_check_write(void)
     CHECK_OK(T->put(s.ep, 7, refused, 2));
     CHECK_OK(T->put(s.ep, 8, &allowed, 1));
     CHECK_OK(T->notify(s.ep, "n1", 2));
-    CHECK(wait_notes(&r.st, 1, 20000), "no notification after refused writes");
+    CHECK(wait_notes(&r.st, 1, kvt_tmo_ms(20000)), "no notification after refused writes");
     memcpy(r.regs[0].shadow + 300000, b, sizeof(b));
     if (!mediated) {
         memcpy(r.regs[0].shadow + 100, a, sizeof(a));
@@ -1449,7 +1450,7 @@ static int inproc_check_write(void)
     pthread_mutex_unlock(&r.st.mu);
     if (send_round(s.ep, s.rkeys, su.seed, 3, 7, 9) != 0)
         FAILF("round after refusal");
-    CHECK(wait_notes(&r.st, 2, 20000), "no notification");
+    CHECK(wait_notes(&r.st, 2, kvt_tmo_ms(20000)), "no notification");
     apply_round(&r, su.seed, 3, 7);
     if (verify_note(&r, 1, su.seed, 3, 7) != 0)
         FAILF("round after refusal");
@@ -1481,13 +1482,13 @@ static int inproc_dereg(void)
     if (T->caps & KVW_TL_CAP_MEDIATED) {
         kvw_tl_put_t p = {.src = buf, .rkey = s.rkeys[0], .dst_off = 0, .len = sizeof(buf)};
         CHECK_OK(T->put(s.ep, 1, &p, 1)); /* the sender cannot know yet */
-        CHECK(wait_errs(&r.st, 1, 10000), "no on_ep_error for a put into a deregistered region");
+        CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)), "no on_ep_error for a put into a deregistered region");
         CHECK(r.st.errs[0].status == KVW_ERR_OUT_OF_RANGE, "status %s: %s",
               kvw_status_string(r.st.errs[0].status), r.st.errs[0].reason);
         if (verify_live(&r) != 0)
             FAILF("a put into a deregistered region landed");
         /* The sender learns it: its connection fails. */
-        CHECK(wait_errs(&s.st, 1, 10000), "the sender's endpoint did not fail");
+        CHECK(wait_errs(&s.st, 1, kvt_tmo_ms(10000)), "the sender's endpoint did not fail");
         CHECK_ST(T->put(s.ep, 1, &p, 1), KVW_ERR_CONN_CLOSED);
     } else {
         /* A fresh endpoint can no longer fetch the region (memfd path). */
@@ -1520,14 +1521,14 @@ static int inproc_ep_close(void)
     if (sender_open(&s, &su, 0) != 0)
         FAILF("sender_open");
     CHECK_OK(T->notify(s.ep, "hi", 2));
-    CHECK(wait_notes(&r.st, 1, 20000), "no notification");
+    CHECK(wait_notes(&r.st, 1, kvt_tmo_ms(20000)), "no notification");
     for (int i = 0; i < NREG; i++) {
         T->rkey_release(s.rkeys[i]);
         s.rkeys[i] = NULL;
     }
     T->ep_close(s.ep);
     s.ep = NULL;
-    CHECK(wait_errs(&r.st, 1, 10000), "the receiver did not notice the closed connection");
+    CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)), "the receiver did not notice the closed connection");
     CHECK(r.st.errs[0].status == KVW_ERR_CONN_CLOSED && r.st.errs[0].ep == r.st.notes[0].ep,
           "status %s: %s", kvw_status_string(r.st.errs[0].status), r.st.errs[0].reason);
     sleep_ms(300);
@@ -1552,10 +1553,10 @@ static int inproc_receiver_close(void)
     if (receiver_open(&r, 0x5eed0018, 0) != 0)
         FAILF("receiver_open");
     setup_from(&r, &su);
-    if (sender_open(&s, &su, 2000) != 0)
+    if (sender_open(&s, &su, kvt_tmo_ms(2000)) != 0)
         FAILF("sender_open");
     receiver_close(&r);
-    CHECK(wait_errs(&s.st, 1, 10000), "the sender's endpoint did not report the receiver's end");
+    CHECK(wait_errs(&s.st, 1, kvt_tmo_ms(10000)), "the sender's endpoint did not report the receiver's end");
     CHECK(s.st.errs[0].ep == s.ep && s.st.errs[0].status == KVW_ERR_CONN_CLOSED, "status %s: %s",
           kvw_status_string(s.st.errs[0].status), s.st.errs[0].reason);
     uint8_t buf[64] = {0};
@@ -1604,7 +1605,7 @@ static int inproc_rkey_ptr(void)
         fill_bytes(r.regs[i].shadow + L - 1000, 1000, 12 + (uint64_t)i);
     }
     CHECK_OK(T->notify(s.ep, "mapped", 6));
-    CHECK(wait_notes(&r.st, 1, 20000), "no notification");
+    CHECK(wait_notes(&r.st, 1, kvt_tmo_ms(20000)), "no notification");
     pthread_mutex_lock(&r.st.mu);
     const uint8_t *snap = r.st.notes[0].snap;
     pthread_mutex_unlock(&r.st.mu);
@@ -1637,7 +1638,7 @@ static int inproc_fini_leaks(void)
         FAILF("sender_open");
     if (send_round(s.ep, s.rkeys, su.seed, 0, 7, 1) != 0)
         FAILF("round");
-    CHECK(wait_notes(&r.st, 1, 20000), "no notification");
+    CHECK(wait_notes(&r.st, 1, kvt_tmo_ms(20000)), "no notification");
     /* Sender: fini with an open endpoint and unreleased rkeys. */
     T->fini(s.tl);
     memset(&s, 0, sizeof(s));

@@ -11,6 +11,7 @@
  * Under sanitizers (KVW_SANITIZED set) the sizes shrink and nothing is enforced.
  * KVW_PERF_GB sets the bytes per measurement (default 2).
  */
+#include "timeout.h"
 #include "transport/transport.h"
 
 #include <kvwire/mem.h>
@@ -167,7 +168,7 @@ static void wait_note(int n)
 {
     struct timespec dl;
     clock_gettime(CLOCK_REALTIME, &dl);
-    dl.tv_sec += 60;
+    dl.tv_sec += kvt_tmo_s(60);
     pthread_mutex_lock(&g_mu);
     while (g_notes < n)
         if (pthread_cond_timedwait(&g_cv, &g_mu, &dl) != 0)
@@ -175,7 +176,7 @@ static void wait_note(int n)
     int got = g_notes;
     pthread_mutex_unlock(&g_mu);
     if (got < n) {
-        fprintf(stderr, "FAIL: notification did not arrive within 60 s\n");
+        fprintf(stderr, "FAIL: notification did not arrive within %u s\n", kvt_tmo_s(60));
         exit(1);
     }
 }

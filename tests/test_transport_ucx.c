@@ -29,6 +29,7 @@
  * two processes for runs of 1-64 MiB, for each data path (KVW_UCX_PUT) and error mode
  * (KVW_UCX_ERR_MODE), with a memcpy baseline of the same buffers in the same run.
  */
+#include "timeout.h"
 #include "transport/transport.h"
 
 #include <errno.h>
@@ -657,7 +658,7 @@ static int child_rx_rounds(int ctl, void *arg)
     r.st.snap_regs = r.regs;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
     for (unsigned k = 0; k < ROUNDS; k++) {
-        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, 20000), "round %u: no notification", k);
+        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, kvt_tmo_ms(20000)), "round %u: no notification", k);
         apply_round(&r, r.su.seed, k);
         if (verify_note(&r, k, r.su.seed, k) != 0) {
             rc = 1;
@@ -669,7 +670,7 @@ static int child_rx_rounds(int ctl, void *arg)
         CHECK(count_of(&r.st, &r.st.num_checks) == 0, "check_write was called");
         CHECK(ctl_send(ctl, C_ACK, 0, k, NULL) == 0, "ctl");
     }
-    CHECK(ctl_recv(ctl, C_DONE, &m, 20000) == 0, "sender did not finish");
+    CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(20000)) == 0, "sender did not finish");
 out:
     receiver_close(&r);
     return rc;
@@ -683,7 +684,7 @@ static int child_tx_rounds(int ctl, void *arg)
     ctl_t m;
     memset(&s, 0, sizeof(s));
     setenv("KVW_UCX_PUT", ma->put_mode, 1); /* single-threaded here: safe */
-    CHECK(ctl_recv(ctl, C_SETUP, &m, 20000) == 0, "no setup");
+    CHECK(ctl_recv(ctl, C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup");
     if (sender_open(&s, &m.setup, 0) != 0) {
         rc = 1;
         goto out;
@@ -699,7 +700,7 @@ static int child_tx_rounds(int ctl, void *arg)
             goto out;
         }
         ctl_t a;
-        CHECK(ctl_recv(ctl, C_ACK, &a, 20000) == 0 && a.value == k, "no ack for round %u", k);
+        CHECK(ctl_recv(ctl, C_ACK, &a, kvt_tmo_ms(20000)) == 0 && a.value == k, "no ack for round %u", k);
     }
     fprintf(stderr, "  [%s] %u verified rounds, %.1f MB in %llu ms\n", ma->put_mode, ROUNDS,
             (double)bytes / 1e6, (unsigned long long)(now_ms() - t0));
@@ -728,13 +729,13 @@ out:
 static int integrity_am(void)
 {
     mode_arg_t ma = {"am"};
-    return run_pair(child_rx_rounds, child_tx_rounds, &ma, 40000);
+    return run_pair(child_rx_rounds, child_tx_rounds, &ma, kvt_tmo_ms(40000));
 }
 
 static int integrity_rma(void)
 {
     mode_arg_t ma = {"rma"};
-    return run_pair(child_rx_rounds, child_tx_rounds, &ma, 40000);
+    return run_pair(child_rx_rounds, child_tx_rounds, &ma, kvt_tmo_ms(40000));
 }
 
 /* ---------------------------------------------------------------- dereg_refused */
@@ -748,11 +749,11 @@ static int child_rx_dereg(int ctl, void *arg)
     if (receiver_open(&r, 0x5eed0202, 0) != 0)
         return 1;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
-    CHECK(wait_count(&r.st, &r.st.num_notes, 1, 20000), "no hello notification");
+    CHECK(wait_count(&r.st, &r.st.num_notes, 1, kvt_tmo_ms(20000)), "no hello notification");
     T->mem_dereg(r.tl, r.regs[2].mem);
     r.regs[2].mem = NULL;
     CHECK(ctl_send(ctl, C_DEREG, 0, 0, NULL) == 0, "ctl");
-    CHECK(wait_count(&r.st, &r.st.num_errs, 1, 10000), "no on_ep_error for a write into a "
+    CHECK(wait_count(&r.st, &r.st.num_errs, 1, kvt_tmo_ms(10000)), "no on_ep_error for a write into a "
                                                        "deregistered region");
     pthread_mutex_lock(&r.st.mu);
     kvw_status_t st = r.st.err_st[0];
@@ -764,7 +765,7 @@ static int child_rx_dereg(int ctl, void *arg)
     char why[256];
     for (int i = 0; i < NREG; i++)
         CHECK(check_image(&r.regs[i], r.regs[i].base, why, sizeof(why)) == 0, "%s", why);
-    CHECK(ctl_recv(ctl, C_DONE, &m, 20000) == 0, "sender did not finish");
+    CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(20000)) == 0, "sender did not finish");
 out:
     receiver_close(&r);
     return rc;
@@ -779,20 +780,20 @@ static int child_tx_dereg(int ctl, void *arg)
     memset(&s, 0, sizeof(s));
     static uint8_t buf[200000];
     memset(buf, 0x77, sizeof(buf));
-    CHECK(ctl_recv(ctl, C_SETUP, &m, 20000) == 0, "no setup");
-    if (sender_open(&s, &m.setup, 3000) != 0) {
+    CHECK(ctl_recv(ctl, C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup");
+    if (sender_open(&s, &m.setup, kvt_tmo_ms(3000)) != 0) {
         rc = 1;
         goto out;
     }
     CHECK_OK(T->notify(s.ep, "hello", 5));
-    CHECK(ctl_recv(ctl, C_DEREG, &m, 20000) == 0, "no dereg");
+    CHECK(ctl_recv(ctl, C_DEREG, &m, kvt_tmo_ms(20000)) == 0, "no dereg");
     /* A small (eager) and a large (rendezvous) write: neither may land. */
     kvw_tl_put_t p[2] = {{.src = buf, .rkey = s.rkeys[2], .dst_off = 100, .len = 100},
                          {.src = buf, .rkey = s.rkeys[2], .dst_off = 0, .len = sizeof(buf)}};
     kvw_status_t st = T->put(s.ep, 1, p, 2);
     /* The endpoint fails: at once (rendezvous refused) or at the next exchange. */
     uint64_t t0 = now_ms();
-    while (st == KVW_OK && now_ms() - t0 < 8000) {
+    while (st == KVW_OK && now_ms() - t0 < kvt_tmo_ms(8000)) {
         st = T->notify(s.ep, "x", 1);
         if (st == KVW_OK)
             sleep_ms(50);
@@ -810,7 +811,7 @@ out:
 static int dereg_refused(void)
 {
     mode_arg_t ma = {"am"};
-    return run_pair(child_rx_dereg, child_tx_dereg, &ma, 30000);
+    return run_pair(child_rx_dereg, child_tx_dereg, &ma, kvt_tmo_ms(30000));
 }
 
 /* ---------------------------------------------------------------- sender_killed */
@@ -834,7 +835,7 @@ static int child_tx_stream(int ctl, void *arg)
     }
     CHECK_OK(T->notify(s.ep, "started", 7));
     uint64_t seed = 99;
-    for (uint64_t t0 = now_ms(); now_ms() - t0 < 30000;) {
+    for (uint64_t t0 = now_ms(); now_ms() - t0 < kvt_tmo_ms(30000);) {
         if (idle) {
             sleep_ms(50);
             continue;
@@ -871,7 +872,7 @@ static int child_tx_after(int ctl, void *arg)
             rc = 1;
             goto out;
         }
-        CHECK(ctl_recv(ctl, C_ACK, &m, 20000) == 0, "no ack for round %u", k);
+        CHECK(ctl_recv(ctl, C_ACK, &m, kvt_tmo_ms(20000)) == 0, "no ack for round %u", k);
     }
 out:
     sender_close(&s);
@@ -887,16 +888,16 @@ static int child_rx_killed_peer(int ctl, void *arg)
     if (receiver_open(&r, 0x5eed0303, 0) != 0)
         return 1;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
-    CHECK(wait_count(&r.st, &r.st.num_notes, 1, 20000), "the first sender never said started");
+    CHECK(wait_count(&r.st, &r.st.num_notes, 1, kvt_tmo_ms(20000)), "the first sender never said started");
     pthread_mutex_lock(&r.st.mu);
     kvw_tl_ep_h victim = r.st.notes[0].ep;
     r.st.reset_regs = r.regs;
     r.st.reset_seed = r.su.seed + 5;
     pthread_mutex_unlock(&r.st.mu);
     CHECK(ctl_send(ctl, C_STARTED, 0, 0, NULL) == 0, "ctl");
-    CHECK(ctl_recv(ctl, C_KILLED, &m, 20000) == 0, "parent did not kill the sender");
+    CHECK(ctl_recv(ctl, C_KILLED, &m, kvt_tmo_ms(20000)) == 0, "parent did not kill the sender");
     uint64_t t0 = now_ms();
-    CHECK(wait_count(&r.st, &r.st.num_errs, 1, 10000), "no on_ep_error within 10 s of SIGKILL");
+    CHECK(wait_count(&r.st, &r.st.num_errs, 1, kvt_tmo_ms(10000)), "no on_ep_error within 10 s of SIGKILL");
     pthread_mutex_lock(&r.st.mu);
     kvw_tl_ep_h ep = r.st.err_ep[0];
     kvw_status_t st = r.st.err_st[0];
@@ -915,7 +916,7 @@ static int child_rx_killed_peer(int ctl, void *arg)
     pthread_mutex_unlock(&r.st.mu);
     CHECK(ctl_send(ctl, C_EPERR, st, 0, NULL) == 0, "ctl");
     for (unsigned k = 0; k < 3; k++) {
-        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, 20000), "new sender: no round %u", k);
+        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, kvt_tmo_ms(20000)), "new sender: no round %u", k);
         apply_round(&r, r.su.seed + 1, k);
         if (verify_note(&r, k, r.su.seed + 1, k) != 0) {
             rc = 1;
@@ -924,7 +925,7 @@ static int child_rx_killed_peer(int ctl, void *arg)
         CHECK(count_of(&r.st, &r.st.num_errs) == 1, "more on_ep_error: %s", r.st.err_reason[1]);
         CHECK(ctl_send(ctl, C_ACK, 0, k, NULL) == 0, "ctl");
     }
-    CHECK(ctl_recv(ctl, C_DONE, &m, 20000) == 0, "parent did not finish");
+    CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(20000)) == 0, "parent did not finish");
 out:
     receiver_close(&r);
     return rc;
@@ -939,40 +940,40 @@ static int killed_peer(bool idle)
     rp = spawn(child_rx_killed_peer, rv[1], rv[0], NULL);
     close(rv[1]);
     rv[1] = -1;
-    CHECK(ctl_recv(rv[0], C_SETUP, &m, 20000) == 0, "no setup from the receiver");
+    CHECK(ctl_recv(rv[0], C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup from the receiver");
     g_setup = m.setup;
     s1 = spawn(child_tx_stream, -1, rv[0], idle ? &g_setup : NULL);
-    CHECK(ctl_recv(rv[0], C_STARTED, &m, 20000) == 0, "the receiver never saw sender 1");
+    CHECK(ctl_recv(rv[0], C_STARTED, &m, kvt_tmo_ms(20000)) == 0, "the receiver never saw sender 1");
     sleep_ms(300); /* let the stream run */
     kill(s1, SIGKILL);
-    reap(s1, 5000, "sender 1");
+    reap(s1, kvt_tmo_ms(5000), "sender 1");
     s1 = -1;
     CHECK(ctl_send(rv[0], C_KILLED, 0, 0, NULL) == 0, "ctl");
-    CHECK(ctl_recv(rv[0], C_EPERR, &m, 20000) == 0, "the receiver did not report the error");
+    CHECK(ctl_recv(rv[0], C_EPERR, &m, kvt_tmo_ms(20000)) == 0, "the receiver did not report the error");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     s2 = spawn(child_tx_after, sv[1], sv[0], NULL);
     close(sv[1]);
     sv[1] = -1;
     for (unsigned k = 0; k < 3; k++) { /* relay the receiver's acks */
-        CHECK(ctl_recv(rv[0], C_ACK, &m, 30000) == 0, "the receiver did not verify round %u", k);
+        CHECK(ctl_recv(rv[0], C_ACK, &m, kvt_tmo_ms(30000)) == 0, "the receiver did not verify round %u", k);
         CHECK(ctl_send(sv[0], C_ACK, 0, k, NULL) == 0, "ctl");
     }
-    int c2 = reap(s2, 30000, "sender 2");
+    int c2 = reap(s2, kvt_tmo_ms(30000), "sender 2");
     s2 = -1;
     CHECK(c2 == 0, "sender 2 exited %d", c2);
     CHECK(ctl_send(rv[0], C_DONE, 0, 0, NULL) == 0, "ctl");
-    int cr = reap(rp, 30000, "receiver");
+    int cr = reap(rp, kvt_tmo_ms(30000), "receiver");
     rp = -1;
     CHECK(cr == 0, "receiver exited %d", cr);
 out:
     if (s1 > 0) {
         kill(s1, SIGKILL);
-        reap(s1, 5000, "sender 1");
+        reap(s1, kvt_tmo_ms(5000), "sender 1");
     }
     if (s2 > 0)
-        reap(s2, 5000, "sender 2");
+        reap(s2, kvt_tmo_ms(5000), "sender 2");
     if (rp > 0)
-        reap(rp, 10000, "receiver");
+        reap(rp, kvt_tmo_ms(10000), "receiver");
     for (int i = 0; i < 2; i++) {
         if (rv[i] >= 0)
             close(rv[i]);
@@ -1003,7 +1004,7 @@ static int child_rx_idle(int ctl, void *arg)
     if (receiver_open(&r, 0x5eed0404, 0) != 0)
         return 1;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
-    CHECK(ctl_recv(ctl, C_DONE, &m, 50000) == 0, "parent went away");
+    CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(50000)) == 0, "parent went away");
 out:
     receiver_close(&r);
     return rc;
@@ -1068,7 +1069,7 @@ static int child_tx_until_error(int ctl, void *arg)
     CHECK_OK(T->put(s.ep, 1, p, 2));
     CHECK_OK(T->notify(s.ep, "ok", 2));
     CHECK(ctl_send(ctl, C_READY, 0, 0, NULL) == 0, "ctl");
-    CHECK(ctl_recv(ctl, C_GO, &m, 20000) == 0, "no GO");
+    CHECK(ctl_recv(ctl, C_GO, &m, kvt_tmo_ms(20000)) == 0, "no GO");
     if (ta->close) {
         /* Fill the pipe until a put blocks, then close the instance under it. */
         put_loop_t pl = {.s = &s, .p = p, .st = KVW_OK};
@@ -1085,13 +1086,13 @@ static int child_tx_until_error(int ctl, void *arg)
                 (unsigned long long)stop_ms);
         CHECK(pl.st == KVW_ERR_SHUTDOWN, "the blocked put returned %s",
               kvw_status_string(pl.st));
-        CHECK(pl.ended_ms - c0 < 1000 && stop_ms < 2500, "close did not end the blocked put "
+        CHECK(pl.ended_ms - c0 < kvt_tmo_ms(1000) && stop_ms < kvt_tmo_ms(2500), "close did not end the blocked put "
                                                          "promptly");
         CHECK_ST(T->notify(s.ep, "z", 1), KVW_ERR_SHUTDOWN);
         /* A second instance whose connect waits for the stopped receiver's answer. */
         rx_t st2;
         rx_init(&st2);
-        kvw_tl_params_t p2 = make_params(&st2, 10000);
+        kvw_tl_params_t p2 = make_params(&st2, kvt_tmo_ms(10000));
         connect_arg_t ca = {.st = KVW_OK};
         CHECK_OK(T->init(&p2, &ca.tl));
         CHECK(pthread_create(&th, NULL, connect_thread, &ca) == 0, "pthread_create");
@@ -1108,12 +1109,12 @@ static int child_tx_until_error(int ctl, void *arg)
         rx_fini(&st2);
         CHECK(ca.st == KVW_ERR_SHUTDOWN, "the blocked connect returned %s",
               kvw_status_string(ca.st));
-        CHECK(ca.ended_ms - c0 < 1000 && stop_ms < 2500, "close did not end the connect");
+        CHECK(ca.ended_ms - c0 < kvt_tmo_ms(1000) && stop_ms < kvt_tmo_ms(2500), "close did not end the connect");
         goto out;
     }
     kvw_status_t st = KVW_OK;
     uint64_t t0 = now_ms(), slowest = 0;
-    while (st == KVW_OK && now_ms() - t0 < 20000) {
+    while (st == KVW_OK && now_ms() - t0 < kvt_tmo_ms(20000)) {
         uint64_t c0 = now_ms();
         st = T->put(s.ep, 1, p, 2);
         if (st == KVW_OK)
@@ -1127,7 +1128,7 @@ static int child_tx_until_error(int ctl, void *arg)
         CHECK(st == KVW_ERR_TIMEOUT, "got %s", kvw_status_string(st));
     else
         CHECK(st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO, "got %s", kvw_status_string(st));
-    CHECK(slowest < (uint64_t)ta->timeout_ms + 3000, "a call blocked for %llu ms",
+    CHECK(slowest < (uint64_t)ta->timeout_ms + kvt_tmo_ms(3000), "a call blocked for %llu ms",
           (unsigned long long)slowest);
     CHECK_ST(T->put(s.ep, 1, p, 1), KVW_ERR_CONN_CLOSED);
     CHECK_ST(T->notify(s.ep, "y", 1), KVW_ERR_CONN_CLOSED);
@@ -1142,36 +1143,36 @@ static int receiver_trouble(bool stall, bool close_it)
     int rc = 0, rv[2] = {-1, -1}, sv[2] = {-1, -1};
     pid_t rp = -1, sp = -1;
     ctl_t m;
-    trouble_arg_t ta = {.timeout_ms = close_it ? 10000 : stall ? 700 : 2000, .stall = stall,
+    trouble_arg_t ta = {.timeout_ms = kvt_tmo_ms(close_it ? 10000 : stall ? 700 : 2000), .stall = stall,
                         .close = close_it};
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, rv) == 0, "socketpair");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     rp = spawn(child_rx_idle, rv[1], rv[0], NULL);
     close(rv[1]);
     rv[1] = -1;
-    CHECK(ctl_recv(rv[0], C_SETUP, &m, 20000) == 0, "no setup from the receiver");
+    CHECK(ctl_recv(rv[0], C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup from the receiver");
     g_setup = m.setup;
     sp = spawn(child_tx_until_error, sv[1], sv[0], &ta);
     close(sv[1]);
     sv[1] = -1;
-    CHECK(ctl_recv(sv[0], C_READY, &m, 20000) == 0, "the sender did not get ready");
+    CHECK(ctl_recv(sv[0], C_READY, &m, kvt_tmo_ms(20000)) == 0, "the sender did not get ready");
     if (stall) {
         kill(rp, SIGSTOP);
     } else {
         kill(rp, SIGKILL);
-        reap(rp, 5000, "receiver");
+        reap(rp, kvt_tmo_ms(5000), "receiver");
         rp = -1;
     }
     CHECK(ctl_send(sv[0], C_GO, 0, 0, NULL) == 0, "ctl");
-    int cs = reap(sp, 30000, "sender");
+    int cs = reap(sp, kvt_tmo_ms(30000), "sender");
     sp = -1;
     CHECK(cs == 0, "sender exited %d", cs);
 out:
     if (sp > 0)
-        reap(sp, 5000, "sender");
+        reap(sp, kvt_tmo_ms(5000), "sender");
     if (rp > 0) {
         kill(rp, SIGKILL);
-        reap(rp, 5000, "receiver");
+        reap(rp, kvt_tmo_ms(5000), "receiver");
     }
     for (int i = 0; i < 2; i++) {
         if (rv[i] >= 0)
@@ -1214,13 +1215,13 @@ static int accepted_close(void)
         goto out;
     }
     CHECK_OK(T->notify(s.ep, "hi", 2));
-    CHECK(wait_count(&r.st, &r.st.num_notes, 1, 10000), "no notification");
+    CHECK(wait_count(&r.st, &r.st.num_notes, 1, kvt_tmo_ms(10000)), "no notification");
     pthread_mutex_lock(&r.st.mu);
     kvw_tl_ep_h acc = r.st.notes[0].ep;
     pthread_mutex_unlock(&r.st.mu);
     T->ep_close(acc);
     uint64_t t0 = now_ms();
-    CHECK(wait_count(&s.st, &s.st.num_errs, 1, 5000), "the sender did not learn of the close");
+    CHECK(wait_count(&s.st, &s.st.num_errs, 1, kvt_tmo_ms(5000)), "the sender did not learn of the close");
     CHECK(s.st.err_ep[0] == s.ep && s.st.err_st[0] == KVW_ERR_CONN_CLOSED, "%s: %s",
           kvw_status_string(s.st.err_st[0]), s.st.err_reason[0]);
     fprintf(stderr, "  sender learned it after %llu ms: %s\n",
@@ -1249,7 +1250,7 @@ static int fini_leaks(void)
         rc = 1;
         goto out;
     }
-    CHECK(wait_count(&r.st, &r.st.num_notes, 1, 10000), "no notification");
+    CHECK(wait_count(&r.st, &r.st.num_notes, 1, kvt_tmo_ms(10000)), "no notification");
     T->fini(s.tl); /* open endpoint and rkeys */
     memset(s.rkeys, 0, sizeof(s.rkeys));
     s.ep = NULL;
@@ -1301,7 +1302,7 @@ static int child_rx_bench(int ctl, void *arg)
     su.addr_len = (uint32_t)alen;
     su.rkey_len[0] = (uint32_t)rlen;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &su) == 0, "ctl");
-    CHECK(ctl_recv(ctl, C_DONE, &m, 120000) == 0, "sender did not finish");
+    CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(120000)) == 0, "sender did not finish");
 out:
     if (tl) {
         T->close(tl);
@@ -1330,7 +1331,7 @@ static int child_tx_bench(int ctl, void *arg)
     CHECK(src && dst, "no memory");
     memset(src, 2, BENCH_SRC);
     memset(dst, 3, BENCH_SRC);
-    CHECK(ctl_recv(ctl, C_SETUP, &m, 20000) == 0, "no setup");
+    CHECK(ctl_recv(ctl, C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup");
     kvw_tl_params_t p = make_params(&st, 0);
     CHECK_OK(T->init(&p, &tl));
     CHECK_OK(T->connect(tl, m.setup.addr, m.setup.addr_len, &ep));
@@ -1392,7 +1393,7 @@ static int bench(uint64_t total_mib)
         for (int q = 0; q < 2; q++) {
             bench_arg_t ba = {puts_modes[q], err_modes[e], total_mib << 20};
             g_case = "bench";
-            rc |= run_pair(child_rx_bench, child_tx_bench, &ba, 300000);
+            rc |= run_pair(child_rx_bench, child_tx_bench, &ba, kvt_tmo_ms(300000));
         }
     return rc;
 }
@@ -1456,7 +1457,7 @@ int main(int argc, char **argv)
 #endif
     }
     pid_t pp = spawn(child_probe, -1, -1, NULL);
-    int pr = reap(pp, 30000, "probe");
+    int pr = reap(pp, kvt_tmo_ms(30000), "probe");
     if (pr == 77)
         return 77;
     if (pr != 0) {
