@@ -74,7 +74,7 @@ static kvw_status_t forger_connect(const char *tl_name, const uint8_t *addr, siz
                                    kvw_tl_h *tl_p, kvw_tl_ep_h *ep_p)
 {
     const kvw_tl_ops_t *ops = kvw__tl_find(tl_name);
-    kvw_tl_params_t tp = {.cb = {.on_notify = ignore_notify}, .timeout_ms = 10000};
+    kvw_tl_params_t tp = {.cb = {.on_notify = ignore_notify}, .timeout_ms = kvt_tmo_ms(10000)};
     kvw_status_t st;
     if (ops == NULL || alen == 0)
         return KVW_ERR_UNSUPPORTED;

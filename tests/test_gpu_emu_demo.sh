@@ -9,6 +9,7 @@
 set -u
 CLI="${KVW_CLI:-${KVW_BUILD_DIR:-build}/kvwire}"
 EMU="${KVW_BUILD_DIR:-build}/libkvwire_cuda_emu.so"
+source "$(dirname "${BASH_SOURCE[0]}")/timeout.sh"
 if [[ ! -x "$CLI" || ! -f "$EMU" ]]; then
     echo "test_gpu_emu_demo: needs $CLI and $EMU" >&2
     exit 1
@@ -19,7 +20,7 @@ run() {
     local name=$1
     shift
     local out
-    if out=$(timeout 240 "$CLI" demo --layers 4 --requests 6 --max-tokens 700 "$@" 2>&1); then
+    if out=$(timeout "$(kvt_tmo 240)" "$CLI" demo --layers 4 --requests 6 --max-tokens 700 "$@" 2>&1); then
         echo "PASS  $name: $(tail -n 1 <<<"$out")"
     else
         echo "FAIL  $name"

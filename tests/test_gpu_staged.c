@@ -88,8 +88,8 @@ static kvw_status_t make_ctx_wait(const grank_t *g, kvw_side_t side, const char 
                                   const char *bs, bool host, uint32_t wait_ms, kvw_ctx_h *ctx)
 {
     kvw_ctx_params_t p = ip_params(side, &g->r, tl, bs, host);
-    p.peer_timeout_ms = 10000;
-    p.wait_timeout_ms = wait_ms;
+    p.peer_timeout_ms = kvt_tmo_ms(10000);
+    p.wait_timeout_ms = kvt_tmo_ms(wait_ms); /* given unscaled */
     return kvw_ctx_create(&p, ctx);
 }
 
@@ -161,7 +161,7 @@ static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_g
             CHECK(kvw_sender_send(snd[i], &c) == KVW_OK, "%s", kvw_last_error());
         }
         for (uint32_t i = 0; i < D; i++) {
-            kvw_room_state_t rs_ = ip_wait_recv(rcv[i], 120ull * 1000000000ull);
+            kvw_room_state_t rs_ = ip_wait_recv(rcv[i], kvt_tmo_ns(120ull * 1000000000ull));
             CHECK(rs_ == KVW_ROOM_SUCCESS, "%s: room %llu, decode rank %u ended %s: %s", what,
                   (unsigned long long)room, i, kvw_room_state_string(rs_),
                   kvw_receiver_failure(rcv[i]));
@@ -261,7 +261,7 @@ static void events(const char *tl)
     usleep(100000);
     CHECK(kvw_receiver_poll(rcv) != KVW_ROOM_SUCCESS, "%s: Success with layer 0 unmarked", tl);
     CHECK(kvw__cuda_event_record(ev[0], NULL) == KVW_OK, "%s", kvw_last_error());
-    st = ip_wait_recv(rcv, 60ull * 1000000000ull);
+    st = ip_wait_recv(rcv, kvt_tmo_ns(60ull * 1000000000ull));
     CHECK(st == KVW_ROOM_SUCCESS, "%s: events room ended %s: %s", tl, kvw_room_state_string(st),
           kvw_receiver_failure(rcv));
     grank_pull(&dst);
@@ -280,7 +280,7 @@ static void events(const char *tl)
               KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_sender_layers_ready_event(snd, 1, 2, ev[0]) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_sender_layers_ready(snd, 0, 1) == KVW_OK, "%s", kvw_last_error());
-    st = ip_wait_recv(rcv, 60ull * 1000000000ull);
+    st = ip_wait_recv(rcv, kvt_tmo_ns(60ull * 1000000000ull));
     CHECK(st == KVW_ROOM_SUCCESS, "%s: room 2 ended %s: %s", tl, kvw_room_state_string(st),
           kvw_receiver_failure(rcv));
     kvw_sender_destroy(snd);
@@ -297,7 +297,7 @@ static void events(const char *tl)
     usleep(100000);
     CHECK(kvw_sender_poll(snd) == KVW_ROOM_FAILED, "%s: aborted room is %s", tl,
           kvw_room_state_string(kvw_sender_poll(snd)));
-    st = ip_wait_recv(rcv, 60ull * 1000000000ull);
+    st = ip_wait_recv(rcv, kvt_tmo_ns(60ull * 1000000000ull));
     CHECK(st == KVW_ROOM_FAILED, "%s: decode of the aborted room ended %s", tl,
           kvw_room_state_string(st));
     kvw_sender_destroy(snd);
@@ -317,7 +317,7 @@ static void events(const char *tl)
         CHECK(kvw_sender_layers_ready(snd, 0, 1) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_sender_layers_ready_event(snd, 1, 2, ev[3]) == KVW_OK, "%s",
               kvw_last_error());
-        st = kvw_sender_wait(snd, 30000);
+        st = kvw_sender_wait(snd, kvt_tmo_ms(30000));
         CHECK(kvw_sender_poll(snd) == KVW_ROOM_FAILED &&
                   kvt_contains(kvw_sender_failure(snd), "timed out") &&
                   kvt_contains(kvw_sender_failure(snd), "waits for layer 1") &&
