@@ -47,7 +47,7 @@ static int bs_open(const char *addr)
     uint16_t port;
     int fd = -1;
     if (kvw__parse_hostport(addr, host, sizeof(host), &port) != KVW_OK ||
-        kvw__tcp_connect(host, port, kvt_now_ns() + 5 * SEC, &fd) != KVW_OK)
+        kvw__tcp_connect(host, port, kvt_now_ns() + kvt_tmo_ns(5 * SEC), &fd) != KVW_OK)
         return -1;
     return fd;
 }
@@ -59,7 +59,7 @@ static uint8_t bs_ask(int fd, kvw_wbuf_t *w, uint8_t *payload, uint32_t *len,
 {
     uint8_t type = 0, *p = NULL;
     uint32_t n = 0;
-    uint64_t deadline = kvt_now_ns() + 5 * SEC;
+    uint64_t deadline = kvt_now_ns() + kvt_tmo_ns(5 * SEC);
     if (kvw__wb_finish(w) != KVW_OK || kvw__sock_send_all(fd, w->p, w->len, deadline) != KVW_OK ||
         kvw__sock_recv_frame(fd, deadline, &type, &p, &n) != KVW_OK)
         type = 0;
@@ -144,7 +144,7 @@ static void hostile_registrations(void)
         return;
     char addr[128], why[512];
     snprintf(addr, sizeof(addr), "%s", kvw__bootstrap_addr(bs));
-    uint64_t dl = kvt_now_ns() + 5 * SEC;
+    uint64_t dl = kvt_now_ns() + kvt_tmo_ns(5 * SEC);
 
     /* Through the library: no secret, another secret. */
     kvw_bs_entry_t e = tp1_entry("127.0.0.1:20001");
@@ -218,17 +218,17 @@ static void hostile_registrations(void)
     /* Only the honest entry is served, and it verifies. */
     kvw_bs_entry_t *tab = NULL;
     uint32_t n = 0;
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + 5 * SEC, &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
     CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:20001"),
           "lookup after hostile registrations: %s: %s (%s)", kvw_status_string(st),
           kvw_last_error(), st == KVW_OK && n ? tab[0].addr : "-");
     free(tab);
     /* The library's own registration goes in and replaces it. */
     e = tp1_entry("127.0.0.1:20002");
-    st = kvw__bootstrap_register(addr, &e, "alpha", kvt_now_ns() + 5 * SEC);
+    st = kvw__bootstrap_register(addr, &e, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC));
     CHECK(st == KVW_OK, "signed registration: %s", kvw_last_error());
     tab = NULL;
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + 5 * SEC, &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
     CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:20002"),
           "lookup after the signed registration: %s", kvw_last_error());
     free(tab);
@@ -246,19 +246,19 @@ static void hostile_registrations(void)
            "replay at an endpoint without the secret", "replayed registration", NULL);
     close(fd);
     e = tp1_entry("127.0.0.1:6666");
-    st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + 5 * SEC);
+    st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(5 * SEC));
     CHECK(st == KVW_OK, "unsigned registration without a secret: %s", kvw_last_error());
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + 5 * SEC, &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
     expect(st, kvw_last_error(), KVW_ERR_AUTH, "unsigned entry looked up with the secret",
            "the entry of prefill rank dp0/tp0/pp0 (address 127.0.0.1:6666) carries no MAC",
            "not connecting to it");
     /* Signed entries pass through an endpoint that cannot check them. */
     e = tp1_entry("127.0.0.1:20003");
-    st = kvw__bootstrap_register(addr, &e, "alpha", kvt_now_ns() + 5 * SEC);
+    st = kvw__bootstrap_register(addr, &e, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC));
     CHECK(st == KVW_OK, "signed registration at an endpoint without the secret: %s",
           kvw_last_error());
     tab = NULL;
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + 5 * SEC, &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
     CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:20003"),
           "signed entry through an endpoint without the secret: %s", kvw_last_error());
     free(tab);
@@ -288,7 +288,7 @@ static void *fake_main(void *arg)
             continue;
         uint8_t type, *p = NULL;
         uint32_t len;
-        uint64_t dl = kvt_now_ns() + 5 * SEC;
+        uint64_t dl = kvt_now_ns() + kvt_tmo_ns(5 * SEC);
         if (kvw__sock_recv_frame(fd, dl, &type, &p, &len) == KVW_OK &&
             type == KVW_MSG_BS_LOOKUP) {
             kvw_wbuf_t w;
@@ -314,8 +314,8 @@ static kvw_status_t make_decode(kvt_rank_t *r, const char *bs, kvw_ctx_h *ctx)
         p.field_mask &= ~(uint64_t)KVW_CTX_FIELD_BOOTSTRAP;
     p.field_mask |= KVW_CTX_FIELD_SECRET;
     p.secret = "alpha";
-    p.bootstrap_timeout_ms = 3000;
-    p.wait_timeout_ms = 5000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(3000);
+    p.wait_timeout_ms = kvt_tmo_ms(5000);
     *ctx = NULL;
     return kvw_ctx_create(&p, ctx);
 }
@@ -357,9 +357,9 @@ static void hostile_endpoint(void)
     CHECK(kvw__bootstrap_start("127.0.0.1", 0, "alpha", &real) == KVW_OK, "%s", kvw_last_error());
     kvw_bs_entry_t e = tp1_entry("127.0.0.1:20004");
     CHECK(real && kvw__bootstrap_register(kvw__bootstrap_addr(real), &e, "alpha",
-                                          kvt_now_ns() + 5 * SEC) == KVW_OK &&
+                                          kvt_now_ns() + kvt_tmo_ns(5 * SEC)) == KVW_OK &&
               kvw__bootstrap_lookup(kvw__bootstrap_addr(real), 1, 1, 1, "alpha",
-                                    kvt_now_ns() + 5 * SEC, &tab, &n) == KVW_OK && n == 1,
+                                    kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n) == KVW_OK && n == 1,
           "genuine entry: %s", kvw_last_error());
     if (tab)
         genuine = tab[0];
@@ -407,7 +407,7 @@ static void hostile_endpoint(void)
         kvw_receiver_h rv = NULL;
         st = kvw_receiver_create_from(dctx, 5, f.addr, 0, &rv);
         if (st == KVW_OK) {
-            kvw_room_state_t s = ip_wait_recv(rv, 5 * SEC);
+            kvw_room_state_t s = ip_wait_recv(rv, kvt_tmo_ns(5 * SEC));
             const char *why = kvw_receiver_failure(rv);
             CHECK(s == KVW_ROOM_FAILED && why && kvt_contains(why, "dp0/tp0/pp0") &&
                       kvt_contains(why, "not connecting to it"),
@@ -440,8 +440,8 @@ static kvw_status_t make_prefill(kvt_rank_t *r, const char *bs, const char *secr
         p.field_mask |= KVW_CTX_FIELD_SECRET;
         p.secret = secret;
     }
-    p.bootstrap_timeout_ms = 3000;
-    p.wait_timeout_ms = 5000;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(3000);
+    p.wait_timeout_ms = kvt_tmo_ms(5000);
     *ctx = NULL;
     return kvw_ctx_create(&p, ctx);
 }
@@ -482,7 +482,7 @@ static void honest_contexts(void)
         st = make_decode(&dst, addr, &dctx);
         CHECK(st == KVW_OK, "honest decode: %s", kvw_last_error());
         if (st == KVW_OK) {
-            ip_room_t room = {.id = 9, .tokens = 40, .seed = 9, .deadline_ns = 10 * SEC,
+            ip_room_t room = {.id = 9, .tokens = 40, .seed = 9, .deadline_ns = kvt_tmo_ns(10 * SEC),
                               .what = "honest room"};
             ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
             kvw_ctx_destroy(dctx);
@@ -510,8 +510,8 @@ static void oneshot_expiry(void)
     snprintf(one.addr, sizeof(one.addr), "127.0.0.1:20005");
     snprintf(held.addr, sizeof(held.addr), "127.0.0.1:20006");
     int hfd = -1;
-    CHECK(kvw__bootstrap_register(addr, &one, "alpha", kvt_now_ns() + 5 * SEC) == KVW_OK &&
-              kvw__bootstrap_hold(addr, &held, "alpha", kvt_now_ns() + 5 * SEC, &hfd) == KVW_OK,
+    CHECK(kvw__bootstrap_register(addr, &one, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC)) == KVW_OK &&
+              kvw__bootstrap_hold(addr, &held, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &hfd) == KVW_OK,
           "%s", kvw_last_error());
     int before = bs_count(addr);
     usleep(600000);
@@ -519,7 +519,7 @@ static void oneshot_expiry(void)
     CHECK(before == 2 && after == 1, "entries: %d before the TTL, %d after (want 2, 1)", before,
           after);
     /* Registering again restarts the clock. */
-    CHECK(kvw__bootstrap_register(addr, &one, "alpha", kvt_now_ns() + 5 * SEC) == KVW_OK, "%s",
+    CHECK(kvw__bootstrap_register(addr, &one, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC)) == KVW_OK, "%s",
           kvw_last_error());
     CHECK(bs_count(addr) == 2, "a re-registration did not come back");
     if (hfd >= 0)
