@@ -236,7 +236,8 @@ static inline int ip_raw_connect(uint16_t port)
     struct pollfd p = {.fd = fd, .events = POLLOUT};
     int err = 0;
     socklen_t el = sizeof(err);
-    if (poll(&p, 1, (int)kvt_tmo_ms(10000)) != 1 || getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err) {
+    if (poll(&p, 1, (int)kvt_tmo_ms(10000)) != 1 ||
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) != 0 || err) {
         close(fd);
         return -1;
     }

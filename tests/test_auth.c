@@ -71,7 +71,8 @@ int main(void)
     CHECK(st == KVW_OK, "right secret: %s: %s", kvw_status_string(st), kvw_last_error());
     if (st == KVW_OK) {
         /* One verified room from prefill TP1 to decode TP2 rank 0. */
-        ip_room_t room = {.id = 77, .tokens = 40, .seed = 7, .deadline_ns = kvt_tmo_ns(10000000000ull),
+        ip_room_t room = {.id = 77, .tokens = 40, .seed = 7,
+                          .deadline_ns = kvt_tmo_ns(10000000000ull),
                           .what = "room"};
         ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
         kvw_ctx_destroy(dctx);

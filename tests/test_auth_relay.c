@@ -289,8 +289,10 @@ int main(void)
               "%s", kvw_last_error());
         CHECK(kvw_sender_create(pctx, 8, &s) == KVW_OK && kvw_sender_send(s, &c) == KVW_OK, "%s",
               kvw_last_error());
-        CHECK(kvw_receiver_wait(rv, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s", kvw_receiver_failure(rv));
-        CHECK(kvw_sender_wait(s, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s", kvw_sender_failure(s));
+        CHECK(kvw_receiver_wait(rv, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s",
+              kvw_receiver_failure(rv));
+        CHECK(kvw_sender_wait(s, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s",
+              kvw_sender_failure(s));
         ip_ref(&model, &src, 1, &pages, &dst, &pages, expect.data, 20, NULL);
         ip_verify(&dst, &expect, "");
         kvt_copy_free(&expect);

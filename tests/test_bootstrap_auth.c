@@ -218,7 +218,8 @@ static void hostile_registrations(void)
     /* Only the honest entry is served, and it verifies. */
     kvw_bs_entry_t *tab = NULL;
     uint32_t n = 0;
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab,
+                               &n);
     CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:20001"),
           "lookup after hostile registrations: %s: %s (%s)", kvw_status_string(st),
           kvw_last_error(), st == KVW_OK && n ? tab[0].addr : "-");
@@ -228,7 +229,8 @@ static void hostile_registrations(void)
     st = kvw__bootstrap_register(addr, &e, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC));
     CHECK(st == KVW_OK, "signed registration: %s", kvw_last_error());
     tab = NULL;
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab,
+                               &n);
     CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:20002"),
           "lookup after the signed registration: %s", kvw_last_error());
     free(tab);
@@ -248,7 +250,8 @@ static void hostile_registrations(void)
     e = tp1_entry("127.0.0.1:6666");
     st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(5 * SEC));
     CHECK(st == KVW_OK, "unsigned registration without a secret: %s", kvw_last_error());
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab,
+                               &n);
     expect(st, kvw_last_error(), KVW_ERR_AUTH, "unsigned entry looked up with the secret",
            "the entry of prefill rank dp0/tp0/pp0 (address 127.0.0.1:6666) carries no MAC",
            "not connecting to it");
@@ -258,7 +261,8 @@ static void hostile_registrations(void)
     CHECK(st == KVW_OK, "signed registration at an endpoint without the secret: %s",
           kvw_last_error());
     tab = NULL;
-    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab,
+                               &n);
     CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:20003"),
           "signed entry through an endpoint without the secret: %s", kvw_last_error());
     free(tab);
@@ -359,7 +363,8 @@ static void hostile_endpoint(void)
     CHECK(real && kvw__bootstrap_register(kvw__bootstrap_addr(real), &e, "alpha",
                                           kvt_now_ns() + kvt_tmo_ns(5 * SEC)) == KVW_OK &&
               kvw__bootstrap_lookup(kvw__bootstrap_addr(real), 1, 1, 1, "alpha",
-                                    kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n) == KVW_OK && n == 1,
+                                    kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n) == KVW_OK &&
+              n == 1,
           "genuine entry: %s", kvw_last_error());
     if (tab)
         genuine = tab[0];
@@ -482,7 +487,8 @@ static void honest_contexts(void)
         st = make_decode(&dst, addr, &dctx);
         CHECK(st == KVW_OK, "honest decode: %s", kvw_last_error());
         if (st == KVW_OK) {
-            ip_room_t room = {.id = 9, .tokens = 40, .seed = 9, .deadline_ns = kvt_tmo_ns(10 * SEC),
+            ip_room_t room = {.id = 9, .tokens = 40, .seed = 9,
+                              .deadline_ns = kvt_tmo_ns(10 * SEC),
                               .what = "honest room"};
             ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
             kvw_ctx_destroy(dctx);
@@ -510,8 +516,9 @@ static void oneshot_expiry(void)
     snprintf(one.addr, sizeof(one.addr), "127.0.0.1:20005");
     snprintf(held.addr, sizeof(held.addr), "127.0.0.1:20006");
     int hfd = -1;
-    CHECK(kvw__bootstrap_register(addr, &one, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC)) == KVW_OK &&
-              kvw__bootstrap_hold(addr, &held, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &hfd) == KVW_OK,
+    uint64_t dl = kvt_now_ns() + kvt_tmo_ns(5 * SEC);
+    CHECK(kvw__bootstrap_register(addr, &one, "alpha", dl) == KVW_OK &&
+              kvw__bootstrap_hold(addr, &held, "alpha", dl, &hfd) == KVW_OK,
           "%s", kvw_last_error());
     int before = bs_count(addr);
     usleep(600000);
@@ -519,8 +526,9 @@ static void oneshot_expiry(void)
     CHECK(before == 2 && after == 1, "entries: %d before the TTL, %d after (want 2, 1)", before,
           after);
     /* Registering again restarts the clock. */
-    CHECK(kvw__bootstrap_register(addr, &one, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC)) == KVW_OK, "%s",
-          kvw_last_error());
+    CHECK(kvw__bootstrap_register(addr, &one, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC)) ==
+              KVW_OK,
+          "%s", kvw_last_error());
     CHECK(bs_count(addr) == 2, "a re-registration did not come back");
     if (hfd >= 0)
         close(hfd);

@@ -62,7 +62,8 @@ int main(void)
     CHECK(quiet >= 0 && half >= 0, "connect: %s", strerror(errno));
     CHECK(send(half, "KVW", 3, MSG_NOSIGNAL) == 3, "send: %s", strerror(errno));
     CHECK(ip_closed_by_peer(quiet, kvt_tmo_ms(60000)), "a silent connection was never closed");
-    CHECK(ip_closed_by_peer(half, kvt_tmo_ms(60000)), "a connection stuck inside a frame was never closed");
+    CHECK(ip_closed_by_peer(half, kvt_tmo_ms(60000)),
+          "a connection stuck inside a frame was never closed");
     close(quiet);
     close(half);
     printf("silent and half-frame connections closed\n");
@@ -101,7 +102,8 @@ int main(void)
     uint32_t ok = 0;
     for (uint32_t i = 0; i < 4096; i++) {
         e = entry(i, 8192);
-        ok += kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(10 * SEC)) == KVW_OK;
+        ok += kvw__bootstrap_register(addr, &e, NULL,
+                                      kvt_now_ns() + kvt_tmo_ns(10 * SEC)) == KVW_OK;
     }
     CHECK(ok == 4096, "only %u of 4096 registrations succeeded: %s", ok, kvw_last_error());
     e = entry(4096, 8192);

@@ -223,7 +223,8 @@ static void check_refused(void)
             if (!strcmp(t[k].name, bad[i].name))
                 def = strtoull(t[k].def, NULL, 10);
         kvw__clear_error();
-        if (kvw__config_u64(bad[i].name, &v) == KVW_ERR_INVALID_PARAM && strstr(kvw_last_error(), want))
+        if (kvw__config_u64(bad[i].name, &v) == KVW_ERR_INVALID_PARAM &&
+            strstr(kvw_last_error(), want))
             CHECK(v == def, "%s: getter gave %" PRIu64 ", not the default %" PRIu64, want, v, def);
         else if (kvw__config_str(bad[i].name, &s) == KVW_ERR_INVALID_PARAM)
             CHECK(strstr(kvw_last_error(), want) && s && strcmp(s, bad[i].value) != 0,

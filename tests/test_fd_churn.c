@@ -52,7 +52,8 @@ static void churn(const char *tl, int cycles)
     CHECK(kvw_ctx_create(&p, &dctx) == KVW_OK, "decode after the churn: %s", kvw_last_error());
     if (dctx) {
         /* One verified room (proves the prefill context still serves after the churn). */
-        ip_room_t room = {.id = 1, .tokens = TOKENS, .seed = 9, .deadline_ns = kvt_tmo_ns(30000000000ull),
+        ip_room_t room = {.id = 1, .tokens = TOKENS, .seed = 9,
+                          .deadline_ns = kvt_tmo_ns(30000000000ull),
                           .what = "room"};
         ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
         kvw_ctx_destroy(dctx);

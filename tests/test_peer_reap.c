@@ -106,7 +106,8 @@ static void run(const char *tl)
     /* Mappings may grow by a few for reasons of their own (glibc's per-thread malloc
      * arenas, up to 8 per core); a leak per departed peer adds at least one per round. */
     const int map_slack = ROUNDS / 2;
-    for (uint32_t i = 0; i < kvt_tmo_ms(20000) / 50 && (fds > fds0 || maps > maps0 + map_slack); i++) {
+    for (uint32_t i = 0; i < kvt_tmo_ms(20000) / 50 && (fds > fds0 || maps > maps0 + map_slack);
+         i++) {
         usleep(50000);
         fds = ip_count_fds(), maps = count_maps();
     }

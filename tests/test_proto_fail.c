@@ -943,7 +943,8 @@ static int pdeath_decode(env_t *e)
         if (ch_expect(e->ch[0], "chunk1", NULL, kvt_tmo_ms(10000)))
             return 1;
         for (uint32_t k = 0; k < d.dec.n; k++)
-            CHECK(wait_recv(rm.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) == KVW_ROOM_TRANSFERRING,
+            CHECK(wait_recv(rm.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
+                      KVW_ROOM_TRANSFERRING,
                   "decode rank %u never saw the first chunk (state %s: %s)", k,
                   kvw_room_state_string(kvw_receiver_poll(rm.r[k])),
                   kvw_receiver_failure(rm.r[k]));
@@ -1049,7 +1050,8 @@ static int ddeath_prefill(env_t *e)
     } else {
         ch_tag(e->ch[1], "go");
         ch_tag(e->ch[2], "go");
-        if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)) || ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
+        if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)) ||
+            ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
             return 1;
         p_open(&in, &r1);
         p_open(&in, &r2);
@@ -1362,7 +1364,8 @@ static void hs_try(const char *bs, const kvt_model_t *m, kvw_layout_t layout, co
     if (st != KVW_OK) {
         CHECK(kvt_contains(err, v->needle) && (!v->needle2 || kvt_contains(err, v->needle2)),
               "%s: the reason lacks '%s': %s", v->what, v->needle, err);
-        CHECK(dt < kvt_tmo_ms(3000), "%s: the rejection took %llu ms", v->what, (unsigned long long)dt);
+        CHECK(dt < kvt_tmo_ms(3000), "%s: the rejection took %llu ms", v->what,
+              (unsigned long long)dt);
         say("%s: %s in %llu ms: %s", v->what, kvw_status_string(st), (unsigned long long)dt, err);
     }
     inst_free(&bad);
@@ -2686,9 +2689,11 @@ static int leave_decode(env_t *e)
     ch_tag(e->ch[0], "posted");
     if (ch_expect(e->ch[0], "sent1", NULL, kvt_tmo_ms(15000)))
         return 1;
-    CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
+    CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
+          "room A rank 1: %s",
           kvw_receiver_failure(ra.r[1]));
-    CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
+    CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
+          "room B rank 1: %s",
           kvw_receiver_failure(rb.r[1]));
     /* Decode rank 1 leaves: its rooms are done, its context goes away. */
     kvw_receiver_destroy(ra.r[1]);

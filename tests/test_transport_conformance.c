@@ -760,7 +760,8 @@ static int child_receiver_rounds(int ctl, void *arg)
     setup_from(&r, &su);
     CHECK(ctl_send(ctl, CTL_SETUP, 0, 0, &su) == 0, "ctl send");
     for (unsigned k = 0; k < XROUNDS; k++) {
-        CHECK(wait_notes(&r.st, k + 1, kvt_tmo_ms(20000)), "notification of round %u did not arrive", k);
+        CHECK(wait_notes(&r.st, k + 1, kvt_tmo_ms(20000)),
+              "notification of round %u did not arrive", k);
         apply_round(&r, su.seed, k, 7);
         if (verify_note(&r, k, su.seed, k, 7) != 0)
             FAILF("round %u", k);
@@ -792,7 +793,8 @@ static int child_sender_rounds(int ctl, void *arg)
         if (send_round(s.ep, s.rkeys, m.setup.seed, k, 7, 1000 + k) != 0)
             FAILF("round %u", k);
         ctl_msg_t a;
-        CHECK(ctl_recv(ctl, CTL_ACK, &a, kvt_tmo_ms(20000)) == 0 && a.value == k, "no ack for round %u", k);
+        CHECK(ctl_recv(ctl, CTL_ACK, &a, kvt_tmo_ms(20000)) == 0 && a.value == k,
+              "no ack for round %u", k);
     }
     CHECK(ctl_send(ctl, CTL_DONE, 0, 0, NULL) == 0, "ctl send");
 out:
@@ -883,7 +885,8 @@ static int child_receiver_killed_peer(int ctl, void *arg)
     pthread_mutex_unlock(&r.st.mu);
     CHECK(ctl_send(ctl, CTL_STARTED, 0, 0, NULL) == 0, "ctl send");
     CHECK(ctl_recv(ctl, CTL_KILLED, &m, kvt_tmo_ms(20000)) == 0, "parent did not kill the sender");
-    CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)), "no on_ep_error within 10 s after SIGKILL of the sender");
+    CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)),
+          "no on_ep_error within 10 s after SIGKILL of the sender");
     pthread_mutex_lock(&r.st.mu);
     ep_err_t e = r.st.errs[0];
     pthread_mutex_unlock(&r.st.mu);
@@ -925,19 +928,22 @@ static int xproc_peer_killed(void)
     CHECK(ctl_recv(rv[0], CTL_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup from the receiver");
     g_setup = m.setup;
     s1 = spawn(child_sender_stream, -1, rv[0], NULL);
-    CHECK(ctl_recv(rv[0], CTL_STARTED, &m, kvt_tmo_ms(20000)) == 0, "the receiver never saw sender 1");
+    CHECK(ctl_recv(rv[0], CTL_STARTED, &m, kvt_tmo_ms(20000)) == 0,
+          "the receiver never saw sender 1");
     sleep_ms(100); /* let the stream run */
     kill(s1, SIGKILL);
     reap_child(s1, kvt_tmo_ms(5000), "sender 1");
     s1 = -1;
     CHECK(ctl_send(rv[0], CTL_KILLED, 0, 0, NULL) == 0, "ctl send");
-    CHECK(ctl_recv(rv[0], CTL_EPERR, &m, kvt_tmo_ms(20000)) == 0, "the receiver did not report the error");
+    CHECK(ctl_recv(rv[0], CTL_EPERR, &m, kvt_tmo_ms(20000)) == 0,
+          "the receiver did not report the error");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     s2 = spawn(child_sender_one_round, sv[1], sv[0], NULL);
     close(sv[1]);
     sv[1] = -1;
     /* Relay the receiver's ack to sender 2. */
-    CHECK(ctl_recv(rv[0], CTL_ACK, &m, kvt_tmo_ms(30000)) == 0, "the receiver did not verify sender 2");
+    CHECK(ctl_recv(rv[0], CTL_ACK, &m, kvt_tmo_ms(30000)) == 0,
+          "the receiver did not verify sender 2");
     CHECK(ctl_send(sv[0], CTL_ACK, 0, 0, NULL) == 0, "ctl send");
     int c2 = reap_child(s2, kvt_tmo_ms(30000), "sender 2");
     s2 = -1;
@@ -1147,7 +1153,8 @@ static int inproc_multi_ep(void)
         if (send_round(a.ep, a.rkeys, su.seed, k, ma, 1) != 0 ||
             send_round(b.ep, b.rkeys, su.seed + 7, k, mb, 2) != 0)
             FAILF("round %u", k);
-        CHECK(wait_notes(&r.st, 2 * (k + 1), kvt_tmo_ms(20000)), "round %u: notifications missing", k);
+        CHECK(wait_notes(&r.st, 2 * (k + 1), kvt_tmo_ms(20000)), "round %u: notifications missing",
+              k);
         apply_round(&r, su.seed, k, ma);
         apply_round(&r, su.seed + 7, k, mb);
         for (size_t i = 2 * k; i < 2 * k + 2; i++) {
@@ -1482,7 +1489,8 @@ static int inproc_dereg(void)
     if (T->caps & KVW_TL_CAP_MEDIATED) {
         kvw_tl_put_t p = {.src = buf, .rkey = s.rkeys[0], .dst_off = 0, .len = sizeof(buf)};
         CHECK_OK(T->put(s.ep, 1, &p, 1)); /* the sender cannot know yet */
-        CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)), "no on_ep_error for a put into a deregistered region");
+        CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)),
+              "no on_ep_error for a put into a deregistered region");
         CHECK(r.st.errs[0].status == KVW_ERR_OUT_OF_RANGE, "status %s: %s",
               kvw_status_string(r.st.errs[0].status), r.st.errs[0].reason);
         if (verify_live(&r) != 0)
@@ -1528,7 +1536,8 @@ static int inproc_ep_close(void)
     }
     T->ep_close(s.ep);
     s.ep = NULL;
-    CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)), "the receiver did not notice the closed connection");
+    CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)),
+          "the receiver did not notice the closed connection");
     CHECK(r.st.errs[0].status == KVW_ERR_CONN_CLOSED && r.st.errs[0].ep == r.st.notes[0].ep,
           "status %s: %s", kvw_status_string(r.st.errs[0].status), r.st.errs[0].reason);
     sleep_ms(300);
@@ -1556,7 +1565,8 @@ static int inproc_receiver_close(void)
     if (sender_open(&s, &su, kvt_tmo_ms(2000)) != 0)
         FAILF("sender_open");
     receiver_close(&r);
-    CHECK(wait_errs(&s.st, 1, kvt_tmo_ms(10000)), "the sender's endpoint did not report the receiver's end");
+    CHECK(wait_errs(&s.st, 1, kvt_tmo_ms(10000)),
+          "the sender's endpoint did not report the receiver's end");
     CHECK(s.st.errs[0].ep == s.ep && s.st.errs[0].status == KVW_ERR_CONN_CLOSED, "status %s: %s",
           kvw_status_string(s.st.errs[0].status), s.st.errs[0].reason);
     uint8_t buf[64] = {0};

@@ -261,7 +261,8 @@ static int good_round(void)
     char msg[32];
     int ml = snprintf(msg, sizeof(msg), "good %u", k);
     CHECK_OK(T->notify(g_good, msg, (size_t)ml));
-    CHECK(wait_counter(&S.notes, n0 + 1, kvt_tmo_ms(5000)), "good endpoint: notification %u missing", k);
+    CHECK(wait_counter(&S.notes, n0 + 1, kvt_tmo_ms(5000)),
+          "good endpoint: notification %u missing", k);
     pthread_mutex_lock(&S.mu);
     bool same = strcmp(S.last_note, msg) == 0;
     pthread_mutex_unlock(&S.mu);
@@ -280,7 +281,8 @@ static int good_round(void)
 /* Waits for the next on_ep_error and checks it. */
 static int expect_drop(size_t errs_before, kvw_status_t want, const char *substr, int fd)
 {
-    CHECK(wait_counter(&S.errs, errs_before + 1, kvt_tmo_ms(5000)), "no on_ep_error (want %s, '%s')",
+    CHECK(wait_counter(&S.errs, errs_before + 1, kvt_tmo_ms(5000)),
+          "no on_ep_error (want %s, '%s')",
           kvw_status_string(want), substr);
     pthread_mutex_lock(&S.mu);
     kvw_status_t st = S.last_err;
@@ -506,7 +508,8 @@ static int c_stalls(void)
     for (int k = 0; k < 3; k++) /* stays usable during the stall */
         if (good_round() != 0)
             return 1;
-    CHECK(wait_counter(&S.errs, e + 5, TIMEOUT_MS + kvt_tmo_ms(3000)), "only %zu of 5 stalled peers dropped",
+    CHECK(wait_counter(&S.errs, e + 5, TIMEOUT_MS + kvt_tmo_ms(3000)),
+          "only %zu of 5 stalled peers dropped",
           get(&S.errs) - e);
     pthread_mutex_lock(&S.mu);
     kvw_status_t st = S.last_err;
@@ -539,7 +542,8 @@ static int c_refused_and_dribbled(void)
     send_hdr(fd, KVW_TCP_PUT, 66, REGION_ID, 100, 0); /* empty: never asks check_write */
     send_hdr(fd, KVW_TCP_NOTIFY, 0, 0, 0, 9);
     send_all(fd, "raw-after", 9);
-    CHECK(wait_counter(&S.notes, n0 + 1, kvt_tmo_ms(5000)), "notification after a refused PUT missing: %s",
+    CHECK(wait_counter(&S.notes, n0 + 1, kvt_tmo_ms(5000)),
+          "notification after a refused PUT missing: %s",
           "");
     pthread_mutex_lock(&S.mu);
     bool ok = strcmp(S.last_note, "raw-after") == 0;
@@ -557,11 +561,13 @@ static int c_refused_and_dribbled(void)
             usleep(200);
     }
     send_hdr(fd, KVW_TCP_NOTIFY, 0, 0, 0, 0);
-    CHECK(wait_counter(&S.notes, n0 + 2, kvt_tmo_ms(5000)), "notification after a dribbled PUT missing%s", "");
+    CHECK(wait_counter(&S.notes, n0 + 2, kvt_tmo_ms(5000)),
+          "notification after a dribbled PUT missing%s", "");
     memcpy(g_expect + GUARD + 20000, frame + KVW_TCP_HDR_LEN, 50);
     CHECK(get(&S.errs) == e, "the raw connection was dropped: %s", S.last_reason);
     close(fd);
-    CHECK(wait_counter(&S.errs, e + 1, kvt_tmo_ms(5000)), "close of the raw connection not reported%s", "");
+    CHECK(wait_counter(&S.errs, e + 1, kvt_tmo_ms(5000)),
+          "close of the raw connection not reported%s", "");
     return good_round();
 }
 

@@ -658,7 +658,8 @@ static int child_rx_rounds(int ctl, void *arg)
     r.st.snap_regs = r.regs;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
     for (unsigned k = 0; k < ROUNDS; k++) {
-        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, kvt_tmo_ms(20000)), "round %u: no notification", k);
+        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, kvt_tmo_ms(20000)),
+              "round %u: no notification", k);
         apply_round(&r, r.su.seed, k);
         if (verify_note(&r, k, r.su.seed, k) != 0) {
             rc = 1;
@@ -700,7 +701,8 @@ static int child_tx_rounds(int ctl, void *arg)
             goto out;
         }
         ctl_t a;
-        CHECK(ctl_recv(ctl, C_ACK, &a, kvt_tmo_ms(20000)) == 0 && a.value == k, "no ack for round %u", k);
+        CHECK(ctl_recv(ctl, C_ACK, &a, kvt_tmo_ms(20000)) == 0 && a.value == k,
+              "no ack for round %u", k);
     }
     fprintf(stderr, "  [%s] %u verified rounds, %.1f MB in %llu ms\n", ma->put_mode, ROUNDS,
             (double)bytes / 1e6, (unsigned long long)(now_ms() - t0));
@@ -753,7 +755,8 @@ static int child_rx_dereg(int ctl, void *arg)
     T->mem_dereg(r.tl, r.regs[2].mem);
     r.regs[2].mem = NULL;
     CHECK(ctl_send(ctl, C_DEREG, 0, 0, NULL) == 0, "ctl");
-    CHECK(wait_count(&r.st, &r.st.num_errs, 1, kvt_tmo_ms(10000)), "no on_ep_error for a write into a "
+    CHECK(wait_count(&r.st, &r.st.num_errs, 1, kvt_tmo_ms(10000)),
+          "no on_ep_error for a write into a "
                                                        "deregistered region");
     pthread_mutex_lock(&r.st.mu);
     kvw_status_t st = r.st.err_st[0];
@@ -888,7 +891,8 @@ static int child_rx_killed_peer(int ctl, void *arg)
     if (receiver_open(&r, 0x5eed0303, 0) != 0)
         return 1;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
-    CHECK(wait_count(&r.st, &r.st.num_notes, 1, kvt_tmo_ms(20000)), "the first sender never said started");
+    CHECK(wait_count(&r.st, &r.st.num_notes, 1, kvt_tmo_ms(20000)),
+          "the first sender never said started");
     pthread_mutex_lock(&r.st.mu);
     kvw_tl_ep_h victim = r.st.notes[0].ep;
     r.st.reset_regs = r.regs;
@@ -897,7 +901,8 @@ static int child_rx_killed_peer(int ctl, void *arg)
     CHECK(ctl_send(ctl, C_STARTED, 0, 0, NULL) == 0, "ctl");
     CHECK(ctl_recv(ctl, C_KILLED, &m, kvt_tmo_ms(20000)) == 0, "parent did not kill the sender");
     uint64_t t0 = now_ms();
-    CHECK(wait_count(&r.st, &r.st.num_errs, 1, kvt_tmo_ms(10000)), "no on_ep_error within 10 s of SIGKILL");
+    CHECK(wait_count(&r.st, &r.st.num_errs, 1, kvt_tmo_ms(10000)),
+          "no on_ep_error within 10 s of SIGKILL");
     pthread_mutex_lock(&r.st.mu);
     kvw_tl_ep_h ep = r.st.err_ep[0];
     kvw_status_t st = r.st.err_st[0];
@@ -916,7 +921,8 @@ static int child_rx_killed_peer(int ctl, void *arg)
     pthread_mutex_unlock(&r.st.mu);
     CHECK(ctl_send(ctl, C_EPERR, st, 0, NULL) == 0, "ctl");
     for (unsigned k = 0; k < 3; k++) {
-        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, kvt_tmo_ms(20000)), "new sender: no round %u", k);
+        CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, kvt_tmo_ms(20000)),
+              "new sender: no round %u", k);
         apply_round(&r, r.su.seed + 1, k);
         if (verify_note(&r, k, r.su.seed + 1, k) != 0) {
             rc = 1;
@@ -943,19 +949,22 @@ static int killed_peer(bool idle)
     CHECK(ctl_recv(rv[0], C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup from the receiver");
     g_setup = m.setup;
     s1 = spawn(child_tx_stream, -1, rv[0], idle ? &g_setup : NULL);
-    CHECK(ctl_recv(rv[0], C_STARTED, &m, kvt_tmo_ms(20000)) == 0, "the receiver never saw sender 1");
+    CHECK(ctl_recv(rv[0], C_STARTED, &m, kvt_tmo_ms(20000)) == 0,
+          "the receiver never saw sender 1");
     sleep_ms(300); /* let the stream run */
     kill(s1, SIGKILL);
     reap(s1, kvt_tmo_ms(5000), "sender 1");
     s1 = -1;
     CHECK(ctl_send(rv[0], C_KILLED, 0, 0, NULL) == 0, "ctl");
-    CHECK(ctl_recv(rv[0], C_EPERR, &m, kvt_tmo_ms(20000)) == 0, "the receiver did not report the error");
+    CHECK(ctl_recv(rv[0], C_EPERR, &m, kvt_tmo_ms(20000)) == 0,
+          "the receiver did not report the error");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     s2 = spawn(child_tx_after, sv[1], sv[0], NULL);
     close(sv[1]);
     sv[1] = -1;
     for (unsigned k = 0; k < 3; k++) { /* relay the receiver's acks */
-        CHECK(ctl_recv(rv[0], C_ACK, &m, kvt_tmo_ms(30000)) == 0, "the receiver did not verify round %u", k);
+        CHECK(ctl_recv(rv[0], C_ACK, &m, kvt_tmo_ms(30000)) == 0,
+              "the receiver did not verify round %u", k);
         CHECK(ctl_send(sv[0], C_ACK, 0, k, NULL) == 0, "ctl");
     }
     int c2 = reap(s2, kvt_tmo_ms(30000), "sender 2");
@@ -1086,7 +1095,8 @@ static int child_tx_until_error(int ctl, void *arg)
                 (unsigned long long)stop_ms);
         CHECK(pl.st == KVW_ERR_SHUTDOWN, "the blocked put returned %s",
               kvw_status_string(pl.st));
-        CHECK(pl.ended_ms - c0 < kvt_tmo_ms(1000) && stop_ms < kvt_tmo_ms(2500), "close did not end the blocked put "
+        CHECK(pl.ended_ms - c0 < kvt_tmo_ms(1000) && stop_ms < kvt_tmo_ms(2500),
+              "close did not end the blocked put "
                                                          "promptly");
         CHECK_ST(T->notify(s.ep, "z", 1), KVW_ERR_SHUTDOWN);
         /* A second instance whose connect waits for the stopped receiver's answer. */
@@ -1109,7 +1119,8 @@ static int child_tx_until_error(int ctl, void *arg)
         rx_fini(&st2);
         CHECK(ca.st == KVW_ERR_SHUTDOWN, "the blocked connect returned %s",
               kvw_status_string(ca.st));
-        CHECK(ca.ended_ms - c0 < kvt_tmo_ms(1000) && stop_ms < kvt_tmo_ms(2500), "close did not end the connect");
+        CHECK(ca.ended_ms - c0 < kvt_tmo_ms(1000) && stop_ms < kvt_tmo_ms(2500),
+              "close did not end the connect");
         goto out;
     }
     kvw_status_t st = KVW_OK;
@@ -1143,8 +1154,8 @@ static int receiver_trouble(bool stall, bool close_it)
     int rc = 0, rv[2] = {-1, -1}, sv[2] = {-1, -1};
     pid_t rp = -1, sp = -1;
     ctl_t m;
-    trouble_arg_t ta = {.timeout_ms = kvt_tmo_ms(close_it ? 10000 : stall ? 700 : 2000), .stall = stall,
-                        .close = close_it};
+    trouble_arg_t ta = {.timeout_ms = kvt_tmo_ms(close_it ? 10000 : stall ? 700 : 2000),
+                        .stall = stall, .close = close_it};
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, rv) == 0, "socketpair");
     CHECK(socketpair(AF_UNIX, SOCK_SEQPACKET, 0, sv) == 0, "socketpair");
     rp = spawn(child_rx_idle, rv[1], rv[0], NULL);
@@ -1221,7 +1232,8 @@ static int accepted_close(void)
     pthread_mutex_unlock(&r.st.mu);
     T->ep_close(acc);
     uint64_t t0 = now_ms();
-    CHECK(wait_count(&s.st, &s.st.num_errs, 1, kvt_tmo_ms(5000)), "the sender did not learn of the close");
+    CHECK(wait_count(&s.st, &s.st.num_errs, 1, kvt_tmo_ms(5000)),
+          "the sender did not learn of the close");
     CHECK(s.st.err_ep[0] == s.ep && s.st.err_st[0] == KVW_ERR_CONN_CLOSED, "%s: %s",
           kvw_status_string(s.st.err_st[0]), s.st.err_reason[0]);
     fprintf(stderr, "  sender learned it after %llu ms: %s\n",

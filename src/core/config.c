@@ -186,7 +186,8 @@ kvw_status_t kvw__config_str(const char *name, const char **value_p)
 /* ---------------------------------------------------------------- public list */
 
 /* kvw_config_vars: the table as name, default and help, where help ends with what the
- * setting accepts ("[1..16]", "[auto|direct|staged]"). Made once; the strings live as long as the process. */
+ * setting accepts ("[1..16]", "[auto|direct|staged]"). Made once; the strings live as
+ * long as the process. */
 static kvw_config_var_t cfg_public[KVW_ARRAY_SIZE(kvw_cfg_table)];
 static char cfg_public_help[KVW_ARRAY_SIZE(kvw_cfg_table)][256];
 static pthread_once_t cfg_public_once = PTHREAD_ONCE_INIT;
