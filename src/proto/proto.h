@@ -1,4 +1,30 @@
-/* Protocol internals: contexts, peers, rooms, the bootstrap endpoint. */
+/*
+ * Protocol internals: contexts, peers, rooms, the bootstrap endpoint.
+ *
+ * The files of src/proto, one job each, by layer: a file calls functions of
+ * files in lower layers only (every layer takes ctx->mu and reads the shared
+ * structs below; only the calls are layered).
+ *
+ *   7 ctx.c        context create and destroy
+ *   6 ctrl.c       the control thread: socket reads and writes, heartbeats, timeout scans
+ *   6 sender.c     the prefill engine's kvw_sender_* calls
+ *   5 dispatch.c   control frames, dispatched by type
+ *   5 worker.c     prefill workers: mapped, direct and staged paths, GPU steps
+ *   5 events.c     layer marks that wait on CUDA events
+ *   4 sched.c      prefill rooms: REQs, which decode rank has work, layer marks
+ *   4 recv.c       decode: kvw_receiver_* calls, post, page grants, prefill instances
+ *   4 land.c       decode: completions, staged scatter, write checks, accounting
+ *   3 room.c       room state machine, timeouts, the handle calls (poll, wait, ...)
+ *   3 handshake.c  registration: HELLO/ACCEPT, authentication, decode connect
+ *   2 fail.c       one recursion: frames out, peer death, room failure, staging credits
+ *   1 roomtab.c    room table: find, new, unlink, free
+ *   1 peer.c       peer records: add, free, reap; session tags; control wake-up
+ *   1 bootstrap.c  the bootstrap endpoint and its client
+ *   1 codec.c      rank descriptions and page lists in frames
+ *   0 window.c     staged windows: gather/scatter on the CPU or the GPU
+ *   0 ivlog.c      the log of written byte ranges (page-exact accounting)
+ *   0 wire.c       frame buffers, blocking socket helpers
+ */
 #ifndef KVW_PROTO_PROTO_H
 #define KVW_PROTO_PROTO_H
 
@@ -421,7 +447,7 @@ void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room);
 /* Room table (ctx->mu held). */
 kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id);
 
-/* Streaming (room.c): marks layers [b, e) of a room's queued chunk `chunk` ready (mu
+/* Streaming (sched.c): marks layers [b, e) of a room's queued chunk `chunk` ready (mu
  * held, range checked). */
 void kvw__sender_mark_ready(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t chunk, uint32_t b,
                             uint32_t e);
@@ -462,5 +488,112 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);
 kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
                               uint64_t len);
 void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason);
+
+/* ------------------------------------------------------------ between the files above */
+
+struct kvw_sender {
+    kvw_room_t *room;
+    struct kvw_ctx *ctx;
+};
+
+struct kvw_receiver {
+    kvw_room_t *room;
+    struct kvw_ctx *ctx;
+};
+
+/* A dead peer's resources, detached under mu and released after it (closing a
+ * transport endpoint may wait for its flush). */
+typedef struct kvw_peer_res {
+    struct kvw_peer_res *next;
+    int fd;
+    kvw_tl_rkey_h *rkeys;
+    uint32_t num_rkeys;
+    kvw_tl_rkey_h staging_rkey;
+    kvw_tl_ep_h ep;
+    kvw_rank_h remote, mapped;
+    uint8_t *payload;
+} kvw_peer_res_t;
+
+/* peer.c */
+
+/* Tag of one control frame under a peer's session key: direction, sequence number,
+ * frame type and payload. */
+void kvw__frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t type,
+                    const uint8_t *payload, size_t n, uint8_t out[32]);
+
+void kvw__peer_drop_out(kvw_peer_t *peer);
+
+kvw_peer_t *kvw__peer_add(struct kvw_ctx *ctx, int fd);
+
+/* Detaches the resources of every dead peer nothing refers to any more (mu held);
+ * the caller releases the list with kvw__peer_res_release after unlocking. The peer's
+ * small record stays (its id indexes the peer table). */
+kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx);
+
+void kvw__peer_res_release(struct kvw_ctx *ctx, kvw_peer_res_t *list);
+
+void kvw__peer_free(struct kvw_ctx *ctx, kvw_peer_t *p);
+
+/* window.c */
+
+kvw_status_t kvw__stage_copy(const struct kvw_plan *plan, bool gather, uint8_t *buf,
+                             uint64_t wb, uint64_t we);
+
+/* Starts one staged window on this rank's GPU (see kvw__cuda_stage_launch): the gather
+ * of the plan's source buffers into `buf`, or the scatter of `buf` into its destination
+ * buffers. *slot_p: the executor slot to reap. */
+kvw_status_t kvw__stage_gpu_launch(struct kvw_ctx *ctx, const struct kvw_plan *plan,
+                                   bool gather, uint8_t *buf, uint64_t wb, uint64_t we,
+                                   int *slot_p);
+
+/* Waits for a staged window started by kvw__stage_gpu_launch (nothing when slot < 0). */
+kvw_status_t kvw__stage_gpu_wait(int slot);
+
+/* Moves one staged window between `buf` and this rank's own buffers: on the CPU for
+ * host memory, on the GPU (waiting for it) for GPU memory on a host transport. */
+kvw_status_t kvw__stage_move(struct kvw_ctx *ctx, const struct kvw_plan *plan, bool gather,
+                             uint8_t *buf, uint64_t wb, uint64_t we);
+
+/* fail.c */
+
+void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
+                        kvw_status_t status, const char *reason);
+
+/*
+ * A failed prefill room tells its decode ranks, once no worker step runs on it any
+ * more, that it will not write their pages again (ABORT_ACK). A decode rank destroying
+ * a room waits for that before the engine may reuse the pages: one-sided transports
+ * cannot be stopped by the receiver.
+ */
+void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r);
+
+/* handshake.c */
+
+/* Registers with one prefill rank; BUSY means this rank's previous registration is not
+ * known dead there yet (a restart): back off and try again until the deadline. */
+kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
+                                       uint32_t inst, uint32_t gen, uint64_t deadline);
+
+void kvw__start_handshake(struct kvw_ctx *ctx, int fd);
+
+/* sched.c */
+
+/* A decode rank of the room with work (kvw_dst_has_work) that no worker serves yet, or
+ * -1. */
+int kvw__room_next_dst(const struct kvw_ctx *ctx, const kvw_room_t *r);
+
+void kvw__sender_update(struct kvw_ctx *ctx, kvw_room_t *r);
+
+void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
+
+/* land.c */
+
+/* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
+ * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
+void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
+
+/* ctrl.c */
+
+void *kvw__ctrl_main(void *arg);
 
 #endif

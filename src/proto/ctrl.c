@@ -1,0 +1,289 @@
+/* The control thread: it owns every control socket (accepts, reads frames, writes
+ * queued frames without blocking), sends heartbeats, declares silent or stalled peers
+ * dead, scans for room timeouts and reaps dead peers. */
+#include "core/sha256.h"
+#include "proto/proto.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* Reads what is available on a peer's socket; handles complete frames. mu held. */
+static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
+{
+    for (;;) {
+        ssize_t k;
+        if (peer->hdr_got < KVW_WIRE_HDR) {
+            k = recv(peer->fd, peer->hdr + peer->hdr_got, KVW_WIRE_HDR - peer->hdr_got,
+                     MSG_DONTWAIT);
+        } else {
+            k = recv(peer->fd, peer->payload + peer->payload_got,
+                     peer->payload_len - peer->payload_got, MSG_DONTWAIT);
+            if (peer->payload_len == 0)
+                k = 0, errno = 0;
+        }
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return;
+        if (k < 0 || (k == 0 && !(peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0))) {
+            kvw__peer_dead(ctx, peer, KVW_ERR_CONN_CLOSED,
+                           k == 0 ? "closed the connection" : strerror(errno));
+            return;
+        }
+        peer->last_rx_ns = kvw__now_ns();
+        if (peer->hdr_got < KVW_WIRE_HDR) {
+            peer->hdr_got += (uint32_t)k;
+            if (peer->hdr_got < KVW_WIRE_HDR)
+                continue;
+            uint8_t type = 0;
+            uint32_t len = 0;
+            if (kvw__wire_header(peer->hdr, &type, &len) != KVW_OK) {
+                kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
+                return;
+            }
+            peer->payload = malloc(len ? len : 1);
+            if (peer->payload == NULL) {
+                kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
+                return;
+            }
+            peer->payload_len = len;
+            peer->payload_got = 0;
+        } else {
+            peer->payload_got += (uint32_t)k;
+        }
+        if (peer->payload_got == peer->payload_len) {
+            uint8_t *payload = peer->payload;
+            uint32_t plen = peer->payload_len;
+            peer->payload = NULL;
+            peer->hdr_got = 0;
+            if (peer->authed) {
+                /* A frame without the right tag for this direction and position was not
+                 * sent by the peer that authenticated: drop the connection. */
+                uint8_t want[32];
+                bool ok = plen >= KVW_TAG;
+                if (ok) {
+                    plen -= KVW_TAG;
+                    kvw__frame_tag(peer, peer->tx_dir == 1 ? 2 : 1, peer->rx_seq++, peer->hdr[5],
+                                   payload, plen, want);
+                    ok = kvw__ct_equal(payload + plen, want, KVW_TAG);
+                }
+                if (!ok) {
+                    free(payload);
+                    kvw__peer_dead(ctx, peer, KVW_ERR_AUTH, "a control frame failed its "
+                                   "session authentication (forged, altered or replayed)");
+                    return;
+                }
+            }
+            kvw__handle_frame(ctx, peer, peer->hdr[5], payload, plen);
+            free(payload);
+            if (peer->dead)
+                return;
+        }
+    }
+}
+
+/* Sends queued frames; called without mu, takes it only to pop. */
+/*
+ * Writes a peer's queued frames without blocking: what the socket does not take stays at
+ * the head of the queue (m->off) and the control thread polls for POLLOUT. A peer that
+ * stops reading therefore never holds the control thread; it is declared dead once its
+ * queue made no progress for the peer timeout (see the control loop) or grew past
+ * KVW_MAX_OUT_BYTES (kvw__peer_send). `blocking`: at shutdown, finish within the peer
+ * timeout instead (the peer must not learn of a completion or an abort only from the
+ * closed connection).
+ */
+static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
+{
+    for (;;) {
+        /* The head frame leaves the queue while it is written outside mu (a peer's death
+         * meanwhile frees the queue, not this frame); tx_busy keeps direct sends out. */
+        pthread_mutex_lock(&ctx->mu);
+        kvw_outmsg_t *m = peer->dead || peer->fd < 0 ? NULL : peer->out_head;
+        if (m) {
+            peer->out_head = m->next;
+            if (peer->out_head == NULL)
+                peer->out_tail = NULL;
+            peer->tx_busy = true;
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        if (m == NULL)
+            return;
+        size_t left = m->w.len - m->off;
+        kvw_status_t st = KVW_OK;
+        ssize_t k = 0;
+        if (blocking) {
+            st = kvw__sock_send_all(peer->fd, m->w.p + m->off, left,
+                                    kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull);
+            k = st == KVW_OK ? (ssize_t)left : 0;
+        } else {
+            do
+                k = send(peer->fd, m->w.p + m->off, left, MSG_DONTWAIT | MSG_NOSIGNAL);
+            while (k < 0 && errno == EINTR);
+            if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+                st = kvw__error(KVW_ERR_CONN_CLOSED, "send: %s", strerror(errno));
+        }
+        pthread_mutex_lock(&ctx->mu);
+        peer->tx_busy = false;
+        bool keep = false;
+        if (st != KVW_OK) {
+            kvw__peer_dead(ctx, peer, st, kvw_last_error());
+        } else {
+            if (k > 0) {
+                m->off += (size_t)k;
+                peer->out_bytes -= KVW_MIN((uint64_t)k, peer->out_bytes);
+                peer->tx_stall_ns = 0;
+                peer->last_tx_ns = kvw__now_ns();
+            } else if (peer->tx_stall_ns == 0) {
+                peer->tx_stall_ns = kvw__now_ns(); /* the socket is full: wait for POLLOUT */
+            }
+            if (m->off < m->w.len && !peer->dead) {
+                /* Back at the head, ahead of whatever was queued meanwhile. */
+                m->next = peer->out_head;
+                peer->out_head = m;
+                if (peer->out_tail == NULL)
+                    peer->out_tail = m;
+                keep = true;
+            }
+        }
+        bool again = st == KVW_OK && !keep;
+        pthread_mutex_unlock(&ctx->mu);
+        if (!keep) {
+            kvw__wb_free(&m->w);
+            free(m);
+        }
+        if (!again)
+            return;
+    }
+}
+
+void *kvw__ctrl_main(void *arg)
+{
+    struct kvw_ctx *ctx = arg;
+    struct pollfd *pfd = NULL;
+    uint32_t *pidx = NULL;
+    kvw_peer_t **flush = NULL;
+    uint32_t cap = 0;
+    uint64_t last_timeout_scan = 0, last_reap = 0;
+    for (;;) {
+        pthread_mutex_lock(&ctx->mu);
+        if (ctx->stopping) {
+            /* Send what is queued (a room's completion, an abort) before leaving: the
+             * peer must not learn of it only through the closed connection. */
+            pthread_mutex_unlock(&ctx->mu);
+            for (uint32_t i = 0;; i++) {
+                pthread_mutex_lock(&ctx->mu);
+                kvw_peer_t *p = i < ctx->num_peers ? ctx->peers[i] : NULL;
+                pthread_mutex_unlock(&ctx->mu);
+                if (p == NULL)
+                    break;
+                kvw_peer_flush(ctx, p, true);
+            }
+            break;
+        }
+        uint32_t need = ctx->num_peers + 2;
+        if (need > cap) {
+            cap = need * 2;
+            pfd = realloc(pfd, sizeof(*pfd) * cap);
+            pidx = realloc(pidx, sizeof(*pidx) * cap);
+            flush = realloc(flush, sizeof(*flush) * cap);
+            if (pfd == NULL || pidx == NULL || flush == NULL) {
+                pthread_mutex_unlock(&ctx->mu);
+                break; /* cannot happen in practice; rooms then time out */
+            }
+        }
+        nfds_t n = 0;
+        pfd[n++] = (struct pollfd){.fd = ctx->wake_fd[0], .events = POLLIN};
+        if (ctx->listen_fd >= 0)
+            pfd[n++] = (struct pollfd){.fd = ctx->listen_fd, .events = POLLIN};
+        uint32_t first_peer = (uint32_t)n;
+        for (uint32_t i = 0; i < ctx->num_peers; i++) {
+            if (ctx->peers[i]->dead || ctx->peers[i]->registering)
+                continue;
+            pidx[n] = i;
+            pfd[n++] = (struct pollfd){.fd = ctx->peers[i]->fd,
+                                       .events = POLLIN | (ctx->peers[i]->out_head ? POLLOUT : 0)};
+        }
+        pthread_mutex_unlock(&ctx->mu);
+
+        int timeout = (int)KVW_MAX(ctx->heartbeat_ms / 2, 10);
+        int ready = 0;
+        if (ctx->busy_poll_ns) {
+            /* Busy polling: look without sleeping until something arrives or the spin
+             * time is over, then sleep as usual. */
+            uint64_t end = kvw__now_ns() + ctx->busy_poll_ns;
+            while ((ready = poll(pfd, n, 0)) == 0 && kvw__now_ns() < end) {
+            }
+        }
+        if (ready == 0 && poll(pfd, n, timeout) < 0 && errno != EINTR)
+            break;
+        if (pfd[0].revents) {
+            char buf[64];
+            while (read(ctx->wake_fd[0], buf, sizeof(buf)) > 0) {
+            }
+        }
+        if (ctx->listen_fd >= 0 && pfd[1].revents) {
+            int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC);
+            if (fd >= 0)
+                kvw__start_handshake(ctx, fd);
+        }
+        pthread_mutex_lock(&ctx->mu);
+        for (nfds_t i = first_peer; i < n; i++)
+            if (pfd[i].revents && !ctx->peers[pidx[i]]->dead)
+                kvw_peer_read(ctx, ctx->peers[pidx[i]]);
+        uint64_t now = kvw__now_ns();
+        for (uint32_t i = 0; i < ctx->num_peers; i++) {
+            kvw_peer_t *p = ctx->peers[i];
+            if (p->dead || p->registering)
+                continue;
+            if (p->tx_stall_ns && now - p->tx_stall_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
+                char why[128];
+                snprintf(why, sizeof(why), "stopped reading: %llu bytes of frames waited %u ms",
+                         (unsigned long long)p->out_bytes, ctx->peer_timeout_ms);
+                kvw__peer_dead(ctx, p, KVW_ERR_PEER_DEAD, why);
+                continue;
+            }
+            if (now - p->last_rx_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
+                char why[96];
+                snprintf(why, sizeof(why), "no heartbeat for %u ms", ctx->peer_timeout_ms);
+                kvw__peer_dead(ctx, p, KVW_ERR_PEER_DEAD, why);
+                continue;
+            }
+            if (now - p->last_tx_ns > (uint64_t)ctx->heartbeat_ms * 1000000ull &&
+                p->out_head == NULL) {
+                kvw_wbuf_t w;
+                kvw__wb_init(&w, KVW_MSG_HEARTBEAT);
+                kvw__peer_send(ctx, p, &w);
+            }
+        }
+        /* Timeouts have millisecond granularity; scanning every room on every event
+         * would cost more than the events themselves at high request rates. */
+        kvw_peer_res_t *reaped = NULL;
+        if (now - last_timeout_scan > 10000000ull) {
+            kvw__check_timeouts(ctx, now);
+            last_timeout_scan = now;
+            /* Dead peers give their sockets, mappings and endpoints back as soon as
+             * no room refers to them: under decode churn a prefill context must not
+             * keep every departed peer's resources until it is destroyed. */
+            if (now - last_reap > 100000000ull) {
+                reaped = kvw__peers_reap(ctx);
+                last_reap = now;
+            }
+        }
+        /* Peers with queued frames, copied under the lock: registration threads may
+         * grow the peer table meanwhile. Peers are never freed before the context. */
+        uint32_t nf = 0;
+        for (uint32_t i = 0; i < ctx->num_peers && nf < cap; i++)
+            if (ctx->peers[i]->out_head && !ctx->peers[i]->dead)
+                flush[nf++] = ctx->peers[i];
+        pthread_mutex_unlock(&ctx->mu);
+        kvw__peer_res_release(ctx, reaped);
+        for (uint32_t i = 0; i < nf; i++)
+            kvw_peer_flush(ctx, flush[i], false);
+    }
+    free(pfd);
+    free(pidx);
+    free(flush);
+    return NULL;
+}

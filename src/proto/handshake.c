@@ -1,0 +1,713 @@
+/* Registration: the HELLO/ACCEPT handshake of a decode rank with a prefill rank, with
+ * the shared-secret authentication that binds its transcript and gives the session key;
+ * the prefill side on short-lived threads (at most KVW_MAX_HANDSHAKES at once), the
+ * decode side's connect (with retries while a restarted rank's old registration is
+ * still alive). */
+#include "core/rand.h"
+#include "core/sha256.h"
+#include "proto/proto.h"
+
+#include <kvwire/cuda.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+/* The remote rank's description with its buffers at the addresses this process maps
+ * them to, or NULL when the transport maps none. */
+static kvw_rank_h kvw_mapped_rank(struct kvw_ctx *ctx, kvw_rank_h remote, kvw_tl_rkey_h *rkeys)
+{
+    uint32_t nb = kvw_rank_num_buffers(remote);
+    if (ctx->tl_ops->rkey_ptr == NULL || nb == 0)
+        return NULL;
+    kvw_buffer_desc_t *bufs = malloc(sizeof(*bufs) * nb);
+    kvw_rank_h mapped = NULL;
+    if (bufs == NULL)
+        return NULL;
+    for (uint32_t i = 0; i < nb; i++) {
+        bufs[i] = *kvw_rank_buffer(remote, i);
+        bufs[i].addr = ctx->tl_ops->rkey_ptr(rkeys[i]);
+        if (bufs[i].addr == NULL)
+            goto out;
+    }
+    kvw_rank_params_t rp = {.field_mask = KVW_RANK_FIELD_MODEL | KVW_RANK_FIELD_PARALLEL |
+                                          KVW_RANK_FIELD_BUFFERS,
+                            .model = kvw_rank_model(remote), .parallel = *kvw_rank_parallel(remote),
+                            .buffers = bufs, .num_buffers = nb};
+    if (kvw_rank_create(&rp, &mapped) != KVW_OK)
+        mapped = NULL;
+out:
+    free(bufs);
+    return mapped;
+}
+
+/* Whether src and dst exchange any bytes (the topology alone decides). */
+static bool kvw_pair_needed(kvw_rank_h src, kvw_rank_h dst)
+{
+    kvw_chunk_t c = {.num_tokens = 1, .chunk_begin = 0, .chunk_end = 1, .last_chunk = 1};
+    kvw_plan_h plan;
+    if (kvw__plan_create_nopages(src, dst, &c, &plan) != KVW_OK)
+        return false;
+    bool needed = plan->num_segs > 0;
+    kvw_plan_destroy(plan);
+    return needed;
+}
+
+/*
+ * Shared secret: the prefill rank opens every registration with a random challenge;
+ * the decode rank answers with HMAC-SHA-256(secret, "kvwire-hello" | challenge) and a
+ * challenge of its own, which the prefill rank answers in ACCEPT with
+ * HMAC(secret, "kvwire-accept" | that challenge). The secret never crosses the wire.
+ */
+#define KVW_NONCE 32
+
+/*
+ * With a secret, the MACs bind the whole handshake transcript, not only the challenges:
+ *   HELLO  mac   = HMAC(secret, "kvwire-hello-2"  | nonce | dnonce | hello body)
+ *   ACCEPT proof = HMAC(secret, "kvwire-accept-2" | nonce | dnonce | SHA256(hello body)
+ *                                                  | accept body)
+ *   session key  = HMAC(secret, "kvwire-session-2" | nonce | dnonce | hello mac)
+ * The hello body holds the decode rank's identity, instance, buffer descriptions, keys
+ * and data address; the accept body the prefill rank's description. A relay can
+ * neither change them (the MAC fails) nor add, drop, reorder or alter a control frame
+ * later: every frame after the handshake carries a tag under the session key, with a
+ * sequence number per direction (kvw__peer_send, kvw_peer_read).
+ */
+static void kvw_auth_mac(const struct kvw_ctx *ctx, const char *label, const uint8_t *nonce,
+                         const uint8_t *dnonce, const void *a, size_t an, const void *b,
+                         size_t bn, uint8_t out[32])
+{
+    kvw_hmac_t h;
+    kvw__hmac_init(&h, ctx->secret, strlen(ctx->secret));
+    kvw__hmac_update(&h, label, strlen(label));
+    kvw__hmac_update(&h, nonce, KVW_NONCE);
+    kvw__hmac_update(&h, dnonce, KVW_NONCE);
+    if (an)
+        kvw__hmac_update(&h, a, an);
+    if (bn)
+        kvw__hmac_update(&h, b, bn);
+    kvw__hmac_final(&h, out);
+}
+
+static void kvw_sha256(const void *p, size_t n, uint8_t out[32])
+{
+    kvw_sha256_t c;
+    kvw__sha256_init(&c);
+    kvw__sha256_update(&c, p, n);
+    kvw__sha256_final(&c, out);
+}
+
+static void kvw_wb_raw(kvw_wbuf_t *w, const uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        kvw__wb_u8(w, p[i]);
+}
+
+static void kvw_rb_raw(kvw_rbuf_t *r, uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        p[i] = kvw__rb_u8(r);
+}
+
+static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
+                          const uint8_t *rkeys, const size_t *rkey_lens, const void *addr,
+                          size_t addr_len)
+{
+    /* rkeys holds num_buffers keys, then the staging area's key (index num_buffers). */
+    kvw__wb_u32(w, peer_id);
+    kvw__wb_u64(w, ctx->instance_id);
+    kvw__wb_str(w, ctx->tl_ops->name);
+    kvw__wb_bytes(w, addr, addr_len);
+    kvw__wire_put_rank(w, ctx->rank);
+    uint32_t nb = kvw_rank_num_buffers(ctx->rank);
+    for (uint32_t i = 0; i < nb; i++)
+        kvw__wb_bytes(w, rkeys + (size_t)i * KVW_TL_MAX_RKEY, rkey_lens[i]);
+    kvw__wb_u64(w, ctx->staging_len);
+    if (ctx->staging_len)
+        kvw__wb_bytes(w, rkeys + (size_t)nb * KVW_TL_MAX_RKEY, rkey_lens[nb]);
+}
+
+/* Prefill side of the registration, on a fresh connection (control thread). */
+kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p)
+{
+    uint8_t type, *p = NULL;
+    uint32_t len = 0;
+    kvw_rank_h remote = NULL;
+    kvw_tl_ep_h ep = NULL;
+    kvw_tl_rkey_h *rkeys = NULL;
+    uint32_t nb = 0;
+    kvw_rank_h mapped = NULL;
+    char reason[400] = "";
+    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
+    uint8_t nonce[KVW_NONCE];
+    kvw_wbuf_t cw;
+    if (kvw__random_bytes(nonce, sizeof(nonce)) != 0)
+        return kvw__error(KVW_ERR_IO, "no random bytes for the handshake challenge");
+    kvw__wb_init(&cw, KVW_MSG_CHALLENGE);
+    kvw_wb_raw(&cw, nonce, KVW_NONCE);
+    kvw_status_t st = kvw__wb_finish(&cw);
+    if (st == KVW_OK)
+        st = kvw__sock_send_all(fd, cw.p, cw.len, deadline);
+    kvw__wb_free(&cw);
+    if (st != KVW_OK)
+        return st;
+    st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
+    if (st != KVW_OK)
+        return st;
+    kvw__handshake_heard(ctx, fd);
+    if (type != KVW_MSG_HELLO) {
+        free(p);
+        return kvw__error(KVW_ERR_MALFORMED, "expected a registration, got frame type %u", type);
+    }
+    kvw_rbuf_t r;
+    kvw__rb_init(&r, p, len);
+    uint8_t has_mac = kvw__rb_u8(&r);
+    uint8_t mac[32], dnonce[KVW_NONCE];
+    kvw_rb_raw(&r, mac, sizeof(mac));
+    kvw_rb_raw(&r, dnonce, sizeof(dnonce));
+    uint32_t id_at_remote = kvw__rb_u32(&r);
+    uint64_t instance = kvw__rb_u64(&r);
+    char tl_name[32];
+    kvw__rb_str(&r, tl_name, sizeof(tl_name));
+    size_t addr_len = 0;
+    const void *addr = kvw__rb_bytes(&r, KVW_TL_MAX_ADDR, &addr_len);
+    if (r.bad) {
+        /* Answer with the reason: a peer speaking another version learns why. */
+        st = KVW_ERR_MALFORMED;
+        snprintf(reason, sizeof(reason), "the registration frame is truncated (a different "
+                 "kvwire version?)");
+        goto reply;
+    }
+    /* The body the MAC covers: everything after has_mac, mac and dnonce. */
+    const uint8_t *hello_body = p + 1 + 32 + KVW_NONCE;
+    size_t hello_body_len = len - (1 + 32 + KVW_NONCE);
+    uint8_t hello_hash[32];
+    kvw_sha256(hello_body, hello_body_len, hello_hash);
+    if (ctx->secret[0]) {
+        uint8_t want[32];
+        kvw_auth_mac(ctx, "kvwire-hello-2", nonce, dnonce, hello_body, hello_body_len, NULL, 0,
+                     want);
+        if (!has_mac || !kvw__ct_equal(mac, want, 32)) {
+            st = KVW_ERR_AUTH;
+            snprintf(reason, sizeof(reason), has_mac ? "authentication failed: the shared secret "
+                     "does not match" : "authentication failed: this prefill rank requires a "
+                     "shared secret and the decode rank proved none");
+            goto reply;
+        }
+    }
+    st = kvw__wire_get_rank(&r, &remote);
+    if (st != KVW_OK) {
+        snprintf(reason, sizeof(reason), "bad registration: %s", kvw_last_error());
+        goto reply;
+    }
+    nb = kvw_rank_num_buffers(remote);
+    rkeys = calloc(nb ? nb : 1, sizeof(*rkeys));
+    if (strcmp(tl_name, ctx->tl_ops->name) != 0) {
+        st = KVW_ERR_INCOMPATIBLE;
+        snprintf(reason, sizeof(reason), "transport mismatch: decode uses '%s', this prefill rank "
+                 "uses '%s'", tl_name, ctx->tl_ops->name);
+        goto reply;
+    }
+    if ((st = kvw_rank_check_compatible(ctx->rank, remote)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "%s", kvw_last_error());
+        goto reply;
+    }
+    /* Memory kinds: cuda_ipc moves GPU memory to GPU memory. The other transports read
+     * and write host memory; GPU memory on either side goes through the decode's host
+     * staging area (gathered and scattered on the GPUs), checked once the registration
+     * says whether there is one. Anything else is refused here, not at the first
+     * request. */
+    bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
+    int local_dev = kvw__rank_cuda_device(ctx->rank);
+    bool remote_gpu = false;
+    for (uint32_t i = 0; i < nb; i++) {
+        kvw_mem_kind_t k = kvw_rank_buffer(remote, i)->mem_kind;
+        remote_gpu |= k == KVW_MEM_CUDA;
+        if (gpu_tl && k != KVW_MEM_CUDA) {
+            st = KVW_ERR_UNSUPPORTED;
+            snprintf(reason, sizeof(reason), "decode buffer %u is host memory, which transport "
+                     "'cuda_ipc' cannot write (cuda_ipc needs GPU buffers on both sides)", i);
+            goto reply;
+        }
+    }
+    for (uint32_t i = 0; gpu_tl && i < kvw_rank_num_buffers(ctx->rank); i++) {
+        if (kvw_rank_buffer(ctx->rank, i)->mem_kind != KVW_MEM_CUDA) {
+            st = KVW_ERR_UNSUPPORTED;
+            snprintf(reason, sizeof(reason), "prefill buffer %u is host memory, which transport "
+                     "'cuda_ipc' cannot read (cuda_ipc needs GPU buffers on both sides)", i);
+            goto reply;
+        }
+    }
+    bool must_stage = !gpu_tl && (ctx->staged_cuda || remote_gpu);
+    /* A registration may not take over an identity (instance and rank) whose peer is
+     * still alive: that cut the live one off. A restarted rank whose old connection has
+     * not been noticed dead yet retries until it is (BUSY). */
+    {
+        const kvw_parallel_t *ip = kvw_rank_parallel(remote);
+        pthread_mutex_lock(&ctx->mu);
+        for (uint32_t i = 0; i < ctx->num_peers && st == KVW_OK; i++) {
+            const kvw_peer_t *o = ctx->peers[i];
+            if (!o->dead && o->instance == instance && o->dp == ip->dp_rank &&
+                o->tp == ip->tp_rank && o->pp == ip->pp_rank) {
+                st = KVW_ERR_BUSY;
+                snprintf(reason, sizeof(reason), "%.200s is already registered here and alive "
+                         "(two decode instances need distinct instance ids)", o->desc);
+            }
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        if (st != KVW_OK)
+            goto reply;
+    }
+    /* GPU handles open in the current device's context: the one holding our buffers. */
+    if (local_dev >= 0 && (st = kvw_cuda_set_device(local_dev)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "cannot select GPU %d: %s", local_dev, kvw_last_error());
+        goto reply;
+    }
+    if ((st = ctx->tl_ops->connect(ctx->tl, addr, addr_len, &ep)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
+        goto reply;
+    }
+    /* Bind the data connection to this session first: completions that arrive on a
+     * connection that never proved it read this registration's challenge are refused. */
+    {
+        kvw_wbuf_t bw;
+        kvw__wb_init(&bw, KVW_MSG_BIND);
+        kvw__wb_u32(&bw, id_at_remote);
+        kvw_wb_raw(&bw, dnonce, sizeof(dnonce));
+        if ((st = kvw__wb_finish(&bw)) == KVW_OK)
+            st = ctx->tl_ops->notify(ep, bw.p, bw.len);
+        kvw__wb_free(&bw);
+        if (st != KVW_OK) {
+            snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
+            goto reply;
+        }
+    }
+    for (uint32_t i = 0; i < nb; i++) {
+        size_t kl = 0;
+        const void *k = kvw__rb_bytes(&r, KVW_TL_MAX_RKEY, &kl);
+        if (k == NULL) {
+            st = KVW_ERR_MALFORMED;
+            snprintf(reason, sizeof(reason), "registration lacks the key of buffer %u", i);
+            goto reply;
+        }
+        /* GPU buffers behind a host transport are written only through staging: they
+         * come without a key, and no direct write can name them. */
+        if (kl == 0 && !gpu_tl && kvw_rank_buffer(remote, i)->mem_kind == KVW_MEM_CUDA)
+            continue;
+        if ((st = ctx->tl_ops->rkey_unpack(ep, k, kl, &rkeys[i])) != KVW_OK) {
+            snprintf(reason, sizeof(reason), "bad remote key for buffer %u: %s", i,
+                     kvw_last_error());
+            goto reply;
+        }
+    }
+    uint64_t staging_len = kvw__rb_u64(&r);
+    kvw_tl_rkey_h staging_rkey = NULL;
+    if (staging_len) {
+        size_t kl = 0;
+        const void *k = kvw__rb_bytes(&r, KVW_TL_MAX_RKEY, &kl);
+        if (k == NULL || ctx->tl_ops->rkey_unpack(ep, k, kl, &staging_rkey) != KVW_OK) {
+            st = KVW_ERR_MALFORMED;
+            snprintf(reason, sizeof(reason), "bad staging key in the registration");
+            goto reply;
+        }
+    }
+    if (must_stage && staging_len == 0) {
+        st = KVW_ERR_UNSUPPORTED;
+        snprintf(reason, sizeof(reason), "GPU memory on %s goes through the decode rank's "
+                 "staging area over '%s', and the decode rank has none (KVW_STAGING_MB=0)",
+                 ctx->staged_cuda ? "this prefill rank" : "the decode rank", ctx->tl_ops->name);
+        goto reply;
+    }
+    if (st == KVW_OK && gpu_tl && (mapped = kvw_mapped_rank(ctx, remote, rkeys)) == NULL) {
+        st = KVW_ERR_UNSUPPORTED;
+        snprintf(reason, sizeof(reason), "cannot map the decode rank's GPU buffers here");
+        goto reply;
+    }
+    if (kvw__rb_done(&r, "registration") != KVW_OK) {
+        if (staging_rkey)
+            ctx->tl_ops->rkey_release(staging_rkey);
+        staging_rkey = NULL;
+        st = KVW_ERR_MALFORMED;
+        snprintf(reason, sizeof(reason), "%s", kvw_last_error());
+    }
+reply:
+    free(p);
+    kvw_wbuf_t w;
+    kvw__wb_init(&w, st == KVW_OK ? KVW_MSG_ACCEPT : KVW_MSG_REJECT);
+    if (st == KVW_OK) {
+        uint8_t proof[32] = {0};
+        kvw__wb_u8(&w, ctx->secret[0] != 0);
+        kvw_wb_raw(&w, proof, sizeof(proof));
+        size_t body_at = w.len;
+        kvw__wire_put_rank(&w, ctx->rank);
+        if (ctx->secret[0] && !w.oom) {
+            kvw_auth_mac(ctx, "kvwire-accept-2", nonce, dnonce, hello_hash, 32, w.p + body_at,
+                         w.len - body_at, proof);
+            memcpy(w.p + body_at - sizeof(proof), proof, sizeof(proof));
+        }
+    }
+    else {
+        kvw__wb_u32(&w, (uint32_t)(int32_t)st);
+        kvw__wb_str(&w, reason);
+    }
+    if (st != KVW_OK && reason[0]) {
+        /* The engine on this side can ask why a decode rank could not register (counted
+         * before the refusal goes out, so the refused side never sees it first). */
+        pthread_mutex_lock(&ctx->mu);
+        ctx->refusals++;
+        snprintf(ctx->last_refusal, sizeof(ctx->last_refusal), "decode instance %llu: %s",
+                 (unsigned long long)instance, reason);
+        kvw__log(KVW_LOG_WARN, "refused a registration of decode instance %llu: %s",
+                 (unsigned long long)instance, reason);
+        pthread_mutex_unlock(&ctx->mu);
+    }
+    kvw_status_t sst = kvw__wb_finish(&w);
+    if (sst == KVW_OK)
+        sst = kvw__sock_send_all(fd, w.p, w.len, deadline);
+    kvw__wb_free(&w);
+    if (st == KVW_OK && sst != KVW_OK)
+        st = sst;
+    if (st != KVW_OK) {
+        for (uint32_t i = 0; rkeys && i < nb; i++)
+            if (rkeys[i])
+                ctx->tl_ops->rkey_release(rkeys[i]);
+        free(rkeys);
+        if (ep)
+            ctx->tl_ops->ep_close(ep);
+        kvw_rank_destroy(mapped);
+        kvw_rank_destroy(remote);
+        return reason[0] ? kvw__error(st, "%s", reason) : st;
+    }
+    pthread_mutex_lock(&ctx->mu);
+    const kvw_parallel_t *rpar = kvw_rank_parallel(remote);
+    /* The same rank of the same decode instance registering again replaces the old
+     * registration (a restarted process whose death was not noticed yet). */
+    for (uint32_t i = 0; i < ctx->num_peers; i++) {
+        kvw_peer_t *o = ctx->peers[i];
+        if (!o->dead && o->instance == instance && o->dp == rpar->dp_rank &&
+            o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
+            kvw__peer_dead(ctx, o, KVW_ERR_PEER_DEAD,
+                           "replaced by a new registration of the same rank (two decode "
+                           "instances need distinct instance ids)");
+    }
+    kvw_peer_t *peer = kvw__peer_add(ctx, fd);
+    if (peer == NULL) {
+        pthread_mutex_unlock(&ctx->mu);
+        if (staging_rkey)
+            ctx->tl_ops->rkey_release(staging_rkey);
+        for (uint32_t i = 0; i < nb; i++)
+            ctx->tl_ops->rkey_release(rkeys[i]);
+        free(rkeys);
+        ctx->tl_ops->ep_close(ep);
+        kvw_rank_destroy(mapped);
+        kvw_rank_destroy(remote);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
+    }
+    const kvw_parallel_t *rp = kvw_rank_parallel(remote);
+    peer->remote = remote;
+    peer->ep = ep;
+    peer->rkeys = rkeys;
+    peer->num_rkeys = nb;
+    peer->id_at_remote = id_at_remote;
+    peer->mapped = mapped;
+    peer->instance = instance;
+    peer->staging_rkey = staging_rkey;
+    peer->staging_len = staging_len;
+    peer->must_stage = must_stage;
+    if (ctx->secret[0]) {
+        peer->authed = true;
+        peer->tx_dir = 1; /* prefill -> decode */
+        kvw_auth_mac(ctx, "kvwire-session-2", nonce, dnonce, mac, sizeof(mac), NULL, 0,
+                     peer->skey);
+    }
+    peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
+    peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
+    peer->remote_pp_size = KVW_MAX(rp->pp_size, 1);
+    peer->needed = kvw_pair_needed(ctx->rank, remote);
+    if (instance)
+        snprintf(peer->desc, sizeof(peer->desc), "decode instance %llu rank dp%u/tp%u/pp%u",
+                 (unsigned long long)instance, peer->dp, peer->tp, peer->pp);
+    else
+        snprintf(peer->desc, sizeof(peer->desc), "decode rank dp%u/tp%u/pp%u", peer->dp, peer->tp,
+                 peer->pp);
+    pthread_mutex_unlock(&ctx->mu);
+    *peer_p = peer;
+    return KVW_OK;
+}
+
+/* A registration that failed: its reserved peer slot becomes a dead peer (no room
+ * refers to it) and its socket is closed now. */
+static void kvw_decode_unreserve(struct kvw_ctx *ctx, kvw_peer_t *peer)
+{
+    pthread_mutex_lock(&ctx->mu);
+    peer->registering = false;
+    peer->dead = true;
+    if (peer->fd >= 0)
+        close(peer->fd);
+    peer->fd = -1;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+/* Decode side: connect to one prefill rank of instance `inst` (generation `gen`) and
+ * register. The peer slot is reserved before the registration, whose frame carries its
+ * id: several instances may be connected at once. */
+static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
+                                       uint32_t inst, uint32_t gen, uint64_t deadline)
+{
+    const uint8_t *rkeys = ctx->hello_rkeys;
+    const size_t *rkey_lens = ctx->hello_rkey_lens;
+    const void *addr = ctx->hello_addr;
+    size_t addr_len = ctx->hello_addr_len;
+    char host[128];
+    uint16_t port;
+    int fd = -1;
+    uint8_t type, *p = NULL;
+    uint32_t len = 0;
+    kvw_status_t st = kvw__parse_hostport(e->addr, host, sizeof(host), &port);
+    if (st != KVW_OK)
+        return st;
+    if ((st = kvw__tcp_connect(host, port, deadline, &fd)) != KVW_OK)
+        return st;
+    uint8_t nonce[KVW_NONCE], dnonce[KVW_NONCE], mac[32] = {0};
+    if ((st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len)) != KVW_OK ||
+        type != KVW_MSG_CHALLENGE || len != KVW_NONCE) {
+        free(p);
+        close(fd);
+        return kvw__error(st ? st : KVW_ERR_MALFORMED, "prefill rank at %s did not open the "
+                          "handshake with a challenge", e->addr);
+    }
+    memcpy(nonce, p, KVW_NONCE);
+    free(p);
+    p = NULL;
+    if (kvw__random_bytes(dnonce, sizeof(dnonce)) != 0) {
+        close(fd);
+        return kvw__error(KVW_ERR_IO, "no random bytes for the handshake challenge");
+    }
+    pthread_mutex_lock(&ctx->mu);
+    kvw_peer_t *peer = kvw__peer_add(ctx, fd);
+    if (peer)
+        peer->registering = true, peer->inst = inst, peer->inst_gen = gen;
+    pthread_mutex_unlock(&ctx->mu);
+    if (peer == NULL) {
+        close(fd);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
+    }
+    kvw_wbuf_t w;
+    kvw__wb_init(&w, KVW_MSG_HELLO);
+    kvw__wb_u8(&w, ctx->secret[0] != 0);
+    kvw_wb_raw(&w, mac, sizeof(mac));
+    kvw_wb_raw(&w, dnonce, sizeof(dnonce));
+    size_t body_at = w.len;
+    kvw_put_hello(ctx, &w, peer->id, rkeys, rkey_lens, addr, addr_len);
+    uint8_t hello_hash[32];
+    if (!w.oom) {
+        kvw_sha256(w.p + body_at, w.len - body_at, hello_hash);
+        if (ctx->secret[0]) {
+            kvw_auth_mac(ctx, "kvwire-hello-2", nonce, dnonce, w.p + body_at, w.len - body_at,
+                         NULL, 0, mac);
+            memcpy(w.p + KVW_WIRE_HDR + 1, mac, sizeof(mac));
+        }
+    }
+    if ((st = kvw__wb_finish(&w)) == KVW_OK)
+        st = kvw__sock_send_all(fd, w.p, w.len, deadline);
+    kvw__wb_free(&w);
+    if (st == KVW_OK)
+        st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
+    if (st != KVW_OK) {
+        kvw_decode_unreserve(ctx, peer);
+        return kvw__error(st, "registration with prefill rank dp%u/tp%u/pp%u at %s failed: %s",
+                          e->dp, e->tp, e->pp, e->addr, kvw_last_error());
+    }
+    kvw_rbuf_t r;
+    kvw__rb_init(&r, p, len);
+    if (type == KVW_MSG_REJECT) {
+        kvw_status_t why = (kvw_status_t)(int32_t)kvw__rb_u32(&r);
+        char reason[400];
+        kvw__rb_str(&r, reason, sizeof(reason));
+        free(p);
+        kvw_decode_unreserve(ctx, peer);
+        return kvw__error(why == KVW_ERR_AUTH || why == KVW_ERR_BUSY ? why : KVW_ERR_REJECTED,
+                          "prefill rank dp%u/tp%u/pp%u rejected this decode rank: %s", e->dp,
+                          e->tp, e->pp, reason);
+    }
+    kvw_rank_h remote = NULL;
+    uint8_t has_proof = kvw__rb_u8(&r), proof[32];
+    kvw_rb_raw(&r, proof, sizeof(proof));
+    if (type == KVW_MSG_ACCEPT && !r.bad && ctx->secret[0]) {
+        uint8_t want[32];
+        kvw_auth_mac(ctx, "kvwire-accept-2", nonce, dnonce, hello_hash, 32, p + 1 + 32,
+                     len - (1 + 32), want);
+        if (!has_proof || !kvw__ct_equal(proof, want, 32)) {
+            free(p);
+            kvw_decode_unreserve(ctx, peer);
+            return kvw__error(KVW_ERR_AUTH, "prefill rank dp%u/tp%u/pp%u at %s did not prove the "
+                              "shared secret", e->dp, e->tp, e->pp, e->addr);
+        }
+    }
+    if (type != KVW_MSG_ACCEPT || (st = kvw__wire_get_rank(&r, &remote)) != KVW_OK ||
+        (st = kvw__rb_done(&r, "accept")) != KVW_OK) {
+        free(p);
+        kvw_decode_unreserve(ctx, peer);
+        kvw_rank_destroy(remote);
+        return kvw__error(KVW_ERR_MALFORMED, "prefill rank at %s answered the registration with "
+                          "a malformed frame (type %u)", e->addr, type);
+    }
+    free(p);
+    /* The rank that answered must be the one the bootstrap table named, with the same
+     * instance geometry: a mismatch would route heads to the wrong place. */
+    const kvw_parallel_t *rpar = kvw_rank_parallel(remote);
+    if (rpar->tp_rank != e->tp || rpar->pp_rank != e->pp || rpar->dp_rank != e->dp ||
+        rpar->tp_size != e->tp_size || KVW_MAX(rpar->pp_size, 1) != KVW_MAX(e->pp_size, 1) ||
+        KVW_MAX(rpar->dp_size, 1) != KVW_MAX(e->dp_size, 1)) {
+        st = kvw__error(KVW_ERR_INCOMPATIBLE,
+                        "prefill rank at %s describes itself as dp%u/tp%u/pp%u of TP %u PP %u "
+                        "DP %u, but the bootstrap table names it dp%u/tp%u/pp%u of TP %u PP %u "
+                        "DP %u", e->addr, rpar->dp_rank, rpar->tp_rank, rpar->pp_rank,
+                        rpar->tp_size, KVW_MAX(rpar->pp_size, 1), KVW_MAX(rpar->dp_size, 1),
+                        e->dp, e->tp, e->pp, e->tp_size, KVW_MAX(e->pp_size, 1),
+                        KVW_MAX(e->dp_size, 1));
+        kvw_decode_unreserve(ctx, peer);
+        kvw_rank_destroy(remote);
+        return st;
+    }
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    pthread_mutex_lock(&ctx->mu);
+    if (ctx->secret[0]) {
+        peer->authed = true;
+        peer->tx_dir = 2; /* decode -> prefill */
+        kvw_auth_mac(ctx, "kvwire-session-2", nonce, dnonce, mac, sizeof(mac), NULL, 0,
+                     peer->skey);
+    }
+    peer->registering = false;
+    peer->last_rx_ns = peer->last_tx_ns = kvw__now_ns();
+    peer->remote = remote;
+    memcpy(peer->bind_nonce, dnonce, sizeof(peer->bind_nonce));
+    peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
+    peer->needed = kvw_pair_needed(remote, ctx->rank);
+    snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s (instance %.60s)",
+             e->dp, e->tp, e->pp, e->addr, inst < ctx->num_insts ? ctx->insts[inst].addr : "?");
+    pthread_mutex_unlock(&ctx->mu);
+    return KVW_OK;
+}
+
+/* Registers with one prefill rank; BUSY means this rank's previous registration is not
+ * known dead there yet (a restart): back off and try again until the deadline. */
+kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
+                                       uint32_t inst, uint32_t gen, uint64_t deadline)
+{
+    uint64_t backoff_ms = 20;
+    kvw_status_t st;
+    while ((st = kvw_decode_connect(ctx, e, inst, gen, deadline)) == KVW_ERR_BUSY &&
+           !atomic_load(&ctx->cancel_connects) &&
+           kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
+        usleep((useconds_t)(backoff_ms * 1000));
+        backoff_ms = KVW_MIN(backoff_ms * 2, 500);
+    }
+    return st;
+}
+
+/* Registrations run on their own short-lived threads: a silent or slow connection to
+ * the control port must not stop heartbeats and reads for everyone else. */
+typedef struct kvw_hs_arg {
+    struct kvw_ctx *ctx;
+    int fd;
+    uint32_t slot;
+} kvw_hs_arg_t;
+
+void kvw__handshake_heard(struct kvw_ctx *ctx, int fd)
+{
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
+        if (ctx->hs[i].fd == fd)
+            ctx->hs[i].heard = true;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+static void *kvw_handshake_main(void *arg)
+{
+    kvw_hs_arg_t *a = arg;
+    struct kvw_ctx *ctx = a->ctx;
+    kvw_peer_t *peer;
+    kvw_status_t st = kvw__prefill_handshake(ctx, a->fd, &peer);
+    /* Free the slot before the fd can be closed: the control thread only shuts down
+     * fds that are still in a slot, so it never touches a reused descriptor. */
+    pthread_mutex_lock(&ctx->mu);
+    ctx->hs[a->slot].fd = -1;
+    pthread_mutex_unlock(&ctx->mu);
+    /* A bad or refused registration only closes this connection. */
+    if (st != KVW_OK)
+        close(a->fd);
+    else
+        fcntl(a->fd, F_SETFL, fcntl(a->fd, F_GETFL) | O_NONBLOCK);
+    free(a);
+    /* Wake the control thread (to poll the new peer's socket) before giving up the
+     * handshake count: once it reaches zero, kvw_ctx_destroy closes the wake pipe and
+     * frees the context, so this thread must not touch ctx after the unlock below. */
+    pthread_mutex_lock(&ctx->mu);
+    kvw__ctx_wake(ctx);
+    ctx->handshakes--;
+    pthread_cond_broadcast(&ctx->cv);
+    pthread_mutex_unlock(&ctx->mu);
+    return NULL;
+}
+
+void kvw__start_handshake(struct kvw_ctx *ctx, int fd)
+{
+    kvw_hs_arg_t *a = malloc(sizeof(*a));
+    pthread_attr_t attr;
+    pthread_t t;
+    pthread_mutex_lock(&ctx->mu);
+    /* At most KVW_MAX_HANDSHAKES live registrations. When they are all taken, the oldest
+     * connection that has not sent its registration yet is shut down to make room (it
+     * would time out anyway): silent connections cannot lock honest peers out. Threads
+     * of displaced connections still hold one of the spare slots until they leave. */
+    uint32_t live = 0, free_slot = UINT32_MAX, oldest = UINT32_MAX;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++) {
+        if (ctx->hs[i].fd < 0) {
+            free_slot = free_slot == UINT32_MAX ? i : free_slot;
+            continue;
+        }
+        if (ctx->hs[i].evicted)
+            continue;
+        live++;
+        if (!ctx->hs[i].heard &&
+            (oldest == UINT32_MAX || ctx->hs[i].started_ns < ctx->hs[oldest].started_ns))
+            oldest = i;
+    }
+    bool refuse = ctx->stopping || a == NULL || free_slot == UINT32_MAX ||
+                  (live >= KVW_MAX_HANDSHAKES && oldest == UINT32_MAX);
+    if (!refuse && live >= KVW_MAX_HANDSHAKES) {
+        shutdown(ctx->hs[oldest].fd, SHUT_RDWR);
+        ctx->hs[oldest].evicted = true;
+    }
+    if (!refuse) {
+        ctx->handshakes++;
+        ctx->hs[free_slot].fd = fd;
+        ctx->hs[free_slot].started_ns = kvw__now_ns();
+        ctx->hs[free_slot].heard = false;
+        ctx->hs[free_slot].evicted = false;
+    }
+    pthread_mutex_unlock(&ctx->mu);
+    if (refuse) {
+        free(a);
+        close(fd);
+        return;
+    }
+    a->ctx = ctx;
+    a->fd = fd;
+    a->slot = free_slot;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&t, &attr, kvw_handshake_main, a) != 0) {
+        pthread_mutex_lock(&ctx->mu);
+        ctx->hs[free_slot].fd = -1;
+        ctx->handshakes--;
+        pthread_mutex_unlock(&ctx->mu);
+        free(a);
+        close(fd);
+    }
+    pthread_attr_destroy(&attr);
+}

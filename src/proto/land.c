@@ -1,0 +1,443 @@
+/* Decode: what lands. The transport's callbacks: completions (DONE) counted only on
+ * the data connection their prefill rank bound, staged windows scattered out of the
+ * staging area, every write checked against the pages and staging spans the room was
+ * granted, and page-exact accounting before Success; a prefill rank's metadata. */
+#include "proto/proto.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r);
+
+/* Decode: tells a prefill rank that every byte it owes the room, and the metadata it
+ * announced, arrived. On tcp (mediated) the confirmation waits for the room-wide check
+ * of where the bytes landed instead (kvw_receiver_done): a sender's own count cannot
+ * vouch for that. mu held. */
+static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_room_src_t *s)
+{
+    if (s->done && s->got == s->expected && (!s->meta_expected || s->meta_got) &&
+        !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
+        kvw__send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
+}
+
+/* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
+ * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
+void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
+{
+    uint64_t id = kvw__rb_u64(rb);
+    size_t got = 0;
+    const void *data = kvw__rb_bytes(rb, KVW_MAX_ROOM_METADATA, &got);
+    uint32_t len = (uint32_t)got;
+    if (data == NULL || kvw__rb_done(rb, "metadata") != KVW_OK) {
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "malformed metadata frame");
+        return;
+    }
+    kvw_room_t *r = kvw__room_find(ctx, id);
+    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
+        return; /* a room that ended or was destroyed here meanwhile */
+    kvw_room_src_t *s = NULL;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (r->srcs[i].peer == peer->id)
+            s = &r->srcs[i];
+    if (s == NULL || s->meta_got) {
+        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent metadata %s",
+                       (unsigned long long)id, peer->desc,
+                       s ? "twice" : "but does not write this room");
+        return;
+    }
+    if (r->has_meta && (r->meta_len != len || (len && memcmp(r->meta, data, len)))) {
+        kvw__room_fail(ctx, r, KVW_ERR_INCOMPATIBLE, true, "room %llu: prefill ranks disagree "
+                       "on the room's metadata (%u bytes from one, %u from %s)",
+                       (unsigned long long)id, r->meta_len, len, peer->desc);
+        return;
+    }
+    if (!r->has_meta) {
+        r->meta = malloc(len ? len : 1);
+        if (r->meta == NULL) {
+            kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory for room metadata");
+            return;
+        }
+        if (len)
+            memcpy(r->meta, data, len);
+        r->meta_len = len;
+        r->has_meta = true;
+    }
+    s->meta_got = true;
+    kvw_src_confirm(ctx, r, s);
+    kvw_receiver_done(ctx, r);
+}
+
+static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got))
+            return;
+    /* On transports whose receiver sees every write (tcp), the bytes that actually landed
+     * must match too: a sender's own count cannot vouch for writes lost on the way. */
+    if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) {
+        uint64_t want = 0;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            want += r->srcs[i].expected;
+        /* Page-exact: no byte written twice, and the distinct bytes (direct writes plus
+         * staged windows each covered exactly once) are what the plans imply. A byte
+         * count alone let one page written twice stand in for one never written. */
+        kvw_iv_t a, b;
+        uint64_t distinct = 0;
+        if (!kvw__ivlog_check(&r->writes, &a, &b, &distinct)) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: buffer %llu bytes [%llu, %llu) were written twice "
+                           "(overlapping writes [%llu, %llu) and [%llu, %llu))",
+                           (unsigned long long)r->id, (unsigned long long)b.region,
+                           (unsigned long long)b.lo,
+                           (unsigned long long)(b.hi < a.hi ? b.hi : a.hi),
+                           (unsigned long long)a.lo, (unsigned long long)a.hi,
+                           (unsigned long long)b.lo, (unsigned long long)b.hi);
+            return;
+        }
+        if (distinct + r->staged_exact != want) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: %llu distinct bytes landed, the plans expect %llu "
+                           "(part of the room's pages was never written)",
+                           (unsigned long long)r->id,
+                           (unsigned long long)(distinct + r->staged_exact),
+                           (unsigned long long)want);
+            return;
+        }
+        if (r->landed != want) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "room %llu: %llu bytes landed, the plans expect %llu",
+                           (unsigned long long)r->id, (unsigned long long)r->landed,
+                           (unsigned long long)want);
+            return;
+        }
+    }
+    /* Fail closed: every sender's byte count must be exactly what the plan implies. */
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (r->srcs[i].got != r->srcs[i].expected) {
+            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                           "%s delivered %llu bytes, the plan expects %llu",
+                           ctx->peers[r->srcs[i].peer]->desc,
+                           (unsigned long long)r->srcs[i].got,
+                           (unsigned long long)r->srcs[i].expected);
+            return;
+        }
+    if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED)
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            kvw__send_room_msg(ctx, ctx->peers[r->srcs[i].peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK,
+                               "");
+    kvw__room_advance(r, KVW_ROOM_SUCCESS);
+}
+
+/* Scatters one staged window of a room's chunk from the staging area (no mu held;
+ * the room is pinned by inflight). */
+static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t *r,
+                                const kvw_chunk_t *c, uint64_t soff, uint64_t slen, uint64_t goff)
+{
+    if (goff > ctx->staging_len || slen > ctx->staging_len - goff)
+        return kvw__error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, +%llu) outside the staging "
+                          "area", (unsigned long long)goff, (unsigned long long)slen);
+    /* The source's page indices do not matter to the byte stream, only its geometry:
+     * give the plan all-zero source page lists covering the request. */
+    const kvw_parallel_t *sp = kvw_rank_parallel(src);
+    (void)sp;
+    uint32_t ps_full = KVW_MAX(src->pool_page_size[KVW_POOL_FULL], 1);
+    uint32_t ps_swa = KVW_MAX(src->pool_page_size[KVW_POOL_SWA], 1);
+    uint64_t nf = (c->num_tokens + ps_full - 1) / ps_full + 1;
+    uint64_t ns = (c->num_tokens + ps_swa - 1) / ps_swa + 1;
+    uint32_t *zeros = calloc(KVW_MAX(nf, ns), sizeof(uint32_t));
+    if (zeros == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory scattering");
+    kvw_side_pages_t fake = {.full = {zeros, (uint32_t)nf, 0}, .swa = {zeros, (uint32_t)ns, 0},
+                             .state_slot = 0};
+    kvw_plan_h plan;
+    kvw_status_t st = kvw_plan_create(src, ctx->rank, c, &fake, &r->post_pages, &plan);
+    if (st == KVW_OK) {
+        st = kvw__stage_move(ctx, plan, false, ctx->staging + goff, soff, soff + slen);
+        kvw_plan_destroy(plan);
+    }
+    free(zeros);
+    return st;
+}
+
+/* A data connection says which peer it belongs to (KVW_MSG_BIND, its first message).
+ * The claim is only recorded here; kvw_bound checks it against the peer's nonce when a
+ * completion arrives, since the BIND can overtake the registration that creates the peer. */
+static void kvw_on_bind(struct kvw_ctx *ctx, kvw_tl_ep_h ep, kvw_rbuf_t *rb)
+{
+    kvw_bind_t b = {.ep = ep};
+    b.peer = kvw__rb_u32(rb);
+    for (size_t i = 0; i < sizeof(b.nonce); i++)
+        b.nonce[i] = kvw__rb_u8(rb);
+    if (kvw__rb_done(rb, "bind") != KVW_OK)
+        return;
+    pthread_mutex_lock(&ctx->mu);
+    bool known = false;
+    for (uint32_t i = 0; i < ctx->num_binds; i++)
+        known |= ctx->binds[i].ep == ep;
+    if (!known && ctx->num_binds == ctx->cap_binds) {
+        uint32_t cap = ctx->cap_binds ? ctx->cap_binds * 2 : 16;
+        kvw_bind_t *v = realloc(ctx->binds, sizeof(*v) * cap);
+        if (v) {
+            ctx->binds = v;
+            ctx->cap_binds = cap;
+        }
+    }
+    /* One claim per connection: a second BIND cannot re-point it. */
+    if (!known && ctx->num_binds < ctx->cap_binds)
+        ctx->binds[ctx->num_binds++] = b;
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+/* Whether `ep` is the data connection of peer `peer_id` (mu held). */
+static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
+{
+    if (peer_id >= ctx->num_peers)
+        return false;
+    const kvw_peer_t *p = ctx->peers[peer_id];
+    for (uint32_t i = 0; i < ctx->num_binds; i++) {
+        const kvw_bind_t *b = &ctx->binds[i];
+        if (b->ep != ep)
+            continue;
+        uint8_t diff = (uint8_t)(b->peer != peer_id);
+        for (size_t k = 0; k < sizeof(b->nonce); k++)
+            diff |= b->nonce[k] ^ p->bind_nonce[k];
+        return diff == 0;
+    }
+    return false;
+}
+
+void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
+{
+    struct kvw_ctx *ctx = arg;
+    (void)ep;
+    if (len < KVW_WIRE_HDR)
+        return;
+    uint8_t type = 0;
+    uint32_t plen;
+    if (kvw__wire_header(msg, &type, &plen) != KVW_OK ||
+        (type != KVW_MSG_DONE && type != KVW_MSG_BIND) || plen != len - KVW_WIRE_HDR)
+        return;
+    kvw_rbuf_t rb;
+    kvw__rb_init(&rb, (const uint8_t *)msg + KVW_WIRE_HDR, plen);
+    if (type == KVW_MSG_BIND) {
+        kvw_on_bind(ctx, ep, &rb);
+        return;
+    }
+    uint64_t id = kvw__rb_u64(&rb);
+    uint32_t peer_id = kvw__rb_u32(&rb);
+    kvw_chunk_t c = {0};
+    c.chunk_begin = kvw__rb_u64(&rb);
+    c.chunk_end = kvw__rb_u64(&rb);
+    uint64_t bytes = kvw__rb_u64(&rb);
+    c.last_chunk = kvw__rb_u8(&rb) != 0;
+    bool staged = kvw__rb_u8(&rb) != 0;
+    uint64_t soff = kvw__rb_u64(&rb), slen = kvw__rb_u64(&rb), goff = kvw__rb_u64(&rb);
+    bool final = kvw__rb_u8(&rb) != 0;
+    uint32_t meta_len = kvw__rb_u32(&rb);
+    if (kvw__rb_done(&rb, "done") != KVW_OK || meta_len > KVW_MAX_ROOM_METADATA)
+        return;
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = kvw__room_find(ctx, id);
+    kvw_room_src_t *s = NULL;
+    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
+        goto out;
+    /* A completion counts only on the data connection its peer bound (any local process
+     * can reach a shm socket, any host a tcp port): anything else is refused, and the
+     * room carries on waiting for its real sender. */
+    if (!kvw_bound(ctx, ep, peer_id))
+        goto out;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (r->srcs[i].peer == peer_id)
+            s = &r->srcs[i];
+    if (s == NULL || s->done || c.chunk_begin > c.chunk_end || c.chunk_end > r->num_tokens ||
+        (c.last_chunk && c.chunk_end != r->num_tokens)) {
+        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true,
+                       "room %llu: bad completion from peer %u (chunk [%llu, %llu))",
+                       (unsigned long long)id, peer_id, (unsigned long long)c.chunk_begin,
+                       (unsigned long long)c.chunk_end);
+        goto out;
+    }
+    kvw__room_hop(r, KVW_HOP_DONE_RX, false);
+    kvw__room_advance(r, KVW_ROOM_TRANSFERRING);
+    kvw__room_touch(ctx, r);
+    if (staged) {
+        /* The window must be exactly a span this room was granted. */
+        bool ok = false;
+        for (uint32_t i = 0; i < ctx->num_spans; i++)
+            ok |= ctx->spans[i].off == goff && ctx->spans[i].len == slen && ctx->spans[i].room == id;
+        if (!ok) {
+            kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
+                           "room %llu: staged data at [%llu, +%llu) was never granted",
+                           (unsigned long long)id, (unsigned long long)goff,
+                           (unsigned long long)slen);
+            goto out;
+        }
+        /* On tcp the window must have been written exactly once, all of it, before it is
+         * scattered: stale staging bytes would otherwise land in the room's pages. */
+        if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) {
+            uint64_t got = 0;
+            if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
+                got != slen) {
+                kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
+                               "room %llu: staged window [%llu, +%llu) was %s",
+                               (unsigned long long)id, (unsigned long long)goff,
+                               (unsigned long long)slen,
+                               got == slen ? "partly written twice" : "not written exactly once");
+                goto out;
+            }
+            r->staged_exact += slen;
+        }
+        c.num_tokens = r->num_tokens;
+        c.prefix_len = r->prefix_len;
+        kvw_rank_h src = ctx->peers[peer_id]->remote;
+        r->inflight++;
+        pthread_mutex_unlock(&ctx->mu);
+        kvw_status_t st = kvw_scatter(ctx, src, r, &c, soff, slen, goff);
+        char why[400];
+        snprintf(why, sizeof(why), "%s", kvw_last_error());
+        pthread_mutex_lock(&ctx->mu);
+        r->inflight--;
+        pthread_cond_broadcast(&ctx->cv);
+        kvw__stage_free(ctx, goff);
+        if (st != KVW_OK) {
+            kvw__room_fail(ctx, r, st, true, "room %llu: scattering staged data failed: %s",
+                           (unsigned long long)id, why);
+            goto out;
+        }
+        if (r->state == KVW_ROOM_FAILED)
+            goto out;
+        bytes = slen;
+        r->path = "staged";
+    } else {
+        r->path = "direct";
+    }
+    s->got += bytes;
+    r->bytes += bytes;
+    if (final) {
+        s->done = c.last_chunk;
+        if (c.last_chunk)
+            s->meta_expected = meta_len;
+    }
+    kvw_src_confirm(ctx, r, s);
+    kvw_receiver_done(ctx, r);
+out:
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+static bool kvw_granted(const kvw_room_t *r, int pool, uint32_t page)
+{
+    const uint32_t *g = r->granted[pool];
+    uint32_t lo = 0, hi = r->num_granted[pool];
+    while (lo < hi) {
+        uint32_t mid = lo + (hi - lo) / 2;
+        if (g[mid] == page)
+            return true;
+        if (g[mid] < page)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return false;
+}
+
+/* Records an admitted write (mu held). More bytes than the plans imply fail the room at
+ * once, which also bounds the record's size by the room's own byte count. */
+static kvw_status_t kvw_note_write(struct kvw_ctx *ctx, kvw_room_t *r, uint64_t key,
+                                   uint64_t off, uint64_t len)
+{
+    uint64_t want = 0;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        want += r->srcs[i].expected;
+    kvw_status_t st = KVW_OK;
+    if (len > want - KVW_MIN(r->landed, want))
+        st = kvw__error(KVW_ERR_BYTE_MISMATCH, "room %llu: writes exceed the %llu bytes the "
+                        "plans expect", (unsigned long long)r->id, (unsigned long long)want);
+    else
+        st = kvw__ivlog_add(&r->writes, key, off, len);
+    if (st != KVW_OK) {
+        kvw__room_fail(ctx, r, st, true, "%s", kvw_last_error());
+        return st;
+    }
+    r->landed += len;
+    return KVW_OK;
+}
+
+kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
+                              uint64_t len)
+{
+    struct kvw_ctx *ctx = arg;
+    kvw_status_t st = KVW_OK;
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_t *r = kvw__room_find(ctx, room);
+    const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, (uint32_t)region);
+    bool staging = region == ctx->rank->num_bufs && ctx->staging;
+    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED ||
+        r->state == KVW_ROOM_SUCCESS || r->state == KVW_ROOM_BOOTSTRAPPING ||
+        (b == NULL && !staging)) {
+        st = KVW_ERR_OUT_OF_RANGE;
+        if (r && !r->is_sender)
+            kvw__room_fail(ctx, r, st, true, "a write arrived for room %llu in state %s",
+                           (unsigned long long)room, kvw_room_state_string(r->state));
+        goto out;
+    }
+    if (region == ctx->rank->num_bufs && ctx->staging) {
+        /* The staging area: only inside a span granted to this room. */
+        for (uint32_t i = 0; i < ctx->num_spans; i++)
+            if (ctx->spans[i].room == room && off >= ctx->spans[i].off &&
+                off - ctx->spans[i].off <= ctx->spans[i].len &&
+                len <= ctx->spans[i].len - (off - ctx->spans[i].off)) {
+                st = kvw_note_write(ctx, r, KVW_IV_STAGED | ctx->spans[i].off, off, len);
+                goto out;
+            }
+        st = KVW_ERR_OUT_OF_RANGE;
+        kvw__room_fail(ctx, r, st, true, "room %llu: a staged write to [%llu, +%llu) lies outside "
+                       "its staging grant", (unsigned long long)room, (unsigned long long)off,
+                       (unsigned long long)len);
+        goto out;
+    }
+    const kvw_comp_view_t *v = NULL;
+    for (uint32_t i = 0; i < ctx->rank->num_views; i++)
+        if (ctx->rank->views[i].buf == region) {
+            v = &ctx->rank->views[i];
+            break;
+        }
+    if (v == NULL || len == 0) {
+        st = KVW_ERR_OUT_OF_RANGE;
+        goto out;
+    }
+    uint64_t ps = v->view.page_stride;
+    for (uint64_t p = off / ps; p <= (off + len - 1) / ps; p++)
+        if (p > UINT32_MAX || !kvw_granted(r, (int)v->pool, (uint32_t)p)) {
+            st = KVW_ERR_OUT_OF_RANGE;
+            kvw__room_fail(ctx, r, st, true,
+                           "room %llu: a write to buffer %llu bytes [%llu, %llu) touches page "
+                           "%llu, which this room was not granted", (unsigned long long)room,
+                           (unsigned long long)region, (unsigned long long)off,
+                           (unsigned long long)(off + len), (unsigned long long)p);
+            break;
+        }
+    if (st == KVW_OK)
+        st = kvw_note_write(ctx, r, region, off, len);
+out:
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason)
+{
+    /* The control channel of the same peer notices the failure (closed socket or missing
+     * heartbeats) and fails its rooms with a name. Here the connection only loses its
+     * binding: the transport frees the endpoint after this returns, and its address may
+     * be reused by a later connection. */
+    struct kvw_ctx *ctx = arg;
+    (void)status;
+    (void)reason;
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t i = 0; i < ctx->num_binds; i++)
+        if (ctx->binds[i].ep == ep) {
+            ctx->binds[i] = ctx->binds[--ctx->num_binds];
+            break;
+        }
+    pthread_mutex_unlock(&ctx->mu);
+}
