@@ -51,6 +51,14 @@ typedef struct rank {
     kvw_rank_h h;
 } rank_t;
 
+/* After every context using the rank is destroyed. */
+static void rank_free(rank_t *r)
+{
+    kvw_rank_destroy(r->h);
+    for (int b = 0; b < LAYERS * 2; b++)
+        free(r->mem[b]);
+}
+
 /* A rank of TP `tp`, rank `tp_rank`: K and V buffers per layer, each PAGES pages. */
 static int rank_make(uint32_t tp, uint32_t tp_rank, rank_t *r)
 {
@@ -155,8 +163,10 @@ static int prefill(int addr_fd, int go_fd)
             kvw_sender_destroy(s[k]);
         }
     }
-    for (uint32_t k = 0; k < 2; k++)
+    for (uint32_t k = 0; k < 2; k++) {
         kvw_ctx_destroy(ctx[k]);
+        rank_free(&ranks[k]);
+    }
     return rc;
 }
 
@@ -220,6 +230,7 @@ static int decode(int addr_fd, int go_fd)
         kvw_receiver_destroy(rv[q]);
     }
     kvw_ctx_destroy(ctx);
+    rank_free(&r);
     if (rc == 0)
         printf("prefill_decode: %d requests, TP2 -> TP1 over tcp, %llu bytes checked\n",
                REQUESTS, (unsigned long long)checked);

@@ -36,7 +36,7 @@ static void ignore_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len
     (void)arg, (void)ep, (void)msg, (void)len;
 }
 
-/* A completion frame as a prefill rank sends it (room.c, kvw_put_done). */
+/* A completion frame as a prefill rank sends it (worker.c, kvw_put_done). */
 static void forged_done(kvw_wbuf_t *w, uint32_t peer_id, uint64_t bytes)
 {
     kvw__wb_init(w, KVW_MSG_DONE);

@@ -56,13 +56,4 @@ int kvw__tl_wake_open(void);
 void kvw__tl_wake(int wake_fd);
 void kvw__tl_wake_drain(int wake_fd);
 
-/* Random bytes come from core/rand.h (kvw__random_bytes), which fails closed. This
- * wrapper stays only for ucx_iface.c until it checks that status itself: rather than go
- * on with predictable bytes, it ends the process when the kernel gives none. */
-static inline void kvw__tl_random(void *buf, size_t len)
-{
-    if (kvw__random_bytes(buf, len) != KVW_OK)
-        abort();
-}
-
 #endif

@@ -504,9 +504,10 @@ static kvw_status_t ucx_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
     pthread_cond_init(&tl->cv, &ca);
     pthread_condattr_destroy(&ca);
-    do
-        kvw__tl_random(&tl->token, sizeof(tl->token));
-    while (tl->token == 0);
+    do {
+        if ((st = kvw__random_bytes(&tl->token, sizeof(tl->token))) != KVW_OK)
+            goto err_free;
+    } while (tl->token == 0);
 
     tl->wake_fd = kvw__tl_wake_open();
     if (tl->wake_fd < 0) {
