@@ -54,34 +54,6 @@ typedef struct cfg {
     char sim[16]; /* spin (default) or memset */
 } cfg_t;
 
-static int wr(int fd, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n) {
-        ssize_t k = write(fd, b, n);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k, n -= (size_t)k;
-    }
-    return 0;
-}
-
-static int rd(int fd, void *p, size_t n)
-{
-    uint8_t *b = p;
-    while (n) {
-        ssize_t k = read(fd, b, n);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k, n -= (size_t)k;
-    }
-    return 0;
-}
-
 static int make_rank(const kvt_model_t *m, uint64_t tokens, uint64_t seed, int device,
                      kvt_rank_t *r, void ***dev_p)
 {
@@ -143,7 +115,7 @@ static kvt_req_pages_t pages_of(const kvt_rank_t *r, uint64_t tokens, uint64_t s
 static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, int device)
 {
     char bs[128];
-    if (rd(cmd, bs, sizeof(bs)))
+    if (kvt_read_full(cmd, bs, sizeof(bs)))
         return 1;
     kvt_rank_t dst, src;
     void **ddev = NULL;
@@ -157,14 +129,14 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
     kvt_req_pages_t dp = pages_of(&dst, c->tokens, 11);
     for (;;) {
         uint64_t room;
-        if (rd(cmd, &room, sizeof(room)) || room == 0)
+        if (kvt_read_full(cmd, &room, sizeof(room)) || room == 0)
             break;
         kvw_receiver_h rcv = NULL;
         kvw_recv_post_t post = {.num_tokens = c->tokens, .pages = dp.side};
         int ok = kvw_receiver_create(ctx, room, 0, &rcv) == KVW_OK &&
                  kvw_receiver_post(rcv, &post) == KVW_OK;
         uint64_t posted = ok;
-        wr(res, &posted, sizeof(posted));
+        kvt_write_full(res, &posted, sizeof(posted));
         kvw_room_state_t st = ok ? kvw_receiver_wait(rcv, 120000) : KVW_ROOM_FAILED;
         uint64_t out[4] = {st == KVW_ROOM_SUCCESS ? kvt_now_ns() : 0, 0, 0, 0};
         kvw_room_metrics_t mt;
@@ -217,7 +189,7 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
             kvt_rank_free(&src);
         }
         kvw_receiver_destroy(rcv);
-        wr(res, out, sizeof(out));
+        kvt_write_full(res, out, sizeof(out));
     }
     kvw_ctx_destroy(ctx);
     return 0;
@@ -316,12 +288,7 @@ int main(int argc, char **argv)
     }
     if (!c.reps || c.reps > MAXREPS || !c.layers || !c.tokens)
         return 2;
-    pid_t probe = fork();
-    if (probe == 0)
-        exit(kvw_cuda_available() == KVW_OK ? 0 : 3);
-    int ps = 0;
-    waitpid(probe, &ps, 0);
-    if (!WIFEXITED(ps) || WEXITSTATUS(ps) != 0) {
+    if (!kvt_cuda_probe()) {
         printf("gpu_stream: skipped: no GPU (no CUDA device, driver or kvwire CUDA module)\n");
         return 77;
     }
@@ -362,7 +329,7 @@ int main(int argc, char **argv)
         goto out;
     char bs[128] = {0};
     snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(ctx));
-    if (wr(to_child[1], bs, sizeof(bs)))
+    if (kvt_write_full(to_child[1], bs, sizeof(bs)))
         goto out;
     kvt_req_pages_t sp = pages_of(&src, c.tokens, 10);
     kvw_send_chunk_t ch = {.num_tokens = c.tokens, .chunk_end = c.tokens, .last_chunk = 1,
@@ -375,7 +342,7 @@ int main(int argc, char **argv)
     for (uint32_t rep = 0; rep <= c.reps; rep++) {
         for (int mode = 0; mode < 2; mode++) {
             uint64_t room = 1 + rep * 2 + (uint64_t)mode, posted = 0, res[4];
-            if (wr(to_child[1], &room, sizeof(room)) || rd(to_parent[0], &posted, 8) || !posted)
+            if (kvt_write_full(to_child[1], &room, sizeof(room)) || kvt_read_full(to_parent[0], &posted, 8) || !posted)
                 goto out;
             kvw_sender_h snd = NULL;
             if (kvw_sender_create(ctx, room, &snd) != KVW_OK)
@@ -402,7 +369,7 @@ int main(int argc, char **argv)
             memset(&pm, 0, sizeof(pm));
             kvw_sender_metrics(snd, &pm);
             kvw_sender_destroy(snd);
-            if (rd(to_parent[0], res, sizeof(res)) || res[0] == 0 || st != KVW_ROOM_SUCCESS) {
+            if (kvt_read_full(to_parent[0], res, sizeof(res)) || res[0] == 0 || st != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "gpu_stream: room %llu did not succeed\n",
                         (unsigned long long)room);
                 goto out;
@@ -487,7 +454,7 @@ int main(int argc, char **argv)
 out:
     {
         uint64_t zero = 0;
-        wr(to_child[1], &zero, sizeof(zero));
+        kvt_write_full(to_child[1], &zero, sizeof(zero));
     }
     close(to_child[1]);
     int cs = 0;

@@ -553,7 +553,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
         b_inst_free(&in);
         return 1;
     }
-    if (cli_write_full(bs_fd, bs, sizeof(bs)))
+    if (kvt_write_full(bs_fd, bs, sizeof(bs)))
         return 1;
     close(bs_fd);
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's sleeps only */
@@ -567,7 +567,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
     uint64_t tcp_cap = 0;
     for (;;) {
         b_cmd_t cmd;
-        if (rc || cli_read_full(cmd_fd, &cmd, sizeof(cmd)))
+        if (rc || kvt_read_full(cmd_fd, &cmd, sizeof(cmd)))
             break;
         if (cmd.op == B_OP_TCP_CONNECT) {
             struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)cmd.room)};
@@ -575,7 +575,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             tcp_fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
             char a = tcp_fd >= 0 && connect(tcp_fd, (struct sockaddr *)&sa, sizeof(sa)) == 0
                          ? 'k' : 'x';
-            if (cli_write_full(ack_fd, &a, 1) || a != 'k')
+            if (kvt_write_full(ack_fd, &a, 1) || a != 'k')
                 rc = 1;
             continue;
         }
@@ -588,8 +588,8 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             }
             char a = tcp_src && tcp_fd >= 0 ? 'k' : 'x';
             uint64_t want = 0;
-            if (cli_write_full(ack_fd, &a, 1) || a != 'k' ||
-                cli_read_full(tcp_fd, &want, sizeof(want)) || want > tcp_cap) {
+            if (kvt_write_full(ack_fd, &a, 1) || a != 'k' ||
+                kvt_read_full(tcp_fd, &want, sizeof(want)) || want > tcp_cap) {
                 rc = 1;
                 continue;
             }
@@ -607,7 +607,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
         if (cmd.op == B_OP_QUIT) {
             /* Every room here is finished: the decode side may close its connections. */
             char a = 'q';
-            (void)cli_write_full(ack_fd, &a, 1);
+            (void)kvt_write_full(ack_fd, &a, 1);
             break;
         }
         if (cmd.op == B_OP_ARM) {
@@ -622,7 +622,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
                 rc = 1;
             }
             char a = rc ? 'x' : 'k';
-            if (cli_write_full(ack_fd, &a, 1))
+            if (kvt_write_full(ack_fd, &a, 1))
                 rc = 1;
             if (rc == 0 && b_wait_senders(snd, in.n, err, sizeof(err))) {
                 fprintf(stderr, "bench: %s\n", err);
@@ -634,7 +634,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             }
         } else if (cmd.op == B_OP_RATE) {
             char a = 'k';
-            if (cli_write_full(ack_fd, &a, 1))
+            if (kvt_write_full(ack_fd, &a, 1))
                 rc = 1;
             b_cpu_t c0 = b_cpu_now();
             if (rc == 0 && b_prefill_rate(c, m, &in, &cmd, err, sizeof(err))) {
@@ -643,7 +643,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
             }
             /* This process's CPU time and context switches over the run, for the report. */
             b_cpu_t c1 = b_cpu_now(), d = {c1.ns - c0.ns, c1.self_ns - c0.self_ns, c1.csw - c0.csw};
-            if (cli_write_full(ack_fd, &d, sizeof(d)))
+            if (kvt_write_full(ack_fd, &d, sizeof(d)))
                 rc = 1;
         }
     }
@@ -764,7 +764,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
     } else {
         b_cmd_t cmd = {.op = B_OP_RATE, .inflight = w, .room = room0, .tokens = total};
         char a;
-        if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k') {
+        if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) || kvt_read_full(ack_fd, &a, 1) || a != 'k') {
             snprintf(err, errcap, "rate: the prefill process did not answer");
             rc = -1;
         }
@@ -820,7 +820,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
             for (uint32_t k = 0; k < n; k++)
                 kvw_receiver_destroy(rcv[s * n + k]);
     b_cpu_t c1 = b_cpu_now(), pc = {0, 0, 0};
-    if (rc == 0 && cli_read_full(ack_fd, &pc, sizeof(pc))) {
+    if (rc == 0 && kvt_read_full(ack_fd, &pc, sizeof(pc))) {
         snprintf(err, errcap, "rate: the prefill process did not report");
         rc = -1;
     }
@@ -886,7 +886,7 @@ static int b_base_open(const char *tl, int cmd_fd, int ack_fd, b_base_t *b, char
     }
     b_cmd_t cmd = {.op = B_OP_TCP_CONNECT, .room = ntohs(sa.sin_port)};
     char a = 0;
-    if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k' ||
+    if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) || kvt_read_full(ack_fd, &a, 1) || a != 'k' ||
         (b->fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC)) < 0) {
         snprintf(err, errcap, "tcp baseline: the prefill process could not connect");
         close(lfd);
@@ -930,12 +930,12 @@ static int b_base_rep(b_base_t *b, uint64_t bytes, int cmd_fd, int ack_fd, uint6
     }
     b_cmd_t cmd = {.op = B_OP_TCP_SEND, .tokens = bytes};
     char a = 0;
-    if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k') {
+    if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) || kvt_read_full(ack_fd, &a, 1) || a != 'k') {
         snprintf(err, errcap, "tcp baseline: the prefill process failed");
         return -1;
     }
     uint64_t t0 = b_now();
-    if (cli_write_full(b->fd, &bytes, sizeof(bytes))) {
+    if (kvt_write_full(b->fd, &bytes, sizeof(bytes))) {
         snprintf(err, errcap, "tcp baseline: send: %s", strerror(errno));
         return -1;
     }
@@ -1030,7 +1030,7 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
             uint64_t id = room++;
             b_cmd_t cmd = {.op = B_OP_ARM, .room = id, .tokens = n};
             char a = 0;
-            if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) ||
+            if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) || kvt_read_full(ack_fd, &a, 1) ||
                 a != 'k') {
                 snprintf(res->err, sizeof(res->err),
                          "the prefill process failed to arm room %llu (%llu tokens)",
@@ -1104,8 +1104,8 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
      * would fail that room there: wait until the prefill process says it is done. */
     b_cmd_t quit = {.op = B_OP_QUIT};
     char qa;
-    if (cli_write_full(cmd_fd, &quit, sizeof(quit)) == 0)
-        (void)cli_read_full(ack_fd, &qa, 1);
+    if (kvt_write_full(cmd_fd, &quit, sizeof(quit)) == 0)
+        (void)kvt_read_full(ack_fd, &qa, 1);
     if (pg.full || pg.swa)
         b_pages_free(&pg);
     b_inst_free(&in);
@@ -1141,7 +1141,7 @@ static int b_run_pair(const b_job_t *j, b_result_t *res)
     close(cmd_pipe[0]);
     close(ack_pipe[1]);
     char bs[160] = "";
-    int got = cli_read_full(bs_pipe[0], bs, sizeof(bs));
+    int got = kvt_read_full(bs_pipe[0], bs, sizeof(bs));
     close(bs_pipe[0]);
     if (got || !bs[0]) {
         close(cmd_pipe[1]);
@@ -1166,7 +1166,7 @@ static int b_run_pair(const b_job_t *j, b_result_t *res)
         int rc = r ? b_decode_main(j, bs, cmd_pipe[1], ack_pipe[0], r) : -1;
         if (r) {
             r->ok = rc == 0;
-            if (cli_write_full(res_pipe[1], r, sizeof(*r)))
+            if (kvt_write_full(res_pipe[1], r, sizeof(*r)))
                 rc = -1;
         }
         close(cmd_pipe[1]);
@@ -1175,7 +1175,7 @@ static int b_run_pair(const b_job_t *j, b_result_t *res)
     close(res_pipe[1]);
     close(cmd_pipe[1]);
     close(ack_pipe[0]);
-    int rr = cli_read_full(res_pipe[0], res, sizeof(*res));
+    int rr = kvt_read_full(res_pipe[0], res, sizeof(*res));
     close(res_pipe[0]);
     int sd = 0, sp = 0;
     waitpid(pd, &sd, 0);

@@ -244,8 +244,8 @@ static void *g_stream_send(void *arg)
 {
     g_stream_t *s = arg;
     char b;
-    if (cli_read_full(s->go, &b, 1) == 0)
-        (void)cli_write_full(s->fd, s->src, s->len);
+    if (kvt_read_full(s->go, &b, 1) == 0)
+        (void)kvt_write_full(s->fd, s->src, s->len);
     return NULL;
 }
 
@@ -278,7 +278,7 @@ static uint64_t g_host_baseline(const char *tl, uint8_t *dst, const uint8_t *src
     }
     started = true;
     uint64_t t0 = kvt_now_ns();
-    if (cli_write_full(go[1], "g", 1) || cli_read_full(afd, dst, len))
+    if (kvt_write_full(go[1], "g", 1) || kvt_read_full(afd, dst, len))
         snprintf(err, cap, "baseline stream: %s", strerror(errno));
     else
         ns = kvt_now_ns() - t0 + 1;
@@ -332,7 +332,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
         fprintf(stderr, "bench --gpu: prefill: %s\n", err[0] ? err : "setup failed");
         rc = 1;
     }
-    if (cli_write_full(bs_fd, bs, sizeof(bs)))
+    if (kvt_write_full(bs_fd, bs, sizeof(bs)))
         rc = 1;
     close(bs_fd);
     kvw_sender_h *snd = calloc((size_t)t->rooms * in.n, sizeof(*snd));
@@ -340,11 +340,11 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's polls only */
     while (rc == 0) {
         g_cmd_t cmd;
-        if (cli_read_full(cmd_fd, &cmd, sizeof(cmd)))
+        if (kvt_read_full(cmd_fd, &cmd, sizeof(cmd)))
             break;
         if (cmd.op == G_OP_QUIT) {
             char a = 'q';
-            (void)cli_write_full(ack_fd, &a, 1);
+            (void)kvt_write_full(ack_fd, &a, 1);
             break;
         }
         /* A repetition's profile is read when the next one starts (or at the end): its
@@ -357,7 +357,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             kvw_cuda_profile(NULL, 1);
         }
         if (cmd.op == G_OP_PROFILE) {
-            if (cli_write_full(ack_fd, per, sizeof(per)))
+            if (kvt_write_full(ack_fd, per, sizeof(per)))
                 rc = 1;
             continue;
         }
@@ -375,7 +375,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             }
         }
         char a = rc ? 'x' : 'k';
-        if (cli_write_full(ack_fd, &a, 1))
+        if (kvt_write_full(ack_fd, &a, 1))
             rc = 1;
         for (uint32_t i = 0; i < t->rooms * in.n; i++) {
             if (snd[i] == NULL)
@@ -499,7 +499,7 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
     for (uint32_t rep = 0; rep <= nrep && rc == 0; rep++) {
         g_cmd_t cmd = {.op = G_OP_ARM, .rep = rep};
         char a = 0;
-        if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) || cli_read_full(ack_fd, &a, 1) || a != 'k') {
+        if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) || kvt_read_full(ack_fd, &a, 1) || a != 'k') {
             snprintf(err, cap, "the prefill process failed to arm repetition %u", rep);
             rc = -1;
             break;
@@ -601,14 +601,14 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
     }
     if (rc == 0) {
         g_cmd_t cmd = {.op = G_OP_PROFILE, .rep = res->reps - 1};
-        if (cli_write_full(cmd_fd, &cmd, sizeof(cmd)) ||
-            cli_read_full(ack_fd, res->prof, sizeof(res->prof)))
+        if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) ||
+            kvt_read_full(ack_fd, res->prof, sizeof(res->prof)))
             rc = -1, snprintf(err, cap, "the prefill process did not report its profile");
     }
     g_cmd_t q = {.op = G_OP_QUIT};
     char a;
-    if (cli_write_full(cmd_fd, &q, sizeof(q)) == 0)
-        (void)cli_read_full(ack_fd, &a, 1);
+    if (kvt_write_full(cmd_fd, &q, sizeof(q)) == 0)
+        (void)kvt_read_full(ack_fd, &a, 1);
     if (stream)
         kvw_cuda_stream_destroy(stream);
     if (strcmp(c->transport, "cuda_ipc") != 0) {
@@ -650,7 +650,7 @@ static int g_run_topo(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t,
     }
     close(bs_pipe[1]), close(cmd_pipe[0]), close(ack_pipe[1]);
     char bs[160] = "";
-    if (cli_read_full(bs_pipe[0], bs, sizeof(bs)) || !bs[0]) {
+    if (kvt_read_full(bs_pipe[0], bs, sizeof(bs)) || !bs[0]) {
         snprintf(res->err, sizeof(res->err), "the prefill process did not start");
         close(cmd_pipe[1]), close(ack_pipe[0]), close(res_pipe[0]), close(res_pipe[1]);
         close(bs_pipe[0]);
@@ -664,12 +664,12 @@ static int g_run_topo(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t,
         g_result_t r;
         memset(&r, 0, sizeof(r));
         int rc = g_decode(c, m, t, bs, cmd_pipe[1], ack_pipe[0], &r);
-        if (cli_write_full(res_pipe[1], &r, sizeof(r)))
+        if (kvt_write_full(res_pipe[1], &r, sizeof(r)))
             rc = 1;
         exit(rc ? 1 : 0);
     }
     close(cmd_pipe[1]), close(ack_pipe[0]), close(res_pipe[1]);
-    int got = cli_read_full(res_pipe[0], res, sizeof(*res));
+    int got = kvt_read_full(res_pipe[0], res, sizeof(*res));
     close(res_pipe[0]);
     int sd = 0, sp = 0;
     waitpid(pd, &sd, 0);
@@ -801,13 +801,7 @@ int kvw_bench_gpu(int argc, char **argv)
         c.num_topo = sizeof(g_default_topo) / sizeof(g_default_topo[0]);
         memcpy(c.topo, g_default_topo, sizeof(g_default_topo));
     }
-    /* Checked in a child: CUDA state must not exist before the forks. */
-    pid_t probe = fork();
-    if (probe == 0)
-        exit(kvw_cuda_available() == KVW_OK ? 0 : 3);
-    int ps = 0;
-    waitpid(probe, &ps, 0);
-    if (!WIFEXITED(ps) || WEXITSTATUS(ps) != 0) {
+    if (!kvt_cuda_probe()) {
         printf("bench --gpu: skipped: no GPU (no CUDA device, driver or kvwire CUDA module)\n");
         return 77;
     }

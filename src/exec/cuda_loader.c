@@ -496,21 +496,35 @@ static kvw_status_t kvw_step_launched(kvw_texec_t *t, kvwc_plan_in_t *in, kvw_st
     return st;
 }
 
-kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
-                                   kvw_cuda_profile_t *prof)
+enum { KVW_STEP_DIRECT, KVW_STEP_GATHER, KVW_STEP_SCATTER };
+
+/* A direct step or a staged window (gather, scatter: host, lo, hi) on this thread's
+ * executor. */
+static kvw_status_t kvw_step_launch(const struct kvw_plan *plan, int mode, void *host,
+                                    uint64_t lo, uint64_t hi, int *slot_p,
+                                    kvw_cuda_profile_t *prof)
 {
+    static const unsigned uses[3] = {KVWC_USE_DIRECT, KVWC_USE_GATHER, KVWC_USE_SCATTER};
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
     kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
     kvwc_plan_in_t in;
     uint64_t t0 = 0;
     *slot_p = -1;
-    kvw_status_t st = kvw_step_prepare(plan, KVWC_USE_DIRECT, &ops, &t, maps, &in, &t0);
+    kvw_status_t st = kvw_step_prepare(plan, uses[mode], &ops, &t, maps, &in, &t0);
     if (st != KVW_OK)
         return st;
     kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
-    st = kvw_cuda_ret(ops, ops->exec_launch(t->ex, &in, slot_p, &sp));
-    return kvw_step_launched(t, &in, st, *slot_p, &sp, prof);
+    st = mode == KVW_STEP_DIRECT
+             ? ops->exec_launch(t->ex, &in, slot_p, &sp)
+             : ops->exec_stage(t->ex, &in, mode == KVW_STEP_SCATTER, host, lo, hi, slot_p, &sp);
+    return kvw_step_launched(t, &in, kvw_cuda_ret(ops, st), *slot_p, &sp, prof);
+}
+
+kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
+                                   kvw_cuda_profile_t *prof)
+{
+    return kvw_step_launch(plan, KVW_STEP_DIRECT, NULL, 0, 0, slot_p, prof);
 }
 
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_profile_t *prof)
@@ -532,19 +546,8 @@ kvw_status_t kvw__cuda_stage_launch(const struct kvw_plan *plan, bool scatter, v
                                     uint64_t lo, uint64_t hi, int *slot_p,
                                     kvw_cuda_profile_t *prof)
 {
-    const kvwc_ops_t *ops = NULL;
-    kvw_texec_t *t = NULL;
-    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
-    kvwc_plan_in_t in;
-    uint64_t t0 = 0;
-    *slot_p = -1;
-    kvw_status_t st = kvw_step_prepare(plan, scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER, &ops,
-                                       &t, maps, &in, &t0);
-    if (st != KVW_OK)
-        return st;
-    kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
-    st = kvw_cuda_ret(ops, ops->exec_stage(t->ex, &in, scatter, host, lo, hi, slot_p, &sp));
-    return kvw_step_launched(t, &in, st, *slot_p, &sp, prof);
+    return kvw_step_launch(plan, scatter ? KVW_STEP_SCATTER : KVW_STEP_GATHER, host, lo, hi,
+                           slot_p, prof);
 }
 
 kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p)

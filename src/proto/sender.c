@@ -203,33 +203,34 @@ static kvw_status_t kvw_stream_check(struct kvw_ctx *ctx, kvw_room_t *r, uint32_
     return KVW_OK;
 }
 
-kvw_status_t kvw_sender_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint32_t layer_end)
+/* Marks layers now (event NULL) or once the CUDA event completes. */
+static kvw_status_t kvw_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint32_t layer_end,
+                                     void *cuda_event, const char *fn)
 {
     if (s == NULL || s->room->ctx == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "kvw_sender_layers_ready: NULL argument or no context");
+        return kvw__error(KVW_ERR_INVALID_PARAM, "%s: NULL argument or no context", fn);
     struct kvw_ctx *ctx = s->room->ctx;
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = s->room;
     kvw_status_t st = kvw_stream_check(ctx, r, layer_begin, layer_end);
-    if (st == KVW_OK)
+    if (st == KVW_OK && cuda_event == NULL)
         kvw__sender_mark_ready(ctx, r, r->stream_chunk, layer_begin, layer_end);
+    else if (st == KVW_OK)
+        st = kvw__event_watch(ctx, r, layer_begin, layer_end, cuda_event);
     pthread_mutex_unlock(&ctx->mu);
     return st;
+}
+
+kvw_status_t kvw_sender_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint32_t layer_end)
+{
+    return kvw_layers_ready(s, layer_begin, layer_end, NULL, "kvw_sender_layers_ready");
 }
 
 kvw_status_t kvw_sender_layers_ready_event(kvw_sender_h s, uint32_t layer_begin,
                                            uint32_t layer_end, void *cuda_event)
 {
-    if (s == NULL || s->room->ctx == NULL || cuda_event == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM,
-                          "kvw_sender_layers_ready_event: NULL argument or no context");
-    struct kvw_ctx *ctx = s->room->ctx;
-    pthread_mutex_lock(&ctx->mu);
-    kvw_room_t *r = s->room;
-    kvw_status_t st = kvw_stream_check(ctx, r, layer_begin, layer_end);
-    if (st == KVW_OK)
-        st = kvw__event_watch(ctx, r, layer_begin, layer_end, cuda_event);
-    pthread_mutex_unlock(&ctx->mu);
-    return st;
+    if (cuda_event == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_sender_layers_ready_event: NULL event");
+    return kvw_layers_ready(s, layer_begin, layer_end, cuda_event,
+                            "kvw_sender_layers_ready_event");
 }

@@ -705,13 +705,7 @@ static int cmd_demo(int argc, char **argv)
     if (!c.dpage)
         c.dpage = c.ppage;
     if (c.gpu) {
-        /* Checked in a child: CUDA state must not exist before the fork. */
-        pid_t probe = fork();
-        if (probe == 0)
-            exit(kvw_cuda_available() == KVW_OK ? 0 : 3);
-        int ps = 0;
-        waitpid(probe, &ps, 0);
-        if (!WIFEXITED(ps) || WEXITSTATUS(ps) != 0) {
+        if (!kvt_cuda_probe()) {
             fprintf(stderr, "demo: --gpu needs a CUDA GPU and the kvwire CUDA module\n");
             return 77;
         }

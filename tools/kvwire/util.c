@@ -10,34 +10,6 @@
 #include <string.h>
 #include <unistd.h>
 
-int cli_write_full(int fd, const void *buf, size_t len)
-{
-    const uint8_t *p = buf;
-    while (len) {
-        ssize_t n = write(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
-int cli_read_full(int fd, void *buf, size_t len)
-{
-    uint8_t *p = buf;
-    while (len) {
-        ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
-}
-
 int cli_cmp_u64(const void *a, const void *b)
 {
     uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;

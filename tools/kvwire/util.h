@@ -14,11 +14,6 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* write(2) / read(2) until `len` bytes moved (EINTR retried). Return 0, or -1 on an
- * error or end of file. */
-int cli_write_full(int fd, const void *buf, size_t len);
-int cli_read_full(int fd, void *buf, size_t len);
-
 /* qsort comparator for uint64_t. */
 int cli_cmp_u64(const void *a, const void *b);
 

@@ -274,4 +274,15 @@ uint64_t kvt_now_ns(void);
 }
 #endif
 
+/* ---------------------------------------------------------------- processes */
+
+/* write(2) / read(2) until `len` bytes moved (EINTR retried). Return 0, or -1 on an
+ * error or end of file. */
+int kvt_write_full(int fd, const void *buf, size_t len);
+int kvt_read_full(int fd, void *buf, size_t len);
+
+/* Whether CUDA works here (kvw_cuda_available), asked in a child process, so that this
+ * process holds no CUDA state before it forks its own children. 1 or 0. */
+int kvt_cuda_probe(void);
+
 #endif
