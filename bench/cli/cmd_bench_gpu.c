@@ -806,14 +806,8 @@ int kvw_bench_gpu(int argc, char **argv)
         return 77;
     }
     kvt_model_t m;
-    if (kvt_model_preset(c.model, &m)) {
-        fprintf(stderr, "bench --gpu: unknown model '%s'\n", c.model);
+    if (kvt_model_load("bench --gpu", c.model, c.layers, &m))
         return 2;
-    }
-    if (c.layers && c.layers < m.m.num_layers && kvt_model_truncate(&m, c.layers)) {
-        fprintf(stderr, "bench --gpu: cannot keep %u layers\n", c.layers);
-        return 2;
-    }
     g_result_t *res = calloc(c.num_topo, sizeof(*res));
     if (res == NULL)
         return 1;

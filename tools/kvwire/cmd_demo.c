@@ -718,14 +718,8 @@ static int cmd_demo(int argc, char **argv)
         return 2;
     }
     kvt_model_t m;
-    if (kvt_model_preset(c.model, &m)) {
-        fprintf(stderr, "demo: unknown model '%s'\n", c.model);
+    if (kvt_model_load("demo", c.model, c.layers, &m))
         return 2;
-    }
-    if (c.layers && c.layers < m.m.num_layers && kvt_model_truncate(&m, c.layers)) {
-        fprintf(stderr, "demo: cannot keep %u layers\n", c.layers);
-        return 2;
-    }
     if (c.kv_heads)
         m.m.num_kv_heads = c.kv_heads;
     int vr = demo_validate(&c, &m);

@@ -168,3 +168,16 @@ void kvt_pp_range(uint32_t num_layers, uint32_t pp_size, const uint32_t *splits,
         b += n;
     }
 }
+
+int kvt_model_load(const char *who, const char *name, uint32_t layers, kvt_model_t *model_p)
+{
+    if (kvt_model_preset(name, model_p)) {
+        fprintf(stderr, "%s: unknown model '%s'\n", who, name);
+        return -1;
+    }
+    if (layers && layers < model_p->m.num_layers && kvt_model_truncate(model_p, layers)) {
+        fprintf(stderr, "%s: cannot keep %u layers\n", who, layers);
+        return -1;
+    }
+    return 0;
+}

@@ -8,11 +8,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-int kvt_write_full(int fd, const void *buf, size_t len)
+/* Moves len bytes with write(2) or read(2), EINTR retried. */
+static int kvt_io_full(int fd, uint8_t *p, size_t len, int out)
 {
-    const uint8_t *p = buf;
     while (len) {
-        ssize_t n = write(fd, p, len);
+        ssize_t n = out ? write(fd, p, len) : read(fd, p, len);
         if (n < 0 && errno == EINTR)
             continue;
         if (n <= 0)
@@ -22,18 +22,14 @@ int kvt_write_full(int fd, const void *buf, size_t len)
     return 0;
 }
 
+int kvt_write_full(int fd, const void *buf, size_t len)
+{
+    return kvt_io_full(fd, (uint8_t *)(uintptr_t)buf, len, 1);
+}
+
 int kvt_read_full(int fd, void *buf, size_t len)
 {
-    uint8_t *p = buf;
-    while (len) {
-        ssize_t n = read(fd, p, len);
-        if (n < 0 && errno == EINTR)
-            continue;
-        if (n <= 0)
-            return -1;
-        p += n, len -= (size_t)n;
-    }
-    return 0;
+    return kvt_io_full(fd, buf, len, 0);
 }
 
 int kvt_cuda_probe(void)
