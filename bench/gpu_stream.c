@@ -54,31 +54,27 @@ typedef struct cfg {
     char sim[16]; /* spin (default) or memset */
 } cfg_t;
 
-static int make_rank(const kvt_model_t *m, uint64_t tokens, uint64_t seed, int device,
-                     kvt_rank_t *r, void ***dev_p)
+/* The TP1 rank of this benchmark: NHD, pages of 64 tokens, enough for `tokens`. */
+static kvt_rank_spec_t rank_spec(const kvt_model_t *m, uint64_t tokens)
 {
     uint32_t pages = (uint32_t)((tokens + 63) / 64 + 1);
     kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {64, 64},
                          .num_pages = {pages, pages}, .num_slots = 1};
     s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1, .layer_end = m->m.num_layers,
                              .dp_size = 1};
-    if (kvt_rank_describe(&s, r) != KVW_OK)
+    return s;
+}
+
+/* That rank, filled with `seed`'s pattern, its buffers copied to GPU `device` (the host
+ * images stay, holding the initial bytes). */
+static int make_rank(const kvt_model_t *m, uint64_t tokens, uint64_t seed, int device,
+                     kvt_rank_t *r, uint8_t ****dev_p)
+{
+    kvt_rank_spec_t s = rank_spec(m, tokens);
+    if (kvt_rank_build(&s, r) != KVW_OK)
         return -1;
     kvt_rank_fill(r, seed);
-    void **dev = calloc(r->num_bufs, sizeof(void *));
-    *dev_p = dev;
-    if (kvw_cuda_set_device(device) != KVW_OK)
-        return -1;
-    for (uint32_t i = 0; i < r->num_bufs; i++) {
-        uint64_t total = r->alloc_len[i] + 2ull * r->guard;
-        if (kvw_cuda_malloc(total, &dev[i]) != KVW_OK ||
-            kvw_cuda_memcpy(dev[i], r->mem[i], total, NULL) != KVW_OK)
-            return -1;
-        r->bufs[i].addr = (uint8_t *)dev[i] + r->guard;
-        r->bufs[i].mem_kind = KVW_MEM_CUDA;
-        r->bufs[i].device = device;
-    }
-    return kvt_rank_open(r) == KVW_OK ? 0 : -1;
+    return kvt_gpu_attach(r, 1, device, dev_p);
 }
 
 static kvw_ctx_h make_ctx(const cfg_t *c, kvt_rank_t *r, bool prefill, const char *bs)
@@ -118,7 +114,7 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
     if (kvt_read_full(cmd, bs, sizeof(bs)))
         return 1;
     kvt_rank_t dst, src;
-    void **ddev = NULL;
+    uint8_t ***ddev = NULL;
     if (make_rank(m, c->tokens, 2, device, &dst, &ddev)) {
         fprintf(stderr, "gpu_stream: decode rank: %s\n", kvw_last_error());
         return 1;
@@ -150,23 +146,15 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
                     rcv ? kvw_receiver_failure(rcv) : kvw_last_error());
         /* The first room: every byte and guard against the reference. */
         if (st == KVW_ROOM_SUCCESS && room == 1) {
-            out[2] = 2;
-            for (uint32_t i = 0; i < dst.num_bufs; i++)
-                kvw_cuda_memcpy(dst.mem[i], ddev[i], dst.alloc_len[i] + 2ull * dst.guard, NULL);
-            kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {64, 64},
-                                 .num_pages = {(uint32_t)((c->tokens + 63) / 64 + 1),
-                                               (uint32_t)((c->tokens + 63) / 64 + 1)},
-                                 .num_slots = 1};
-            s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1,
-                                     .layer_end = m->m.num_layers, .dp_size = 1};
-            kvt_rank_describe(&s, &src);
+            /* The expected contents start from the host images' initial bytes; the
+             * source is rebuilt here from its seed. */
+            kvt_copy_t exp;
+            kvt_copy_make(&dst, &exp);
+            kvt_rank_spec_t s = rank_spec(m, c->tokens);
+            kvt_rank_build(&s, &src);
             kvt_rank_fill(&src, 1);
             kvt_req_pages_t sp = pages_of(&src, c->tokens, 10);
-            kvt_copy_t exp;
-            kvt_rank_t fresh;
-            kvt_rank_describe(&s, &fresh);
-            kvt_rank_fill(&fresh, 2);
-            kvt_copy_make(&fresh, &exp);
+            int pulled = kvt_gpu_pull(&dst, 1, ddev);
             uint8_t **sd = calloc(src.num_bufs, sizeof(uint8_t *));
             for (uint32_t b = 0; b < src.num_bufs; b++)
                 sd[b] = kvt_rank_data(&src, b);
@@ -175,7 +163,7 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
             kvw_chunk_t whole = {.num_tokens = c->tokens, .chunk_end = c->tokens,
                                  .last_chunk = 1};
             char msg[512];
-            int bad = kvt_ref_transfer(&m->m, &ss, 1, &ds, &whole, NULL, NULL, msg,
+            int bad = pulled != 0 || kvt_ref_transfer(&m->m, &ss, 1, &ds, &whole, NULL, NULL, msg,
                                        sizeof(msg)) != 0 ||
                       kvt_copy_compare(&dst, &exp, "decode", msg, sizeof(msg)) != 0 ||
                       kvt_rank_check_guards(&dst, msg, sizeof(msg)) != 0;
@@ -185,7 +173,6 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
             free(sd);
             kvt_copy_free(&exp);
             kvt_req_pages_free(&sp);
-            kvt_rank_free(&fresh);
             kvt_rank_free(&src);
         }
         kvw_receiver_destroy(rcv);
@@ -314,7 +301,7 @@ int main(int argc, char **argv)
     close(to_parent[1]);
     int rc = 1;
     kvt_rank_t src;
-    void **sdev = NULL;
+    uint8_t ***sdev = NULL;
     layer_sim_t sim = {.spin = strcmp(c.sim, "memset") != 0};
     void **ev = calloc(c.layers, sizeof(void *));
     kvw_ctx_h ctx = NULL;

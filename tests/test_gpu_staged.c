@@ -27,60 +27,39 @@
 
 static kvt_model_t model;
 
-/* A rank of `model` whose buffers are GPU memory (gpu) or host memory. GPU buffers come
- * from kvw_cuda_malloc and are checked by copying them back. */
+/* A rank of `model` whose buffers are GPU memory (dev set, the test kit's device copies)
+ * or host memory. The host image keeps the device's bytes as of the last grank_pull. */
 typedef struct grank {
-    kvt_rank_t r;   /* host image: filled, compared and guard-checked here */
-    bool gpu;
-    void **dev;     /* per buffer: device allocation of the same length (gpu) */
+    kvt_rank_t r;
+    uint8_t ***dev; /* NULL: host memory */
 } grank_t;
 
 static kvw_status_t grank_make(uint32_t tp, uint32_t rank, bool gpu, uint64_t seed, grank_t *g)
 {
     memset(g, 0, sizeof(*g));
-    g->gpu = gpu;
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {64, 64}, .num_slots = 2};
     s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
                              .layer_end = model.m.num_layers, .dp_size = 1};
-    kvw_status_t st = kvt_rank_describe(&s, &g->r);
+    kvw_status_t st = kvt_rank_build(&s, &g->r);
     if (st != KVW_OK)
         return st;
     kvt_rank_fill(&g->r, seed);
-    if (gpu) {
-        g->dev = calloc(g->r.num_bufs, sizeof(void *));
-        for (uint32_t i = 0; i < g->r.num_bufs && st == KVW_OK; i++) {
-            kvw_buffer_desc_t *d = &g->r.bufs[i];
-            if ((st = kvw_cuda_malloc(d->length, &g->dev[i])) == KVW_OK)
-                st = kvw_cuda_memcpy(g->dev[i], kvt_rank_data(&g->r, i), d->length, NULL);
-            d->addr = g->dev[i];
-            d->mem_kind = KVW_MEM_CUDA;
-            d->device = 0;
-        }
-        if (st != KVW_OK)
-            return st;
-    }
-    return kvt_rank_open(&g->r);
+    if (gpu && kvt_gpu_attach(&g->r, 1, 0, &g->dev) != 0)
+        return KVW_ERR_INTERNAL;
+    return KVW_OK;
 }
 
-/* Copies the device buffers back into the host image (whose guards stay in place). */
+/* Copies the device bytes, guards included, back into the host image. */
 static void grank_pull(grank_t *g)
 {
-    for (uint32_t i = 0; g->gpu && i < g->r.num_bufs; i++)
-        CHECK(kvw_cuda_memcpy(kvt_rank_data(&g->r, i), g->dev[i], g->r.bufs[i].length, NULL) ==
-                  KVW_OK,
-              "%s", kvw_last_error());
+    if (g->dev)
+        CHECK(kvt_gpu_pull(&g->r, 1, g->dev) == 0, "%s", kvw_last_error());
 }
 
 static void grank_free(grank_t *g)
 {
-    if (g->gpu) {
-        /* kvt_rank_free frees the host images through r.mem, not through the table. */
-        for (uint32_t i = 0; i < g->r.num_bufs; i++)
-            if (g->dev[i])
-                kvw_cuda_free(g->dev[i]);
-        free(g->dev);
-    }
+    kvt_gpu_free(&g->r, 1, g->dev);
     kvt_rank_free(&g->r);
 }
 
@@ -146,6 +125,11 @@ static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_g
         kvt_req_pages_t sp, dp;
         CHECK(kvt_req_pages_make(&src[0].r, &rs, &rng, &sp) == 0, "source pages");
         CHECK(kvt_req_pages_make(&dst[0].r, &rs, &rng, &dp) == 0, "destination pages");
+        /* Expected decode contents: what each decode rank holds before the room, plus
+         * what the reference writes (so a stray write anywhere shows). */
+        kvt_copy_t expect[2];
+        for (uint32_t i = 0; i < D; i++)
+            kvt_copy_make(&dst[i].r, &expect[i]);
         kvw_receiver_h rcv[2] = {NULL, NULL};
         kvw_sender_h snd[2] = {NULL, NULL};
         kvw_recv_post_t post = {.num_tokens = tokens, .prefix_len = 0, .pages = dp.side};
@@ -179,14 +163,13 @@ static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_g
             srcs[i] = src[i].r;
         for (uint32_t i = 0; i < D; i++) {
             grank_pull(&dst[i]);
-            kvt_copy_t expect;
-            kvt_copy_make(&dst[i].r, &expect);
-            ip_ref(&model, srcs, S, &sp.side, &dst[i].r, &dp.side, expect.data, tokens, NULL);
+            ip_ref(&model, srcs, S, &sp.side, &dst[i].r, &dp.side, expect[i].data, tokens,
+                   NULL);
             char prefix[200];
             snprintf(prefix, sizeof(prefix), "%s: room %llu, decode rank %u: ", what,
                      (unsigned long long)room, i);
-            ip_verify(&dst[i].r, &expect, prefix);
-            kvt_copy_free(&expect);
+            ip_verify(&dst[i].r, &expect[i], prefix);
+            kvt_copy_free(&expect[i]);
         }
         for (uint32_t i = 0; i < S; i++)
             kvw_sender_destroy(snd[i]);
@@ -243,6 +226,8 @@ static void events(const char *tl)
         CHECK(kvw__cuda_event_create(&ev[i]) == KVW_OK, "%s", kvw_last_error());
 
     /* Room 1: both layers on pending events, recorded in reverse order. */
+    kvt_copy_t expect;
+    kvt_copy_make(&dst.r, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd = NULL;
     CHECK(kvw_receiver_create(dctx, 1, 0, &rcv) == KVW_OK && kvw_receiver_post(rcv, &post) ==
@@ -265,8 +250,6 @@ static void events(const char *tl)
     CHECK(st == KVW_ROOM_SUCCESS, "%s: events room ended %s: %s", tl, kvw_room_state_string(st),
           kvw_receiver_failure(rcv));
     grank_pull(&dst);
-    kvt_copy_t expect;
-    kvt_copy_make(&dst.r, &expect);
     ip_ref(&model, &src.r, 1, &sp.side, &dst.r, &dp.side, expect.data, tokens, NULL);
     ip_verify(&dst.r, &expect, "events room: ");
     kvt_copy_free(&expect);

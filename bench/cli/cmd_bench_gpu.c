@@ -186,7 +186,7 @@ static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g
  * device addresses. The host copies stay for the reference and the check. */
 static int g_attach(g_inst_t *in, int device, char *err, size_t cap)
 {
-    if (cli_gpu_attach(in->ranks, in->n, device, &in->dev) == 0)
+    if (kvt_gpu_attach(in->ranks, in->n, device, &in->dev) == 0)
         return 0;
     snprintf(err, cap, "GPU %d: %s", device, kvw_last_error());
     return -1;
@@ -194,7 +194,7 @@ static int g_attach(g_inst_t *in, int device, char *err, size_t cap)
 
 static void g_free(g_inst_t *in, uint32_t rooms)
 {
-    cli_gpu_free(in->ranks, in->n, in->dev);
+    kvt_gpu_free(in->ranks, in->n, in->dev);
     for (uint32_t i = 0; in->pg && i < rooms; i++)
         kvt_req_pages_free(&in->pg[i]);
     free(in->pg);
@@ -404,7 +404,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
 static int g_verify(const kvt_model_t *m, const g_topo_t *t, g_inst_t *in, const g_inst_t *src,
                     const kvt_copy_t *init, char *err, size_t cap)
 {
-    if (cli_gpu_pull(in->ranks, in->n, in->dev))
+    if (kvt_gpu_pull(in->ranks, in->n, in->dev))
         return snprintf(err, cap, "copying GPU buffers back: %s", kvw_last_error()), -1;
     kvt_ref_side_t *ss = calloc(src->n, sizeof(*ss));
     uint8_t ***sd = calloc(src->n, sizeof(*sd));

@@ -207,7 +207,7 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
  */
 static int demo_gpu_attach(demo_inst_t *inst, int device)
 {
-    if (cli_gpu_attach(inst->ranks, inst->n, device, &inst->dev) == 0)
+    if (kvt_gpu_attach(inst->ranks, inst->n, device, &inst->dev) == 0)
         return 0;
     fprintf(stderr, "demo: GPU %d: %s\n", device, kvw_last_error());
     return -1;
@@ -215,7 +215,7 @@ static int demo_gpu_attach(demo_inst_t *inst, int device)
 
 static int demo_gpu_pull(demo_inst_t *inst)
 {
-    if (cli_gpu_pull(inst->ranks, inst->n, inst->dev) == 0)
+    if (kvt_gpu_pull(inst->ranks, inst->n, inst->dev) == 0)
         return 0;
     fprintf(stderr, "demo: copying GPU buffers back: %s\n", kvw_last_error());
     return -1;
@@ -223,7 +223,7 @@ static int demo_gpu_pull(demo_inst_t *inst)
 
 static void demo_free_inst(demo_inst_t *inst)
 {
-    cli_gpu_free(inst->ranks, inst->n, inst->dev);
+    kvt_gpu_free(inst->ranks, inst->n, inst->dev);
     for (uint32_t i = 0; i < inst->n; i++)
         kvt_rank_free(&inst->ranks[i]);
     free(inst->ranks);

@@ -1,7 +1,6 @@
 /*
- * Helpers shared by the CLI's subcommands (bench, bench --gpu, demo): full reads and
- * writes on the pipes between a parent and its worker processes, medians, a few
- * questions about a model's layers, and the device copies of GPU mode.
+ * Helpers shared by the CLI's subcommands (bench, bench --gpu, demo): medians, a few
+ * questions about a model's layers, and contexts for a set of ranks.
  */
 #ifndef KVW_TOOLS_UTIL_H
 #define KVW_TOOLS_UTIL_H
@@ -40,21 +39,5 @@ uint32_t cli_pages_needed(uint64_t b, uint64_t e, uint32_t ps);
 kvw_ctx_h *cli_contexts(const kvw_ctx_params_t *tmpl, kvt_rank_t *ranks, uint32_t n,
                         bool prefill, const char *bs_addr, char *bs_out, size_t bs_cap,
                         uint32_t *failed, char *why, size_t why_cap);
-
-/*
- * GPU mode: every buffer of ranks[0 .. n) (with its guard bytes) gets a device copy on
- * `device`, and each rank is described again with the device addresses; the host
- * copies stay, for the reference and for checking. *dev_p gets, per rank and per
- * buffer, the device allocation; free it with cli_gpu_free, after a failure too.
- * Returns 0, or -1 with kvw_last_error() saying why.
- */
-int cli_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p);
-
-/* Copies the device bytes (guards included) back into the ranks' host buffers. Returns
- * 0, or -1 with kvw_last_error() saying why. */
-int cli_gpu_pull(kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
-
-/* Frees what cli_gpu_attach allocated (dev may be NULL or partly filled). */
-void cli_gpu_free(const kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
 
 #endif

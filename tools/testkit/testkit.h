@@ -289,4 +289,22 @@ int kvt_read_full(int fd, void *buf, size_t len);
  * process holds no CUDA state before it forks its own children. 1 or 0. */
 int kvt_cuda_probe(void);
 
+/* ---------------------------------------------------------------- GPU copies */
+
+/*
+ * GPU memory: every buffer of ranks[0 .. n) (with its guard bytes) gets a device copy on
+ * `device`, and each rank is described again with the device addresses; the host
+ * copies stay, for the reference and for checking. *dev_p gets, per rank and per
+ * buffer, the device allocation; free it with kvt_gpu_free, after a failure too.
+ * Returns 0, or -1 with kvw_last_error() saying why.
+ */
+int kvt_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p);
+
+/* Copies the device bytes (guards included) back into the ranks' host buffers. Returns
+ * 0, or -1 with kvw_last_error() saying why. */
+int kvt_gpu_pull(kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
+
+/* Frees what kvt_gpu_attach allocated (dev may be NULL or partly filled). */
+void kvt_gpu_free(const kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
+
 #endif
