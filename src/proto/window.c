@@ -87,14 +87,14 @@ kvw_status_t kvw__stage_gpu_launch(struct kvw_ctx *ctx, const struct kvw_plan *p
      * order): a window of a long chunk's plan flattens and uploads a few segments, not
      * the whole plan, and its offsets become relative to the first one kept. */
     struct kvw_plan sub = *plan;
-    uint64_t pos = 0, base = 0;
+    uint64_t pos = 0, base = 0, end = 0;
     uint32_t i0 = plan->num_segs, i1 = 0;
     for (uint32_t i = 0; i < plan->num_segs && pos < we; i++) {
         uint64_t b = kvw__seg_bytes(&plan->segs[i]);
         if (pos + b > wb && b) {
             if (i0 == plan->num_segs)
                 i0 = i, base = pos;
-            i1 = i + 1;
+            i1 = i + 1, end = pos + b;
         }
         pos += b;
     }
@@ -104,9 +104,7 @@ kvw_status_t kvw__stage_gpu_launch(struct kvw_ctx *ctx, const struct kvw_plan *p
                           (unsigned long long)pos);
     sub.segs = &plan->segs[i0];
     sub.num_segs = i1 - i0;
-    sub.bytes = 0;
-    for (uint32_t i = 0; i < sub.num_segs; i++)
-        sub.bytes += kvw__seg_bytes(&sub.segs[i]);
+    sub.bytes = end - base;
     kvw_status_t st = kvw_cuda_set_device(ctx->cuda_dev);
     if (st == KVW_OK)
         st = kvw__cuda_stage_launch(&sub, !gather, buf, wb - base, we - base, slot_p, &prof);

@@ -165,6 +165,41 @@ static bool kvw_seg_taken(const kvw_seg_t *s, const uint8_t *take, uint32_t laye
     return take == NULL || (s->layer >= layer_begin && take[s->layer - layer_begin]);
 }
 
+/* The windows of a staged step, in stream order: each run of consecutive segments of
+ * the layers taken is one range of the chunk's stream, cut into pieces of at most
+ * `piece` bytes. */
+typedef struct kvw_win_iter {
+    const struct kvw_plan *plan;
+    const uint8_t *take;
+    uint32_t lb;
+    uint64_t piece;
+    uint32_t i;          /* next segment to look at */
+    uint64_t pos;        /* stream offset of segment i */
+    uint64_t next, end;  /* the rest of the current range */
+} kvw_win_iter_t;
+
+/* The next window [*b, *e); false when there is none. */
+static bool kvw_win_next(kvw_win_iter_t *it, uint64_t *b, uint64_t *e)
+{
+    const struct kvw_plan *plan = it->plan;
+    while (it->next >= it->end) {
+        if (it->i >= plan->num_segs)
+            return false;
+        if (!kvw_seg_taken(&plan->segs[it->i], it->take, it->lb)) {
+            it->pos += kvw__seg_bytes(&plan->segs[it->i++]);
+            continue;
+        }
+        it->next = it->pos;
+        while (it->i < plan->num_segs && kvw_seg_taken(&plan->segs[it->i], it->take, it->lb))
+            it->pos += kvw__seg_bytes(&plan->segs[it->i++]);
+        it->end = it->pos;
+    }
+    *b = it->next;
+    *e = it->next + KVW_MIN(it->end - it->next, it->piece);
+    it->next = *e;
+    return true;
+}
+
 /*
  * Sends one staged step: ask for space, gather, one bulk put, notify; repeat. A plain
  * chunk is one byte range, the whole plan's stream; a streamed step moves, for each run
@@ -193,36 +228,12 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         kvw_put_done(&w, r->id, peer->id_at_remote, c, 0, false, 0, 0, 0, final, meta_len);
         return kvw_notify_done(ctx, peer, &w, out_ns_p);
     }
-    /* The windows, in stream order: each range of taken segments cut into pieces. */
-    uint32_t nwin = 0, cap = 16;
-    uint64_t (*win)[2] = malloc(sizeof(*win) * cap);
-    if (win == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
-    uint64_t pos = 0;
-    for (uint32_t i = 0; i < plan->num_segs;) {
-        if (!kvw_seg_taken(&plan->segs[i], take, lb)) {
-            pos += kvw__seg_bytes(&plan->segs[i++]);
-            continue;
-        }
-        uint64_t range_begin = pos;
-        while (i < plan->num_segs && kvw_seg_taken(&plan->segs[i], take, lb))
-            pos += kvw__seg_bytes(&plan->segs[i++]);
-        for (uint64_t wpos = range_begin; wpos < pos; wpos += KVW_MIN(pos - wpos, piece_max)) {
-            if (nwin == cap) {
-                void *n = realloc(win, sizeof(*win) * (cap *= 2));
-                if (n == NULL) {
-                    free(win);
-                    return kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
-                }
-                win = n;
-            }
-            win[nwin][0] = wpos;
-            win[nwin++][1] = wpos + KVW_MIN(pos - wpos, piece_max);
-        }
-    }
     /* Host memory: one buffer, gathered on the CPU after each grant. GPU memory: two
      * pinned buffers of this worker, and the gather of window k + 1 runs on the GPU
      * while window k is on the wire (the decode scatters window k - 1 meanwhile). */
+    kvw_win_iter_t it = {.plan = plan, .take = take, .lb = lb, .piece = piece_max};
+    uint64_t wb = 0, we = 0, nb = 0, ne = 0;
+    bool have = kvw_win_next(&it, &wb, &we);
     bool gpu = ctx->staged_cuda;
     uint8_t *buf[2] = {NULL, NULL};
     int slot[2] = {-1, -1};
@@ -235,13 +246,13 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     } else {
         for (int k = 0; k < 2 && st == KVW_OK; k++)
             st = kvw__cuda_stage_buf(k, wmax, (void **)&buf[k]);
-        if (st == KVW_OK && nwin)
-            st = kvw__stage_gpu_launch(ctx, plan, true, buf[0], win[0][0], win[0][1], &slot[0]);
+        if (st == KVW_OK && have)
+            st = kvw__stage_gpu_launch(ctx, plan, true, buf[0], wb, we, &slot[0]);
     }
     uint64_t sent = 0;
-    for (uint32_t k = 0; k < nwin && st == KVW_OK; k++) {
-        uint64_t wpos = win[k][0], len = win[k][1] - win[k][0];
-        uint8_t *wb = buf[k % 2];
+    for (uint32_t k = 0; have && st == KVW_OK; k++, wb = nb, we = ne) {
+        uint64_t len = we - wb;
+        uint8_t *wbuf = buf[k % 2];
         pthread_mutex_lock(&ctx->mu);
         r->dsts[di].grant_off = -1;
         kvw_wbuf_t w;
@@ -268,24 +279,25 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
                             (unsigned long long)len);
             break;
         }
+        have = kvw_win_next(&it, &nb, &ne);
         if (gpu) {
             st = kvw__stage_gpu_wait(slot[k % 2]);
             slot[k % 2] = -1;
-            if (st == KVW_OK && k + 1 < nwin)
-                st = kvw__stage_gpu_launch(ctx, plan, true, buf[(k + 1) % 2], win[k + 1][0],
-                                           win[k + 1][1], &slot[(k + 1) % 2]);
+            if (st == KVW_OK && have)
+                st = kvw__stage_gpu_launch(ctx, plan, true, buf[(k + 1) % 2], nb, ne,
+                                           &slot[(k + 1) % 2]);
         } else {
-            st = kvw__stage_copy(plan, true, wb, wpos, wpos + len);
+            st = kvw__stage_copy(plan, true, wbuf, wb, we);
         }
         if (st != KVW_OK)
             break;
-        kvw_tl_put_t put = {.src = wb, .rkey = peer->staging_rkey, .dst_off = (uint64_t)goff,
+        kvw_tl_put_t put = {.src = wbuf, .rkey = peer->staging_rkey, .dst_off = (uint64_t)goff,
                             .len = len};
         if ((st = ctx->tl_ops->put(peer->ep, r->id, &put, 1)) != KVW_OK)
             break;
         sent += len;
         kvw_wbuf_t dw;
-        kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, wpos, len, (uint64_t)goff,
+        kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, wb, len, (uint64_t)goff,
                      final && sent == total, meta_len);
         st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
         (*runs_p)++;
@@ -293,7 +305,6 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
     /* A gather still running on an error path must finish before its buffer is reused. */
     for (int k = 0; k < 2; k++)
         (void)kvw__stage_gpu_wait(slot[k]);
-    free(win);
     return st;
 }
 
