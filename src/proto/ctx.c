@@ -30,9 +30,9 @@ static kvw_status_t kvw_check_mem_kinds(struct kvw_ctx *ctx)
     for (uint32_t i = 0; i < kvw_rank_num_buffers(ctx->rank); i++) {
         const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
         if (b->mem_kind != KVW_MEM_CUDA || b->device != ctx->cuda_dev)
-            return kvw__error(KVW_ERR_UNSUPPORTED, "buffer %u is %s memory%s, but buffer 0 of "
-                              "this rank is on GPU %d: over '%s' a rank's buffers must all be "
-                              "GPU memory of one device, or all host memory", i,
+            return kvw__error(KVW_ERR_UNSUPPORTED, "buffer %u is %s memory%s, but another "
+                              "buffer of this rank is on GPU %d: over '%s' a rank's buffers "
+                              "must all be GPU memory of one device, or all host memory", i,
                               b->mem_kind == KVW_MEM_CUDA ? "GPU" : "host",
                               b->mem_kind == KVW_MEM_CUDA ? " of another device" : "",
                               ctx->cuda_dev, ctx->tl_ops->name);

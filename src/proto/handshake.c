@@ -221,7 +221,6 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
      * says whether there is one. Anything else is refused here, not at the first
      * request. */
     bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
-    int local_dev = kvw__rank_cuda_device(ctx->rank);
     bool remote_gpu = false;
     for (uint32_t i = 0; i < nb; i++) {
         kvw_mem_kind_t k = kvw_rank_buffer(remote, i)->mem_kind;
@@ -262,8 +261,9 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             goto reply;
     }
     /* GPU handles open in the current device's context: the one holding our buffers. */
-    if (local_dev >= 0 && (st = kvw_cuda_set_device(local_dev)) != KVW_OK) {
-        snprintf(reason, sizeof(reason), "cannot select GPU %d: %s", local_dev, kvw_last_error());
+    if (ctx->cuda_dev >= 0 && (st = kvw_cuda_set_device(ctx->cuda_dev)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "cannot select GPU %d: %s", ctx->cuda_dev,
+                 kvw_last_error());
         goto reply;
     }
     if ((st = ctx->tl_ops->connect(ctx->tl, addr, addr_len, &ep)) != KVW_OK) {

@@ -407,8 +407,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             kvw__plan_keep_layers(plan, take, lb, nl);
         *bytes_p = plan->bytes;
         *runs_p = plan->num_segs;
-        int dev = kvw__rank_cuda_device(ctx->rank);
-        if (dev < 0) {
+        if (ctx->cuda_dev < 0) {
             st = kvw_plan_exec_cpu(plan);
             if (st == KVW_OK) {
                 kvw_wbuf_t w;
@@ -427,7 +426,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             kvw_gpu_reap(ctx, g, true); /* as many in flight as allowed: wait for the oldest */
         kvw_gpu_step_t *e = &g->q[(g->head + g->n) % KVWC_EXEC_SLOTS];
         *e = (kvw_gpu_step_t){.r = r, .di = di, .peer = peer, .slot = -1};
-        if ((st = kvw_cuda_set_device(dev)) == KVW_OK)
+        if ((st = kvw_cuda_set_device(ctx->cuda_dev)) == KVW_OK)
             st = kvw__cuda_step_launch(plan, &e->slot, &prof);
         if (st == KVW_OK) {
             kvw_put_done(&e->done, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
