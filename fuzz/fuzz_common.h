@@ -338,7 +338,10 @@ __attribute__((unused)) static struct kvw_ctx *fzc_ctx_new(kvw_side_t side, kvw_
         fzc_fail("harness out of memory");
     ctx->side = side;
     ctx->rank = rank;
-    ctx->cuda_dev = kvw__rank_cuda_device(rank); /* as kvw_ctx_create sets it */
+    /* The memory kind as kvw_ctx_create sets it (a rank mixing kinds is left to the
+     * code under test). */
+    if (kvw__rank_memops(rank, NULL, &ctx->mem, &ctx->mem_dev) != KVW_OK)
+        fzc_fail("harness: cannot tell the rank's memory kind");
     ctx->tl_ops = &fzc_tl_ops;
     ctx->listen_fd = -1;
     ctx->bs_fd = -1;

@@ -21,6 +21,11 @@ struct kvwc_plan {
     uint64_t bytes;
     unsigned uses;
     int grid;
+    /* Plans uploaded on an executor for staged windows (kvwc_exec_plan_upload): the
+     * segments' spans for finding a window's jobs, and the event that completes the
+     * upload (a window may run on another executor's stream). */
+    kvwc_span_t *spans;
+    cudaEvent_t ready;
 };
 
 template <int W> struct kvwc_vec;
@@ -545,25 +550,113 @@ kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
 
 /* ---------------------------------------------------------------- staged windows */
 
-kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatter, void *host,
-                             uint64_t lo, uint64_t hi, int *slot_p, kvwc_step_prof_t *prof)
+kvw_status_t kvwc_exec_plan_upload(kvwc_exec_h x, const kvwc_plan_in_t *in, kvwc_plan_h *plan_p)
 {
-    uint64_t t0 = kvwc_now_ns();
-    *slot_p = -1;
-    unsigned use = scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER;
-    if (!(in->uses & use))
-        return kvwc_error(KVW_ERR_INVALID_PARAM, "the plan was not prepared for a %s",
-                          scatter ? "scatter" : "gather");
-    if (hi <= lo || hi > in->bytes)
-        return kvwc_error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, %llu) outside the plan's "
-                          "%llu bytes", (unsigned long long)lo, (unsigned long long)hi,
-                          (unsigned long long)in->bytes);
-    if (host == NULL)
-        return kvwc_error(KVW_ERR_INVALID_PARAM, "staged window: NULL host buffer");
     kvwc_layout_t L;
     kvw_status_t st = kvwc_layout_of(in, &L);
     if (st != KVW_OK)
         return st;
+    kvwc_plan *p = (kvwc_plan *)calloc(1, sizeof(*p));
+    kvwc_span_t *spans = (kvwc_span_t *)malloc(sizeof(kvwc_span_t) * ((size_t)L.num_segs + 1));
+    void *host = NULL;
+    cudaError_t e;
+    if (p == NULL || spans == NULL) {
+        free(p);
+        free(spans);
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory creating a device plan");
+    }
+    p->device = x->device;
+    p->grid = x->grid;
+    p->spans = spans;
+    kvwc_spans_fill(in, spans);
+    if ((e = cudaEventCreateWithFlags(&p->ready, cudaEventDisableTiming)) != cudaSuccess) {
+        p->ready = NULL;
+        st = kvwc_cuda_error(e, "cudaEventCreateWithFlags");
+        goto err;
+    }
+    /* Stream-ordered: neither this allocation nor its release (kvwc_exec_plan_free)
+     * synchronises the device, as cudaMalloc and cudaFree would for every chunk. */
+    if (L.size && (e = cudaMallocAsync(&p->dmem, L.size, x->stream)) != cudaSuccess) {
+        p->dmem = NULL;
+        st = kvwc_cuda_error(e, "cudaMallocAsync for a device plan");
+        goto err;
+    }
+    if ((st = kvwc_prepare(in, &L, (uint64_t)(uintptr_t)p->dmem, &host, p)) != KVW_OK)
+        goto err;
+    /* From pageable memory the copy is staged before the call returns, so the host
+     * image can be freed at once. */
+    if (L.size && (e = cudaMemcpyAsync(p->dmem, host, L.size, cudaMemcpyHostToDevice,
+                                       x->stream)) != cudaSuccess) {
+        st = kvwc_cuda_error(e, "cudaMemcpyAsync uploading a device plan");
+        goto err;
+    }
+    free(host);
+    host = NULL;
+    if ((e = cudaEventRecord(p->ready, x->stream)) != cudaSuccess) {
+        st = kvwc_cuda_error(e, "cudaEventRecord");
+        goto err;
+    }
+    *plan_p = p;
+    return KVW_OK;
+
+err:
+    free(host);
+    if (p->dmem)
+        cudaFreeAsync(p->dmem, x->stream);
+    if (p->ready)
+        cudaEventDestroy(p->ready);
+    free(spans);
+    free(p);
+    return st;
+}
+
+void kvwc_exec_plan_free(kvwc_exec_h x, kvwc_plan_h p)
+{
+    if (p == NULL)
+        return;
+    if (p->dmem) {
+        if (x != NULL && x->device == p->device) {
+            cudaFreeAsync(p->dmem, x->stream);
+        } else {
+            /* No executor of the plan's device on this thread: release on the device's
+             * legacy stream, leaving the thread's current device as it was. Every window
+             * that used the plan was reaped, so nothing reads it any more. */
+            int cur = -1;
+            bool other = cudaGetDevice(&cur) == cudaSuccess && cur != p->device;
+            if (other)
+                cudaSetDevice(p->device);
+            cudaFreeAsync(p->dmem, 0);
+            if (other)
+                cudaSetDevice(cur);
+        }
+    }
+    if (p->ready)
+        cudaEventDestroy(p->ready);
+    free(p->spans);
+    free(p);
+}
+
+kvw_status_t kvwc_exec_stage(kvwc_exec_h x, kvwc_plan_h p, int scatter, void *host, uint64_t lo,
+                             uint64_t hi, int *slot_p, kvwc_step_prof_t *prof)
+{
+    uint64_t t0 = kvwc_now_ns();
+    *slot_p = -1;
+    unsigned use = scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER;
+    if (p == NULL || p->spans == NULL)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "staged window: the plan was not uploaded on "
+                          "an executor");
+    if (!(p->uses & use))
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "the plan was not prepared for a %s",
+                          scatter ? "scatter" : "gather");
+    if (hi <= lo || hi > p->bytes)
+        return kvwc_error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, %llu) outside the plan's "
+                          "%llu bytes", (unsigned long long)lo, (unsigned long long)hi,
+                          (unsigned long long)p->bytes);
+    if (host == NULL)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "staged window: NULL host buffer");
+    if (p->device != x->device)
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "the device plan lives on device %d, the "
+                          "executor on device %d", p->device, x->device);
     int k = -1;
     for (int i = 0; i < KVWC_STAGE_SLOTS && k < 0; i++)
         if (!x->stage[i].plan.busy)
@@ -575,8 +668,6 @@ kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatte
     kvwc_slot *s = &ss->plan;
     uint64_t len = hi - lo;
     cudaError_t e;
-    if (L.size > s->cap && (st = kvwc_slot_alloc(s, kvwc_grown(s->cap, L.size))) != KVW_OK)
-        return st;
     if (len > ss->scap) {
         uint64_t cap = len > 2 * ss->scap ? len : 2 * ss->scap;
         if (cap < (16u << 20))
@@ -589,19 +680,22 @@ kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatte
             return kvwc_cuda_error(e, "cudaMalloc for a staged window");
         ss->scap = cap;
     }
-    kvwc_plan p = {};
-    if ((st = kvwc_slot_upload(x, s, in, &L, &p)) != KVW_OK)
-        return st;
     kvwc_window_t w;
-    kvwc_window_of(in, lo, hi, &w);
+    kvwc_window_at(p->spans, p->num_segs, lo, hi, &w);
     uint64_t stage = (uint64_t)(uintptr_t)ss->scratch - lo;
+    if ((e = cudaEventRecord(s->ev[0], x->stream)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaEventRecord");
+    /* The plan may have been uploaded on another executor's stream. */
+    if ((e = cudaStreamWaitEvent(x->stream, p->ready, 0)) != cudaSuccess)
+        return kvwc_cuda_error(e, "cudaStreamWaitEvent");
     if (scatter && (e = cudaMemcpyAsync(ss->scratch, host, len, cudaMemcpyHostToDevice,
                                         x->stream)) != cudaSuccess)
         return kvwc_cuda_error(e, "cudaMemcpyAsync of a staged window to the device");
     if ((e = cudaEventRecord(s->ev[1], x->stream)) != cudaSuccess)
         return kvwc_cuda_error(e, "cudaEventRecord");
-    if ((st = kvwc_launch_window(&p, scatter ? KVWC_MODE_SCATTER : KVWC_MODE_GATHER, stage, &w,
-                                 x->stream)) != KVW_OK)
+    kvw_status_t st = kvwc_launch_window(p, scatter ? KVWC_MODE_SCATTER : KVWC_MODE_GATHER,
+                                         stage, &w, x->stream);
+    if (st != KVW_OK)
         return st;
     if (!scatter && (e = cudaMemcpyAsync(host, ss->scratch, len, cudaMemcpyDeviceToHost,
                                          x->stream)) != cudaSuccess)

@@ -465,4 +465,63 @@ static inline void kvwc_window_of(const kvwc_plan_in_t *in, uint64_t lo, uint64_
     }
 }
 
+/* Where each laid-out segment starts in the staging stream and in the job numbering,
+ * num_segs + 1 entries (the last: the totals), as kvwc_blob_fill lays them out: a plan
+ * uploaded once for a chunk's staged windows keeps this on the host, and each window
+ * finds its jobs by binary search, with no flattened plan at hand. */
+typedef struct kvwc_span {
+    uint64_t stage, job;
+} kvwc_span_t;
+
+static inline uint32_t kvwc_spans_fill(const kvwc_plan_in_t *in, kvwc_span_t *sp)
+{
+    uint32_t n = 0;
+    uint64_t jobs = 0, stage = 0;
+    for (uint32_t i = 0; i < in->num_segs; i++) {
+        uint64_t bytes, nj;
+        if (!kvwc_seg_size(&in->segs[i], &bytes, &nj))
+            continue;
+        sp[n].stage = stage;
+        sp[n].job = jobs;
+        n++;
+        jobs += nj;
+        stage += bytes;
+    }
+    sp[n].stage = stage;
+    sp[n].job = jobs;
+    return n;
+}
+
+/* The same window as kvwc_window_of, from the spans of n laid-out segments. */
+static inline void kvwc_window_at(const kvwc_span_t *sp, uint32_t n, uint64_t lo, uint64_t hi,
+                                  kvwc_window_t *w)
+{
+    w->lo = lo;
+    w->hi = hi;
+    w->wcap = kvwc_align_of(lo);
+    if (hi != KVWC_WINDOW_ALL && kvwc_align_of(hi) < w->wcap)
+        w->wcap = kvwc_align_of(hi);
+    /* Segments [a, b) overlap the window: a is the first ending past lo, b the first
+     * starting at hi or later (segments are never empty, so starts increase). */
+    uint32_t a = 0, e = n;
+    while (a < e) {
+        uint32_t m = a + (e - a) / 2;
+        if (sp[m + 1].stage > lo)
+            e = m;
+        else
+            a = m + 1;
+    }
+    uint32_t b = a;
+    e = n;
+    while (b < e) {
+        uint32_t m = b + (e - b) / 2;
+        if (sp[m].stage >= hi)
+            e = m;
+        else
+            b = m + 1;
+    }
+    w->j0 = a < b ? sp[a].job : 0;
+    w->j1 = a < b ? sp[b].job : 0;
+}
+
 #endif

@@ -32,7 +32,9 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p);
 void kvwc_exec_destroy(kvwc_exec_h exec);
 kvw_status_t kvwc_exec_launch(kvwc_exec_h exec, const kvwc_plan_in_t *in, int *slot_p,
                               kvwc_step_prof_t *prof);
-kvw_status_t kvwc_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatter, void *host,
+kvw_status_t kvwc_exec_plan_upload(kvwc_exec_h x, const kvwc_plan_in_t *in, kvwc_plan_h *plan_p);
+void kvwc_exec_plan_free(kvwc_exec_h x, kvwc_plan_h plan);
+kvw_status_t kvwc_exec_stage(kvwc_exec_h x, kvwc_plan_h plan, int scatter, void *host,
                              uint64_t lo, uint64_t hi, int *slot_p, kvwc_step_prof_t *prof);
 kvw_status_t kvwc_busy(void *stream, uint64_t ns);
 kvw_status_t kvwc_exec_reap(kvwc_exec_h exec, int slot, int block, int *done_p,

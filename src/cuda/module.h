@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 4
+#define KVWC_ABI_VERSION 5
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -138,14 +138,22 @@ typedef struct kvwc_ops {
                                 kvwc_step_prof_t *prof);
     kvw_status_t (*exec_reap)(kvwc_exec_h exec, int slot, int block, int *done_p,
                               kvwc_step_prof_t *prof);
-    /* One staged window [lo, hi) of a plan's staging stream, on the executor's stream
-     * without waiting: a gather runs the kernel into device scratch, then copies the
-     * window to `host`; a scatter copies `host` to device scratch, then runs the kernel.
-     * `host` (hi - lo bytes, pinned or registered for speed) must stay valid until the
-     * slot is reaped with exec_reap. BUSY when KVWC_STAGE_SLOTS windows are in flight. */
-    kvw_status_t (*exec_stage)(kvwc_exec_h exec, const kvwc_plan_in_t *in, int scatter,
-                               void *host, uint64_t lo, uint64_t hi, int *slot_p,
-                               kvwc_step_prof_t *prof);
+    /* Staged streams. exec_plan_upload uploads a plan once for the staged windows of
+     * its staging stream (one chunk's), ordered on the executor's stream, without
+     * synchronising the device (stream-ordered allocation); exec_plan_free releases it
+     * once every window that used it was reaped (exec may be NULL: a thread without an
+     * executor). exec_stage moves one window [lo, hi) of such a plan's staging stream on
+     * the executor's stream without waiting, on any executor of the plan's device: a
+     * gather runs the kernel into device scratch, then copies the window to `host`; a
+     * scatter copies `host` to device scratch, then runs the kernel. Only the plan's
+     * jobs that overlap the window run; nothing of the plan is uploaded again. `host`
+     * (hi - lo bytes, pinned or registered for speed) must stay valid until the slot is
+     * reaped with exec_reap. BUSY when KVWC_STAGE_SLOTS windows are in flight. */
+    kvw_status_t (*exec_plan_upload)(kvwc_exec_h exec, const kvwc_plan_in_t *in,
+                                     kvwc_plan_h *plan_p);
+    void (*exec_plan_free)(kvwc_exec_h exec, kvwc_plan_h plan);
+    kvw_status_t (*exec_stage)(kvwc_exec_h exec, kvwc_plan_h plan, int scatter, void *host,
+                               uint64_t lo, uint64_t hi, int *slot_p, kvwc_step_prof_t *prof);
     /* Page-locks (and maps) existing host memory for fast copies, and releases it. */
     kvw_status_t (*host_register)(void *ptr, uint64_t size);
     kvw_status_t (*host_unregister)(void *ptr);
@@ -183,15 +191,20 @@ kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
                                    struct kvw_cuda_profile *prof);
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, struct kvw_cuda_profile *prof);
 
-/* Staged windows on the calling thread's executor, on the device current on this thread:
- * stage_launch enqueues the gather (scatter false: the plan's source buffers, CUDA here,
- * into `host`) or scatter (host into the plan's destination buffers, CUDA here) of the
- * window [lo, hi) of the plan's staging stream; reap the slot with kvw__cuda_step_reap.
- * stage_buf returns this thread's pinned host buffer `which` (0 or 1) of at least `size`
- * bytes, kept for the thread's life. */
-kvw_status_t kvw__cuda_stage_launch(const struct kvw_plan *plan, bool scatter, void *host,
-                                    uint64_t lo, uint64_t hi, int *slot_p,
-                                    struct kvw_cuda_profile *prof);
+/* Staged streams on the calling thread's executor, on the device current on this
+ * thread (src/exec/memops.c serves them to src/exec/staged.c): stream_open flattens and
+ * uploads a plan once for gathering its source buffers (scatter false) or scattering
+ * into its destination buffers, CUDA here; stream_window enqueues the window [lo, hi)
+ * of its staging stream between `host` and those buffers (reap the slot with
+ * kvw__cuda_step_reap); stream_close releases the device plan once its windows were
+ * reaped. stage_buf returns this thread's pinned host buffer `which` (0 or 1) of at
+ * least `size` bytes, kept for the thread's life. */
+typedef struct kvw_cuda_stream kvw_cuda_stream_t;
+kvw_status_t kvw__cuda_stream_open(const struct kvw_plan *plan, bool scatter,
+                                   kvw_cuda_stream_t **s_p);
+kvw_status_t kvw__cuda_stream_window(kvw_cuda_stream_t *s, void *host, uint64_t lo, uint64_t hi,
+                                     int *slot_p, struct kvw_cuda_profile *prof);
+void kvw__cuda_stream_close(kvw_cuda_stream_t *s);
 kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p);
 kvw_status_t kvw__cuda_host_register(void *ptr, uint64_t size);
 /* Events, for the protocol's layer marks and for tests (engines bring their own). */

@@ -1,4 +1,5 @@
 /* CPU executor: copies a plan between host buffers with memcpy, chunk by chunk. */
+#include "exec/memops.h"
 #include "plan/rank.h"
 #include "plan/walk.h"
 
@@ -98,5 +99,63 @@ kvw_status_t kvw_plan_exec_cpu(kvw_plan_h plan)
 #if defined(__SSE2__)
     _mm_sfence(); /* non-temporal stores are visible to other threads after this */
 #endif
+    return KVW_OK;
+}
+
+kvw_status_t kvw__cpu_window(const struct kvw_plan *plan, bool gather, uint8_t *buf, uint64_t lo,
+                             uint64_t hi)
+{
+    uint64_t pos = 0;
+    for (uint32_t i = 0; i < plan->num_segs && pos < hi; i++) {
+        const kvw_seg_t *s = &plan->segs[i];
+        uint64_t sb = kvw__seg_bytes(s);
+        /* Segments wholly before the window only move the position: a window late in
+         * the stream (the last layers of a streamed chunk) walks no run before it. */
+        if (pos + sb <= lo) {
+            pos += sb;
+            continue;
+        }
+        const kvw_page_map_t *sm = &plan->src_maps[s->pool], *dm = &plan->dst_maps[s->pool];
+        const kvw_buffer_desc_t *b = gather ? &plan->src->bufs[s->src_buf]
+                                            : &plan->dst->bufs[s->dst_buf];
+        const kvw_view_t *v = gather ? &s->src : &s->dst;
+        const kvw_page_map_t *m = gather ? sm : dm;
+        uint64_t head = gather ? s->src_head : s->dst_head;
+        uint64_t row = (uint64_t)s->num_heads * s->head_bytes;
+        uint8_t *base = b->addr;
+        if (base == NULL)
+            return kvw__error(KVW_ERR_UNSUPPORTED, "a staged %s needs the %s buffers' host "
+                              "addresses (buffer %u has none)", gather ? "gather" : "scatter",
+                              gather ? "source" : "destination",
+                              gather ? s->src_buf : s->dst_buf);
+        for (uint64_t t = s->tok_begin; t < s->tok_end && pos < hi;) {
+            uint64_t L = kvw__run_len(s, sm, dm, t);
+            uint64_t rb = L * row;
+            if (pos + rb > lo) {
+                uint64_t off = kvw__view_offset(v, m, t, head);
+                kvw_box_t x;
+                kvw__box_make(s, L, &x);
+                uint64_t os = gather ? x.os_s : x.os_d, is = gather ? x.is_s : x.is_d;
+                uint64_t p = pos;
+                for (uint64_t o = 0; o < x.outer_n && p < hi; o++)
+                    for (uint64_t j = 0; j < x.inner_n && p < hi; j++, p += x.chunk) {
+                        uint64_t cb = KVW_MAX(p, lo), ce = KVW_MIN(p + x.chunk, hi);
+                        if (cb >= ce)
+                            continue;
+                        uint8_t *mem = base + off + o * os + j * is + (cb - p);
+                        if (gather)
+                            memcpy(buf + (cb - lo), mem, ce - cb);
+                        else
+                            memcpy(mem, buf + (cb - lo), ce - cb);
+                    }
+            }
+            pos += rb;
+            t += L;
+        }
+    }
+    if (pos < hi)
+        return kvw__error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, %llu) ends past the plan's "
+                          "%llu bytes", (unsigned long long)lo, (unsigned long long)hi,
+                          (unsigned long long)pos);
     return KVW_OK;
 }

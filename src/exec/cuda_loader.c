@@ -496,35 +496,21 @@ static kvw_status_t kvw_step_launched(kvw_texec_t *t, kvwc_plan_in_t *in, kvw_st
     return st;
 }
 
-enum { KVW_STEP_DIRECT, KVW_STEP_GATHER, KVW_STEP_SCATTER };
-
-/* A direct step or a staged window (gather, scatter: host, lo, hi) on this thread's
- * executor. */
-static kvw_status_t kvw_step_launch(const struct kvw_plan *plan, int mode, void *host,
-                                    uint64_t lo, uint64_t hi, int *slot_p,
-                                    kvw_cuda_profile_t *prof)
+kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
+                                   kvw_cuda_profile_t *prof)
 {
-    static const unsigned uses[3] = {KVWC_USE_DIRECT, KVWC_USE_GATHER, KVWC_USE_SCATTER};
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
     kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
     kvwc_plan_in_t in;
     uint64_t t0 = 0;
     *slot_p = -1;
-    kvw_status_t st = kvw_step_prepare(plan, uses[mode], &ops, &t, maps, &in, &t0);
+    kvw_status_t st = kvw_step_prepare(plan, KVWC_USE_DIRECT, &ops, &t, maps, &in, &t0);
     if (st != KVW_OK)
         return st;
     kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
-    st = mode == KVW_STEP_DIRECT
-             ? ops->exec_launch(t->ex, &in, slot_p, &sp)
-             : ops->exec_stage(t->ex, &in, mode == KVW_STEP_SCATTER, host, lo, hi, slot_p, &sp);
+    st = ops->exec_launch(t->ex, &in, slot_p, &sp);
     return kvw_step_launched(t, &in, kvw_cuda_ret(ops, st), *slot_p, &sp, prof);
-}
-
-kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
-                                   kvw_cuda_profile_t *prof)
-{
-    return kvw_step_launch(plan, KVW_STEP_DIRECT, NULL, 0, 0, slot_p, prof);
 }
 
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_profile_t *prof)
@@ -542,12 +528,68 @@ kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_prof
     return st;
 }
 
-kvw_status_t kvw__cuda_stage_launch(const struct kvw_plan *plan, bool scatter, void *host,
-                                    uint64_t lo, uint64_t hi, int *slot_p,
-                                    kvw_cuda_profile_t *prof)
+struct kvw_cuda_stream {
+    const kvwc_ops_t *ops;
+    kvwc_plan_h mod;
+    int device;
+    bool scatter;
+};
+
+kvw_status_t kvw__cuda_stream_open(const struct kvw_plan *plan, bool scatter,
+                                   kvw_cuda_stream_t **s_p)
 {
-    return kvw_step_launch(plan, scatter ? KVW_STEP_SCATTER : KVW_STEP_GATHER, host, lo, hi,
-                           slot_p, prof);
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    uint64_t t0 = 0;
+    kvw_status_t st = kvw_step_prepare(plan, scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER, &ops,
+                                       &t, maps, &in, &t0);
+    if (st != KVW_OK)
+        return st;
+    kvw_cuda_stream_t *s = calloc(1, sizeof(*s));
+    if (s == NULL) {
+        kvw__cuda_plan_in_free(&in);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory opening a staged stream");
+    }
+    st = kvw_cuda_ret(ops, ops->exec_plan_upload(t->ex, &in, &s->mod));
+    kvw__cuda_plan_in_free(&in);
+    if (st != KVW_OK) {
+        free(s);
+        return st;
+    }
+    s->ops = ops;
+    s->device = t->device;
+    s->scatter = scatter;
+    *s_p = s;
+    return KVW_OK;
+}
+
+kvw_status_t kvw__cuda_stream_window(kvw_cuda_stream_t *s, void *host, uint64_t lo, uint64_t hi,
+                                     int *slot_p, kvw_cuda_profile_t *prof)
+{
+    kvw_texec_t *t = NULL;
+    *slot_p = -1;
+    kvw_status_t st = kvw_texec_get(s->ops, &t);
+    if (st != KVW_OK)
+        return st;
+    kvwc_step_prof_t sp = {0};
+    st = kvw_cuda_ret(s->ops, s->ops->exec_stage(t->ex, s->mod, s->scatter, host, lo, hi,
+                                                  slot_p, &sp));
+    kvw_prof_add_step(prof, &sp);
+    if (st == KVW_OK && *slot_p >= 0)
+        t->inflight++;
+    return st;
+}
+
+void kvw__cuda_stream_close(kvw_cuda_stream_t *s)
+{
+    if (s == NULL)
+        return;
+    pthread_once(&kvw_texec_once, kvw_texec_init);
+    kvw_texec_t *t = kvw_texec_key_ok ? pthread_getspecific(kvw_texec_key) : NULL;
+    s->ops->exec_plan_free(t && t->device == s->device ? t->ex : NULL, s->mod);
+    free(s);
 }
 
 kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p)

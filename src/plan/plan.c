@@ -156,13 +156,15 @@ static const char *kvw_pool_names[KVW_NUM_POOLS] = {"full-attention", "sliding-w
 
 static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                                    const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
-                                   bool with_pages, kvw_plan_h *plan_p);
+                                   kvw_plan_h *plan_p);
 
 kvw_status_t kvw_plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                              const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
                              kvw_plan_h *plan_p)
 {
-    return kvw_plan_build(src, dst, chunk, sp, dp, true, plan_p);
+    if (!sp || !dp)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_create: NULL argument");
+    return kvw_plan_build(src, dst, chunk, sp, dp, plan_p);
 }
 
 /* Used by the protocol to know a sender's byte count and whether a pair exchanges
@@ -170,16 +172,37 @@ kvw_status_t kvw_plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *
 kvw_status_t kvw__plan_create_nopages(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                                       kvw_plan_h *plan_p)
 {
-    static const kvw_side_pages_t none = {.state_slot = 0};
-    return kvw_plan_build(src, dst, chunk, &none, &none, false, plan_p);
+    return kvw_plan_build(src, dst, chunk, NULL, NULL, plan_p);
 }
 
+kvw_status_t kvw__plan_create_staged(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                                     const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
+                                     kvw_plan_h *plan_p)
+{
+    if ((sp == NULL) == (dp == NULL))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "a staged plan takes the pages of exactly one "
+                          "side");
+    return kvw_plan_build(src, dst, chunk, sp, dp, plan_p);
+}
+
+/* A side given no pages: the map of a staged stream's far side, whose page indices never
+ * matter, only where its pages begin (runs stay inside one page on both sides). Pages
+ * start at multiples of the page size, so the first page holding token tb begins at tb
+ * rounded down, whatever the far side's list. */
+static void kvw_geometry_map(uint32_t page_size, uint64_t tb, uint64_t te, kvw_page_map_t *map)
+{
+    map->pages = NULL;
+    map->num_pages = 0;
+    map->first_token = tb < te ? tb - tb % page_size : 0;
+}
+
+/* sp or dp NULL: that side has geometry only (kvw_geometry_map). */
 static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                                    const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
-                                   bool with_pages, kvw_plan_h *plan_p)
+                                   kvw_plan_h *plan_p)
 {
     kvw_status_t st;
-    if (!src || !dst || !chunk || !sp || !dp || !plan_p)
+    if (!src || !dst || !chunk || !plan_p)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_create: NULL argument");
     if (chunk->chunk_begin > chunk->chunk_end || chunk->chunk_end > chunk->num_tokens ||
         chunk->prefix_len > chunk->num_tokens)
@@ -235,17 +258,19 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
             need_e[pool] = KVW_MAX(need_e[pool], e);
         }
     }
-    if (any_state && with_pages) {
-        if (sp->state_slot < 0 || dp->state_slot < 0)
+    if (any_state && (sp || dp)) {
+        /* A side without pages has no slot either: checked as slot 0. */
+        int64_t ss = sp ? sp->state_slot : 0, ds = dp ? dp->state_slot : 0;
+        if (ss < 0 || ds < 0)
             return kvw__error(KVW_ERR_INVALID_PARAM, "the model has state layers but the %s side "
-                              "gave no state slot", sp->state_slot < 0 ? "source" : "destination");
-        if ((uint64_t)sp->state_slot >= src->pool_capacity[KVW_POOL_STATE] ||
-            (uint64_t)dp->state_slot >= dst->pool_capacity[KVW_POOL_STATE])
+                              "gave no state slot", ss < 0 ? "source" : "destination");
+        if ((sp && (uint64_t)ss >= src->pool_capacity[KVW_POOL_STATE]) ||
+            (dp && (uint64_t)ds >= dst->pool_capacity[KVW_POOL_STATE]))
             return kvw__error(KVW_ERR_OUT_OF_RANGE,
                               "state slot %lld (source, %llu slots) or %lld (destination, %llu "
-                              "slots) is out of range", (long long)sp->state_slot,
+                              "slots) is out of range", (long long)ss,
                               (unsigned long long)src->pool_capacity[KVW_POOL_STATE],
-                              (long long)dp->state_slot,
+                              (long long)ds,
                               (unsigned long long)dst->pool_capacity[KVW_POOL_STATE]);
     }
 
@@ -253,12 +278,13 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
      * Bounded by the lists the caller gave (which must cover the range, checked below),
      * never by the token count alone. */
     uint64_t npages = 2;
-    for (int p = 0; p < KVW_POOL_STATE && with_pages; p++) {
+    for (int p = 0; p < KVW_POOL_STATE; p++) {
         if (need_b[p] >= need_e[p])
             continue;
-        const kvw_pages_t *spl = p == KVW_POOL_FULL ? &sp->full : &sp->swa;
-        const kvw_pages_t *dpl = p == KVW_POOL_FULL ? &dp->full : &dp->swa;
-        npages += (uint64_t)spl->num_pages + dpl->num_pages;
+        if (sp)
+            npages += (p == KVW_POOL_FULL ? &sp->full : &sp->swa)->num_pages;
+        if (dp)
+            npages += (p == KVW_POOL_FULL ? &dp->full : &dp->swa)->num_pages;
     }
 
     /* Segments: count first. */
@@ -286,27 +312,37 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
     }
 
     uint32_t *store = plan->page_storage;
-    for (int p = 0; p < KVW_POOL_STATE && with_pages; p++) {
-        const kvw_pages_t *spl = p == KVW_POOL_FULL ? &sp->full : &sp->swa;
-        const kvw_pages_t *dpl = p == KVW_POOL_FULL ? &dp->full : &dp->swa;
+    for (int p = 0; p < KVW_POOL_STATE; p++) {
         uint64_t b = need_b[p] < need_e[p] ? need_b[p] : 0, e = need_b[p] < need_e[p] ? need_e[p] : 0;
-        st = kvw_map_pages("source", kvw_pool_names[p], spl, KVW_MAX(src->pool_page_size[p], 1),
-                           src->pool_capacity[p], b, e, false, store, &plan->src_maps[p]);
-        if (st != KVW_OK)
-            goto err_free;
-        store += plan->src_maps[p].num_pages;
-        st = kvw_map_pages("destination", kvw_pool_names[p], dpl,
-                           KVW_MAX(dst->pool_page_size[p], 1), dst->pool_capacity[p], b, e, true,
-                           store, &plan->dst_maps[p]);
-        if (st != KVW_OK)
-            goto err_free;
-        store += plan->dst_maps[p].num_pages;
+        uint32_t sps = KVW_MAX(src->pool_page_size[p], 1), dps = KVW_MAX(dst->pool_page_size[p], 1);
+        if (sp) {
+            st = kvw_map_pages("source", kvw_pool_names[p],
+                               p == KVW_POOL_FULL ? &sp->full : &sp->swa, sps,
+                               src->pool_capacity[p], b, e, false, store, &plan->src_maps[p]);
+            if (st != KVW_OK)
+                goto err_free;
+            store += plan->src_maps[p].num_pages;
+        } else {
+            kvw_geometry_map(sps, b, e, &plan->src_maps[p]);
+        }
+        if (dp) {
+            st = kvw_map_pages("destination", kvw_pool_names[p],
+                               p == KVW_POOL_FULL ? &dp->full : &dp->swa, dps,
+                               dst->pool_capacity[p], b, e, true, store, &plan->dst_maps[p]);
+            if (st != KVW_OK)
+                goto err_free;
+            store += plan->dst_maps[p].num_pages;
+        } else {
+            kvw_geometry_map(dps, b, e, &plan->dst_maps[p]);
+        }
     }
-    if (any_state && with_pages) {
-        store[0] = (uint32_t)sp->state_slot;
-        store[1] = (uint32_t)dp->state_slot;
-        plan->src_maps[KVW_POOL_STATE] = (kvw_page_map_t){store, 1, 0};
-        plan->dst_maps[KVW_POOL_STATE] = (kvw_page_map_t){store + 1, 1, 0};
+    if (any_state) {
+        if (sp)
+            *store = (uint32_t)sp->state_slot;
+        plan->src_maps[KVW_POOL_STATE] = (kvw_page_map_t){sp ? store++ : NULL, sp ? 1 : 0, 0};
+        if (dp)
+            *store = (uint32_t)dp->state_slot;
+        plan->dst_maps[KVW_POOL_STATE] = (kvw_page_map_t){dp ? store++ : NULL, dp ? 1 : 0, 0};
     }
 
     uint32_t nroutes = 0;

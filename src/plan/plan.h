@@ -60,6 +60,17 @@ struct kvw_plan {
     uint64_t alloc_bytes;
 };
 
+/*
+ * A plan for a staged stream, with the pages of one side only (sp or dp NULL): the
+ * staging stream's order depends on the two ranks' geometry alone, never on page
+ * indices, so the decode side scatters with its own pages and the far side's map holds
+ * no pages (only where they begin). Such a plan can gather from, or scatter to, the side
+ * with pages, nothing else. Errors as kvw_plan_create.
+ */
+kvw_status_t kvw__plan_create_staged(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                                     const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
+                                     kvw_plan_h *plan_p);
+
 /* Bytes a segment moves (what kvw__seg_walk emits for it, in total). */
 static inline uint64_t kvw__seg_bytes(const kvw_seg_t *s)
 {

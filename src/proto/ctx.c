@@ -6,10 +6,8 @@
  * control thread and the first non-blocking write of a frame (kvw__peer_send).
  */
 #include "core/config.h"
-#include "cuda/module.h"
 #include "proto/proto.h"
 
-#include <kvwire/cuda.h>
 #include <kvwire/mem.h>
 
 #include <errno.h>
@@ -18,30 +16,23 @@
 #include <string.h>
 #include <unistd.h>
 
-/* GPU buffers on a host transport (tcp, shm, ucx) move through host staging: the prefill
- * gathers on its GPU, the decode scatters on its own. That needs the CUDA module here,
- * and a rank whose buffers are all GPU memory on one device (a rank mixing kinds would
- * need both paths in one plan). cuda_ipc keeps its own rule (checked at registration). */
+/* Device (GPU) buffers on a host transport (tcp, shm, ucx) move through host staging:
+ * the prefill gathers on its device, the decode scatters on its own. That needs the
+ * kind's executor here (the CUDA module), and a rank whose buffers are all device memory
+ * on one device (a rank mixing kinds would need both paths in one plan). cuda_ipc keeps
+ * its own rule (checked at registration). */
 static kvw_status_t kvw_check_mem_kinds(struct kvw_ctx *ctx)
 {
-    ctx->cuda_dev = kvw__rank_cuda_device(ctx->rank);
-    if (ctx->cuda_dev < 0 || strcmp(ctx->tl_ops->name, "cuda_ipc") == 0)
-        return KVW_OK;
-    for (uint32_t i = 0; i < kvw_rank_num_buffers(ctx->rank); i++) {
-        const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
-        if (b->mem_kind != KVW_MEM_CUDA || b->device != ctx->cuda_dev)
-            return kvw__error(KVW_ERR_UNSUPPORTED, "buffer %u is %s memory%s, but another "
-                              "buffer of this rank is on GPU %d: over '%s' a rank's buffers "
-                              "must all be GPU memory of one device, or all host memory", i,
-                              b->mem_kind == KVW_MEM_CUDA ? "GPU" : "host",
-                              b->mem_kind == KVW_MEM_CUDA ? " of another device" : "",
-                              ctx->cuda_dev, ctx->tl_ops->name);
-    }
-    if (kvw_cuda_available() != KVW_OK)
-        return kvw__error(KVW_ERR_UNSUPPORTED, "this rank's buffers are GPU memory, which '%s' "
-                          "moves through host staging with the CUDA module: %s",
+    bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
+    kvw_status_t st = kvw__rank_memops(ctx->rank, gpu_tl ? NULL : ctx->tl_ops->name, &ctx->mem,
+                                       &ctx->mem_dev);
+    if (st != KVW_OK || gpu_tl || !ctx->mem->is_device)
+        return st;
+    if (ctx->mem->available() != KVW_OK)
+        return kvw__error(KVW_ERR_UNSUPPORTED, "this rank's buffers are %s memory, which '%s' "
+                          "moves through host staging with the CUDA module: %s", ctx->mem->name,
                           ctx->tl_ops->name, kvw_last_error());
-    ctx->staged_cuda = true;
+    ctx->staged_dev = true;
     return KVW_OK;
 }
 
@@ -180,8 +171,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         for (uint32_t i = 0; i < nb; i++) {
             const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
             ctx->num_mems = i + 1;
-            if (ctx->staged_cuda)
-                continue; /* no remote writes into GPU memory: an empty key */
+            if (ctx->staged_dev)
+                continue; /* no remote writes into device memory: an empty key */
             if ((st = ctx->tl_ops->mem_reg(ctx->tl, b->addr, b->length, b->mem_kind, i,
                                            &ctx->mems[i], rkeys + (size_t)i * KVW_TL_MAX_RKEY,
                                            &rkey_lens[i])) != KVW_OK) {
@@ -193,10 +184,10 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         uint64_t smb;
         kvw__config_u64("KVW_STAGING_MB", &smb);
         ctx->staging_len = smb << 20;
-        if (ctx->staged_cuda && ctx->staging_len == 0) {
-            st = kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are GPU memory, which "
+        if (ctx->staged_dev && ctx->staging_len == 0) {
+            st = kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are %s memory, which "
                             "'%s' writes through the staging area, but KVW_STAGING_MB=0 "
-                            "leaves none", ctx->tl_ops->name);
+                            "leaves none", ctx->mem->name, ctx->tl_ops->name);
             goto err_decode;
         }
         if (ctx->staging_len) {
@@ -209,11 +200,10 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                 goto err_decode;
             }
             ctx->staging = sa;
-            /* Page-locked for the copies of staged windows to the GPU; without it they
+            /* Page-locked for the copies of staged windows to the device; without it they
              * still work, through the driver's own bounce buffers. */
-            if (ctx->staged_cuda)
-                ctx->staging_pinned =
-                    kvw__cuda_host_register(ctx->staging, ctx->staging_len) == KVW_OK;
+            if (ctx->staged_dev)
+                ctx->staging_pinned = ctx->mem->pin(ctx->staging, ctx->staging_len) == KVW_OK;
             if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->staging, ctx->staging_len, KVW_MEM_HOST,
                                            nb, &ctx->mems[nb],
                                            rkeys + (size_t)nb * KVW_TL_MAX_RKEY,
@@ -329,7 +319,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         ctx->tl_ops->fini(ctx->tl);
     if (ctx->staging) {
         if (ctx->staging_pinned)
-            kvw__cuda_host_unregister(ctx->staging);
+            ctx->mem->unpin(ctx->staging);
         if (ctx->staging_shared)
             kvw_mem_free_shared(ctx->staging);
         else

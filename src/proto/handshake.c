@@ -7,7 +7,6 @@
 #include "core/sha256.h"
 #include "proto/proto.h"
 
-#include <kvwire/cuda.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -223,9 +222,9 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
     bool remote_gpu = false;
     for (uint32_t i = 0; i < nb; i++) {
-        kvw_mem_kind_t k = kvw_rank_buffer(remote, i)->mem_kind;
-        remote_gpu |= k == KVW_MEM_CUDA;
-        if (gpu_tl && k != KVW_MEM_CUDA) {
+        bool dev = kvw__memops(kvw_rank_buffer(remote, i)->mem_kind)->is_device;
+        remote_gpu |= dev;
+        if (gpu_tl && !dev) {
             st = KVW_ERR_UNSUPPORTED;
             snprintf(reason, sizeof(reason), "decode buffer %u is host memory, which transport "
                      "'cuda_ipc' cannot write (cuda_ipc needs GPU buffers on both sides)", i);
@@ -233,14 +232,14 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
         }
     }
     for (uint32_t i = 0; gpu_tl && i < kvw_rank_num_buffers(ctx->rank); i++) {
-        if (kvw_rank_buffer(ctx->rank, i)->mem_kind != KVW_MEM_CUDA) {
+        if (!kvw__memops(kvw_rank_buffer(ctx->rank, i)->mem_kind)->is_device) {
             st = KVW_ERR_UNSUPPORTED;
             snprintf(reason, sizeof(reason), "prefill buffer %u is host memory, which transport "
                      "'cuda_ipc' cannot read (cuda_ipc needs GPU buffers on both sides)", i);
             goto reply;
         }
     }
-    bool must_stage = !gpu_tl && (ctx->staged_cuda || remote_gpu);
+    bool must_stage = !gpu_tl && (ctx->staged_dev || remote_gpu);
     /* A registration may not take over an identity (instance and rank) whose peer is
      * still alive: that cut the live one off. A restarted rank whose old connection has
      * not been noticed dead yet retries until it is (BUSY). */
@@ -261,8 +260,8 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
             goto reply;
     }
     /* GPU handles open in the current device's context: the one holding our buffers. */
-    if (ctx->cuda_dev >= 0 && (st = kvw_cuda_set_device(ctx->cuda_dev)) != KVW_OK) {
-        snprintf(reason, sizeof(reason), "cannot select GPU %d: %s", ctx->cuda_dev,
+    if ((st = ctx->mem->select(ctx->mem_dev)) != KVW_OK) {
+        snprintf(reason, sizeof(reason), "cannot select %s %d: %s", ctx->mem->name, ctx->mem_dev,
                  kvw_last_error());
         goto reply;
     }
@@ -295,7 +294,7 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
         }
         /* GPU buffers behind a host transport are written only through staging: they
          * come without a key, and no direct write can name them. */
-        if (kl == 0 && !gpu_tl && kvw_rank_buffer(remote, i)->mem_kind == KVW_MEM_CUDA)
+        if (kl == 0 && !gpu_tl && kvw__memops(kvw_rank_buffer(remote, i)->mem_kind)->is_device)
             continue;
         if ((st = ctx->tl_ops->rkey_unpack(ep, k, kl, &rkeys[i])) != KVW_OK) {
             snprintf(reason, sizeof(reason), "bad remote key for buffer %u: %s", i,
@@ -318,7 +317,7 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
         st = KVW_ERR_UNSUPPORTED;
         snprintf(reason, sizeof(reason), "GPU memory on %s goes through the decode rank's "
                  "staging area over '%s', and the decode rank has none (KVW_STAGING_MB=0)",
-                 ctx->staged_cuda ? "this prefill rank" : "the decode rank", ctx->tl_ops->name);
+                 ctx->staged_dev ? "this prefill rank" : "the decode rank", ctx->tl_ops->name);
         goto reply;
     }
     if (st == KVW_OK && gpu_tl && (mapped = kvw_mapped_rank(ctx, remote, rkeys)) == NULL) {

@@ -129,35 +129,26 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
 }
 
-/* Scatters one staged window of a room's chunk from the staging area (no mu held;
- * the room is pinned by inflight). */
+/* Scatters one staged window of a room's chunk from the staging area (no mu held; the
+ * room is pinned by inflight). *sg_p: the chunk's staged stream, opened here for the
+ * chunk's first window: the plan is built (from the decode's own pages and the prefill
+ * rank's geometry) and prepared once per chunk, not per window. */
 static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t *r,
-                                const kvw_chunk_t *c, uint64_t soff, uint64_t slen, uint64_t goff)
+                                const kvw_chunk_t *c, uint64_t soff, uint64_t slen, uint64_t goff,
+                                kvw_staged_t **sg_p)
 {
     if (goff > ctx->staging_len || slen > ctx->staging_len - goff)
         return kvw__error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, +%llu) outside the staging "
                           "area", (unsigned long long)goff, (unsigned long long)slen);
-    /* The source's page indices do not matter to the byte stream, only its geometry:
-     * give the plan all-zero source page lists covering the request. */
-    const kvw_parallel_t *sp = kvw_rank_parallel(src);
-    (void)sp;
-    uint32_t ps_full = KVW_MAX(src->pool_page_size[KVW_POOL_FULL], 1);
-    uint32_t ps_swa = KVW_MAX(src->pool_page_size[KVW_POOL_SWA], 1);
-    uint64_t nf = (c->num_tokens + ps_full - 1) / ps_full + 1;
-    uint64_t ns = (c->num_tokens + ps_swa - 1) / ps_swa + 1;
-    uint32_t *zeros = calloc(KVW_MAX(nf, ns), sizeof(uint32_t));
-    if (zeros == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory scattering");
-    kvw_side_pages_t fake = {.full = {zeros, (uint32_t)nf, 0}, .swa = {zeros, (uint32_t)ns, 0},
-                             .state_slot = 0};
-    kvw_plan_h plan;
-    kvw_status_t st = kvw_plan_create(src, ctx->rank, c, &fake, &r->post_pages, &plan);
-    if (st == KVW_OK) {
-        st = kvw__stage_move(ctx, plan, false, ctx->staging + goff, soff, soff + slen);
-        kvw_plan_destroy(plan);
+    if (*sg_p == NULL) {
+        kvw_plan_h plan;
+        kvw_status_t st = kvw__plan_create_staged(src, ctx->rank, c, NULL, &r->post_pages, &plan);
+        if (st == KVW_OK)
+            st = kvw__staged_open(ctx->mem, ctx->mem_dev, plan, true, false, 0, sg_p);
+        if (st != KVW_OK)
+            return st;
     }
-    free(zeros);
-    return st;
+    return kvw__staged_scatter(*sg_p, ctx->staging + goff, soff, soff + slen);
 }
 
 /* A data connection says which peer it belongs to (KVW_MSG_BIND, its first message).
@@ -240,6 +231,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, id);
     kvw_room_src_t *s = NULL;
+    kvw_staged_t *drop = NULL; /* a staged stream to release once mu is dropped */
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
         goto out;
     /* A completion counts only on the data connection its peer bound (any local process
@@ -291,15 +283,35 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         c.num_tokens = r->num_tokens;
         c.prefix_len = r->prefix_len;
         kvw_rank_h src = ctx->peers[peer_id]->remote;
+        /* The stream of this source's chunk, when it is the one of the window before;
+         * taken out while in use (another window of the source meanwhile opens its own). */
+        kvw_staged_t *sg = s->scatter;
+        s->scatter = NULL;
+        if (sg && (s->scatter_begin != c.chunk_begin || s->scatter_end != c.chunk_end ||
+                   s->scatter_last != c.last_chunk)) {
+            drop = sg;
+            sg = NULL;
+        }
         r->inflight++;
         pthread_mutex_unlock(&ctx->mu);
-        kvw_status_t st = kvw_scatter(ctx, src, r, &c, soff, slen, goff);
+        kvw__staged_close(drop);
+        drop = NULL;
+        kvw_status_t st = kvw_scatter(ctx, src, r, &c, soff, slen, goff, &sg);
         char why[400];
         snprintf(why, sizeof(why), "%s", kvw_last_error());
         pthread_mutex_lock(&ctx->mu);
         r->inflight--;
         pthread_cond_broadcast(&ctx->cv);
         kvw__stage_free(ctx, goff);
+        /* Kept for the chunk's next window; the chunk's last window ends its stream. */
+        if (st == KVW_OK && !final && s->scatter == NULL && r->state != KVW_ROOM_FAILED) {
+            s->scatter = sg;
+            s->scatter_begin = c.chunk_begin;
+            s->scatter_end = c.chunk_end;
+            s->scatter_last = c.last_chunk;
+        } else {
+            drop = sg;
+        }
         if (st != KVW_OK) {
             kvw__room_fail(ctx, r, st, true, "room %llu: scattering staged data failed: %s",
                            (unsigned long long)id, why);
@@ -323,6 +335,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw_receiver_done(ctx, r);
 out:
     pthread_mutex_unlock(&ctx->mu);
+    kvw__staged_close(drop);
 }
 
 static bool kvw_granted(const kvw_room_t *r, int pool, uint32_t page)

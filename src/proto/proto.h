@@ -21,7 +21,6 @@
  *   1 peer.c       peer records: add, free, reap; session tags; control wake-up
  *   1 bootstrap.c  the bootstrap endpoint and its client
  *   1 codec.c      rank descriptions and page lists in frames
- *   0 window.c     staged windows: gather/scatter on the CPU or the GPU
  *   0 ivlog.c      the log of written byte ranges (page-exact accounting)
  *   0 wire.c       frame buffers, blocking socket helpers
  */
@@ -30,6 +29,7 @@
 
 #include <kvwire/xfer.h>
 
+#include "exec/staged.h"
 #include "plan/rank.h"
 #include "proto/ivlog.h"
 #include "proto/wire.h"
@@ -208,6 +208,11 @@ typedef struct kvw_room_src {
     bool meta_got;          /* ... and they arrived */
     bool done;
     bool quiet; /* the prefill rank confirmed it will not write this room any more */
+    /* The staged stream of the chunk [scatter_begin, scatter_end) being scattered: one
+     * plan for all its windows, taken out while a window is scattered. */
+    kvw_staged_t *scatter;
+    uint64_t scatter_begin, scatter_end;
+    bool scatter_last;
 } kvw_room_src_t;
 
 typedef struct kvw_room {
@@ -344,11 +349,13 @@ struct kvw_ctx {
     uint8_t *staging;
     uint64_t staging_len;
     bool staging_shared;
-    bool staging_pinned; /* registered with CUDA for fast copies to the GPU */
-    /* This rank's buffers are GPU memory on a host transport (tcp, shm, ucx): they are
-     * gathered (prefill) or scattered (decode) on GPU `cuda_dev` through host staging. */
-    bool staged_cuda;
-    int cuda_dev;
+    bool staging_pinned; /* page-locked by `mem` for fast copies to the device */
+    /* The memory kind of this rank's buffers, and their device (-1: host memory). */
+    const kvw_memops_t *mem;
+    int mem_dev;
+    /* This rank's buffers are device memory on a host transport (tcp, shm, ucx): they
+     * are gathered (prefill) or scattered (decode) on the device through host staging. */
+    bool staged_dev;
     kvw_stage_span_t *spans;
     uint32_t num_spans, cap_spans;
     kvw_stage_wait_t *waits;
@@ -436,9 +443,6 @@ static inline void kvw__busy_wait(const struct kvw_ctx *ctx, _Atomic uint32_t *g
 /* Decode: grant or queue staging space (mu held); frees a span and serves waiters. */
 void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len);
 void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off);
-
-/* CUDA device of a rank's buffers, or -1 when they are host memory. */
-int kvw__rank_cuda_device(kvw_rank_h rank);
 
 /* Pushes a room's inactivity deadline forward (mu held): rooms fail after
  * wait_timeout_ms without progress, not after wait_timeout_ms in total. */
@@ -533,26 +537,6 @@ kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx);
 void kvw__peer_res_release(struct kvw_ctx *ctx, kvw_peer_res_t *list);
 
 void kvw__peer_free(struct kvw_ctx *ctx, kvw_peer_t *p);
-
-/* window.c */
-
-kvw_status_t kvw__stage_copy(const struct kvw_plan *plan, bool gather, uint8_t *buf,
-                             uint64_t wb, uint64_t we);
-
-/* Starts one staged window on this rank's GPU (see kvw__cuda_stage_launch): the gather
- * of the plan's source buffers into `buf`, or the scatter of `buf` into its destination
- * buffers. *slot_p: the executor slot to reap. */
-kvw_status_t kvw__stage_gpu_launch(struct kvw_ctx *ctx, const struct kvw_plan *plan,
-                                   bool gather, uint8_t *buf, uint64_t wb, uint64_t we,
-                                   int *slot_p);
-
-/* Waits for a staged window started by kvw__stage_gpu_launch (nothing when slot < 0). */
-kvw_status_t kvw__stage_gpu_wait(int slot);
-
-/* Moves one staged window between `buf` and this rank's own buffers: on the CPU for
- * host memory, on the GPU (waiting for it) for GPU memory on a host transport. */
-kvw_status_t kvw__stage_move(struct kvw_ctx *ctx, const struct kvw_plan *plan, bool gather,
-                             uint8_t *buf, uint64_t wb, uint64_t we);
 
 /* fail.c */
 

@@ -70,6 +70,8 @@ void kvw__room_free(kvw_room_t *r)
         free(r->chunks[i].ready);
     }
     free(r->chunks);
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        kvw__staged_close(r->srcs[i].scatter); /* a chunk the room ended in the middle of */
     free(r->srcs);
     for (int p = 0; p < KVW_NUM_POOLS; p++)
         free(r->granted[p]);

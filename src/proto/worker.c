@@ -2,15 +2,14 @@
  * Prefill workers: they take (room, decode rank) jobs and move the bytes, on one of
  * three paths: mapped (cuda_ipc: one kernel writes the decode's buffers, its DONE sent
  * once the kernel completed), direct (one put per run, in batches) or staged (gathered
- * windows, one bulk put each, into space the decode rank granted). GPU steps in flight
- * per worker, and the DONE that ends each step.
+ * windows, one bulk put each, into space the decode rank granted; the gathering itself
+ * is exec/staged.c's). Steps in flight per worker on its executor, and the DONE that
+ * ends each step.
  */
 #include "core/config.h"
 #include "cuda/module.h"
 #include "plan/walk.h"
 #include "proto/proto.h"
-
-#include <kvwire/cuda.h>
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -59,51 +58,6 @@ static kvw_status_t kvw_put_run(void *arg, const kvw_run_t *run)
         return kvw_put_flush(pc);
     }
     return KVW_OK;
-}
-
-/* The calling worker's host buffer for gathered windows, at least `size` bytes: kept
- * for the thread's life (grown when a larger window comes), so a step neither allocates
- * nor faults in up to 16 MiB of fresh pages. Released when the thread exits. */
-static pthread_key_t kvw_wbuf_key;
-static pthread_once_t kvw_wbuf_once = PTHREAD_ONCE_INIT;
-
-typedef struct kvw_worker_buf {
-    uint8_t *p;
-    uint64_t cap;
-} kvw_worker_buf_t;
-
-static void kvw_wbuf_free(void *arg)
-{
-    kvw_worker_buf_t *b = arg;
-    free(b->p);
-    free(b);
-}
-
-static void kvw_wbuf_init(void)
-{
-    (void)pthread_key_create(&kvw_wbuf_key, kvw_wbuf_free);
-}
-
-static uint8_t *kvw_worker_buf(uint64_t size)
-{
-    pthread_once(&kvw_wbuf_once, kvw_wbuf_init);
-    kvw_worker_buf_t *b = pthread_getspecific(kvw_wbuf_key);
-    if (b == NULL) {
-        if ((b = calloc(1, sizeof(*b))) == NULL)
-            return NULL;
-        if (pthread_setspecific(kvw_wbuf_key, b) != 0) {
-            free(b);
-            return NULL;
-        }
-    }
-    if (size > b->cap) {
-        free(b->p);
-        b->cap = 0;
-        if ((b->p = malloc(size)) == NULL)
-            return NULL;
-        b->cap = size;
-    }
-    return b->p;
 }
 
 /* Head-slice plans make many small runs; one bulk write per window beats one write per
@@ -228,31 +182,22 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         kvw_put_done(&w, r->id, peer->id_at_remote, c, 0, false, 0, 0, 0, final, meta_len);
         return kvw_notify_done(ctx, peer, &w, out_ns_p);
     }
-    /* Host memory: one buffer, gathered on the CPU after each grant. GPU memory: two
-     * pinned buffers of this worker, and the gather of window k + 1 runs on the GPU
-     * while window k is on the wire (the decode scatters window k - 1 meanwhile). */
+    /* The chunk's plan is prepared once for all its windows (on a GPU: uploaded once).
+     * Host memory is gathered on the CPU after each grant; on a GPU the gather of window
+     * k + 1 runs while window k is on the wire (the decode scatters window k - 1
+     * meanwhile). */
     kvw_win_iter_t it = {.plan = plan, .take = take, .lb = lb, .piece = piece_max};
     uint64_t wb = 0, we = 0, nb = 0, ne = 0;
     bool have = kvw_win_next(&it, &wb, &we);
-    bool gpu = ctx->staged_cuda;
-    uint8_t *buf[2] = {NULL, NULL};
-    int slot[2] = {-1, -1};
-    kvw_status_t st = KVW_OK;
     uint64_t wmax = KVW_MAX(KVW_MIN(total, piece_max), 1);
-    if (!gpu) {
-        buf[0] = buf[1] = kvw_worker_buf(wmax);
-        if (buf[0] == NULL)
-            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory for staging");
-    } else {
-        for (int k = 0; k < 2 && st == KVW_OK; k++)
-            st = kvw__cuda_stage_buf(k, wmax, (void **)&buf[k]);
-        if (st == KVW_OK && have)
-            st = kvw__stage_gpu_launch(ctx, plan, true, buf[0], wb, we, &slot[0]);
-    }
+    kvw_staged_t *sg = NULL;
+    kvw_status_t st = kvw__staged_open(ctx->mem, ctx->mem_dev, (struct kvw_plan *)plan, false,
+                                       true, wmax, &sg);
+    if (st == KVW_OK && have)
+        st = kvw__staged_gather(sg, wb, we);
     uint64_t sent = 0;
     for (uint32_t k = 0; have && st == KVW_OK; k++, wb = nb, we = ne) {
         uint64_t len = we - wb;
-        uint8_t *wbuf = buf[k % 2];
         pthread_mutex_lock(&ctx->mu);
         r->dsts[di].grant_off = -1;
         kvw_wbuf_t w;
@@ -280,15 +225,10 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             break;
         }
         have = kvw_win_next(&it, &nb, &ne);
-        if (gpu) {
-            st = kvw__stage_gpu_wait(slot[k % 2]);
-            slot[k % 2] = -1;
-            if (st == KVW_OK && have)
-                st = kvw__stage_gpu_launch(ctx, plan, true, buf[(k + 1) % 2], nb, ne,
-                                           &slot[(k + 1) % 2]);
-        } else {
-            st = kvw__stage_copy(plan, true, wbuf, wb, we);
-        }
+        const uint8_t *wbuf = NULL;
+        st = kvw__staged_take(sg, &wbuf);
+        if (st == KVW_OK && have)
+            st = kvw__staged_gather(sg, nb, ne);
         if (st != KVW_OK)
             break;
         kvw_tl_put_t put = {.src = wbuf, .rkey = peer->staging_rkey, .dst_off = (uint64_t)goff,
@@ -302,9 +242,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
         (*runs_p)++;
     }
-    /* A gather still running on an error path must finish before its buffer is reused. */
-    for (int k = 0; k < 2; k++)
-        (void)kvw__stage_gpu_wait(slot[k]);
+    kvw__staged_close(sg);
     return st;
 }
 
@@ -344,7 +282,7 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
         int done = 1;
         kvw_status_t st = KVW_OK;
         if (e->slot >= 0)
-            st = kvw__cuda_step_reap(e->slot, block, &done, &prof);
+            st = ctx->mem->step_reap(e->slot, block, &done, &prof);
         if (!done)
             return;
         block = false;
@@ -357,7 +295,7 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
         char msg[512] = "";
         if (st != KVW_OK)
             snprintf(msg, sizeof(msg), "%s", kvw_last_error());
-        kvw__cuda_profile_add(&prof);
+        ctx->mem->profile_add(&prof);
         kvw__wb_free(&e->done);
         kvw_gpu_step_t done_e = *e;
         g->head = (g->head + 1) % KVWC_EXEC_SLOTS;
@@ -407,47 +345,39 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             kvw__plan_keep_layers(plan, take, lb, nl);
         *bytes_p = plan->bytes;
         *runs_p = plan->num_segs;
-        if (ctx->cuda_dev < 0) {
-            st = kvw_plan_exec_cpu(plan);
-            if (st == KVW_OK) {
-                kvw_wbuf_t w;
-                kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
-                             final, meta_len);
-                st = kvw_notify_done(ctx, peer, &w, out_ns_p);
-            }
-            kvw_plan_destroy(plan);
-            return st;
-        }
-        /* On the GPU: launch on this worker's stream and queue the DONE behind the
-         * kernel; kvw_gpu_reap sends it once the bytes have landed. */
+        /* Launched on this worker's executor (a GPU stream; host memory is copied before
+         * the launch returns) with the DONE queued behind it: kvw_gpu_reap sends it once
+         * the bytes have landed, in launch order. */
         kvw_cuda_profile_t prof = {.steps = 1, .bytes = plan->bytes,
                                    .plan_ns = kvw__now_ns() - t0, .first_start_ns = t0};
         if (g->n >= g->depth)
             kvw_gpu_reap(ctx, g, true); /* as many in flight as allowed: wait for the oldest */
         kvw_gpu_step_t *e = &g->q[(g->head + g->n) % KVWC_EXEC_SLOTS];
         *e = (kvw_gpu_step_t){.r = r, .di = di, .peer = peer, .slot = -1};
-        if ((st = kvw_cuda_set_device(ctx->cuda_dev)) == KVW_OK)
-            st = kvw__cuda_step_launch(plan, &e->slot, &prof);
+        if ((st = ctx->mem->select(ctx->mem_dev)) == KVW_OK)
+            st = ctx->mem->step_launch(plan, &e->slot, &prof);
         if (st == KVW_OK) {
             kvw_put_done(&e->done, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
                          final, meta_len);
             if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
                 kvw__wb_free(&e->done);
         }
-        kvw__cuda_profile_add(&prof);
+        ctx->mem->profile_add(&prof);
         kvw_plan_destroy(plan);
         if (st != KVW_OK) {
             if (e->slot >= 0) {
                 /* Launched, but no DONE can follow: let the kernel finish first. */
                 kvw_cuda_profile_t p2 = {0};
                 int done = 0;
-                (void)kvw__cuda_step_reap(e->slot, 1, &done, &p2);
+                (void)ctx->mem->step_reap(e->slot, 1, &done, &p2);
             }
             return st;
         }
         e->seq = ++g->seq;
         *seq_p = e->seq;
         g->n++;
+        if (e->slot < 0)
+            kvw_gpu_reap(ctx, g, false); /* nothing in flight for it: its DONE goes in turn */
         return KVW_OK;
     }
     st = kvw_plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);

@@ -8,7 +8,9 @@
  * checked. Never installed.
  *
  * What it checks of its caller as a real device would: a slot launched twice without a
- * reap, a reap of a slot not in flight, and a window outside its plan are errors.
+ * reap, a reap of a slot not in flight, and a window outside its plan are errors; a
+ * staged plan released while a window that uses it is still in flight aborts (on a
+ * device, the kernel would read freed memory).
  */
 #include "cuda/copy_core.h"
 
@@ -148,6 +150,9 @@ struct kvwc_plan {
     const uint32_t *job_seg;
     uint64_t num_jobs, bytes;
     unsigned uses;
+    uint32_t num_segs;    /* laid out */
+    kvwc_span_t *spans;   /* staged plans (exec_plan_upload) only */
+    int windows;          /* staged windows in flight that use it */
 };
 
 static kvw_status_t emu_lay_out(const kvwc_plan_in_t *in, struct kvwc_plan *p)
@@ -162,6 +167,7 @@ static kvw_status_t emu_lay_out(const kvwc_plan_in_t *in, struct kvwc_plan *p)
     kvwc_blob_fill(in, &L, p->blob, (uint64_t)(uintptr_t)p->blob);
     p->job_seg = (const uint32_t *)((uint8_t *)p->blob + L.jobs_off);
     p->num_jobs = L.num_jobs;
+    p->num_segs = L.num_segs;
     p->bytes = in->bytes;
     p->uses = in->uses;
     return KVW_OK;
@@ -247,6 +253,7 @@ static kvw_status_t emu_plan_exec_once(const kvwc_plan_in_t *in, void *stream)
 
 struct kvwc_exec {
     int busy[KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS];
+    kvwc_plan_h plan[KVWC_STAGE_SLOTS]; /* what each staged window in flight reads */
     unsigned next;
 };
 
@@ -285,20 +292,55 @@ static kvw_status_t emu_exec_launch(kvwc_exec_h x, const kvwc_plan_in_t *in, int
     return KVW_OK;
 }
 
-static kvw_status_t emu_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int scatter,
-                                   void *host, uint64_t lo, uint64_t hi, int *slot_p,
+static kvw_status_t emu_exec_plan_upload(kvwc_exec_h x, const kvwc_plan_in_t *in,
+                                         kvwc_plan_h *out)
+{
+    (void)x;
+    kvwc_plan_h p = NULL;
+    kvw_status_t st = emu_plan_upload(in, &p);
+    if (st != KVW_OK)
+        return st;
+    p->spans = malloc(sizeof(kvwc_span_t) * ((size_t)p->num_segs + 1));
+    if (p->spans == NULL) {
+        emu_plan_free(p);
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory");
+    }
+    kvwc_spans_fill(in, p->spans);
+    *out = p;
+    return KVW_OK;
+}
+
+static void emu_exec_plan_free(kvwc_exec_h x, kvwc_plan_h p)
+{
+    (void)x;
+    if (p == NULL)
+        return;
+    if (__atomic_load_n(&p->windows, __ATOMIC_ACQUIRE) != 0) {
+        fprintf(stderr, "emulated CUDA module: a staged plan was released with %d windows "
+                "in flight\n", p->windows);
+        abort();
+    }
+    free(p->spans);
+    emu_plan_free(p);
+}
+
+static kvw_status_t emu_exec_stage(kvwc_exec_h x, kvwc_plan_h p, int scatter, void *host,
+                                   uint64_t lo, uint64_t hi, int *slot_p,
                                    kvwc_step_prof_t *prof)
 {
     (void)prof;
     *slot_p = -1;
     unsigned use = scatter ? KVWC_USE_SCATTER : KVWC_USE_GATHER;
-    if (!(in->uses & use))
+    if (p == NULL || p->spans == NULL)
+        return emu_error(KVW_ERR_INVALID_PARAM, "staged window: the plan was not uploaded on "
+                         "an executor");
+    if (!(p->uses & use))
         return emu_error(KVW_ERR_INVALID_PARAM, "the plan was not prepared for a %s",
                          scatter ? "scatter" : "gather");
-    if (hi <= lo || hi > in->bytes || host == NULL)
+    if (hi <= lo || hi > p->bytes || host == NULL)
         return emu_error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, %llu) outside the plan's "
                          "%llu bytes", (unsigned long long)lo, (unsigned long long)hi,
-                         (unsigned long long)in->bytes);
+                         (unsigned long long)p->bytes);
     int k = -1;
     for (int i = 0; i < KVWC_STAGE_SLOTS && k < 0; i++)
         if (!x->busy[KVWC_EXEC_SLOTS + i])
@@ -306,29 +348,24 @@ static kvw_status_t emu_exec_stage(kvwc_exec_h x, const kvwc_plan_in_t *in, int 
     if (k < 0)
         return emu_error(KVW_ERR_BUSY, "emulated executor: %d staged windows are in flight",
                          KVWC_STAGE_SLOTS);
-    struct kvwc_plan p;
-    kvw_status_t st = emu_lay_out(in, &p);
-    if (st != KVW_OK)
-        return st;
     /* As on the device: the window goes through scratch memory of its own size. */
     uint8_t *scratch = malloc(hi - lo);
-    if (scratch == NULL) {
-        free(p.blob);
+    if (scratch == NULL)
         return emu_error(KVW_ERR_NO_MEMORY, "out of memory");
-    }
     if (scatter)
         memcpy(scratch, host, hi - lo);
     else
         memset(scratch, 0xa5, hi - lo); /* bytes the gather fails to write show */
     kvwc_window_t w;
-    kvwc_window_of(in, lo, hi, &w);
-    emu_run(&p, scatter ? KVWC_MODE_SCATTER : KVWC_MODE_GATHER,
+    kvwc_window_at(p->spans, p->num_segs, lo, hi, &w);
+    emu_run(p, scatter ? KVWC_MODE_SCATTER : KVWC_MODE_GATHER,
             (uint64_t)(uintptr_t)scratch - lo, &w);
     if (!scatter)
         memcpy(host, scratch, hi - lo);
     free(scratch);
-    free(p.blob);
     x->busy[k] = 1;
+    x->plan[k - KVWC_EXEC_SLOTS] = p;
+    __atomic_add_fetch(&p->windows, 1, __ATOMIC_ACQ_REL);
     *slot_p = k;
     return KVW_OK;
 }
@@ -342,6 +379,10 @@ static kvw_status_t emu_exec_reap(kvwc_exec_h x, int slot, int block, int *done_
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated executor: slot %d is not in flight",
                          slot);
     x->busy[slot] = 0;
+    if (slot >= KVWC_EXEC_SLOTS) {
+        __atomic_sub_fetch(&x->plan[slot - KVWC_EXEC_SLOTS]->windows, 1, __ATOMIC_ACQ_REL);
+        x->plan[slot - KVWC_EXEC_SLOTS] = NULL;
+    }
     *done_p = 1;
     return KVW_OK;
 }
@@ -417,6 +458,8 @@ static const kvwc_ops_t emu_ops = {
     .exec_destroy = emu_exec_destroy,
     .exec_launch = emu_exec_launch,
     .exec_reap = emu_exec_reap,
+    .exec_plan_upload = emu_exec_plan_upload,
+    .exec_plan_free = emu_exec_plan_free,
     .exec_stage = emu_exec_stage,
     .host_register = emu_host_register,
     .host_unregister = emu_host_unregister,

@@ -120,8 +120,23 @@ static void emu_run_window(kvw_plan_h plan, emu_plan_t *e, int mode, uint8_t *bu
         CHECK(0, "kvw__cuda_plan_in_make: %s", kvw_last_error());
         return;
     }
-    kvwc_window_t w;
+    kvwc_window_t w, wa;
     kvwc_window_of(&in, lo, hi, &w);
+    /* A plan uploaded once for its windows finds them from its spans (binary search):
+     * the very same jobs and unit width. */
+    kvwc_span_t *sp = malloc(sizeof(*sp) * ((size_t)in.num_segs + 1));
+    CHECK(sp != NULL, "out of memory");
+    if (sp) {
+        uint32_t n = kvwc_spans_fill(&in, sp);
+        kvwc_window_at(sp, n, lo, hi, &wa);
+        CHECK(wa.j0 == w.j0 && wa.j1 == w.j1 && wa.wcap == w.wcap && wa.lo == w.lo &&
+                  wa.hi == w.hi,
+              "window [%llu, %llu): spans give jobs [%llu, %llu) cap %u, the segment walk "
+              "[%llu, %llu) cap %u", (unsigned long long)lo, (unsigned long long)hi,
+              (unsigned long long)wa.j0, (unsigned long long)wa.j1, wa.wcap,
+              (unsigned long long)w.j0, (unsigned long long)w.j1, w.wcap);
+        free(sp);
+    }
     kvw__cuda_plan_in_free(&in);
     kvwc_emulate(e->blob, e->job_seg, w.j0, w.j1, mode, (uint64_t)(uintptr_t)buf - lo, w.lo,
                  w.hi, w.wcap, &tt);
