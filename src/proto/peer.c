@@ -75,15 +75,14 @@ static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p)
     for (uint32_t i = 0; i < ctx->num_waits; i++)
         if (ctx->waits[i].peer == p->id)
             return false;
-    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
-        for (const kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
-            for (uint32_t i = 0; i < r->num_dsts; i++)
-                if (r->dsts[i].peer == p->id)
-                    return false;
-            for (uint32_t i = 0; i < r->num_srcs; i++)
-                if (r->srcs[i].peer == p->id)
-                    return false;
-        }
+    for (const kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
+        for (uint32_t i = 0; i < r->num_dsts; i++)
+            if (r->dsts[i].peer == p->id)
+                return false;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            if (r->srcs[i].peer == p->id)
+                return false;
+    }
     return true;
 }
 

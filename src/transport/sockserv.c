@@ -391,9 +391,5 @@ void kvw__sockserv_fini(kvw__sockserv_t *srv)
         srv->eps = ep->next;
         ep_free(ep);
     }
-    while (srv->rkeys) {
-        kvw__tl_rkey_t *rk = srv->rkeys;
-        srv->rkeys = rk->next;
-        srv->ops->rkey_free(rk);
-    }
+    kvw__tl_rkeys_free(&srv->rkeys, srv->ops->rkey_free);
 }

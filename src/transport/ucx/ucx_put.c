@@ -45,7 +45,7 @@ ucs_status_t ucx_on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t
     }
     ep->last_rx_ns = kvw__now_ns();
     pthread_mutex_lock(&tl->reg_mu);
-    ucx_region_t *r = *ucx_region_slot(tl, h->c);
+    ucx_region_t *r = ucx_region_find(tl, h->c);
     if (r == NULL || !kvw__add_u64(h->d, len, &end) || end > r->len) {
         if (r)
             ucx_ep_fail_locked(ep, KVW_ERR_OUT_OF_RANGE, true,
