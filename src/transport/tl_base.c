@@ -27,8 +27,11 @@ kvw_status_t kvw__tl_check_sendable(const char *tl_name, const kvw__tl_ep_t *ep,
     return KVW_OK;
 }
 
-kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts, size_t n)
+kvw_status_t kvw__tl_check_puts(kvw_status_t sendable, const kvw__tl_ep_t *ep,
+                                const kvw_tl_put_t *puts, size_t n)
 {
+    if (sendable != KVW_OK)
+        return sendable;
     const char *tl = ep->tl_name;
     if (n > 0 && puts == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s put: puts is NULL", tl);
@@ -52,8 +55,11 @@ kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts
     return KVW_OK;
 }
 
-kvw_status_t kvw__tl_check_notify(const kvw__tl_ep_t *ep, const void *msg, size_t len)
+kvw_status_t kvw__tl_check_notify(kvw_status_t sendable, const kvw__tl_ep_t *ep, const void *msg,
+                                  size_t len)
 {
+    if (sendable != KVW_OK)
+        return sendable;
     if (len > KVW_TL_MAX_NOTIFY || (msg == NULL && len > 0))
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s notify: %zu bytes (limit %u), msg %p",
                           ep->tl_name, len, KVW_TL_MAX_NOTIFY, msg);

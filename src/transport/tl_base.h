@@ -42,12 +42,15 @@ void kvw__tl_ep_init(kvw__tl_ep_t *ep, const char *tl_name, const atomic_bool *c
 kvw_status_t kvw__tl_check_sendable(const char *tl_name, const kvw__tl_ep_t *ep,
                                     const char *what);
 
-/* Checks every write of a put before any moves: a key unpacked on `ep`, a range inside
- * its remote region (OUT_OF_RANGE), a source. INVALID_PARAM, OUT_OF_RANGE. */
-kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts, size_t n);
+/* put's checks, after `sendable` (the transport's sendable check, returned when it
+ * failed): every write before any moves, a key unpacked on `ep`, a range inside its
+ * remote region (OUT_OF_RANGE), a source. INVALID_PARAM, OUT_OF_RANGE. */
+kvw_status_t kvw__tl_check_puts(kvw_status_t sendable, const kvw__tl_ep_t *ep,
+                                const kvw_tl_put_t *puts, size_t n);
 
-/* A notification's size and buffer. INVALID_PARAM. */
-kvw_status_t kvw__tl_check_notify(const kvw__tl_ep_t *ep, const void *msg, size_t len);
+/* notify's, after `sendable` likewise: a notification's size and buffer. INVALID_PARAM. */
+kvw_status_t kvw__tl_check_notify(kvw_status_t sendable, const kvw__tl_ep_t *ep, const void *msg,
+                                  size_t len);
 
 /* address's arguments: an instance, and a buffer of at least `need` bytes.
  * INVALID_PARAM, BUFFER_TOO_SMALL. */

@@ -497,6 +497,10 @@ static const kvw__sockserv_ops_t shm_srv_ops = {
     .name = "shm",
     .max_conns = SHM_MAX_CONNS,
     .unexpected = "unexpected message from the receiver",
+    /* Checked right now, so that a cma write never lands in a process that reused a
+     * dead receiver's pid. */
+    .probe_hup = true,
+    .gone = {"the receiver (", ") is gone"},
     .accept = srv_accept,
     .rx = srv_rx,
     .stalled = srv_stalled,
@@ -804,23 +808,9 @@ static void shm_rkey_release(kvw_tl_rkey_h rkey)
     rkey_free(rk);
 }
 
-/* A connected endpoint is usable: not failed, and (checked right now, so that a cma
- * write never lands in a process that reused a dead receiver's pid) the receiver still
- * holds its end of the socket. */
 static kvw_status_t check_sendable(shm_ep_t *ep, const char *what)
 {
-    kvw_status_t st = kvw__sock_check_sendable("shm", ep ? &ep->s : NULL, what);
-    if (st != KVW_OK)
-        return st;
-    if (!atomic_load(&ep->s.dead)) {
-        struct pollfd pfd = {.fd = ep->s.fd, .events = POLLRDHUP};
-        if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)))
-            atomic_store(&ep->s.dead, true);
-    }
-    if (atomic_load(&ep->s.dead))
-        return kvw__error(KVW_ERR_CONN_CLOSED, "shm %s: the receiver (%s) is gone", what,
-                          ep->s.hd.peer);
-    return KVW_OK;
+    return kvw__sock_check_sendable("shm", ep ? &ep->s : NULL, what);
 }
 
 static kvw_status_t cma_flush(shm_ep_t *ep, struct iovec *l, struct iovec *r, size_t cnt)
@@ -870,10 +860,9 @@ static kvw_status_t shm_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
 {
     shm_ep_t *ep = to_ep(ep_h);
     (void)room; /* one-sided: the receiver never sees it (see the file comment) */
-    kvw_status_t st = check_sendable(ep, "put");
+    kvw_status_t st =
+        kvw__tl_check_puts(check_sendable(ep, "put"), ep ? &ep->s.hd : NULL, puts, n);
     if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tl_check_puts(&ep->s.hd, puts, n)) != KVW_OK)
         return st;
     for (size_t i = 0; i < n; i++) {
         if (puts[i].len > (uint64_t)SSIZE_MAX)
@@ -914,10 +903,9 @@ static kvw_status_t shm_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
 static kvw_status_t shm_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
 {
     shm_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = check_sendable(ep, "notify");
+    kvw_status_t st =
+        kvw__tl_check_notify(check_sendable(ep, "notify"), ep ? &ep->s.hd : NULL, msg, len);
     if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tl_check_notify(&ep->s.hd, msg, len)) != KVW_OK)
         return st;
     /* The writes before this call were plain stores into shared pages (or completed
      * inside the kernel): make them visible before the message that announces them. */
@@ -943,19 +931,7 @@ static void shm_fini(kvw_tl_h tl_h)
 
 const kvw_tl_ops_t kvw_tl_shm_ops = {
     .name = "shm",
-    .init = shm_init,
-    .address = shm_address,
-    .mem_reg = shm_mem_reg,
-    .mem_dereg = shm_mem_dereg,
-    .connect = shm_connect,
-    .rkey_unpack = shm_rkey_unpack,
-    .rkey_release = shm_rkey_release,
-    .put = shm_put,
-    .notify = shm_notify,
-    .progress = kvw__sockserv_progress,
-    .ep_close = kvw__sockserv_ep_close,
-    .close = kvw__sockserv_close,
-    .stop = kvw__sockserv_stop,
-    .fini = shm_fini,
+    KVW_TL_OPS_SLOTS(shm),
+    KVW__SOCKSERV_OPS_SLOTS,
     .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
 };

@@ -491,6 +491,7 @@ static const kvw__sockserv_ops_t tcp_srv_ops = {
     .name = "tcp",
     .max_conns = TCP_MAX_CONNS,
     .unexpected = "unexpected bytes from the receiver",
+    .gone = {"the connection to ", " has failed"},
     .accept = srv_accept,
     .rx = srv_rx,
     .stalled = srv_stalled,
@@ -774,13 +775,8 @@ static void tcp_rkey_release(kvw_tl_rkey_h rkey)
 
 static kvw_status_t check_sendable(tcp_ep_t *ep, const char *what)
 {
-    kvw_status_t st = kvw__sock_check_sendable("tcp", ep ? &ep->s : NULL, what);
-    if (st == KVW_OK && atomic_load(&ep->s.dead))
-        st = kvw__error(KVW_ERR_CONN_CLOSED, "tcp %s: the connection to %s has failed", what,
-                        ep->s.hd.peer);
-    return st;
+    return kvw__sock_check_sendable("tcp", ep ? &ep->s : NULL, what);
 }
-
 
 /* tx_mu held. Sends iov; on failure the stream may hold half a frame, so the
  * connection is marked dead and shut down (the receiver then drops it too). */
@@ -797,11 +793,10 @@ static kvw_status_t ep_send(tcp_ep_t *ep, struct iovec *iov, size_t cnt, const c
 static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, size_t n)
 {
     tcp_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = check_sendable(ep, "put");
-    if (st != KVW_OK)
-        return st;
     /* Check every write before sending any, so a bad batch moves nothing. */
-    if ((st = kvw__tl_check_puts(&ep->s.hd, puts, n)) != KVW_OK)
+    kvw_status_t st =
+        kvw__tl_check_puts(check_sendable(ep, "put"), ep ? &ep->s.hd : NULL, puts, n);
+    if (st != KVW_OK)
         return st;
     pthread_mutex_lock(&ep->s.tx_mu);
     st = check_sendable(ep, "put");
@@ -830,10 +825,9 @@ static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
 static kvw_status_t tcp_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
 {
     tcp_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = check_sendable(ep, "notify");
+    kvw_status_t st =
+        kvw__tl_check_notify(check_sendable(ep, "notify"), ep ? &ep->s.hd : NULL, msg, len);
     if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tl_check_notify(&ep->s.hd, msg, len)) != KVW_OK)
         return st;
     uint8_t h[KVW_TCP_HDR_LEN];
     kvw_tcp_hdr_encode(h, KVW_TCP_NOTIFY, 0, 0, 0, len);
@@ -866,19 +860,7 @@ static void tcp_fini(kvw_tl_h tl_h)
 
 const kvw_tl_ops_t kvw_tl_tcp_ops = {
     .name = "tcp",
-    .init = tcp_init,
-    .address = tcp_address,
-    .mem_reg = tcp_mem_reg,
-    .mem_dereg = tcp_mem_dereg,
-    .connect = tcp_connect,
-    .rkey_unpack = tcp_rkey_unpack,
-    .rkey_release = tcp_rkey_release,
-    .put = tcp_put,
-    .notify = tcp_notify,
-    .progress = kvw__sockserv_progress,
-    .ep_close = kvw__sockserv_ep_close,
-    .close = kvw__sockserv_close,
-    .stop = kvw__sockserv_stop,
-    .fini = tcp_fini,
+    KVW_TL_OPS_SLOTS(tcp),
+    KVW__SOCKSERV_OPS_SLOTS,
     .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_OWN_THREAD,
 };

@@ -719,19 +719,7 @@ static void ucx_fini(kvw_tl_h tl_h)
 
 const kvw_tl_ops_t kvw_tl_ucx_ops = {
     .name = "ucx",
-    .init = ucx_init,
-    .address = ucx_address,
-    .mem_reg = ucx_mem_reg,
-    .mem_dereg = ucx_mem_dereg,
-    .connect = ucx_connect,
-    .rkey_unpack = ucx_rkey_unpack,
-    .rkey_release = ucx_rkey_release,
-    .put = ucx_put,
-    .notify = ucx_notify,
-    .progress = ucx_progress,
-    .ep_close = ucx_ep_close,
-    .close = ucx_close,
-    .stop = ucx_stop,
-    .fini = ucx_fini,
+    KVW_TL_OPS_SLOTS(ucx),
+    KVW_TL_OPS_THREAD_SLOTS(ucx),
     .caps = KVW_TL_CAP_OWN_THREAD,
 };
