@@ -439,9 +439,8 @@ __attribute__((unused)) static int fzc_run_worker(struct kvw_ctx *ctx, unsigned 
     while (kvw__now_ns() < deadline) {
         pthread_mutex_lock(&ctx->mu);
         bool idle = ctx->q_head == NULL;
-        for (int b = 0; idle && b < KVW_ROOM_BUCKETS; b++)
-            for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next)
-                idle &= r->inflight == 0;
+        for (kvw_room_t *r = kvw__room_first(ctx); idle && r; r = kvw__room_next(ctx, r))
+            idle &= r->inflight == 0;
         pthread_mutex_unlock(&ctx->mu);
         if (idle) {
             rc = 0;

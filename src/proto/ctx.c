@@ -285,9 +285,8 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         return;
     pthread_mutex_lock(&ctx->mu);
     ctx->stopping = true;
-    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
-        for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next)
-            kvw__room_fail(ctx, r, KVW_ERR_SHUTDOWN, false, "the context was destroyed");
+    for (kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r))
+        kvw__room_fail(ctx, r, KVW_ERR_SHUTDOWN, false, "the context was destroyed");
     pthread_cond_broadcast(&ctx->cv);
     pthread_mutex_unlock(&ctx->mu);
     if (ctx->wake_fd[1] >= 0)
@@ -333,17 +332,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     free(ctx->hello_rkey_lens);
     free(ctx->binds);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
-    for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
-        kvw_room_t *r = ctx->rooms[b];
-        while (r) {
-            kvw_room_t *next = r->next;
-            if (!r->engine_owned)
-                kvw__room_free(r);
-            else
-                r->ctx = NULL;
-            r = next;
-        }
-    }
+    kvw__rooms_release(ctx);
     if (ctx->bs_fd >= 0)
         close(ctx->bs_fd); /* the endpoint drops this rank's entry */
     kvw__bootstrap_stop(ctx->bs);

@@ -105,17 +105,16 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
         }
     }
     kvw__peer_drop_out(peer);
-    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
-        for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
-            bool involved = false;
-            /* A decode rank that already confirmed its bytes is no longer waited on. */
-            for (uint32_t i = 0; i < r->num_dsts; i++)
-                involved |= r->dsts[i].peer == peer->id && !r->dsts[i].acked;
-            for (uint32_t i = 0; i < r->num_srcs; i++)
-                involved |= r->srcs[i].peer == peer->id && !r->srcs[i].done;
-            if (involved)
-                kvw__room_fail(ctx, r, status, false, "%s: %s", peer->desc, reason);
-        }
+    for (kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
+        bool involved = false;
+        /* A decode rank that already confirmed its bytes is no longer waited on. */
+        for (uint32_t i = 0; i < r->num_dsts; i++)
+            involved |= r->dsts[i].peer == peer->id && !r->dsts[i].acked;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            involved |= r->srcs[i].peer == peer->id && !r->srcs[i].done;
+        if (involved)
+            kvw__room_fail(ctx, r, status, false, "%s: %s", peer->desc, reason);
+    }
 }
 
 static bool kvw_stage_try(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len)

@@ -75,16 +75,45 @@ static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p)
     for (uint32_t i = 0; i < ctx->num_waits; i++)
         if (ctx->waits[i].peer == p->id)
             return false;
-    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
-        for (const kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
-            for (uint32_t i = 0; i < r->num_dsts; i++)
-                if (r->dsts[i].peer == p->id)
-                    return false;
-            for (uint32_t i = 0; i < r->num_srcs; i++)
-                if (r->srcs[i].peer == p->id)
-                    return false;
-        }
+    for (const kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
+        for (uint32_t i = 0; i < r->num_dsts; i++)
+            if (r->dsts[i].peer == p->id)
+                return false;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            if (r->srcs[i].peer == p->id)
+                return false;
+    }
     return true;
+}
+
+/* Moves a peer's socket, keys, endpoint, ranks and payload into *res (its outgoing
+ * queue is dropped). */
+static void kvw_peer_detach(kvw_peer_t *p, kvw_peer_res_t *res)
+{
+    kvw__peer_drop_out(p);
+    *res = (kvw_peer_res_t){.fd = p->fd, .rkeys = p->rkeys, .num_rkeys = p->num_rkeys,
+                            .staging_rkey = p->staging_rkey, .ep = p->ep, .remote = p->remote,
+                            .mapped = p->mapped, .payload = p->payload};
+    p->fd = -1, p->rkeys = NULL, p->num_rkeys = 0, p->staging_rkey = NULL, p->ep = NULL;
+    p->remote = p->mapped = NULL, p->payload = NULL;
+}
+
+/* Releases what kvw_peer_detach moved (not res itself). */
+static void kvw_peer_res_close(struct kvw_ctx *ctx, kvw_peer_res_t *res)
+{
+    if (res->fd >= 0)
+        close(res->fd);
+    for (uint32_t i = 0; i < res->num_rkeys; i++)
+        if (res->rkeys[i])
+            ctx->tl_ops->rkey_release(res->rkeys[i]);
+    free(res->rkeys);
+    if (res->staging_rkey)
+        ctx->tl_ops->rkey_release(res->staging_rkey);
+    if (res->ep)
+        ctx->tl_ops->ep_close(res->ep);
+    kvw_rank_destroy(res->remote);
+    kvw_rank_destroy(res->mapped);
+    free(res->payload);
 }
 
 /* Detaches the resources of every dead peer nothing refers to any more (mu held);
@@ -100,13 +129,8 @@ kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx)
         kvw_peer_res_t *res = calloc(1, sizeof(*res));
         if (res == NULL)
             break;
-        kvw__peer_drop_out(p);
-        *res = (kvw_peer_res_t){.next = list, .fd = p->fd, .rkeys = p->rkeys,
-                                .num_rkeys = p->num_rkeys, .staging_rkey = p->staging_rkey,
-                                .ep = p->ep, .remote = p->remote, .mapped = p->mapped,
-                                .payload = p->payload};
-        p->fd = -1, p->rkeys = NULL, p->num_rkeys = 0, p->staging_rkey = NULL, p->ep = NULL;
-        p->remote = p->mapped = NULL, p->payload = NULL;
+        kvw_peer_detach(p, res);
+        res->next = list;
         p->reaped = true;
         list = res;
     }
@@ -118,38 +142,15 @@ void kvw__peer_res_release(struct kvw_ctx *ctx, kvw_peer_res_t *list)
     while (list) {
         kvw_peer_res_t *res = list;
         list = res->next;
-        if (res->fd >= 0)
-            close(res->fd);
-        for (uint32_t i = 0; i < res->num_rkeys; i++)
-            if (res->rkeys[i])
-                ctx->tl_ops->rkey_release(res->rkeys[i]);
-        free(res->rkeys);
-        if (res->staging_rkey)
-            ctx->tl_ops->rkey_release(res->staging_rkey);
-        if (res->ep)
-            ctx->tl_ops->ep_close(res->ep);
-        kvw_rank_destroy(res->remote);
-        kvw_rank_destroy(res->mapped);
-        free(res->payload);
+        kvw_peer_res_close(ctx, res);
         free(res);
     }
 }
 
 void kvw__peer_free(struct kvw_ctx *ctx, kvw_peer_t *p)
 {
-    kvw__peer_drop_out(p);
-    if (p->fd >= 0)
-        close(p->fd);
-    for (uint32_t i = 0; i < p->num_rkeys; i++)
-        if (p->rkeys[i])
-            ctx->tl_ops->rkey_release(p->rkeys[i]);
-    free(p->rkeys);
-    if (p->staging_rkey)
-        ctx->tl_ops->rkey_release(p->staging_rkey);
-    if (p->ep)
-        ctx->tl_ops->ep_close(p->ep);
-    kvw_rank_destroy(p->remote);
-    kvw_rank_destroy(p->mapped);
-    free(p->payload);
+    kvw_peer_res_t res;
+    kvw_peer_detach(p, &res);
+    kvw_peer_res_close(ctx, &res);
     free(p);
 }

@@ -29,6 +29,7 @@
 
 #include <kvwire/xfer.h>
 
+#include "core/hmap.h"
 #include "exec/staged.h"
 #include "plan/rank.h"
 #include "proto/ivlog.h"
@@ -216,7 +217,7 @@ typedef struct kvw_room_src {
 } kvw_room_src_t;
 
 typedef struct kvw_room {
-    struct kvw_room *next; /* hash chain */
+    kvw_hnode_t hnode; /* in ctx->rooms, under the room's id */
     struct kvw_ctx *ctx;
     uint64_t id;
     bool is_sender;
@@ -290,7 +291,6 @@ typedef struct kvw_stage_wait {
     uint64_t room, len;
 } kvw_stage_wait_t;
 
-#define KVW_ROOM_BUCKETS 1024
 #define KVW_TAG 16 /* bytes of a control frame's session tag */
 #define KVW_MAX_OUT_BYTES (64u << 20) /* frames queued for one peer before it is dropped */
 
@@ -336,7 +336,7 @@ struct kvw_ctx {
     kvw_peer_t **peers;
     uint32_t num_peers, cap_peers;
 
-    kvw_room_t *rooms[KVW_ROOM_BUCKETS];
+    kvw_hmap_t rooms; /* by id */
     kvw_room_t *q_head, *q_tail; /* prefill rooms with work for the worker */
 
     pthread_t ctrl_thread;
@@ -450,6 +450,14 @@ void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room);
 
 /* Room table (ctx->mu held). */
 kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id);
+/* Every room, in no particular order: for (r = kvw__room_first(ctx); r; r =
+ * kvw__room_next(ctx, r)). The loop may unlink the room it stands on (take the next one
+ * first when it frees it too), and must not create rooms. */
+kvw_room_t *kvw__room_first(struct kvw_ctx *ctx);
+kvw_room_t *kvw__room_next(struct kvw_ctx *ctx, const kvw_room_t *r);
+/* Context teardown: frees the rooms no handle owns, detaches the others from the
+ * context (their destroy calls free them) and releases the table. */
+void kvw__rooms_release(struct kvw_ctx *ctx);
 
 /* Streaming (sched.c): marks layers [b, e) of a room's queued chunk `chunk` ready (mu
  * held, range checked). */

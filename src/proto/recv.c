@@ -348,19 +348,18 @@ typedef struct kvw_conn_arg {
  * or, when the connection failed, every such room fails with the reason. mu held. */
 static void kvw_inst_settle(struct kvw_ctx *ctx, uint32_t i, kvw_status_t st, const char *why)
 {
-    for (int b = 0; b < KVW_ROOM_BUCKETS; b++)
-        for (kvw_room_t *r = ctx->rooms[b]; r; r = r->next) {
-            if (r->is_sender || r->inst != i || r->inst_gen != ctx->insts[i].gen ||
-                r->state != KVW_ROOM_BOOTSTRAPPING)
-                continue;
-            if (st != KVW_OK) {
-                kvw__room_fail(ctx, r, st, false, "prefill instance %s: %s", ctx->insts[i].addr,
-                               why);
-            } else if (r->pending) {
-                r->pending = false;
-                kvw__receiver_post_locked(ctx, r, &r->pend);
-            }
+    for (kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
+        if (r->is_sender || r->inst != i || r->inst_gen != ctx->insts[i].gen ||
+            r->state != KVW_ROOM_BOOTSTRAPPING)
+            continue;
+        if (st != KVW_OK) {
+            kvw__room_fail(ctx, r, st, false, "prefill instance %s: %s", ctx->insts[i].addr,
+                           why);
+        } else if (r->pending) {
+            r->pending = false;
+            kvw__receiver_post_locked(ctx, r, &r->pend);
         }
+    }
 }
 
 /* Connects to one prefill instance on its own thread: the caller of kvw_receiver_*

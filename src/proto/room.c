@@ -114,33 +114,27 @@ static void kvw_room_unready(struct kvw_ctx *ctx, const kvw_room_t *r, char *buf
 
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
 {
-    for (int b = 0; b < KVW_ROOM_BUCKETS; b++) {
-        kvw_room_t **pp = &ctx->rooms[b];
-        while (*pp) {
-            kvw_room_t *r = *pp;
-            bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;
-            if (!terminal && now > r->deadline_ns) {
-                char why[200] = "";
-                if (r->is_sender && r->state == KVW_ROOM_BOOTSTRAPPING)
-                    kvw_room_waiting(ctx, r, why, sizeof(why));
-                else if (r->is_sender)
-                    kvw_room_unready(ctx, r, why, sizeof(why));
-                kvw__room_fail(ctx, r, KVW_ERR_TIMEOUT, true,
-                               "room %llu timed out after %u ms in state %s%s",
-                               (unsigned long long)r->id, ctx->wait_timeout_ms,
-                               kvw_room_state_string(r->state), why);
-            }
-            /* Rooms no handle owns (a REQ or ABORT for a room the engine never opened)
-             * are dropped once terminal and idle. */
-            if (!r->engine_owned && r->inflight == 0 &&
-                (r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS) &&
-                now > r->end_ns + (uint64_t)ctx->wait_timeout_ms * 1000000ull) {
-                *pp = r->next;
-                kvw__room_unlink(ctx, r);
-                kvw__room_free(r);
-                continue;
-            }
-            pp = &r->next;
+    for (kvw_room_t *r = kvw__room_first(ctx), *next; r; r = next) {
+        next = kvw__room_next(ctx, r);
+        bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;
+        if (!terminal && now > r->deadline_ns) {
+            char why[200] = "";
+            if (r->is_sender && r->state == KVW_ROOM_BOOTSTRAPPING)
+                kvw_room_waiting(ctx, r, why, sizeof(why));
+            else if (r->is_sender)
+                kvw_room_unready(ctx, r, why, sizeof(why));
+            kvw__room_fail(ctx, r, KVW_ERR_TIMEOUT, true,
+                           "room %llu timed out after %u ms in state %s%s",
+                           (unsigned long long)r->id, ctx->wait_timeout_ms,
+                           kvw_room_state_string(r->state), why);
+        }
+        /* Rooms no handle owns (a REQ or ABORT for a room the engine never opened)
+         * are dropped once terminal and idle. */
+        if (!r->engine_owned && r->inflight == 0 &&
+            (r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS) &&
+            now > r->end_ns + (uint64_t)ctx->wait_timeout_ms * 1000000ull) {
+            kvw__room_unlink(ctx, r);
+            kvw__room_free(r);
         }
     }
 }

@@ -1,23 +1,27 @@
-/* Room table: the hash buckets of ctx->rooms and a room's allocation (find, new,
- * unlink, free). Calls only the write log (ivlog.c): every layer may use it. */
+/* Room table: ctx->rooms (a hash map by id) and a room's allocation (find, iterate,
+ * new, unlink, free). Calls only the write log (ivlog.c): every layer may use it. */
 #include "proto/proto.h"
 
 #include <stdlib.h>
 
-static uint32_t kvw_room_bucket(uint64_t id)
+static kvw_room_t *kvw_room_of(kvw_hnode_t *n)
 {
-    id ^= id >> 33;
-    id *= 0xff51afd7ed558ccdull;
-    id ^= id >> 33;
-    return (uint32_t)(id % KVW_ROOM_BUCKETS);
+    return n ? KVW_CONTAINER_OF(n, kvw_room_t, hnode) : NULL;
 }
 
 kvw_room_t *kvw__room_find(struct kvw_ctx *ctx, uint64_t id)
 {
-    for (kvw_room_t *r = ctx->rooms[kvw_room_bucket(id)]; r; r = r->next)
-        if (r->id == id)
-            return r;
-    return NULL;
+    return kvw_room_of(kvw__hmap_find(&ctx->rooms, id));
+}
+
+kvw_room_t *kvw__room_first(struct kvw_ctx *ctx)
+{
+    return kvw_room_of(kvw__hmap_first(&ctx->rooms));
+}
+
+kvw_room_t *kvw__room_next(struct kvw_ctx *ctx, const kvw_room_t *r)
+{
+    return kvw_room_of(kvw__hmap_next(&ctx->rooms, &r->hnode));
 }
 
 kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender)
@@ -33,19 +37,13 @@ kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender)
     r->state = KVW_ROOM_BOOTSTRAPPING;
     r->created_ns = kvw__now_ns();
     r->deadline_ns = r->created_ns + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
-    uint32_t b = kvw_room_bucket(id);
-    r->next = ctx->rooms[b];
-    ctx->rooms[b] = r;
+    kvw__hmap_insert(&ctx->rooms, &r->hnode, id);
     return r;
 }
 
 void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room)
 {
-    for (kvw_room_t **pp = &ctx->rooms[kvw_room_bucket(room->id)]; *pp; pp = &(*pp)->next)
-        if (*pp == room) {
-            *pp = room->next;
-            break;
-        }
+    (void)kvw__hmap_remove(&ctx->rooms, &room->hnode);
     /* Drop it from the worker queue too. */
     for (kvw_room_t **pp = &ctx->q_head; *pp; pp = &(*pp)->qnext)
         if (*pp == room) {
@@ -80,4 +78,16 @@ void kvw__room_free(kvw_room_t *r)
     free(r->pend_store);
     kvw__ivlog_free(&r->writes);
     free(r);
+}
+
+void kvw__rooms_release(struct kvw_ctx *ctx)
+{
+    for (kvw_room_t *r = kvw__room_first(ctx), *next; r; r = next) {
+        next = kvw__room_next(ctx, r);
+        if (!r->engine_owned)
+            kvw__room_free(r);
+        else
+            r->ctx = NULL;
+    }
+    kvw__hmap_fini(&ctx->rooms);
 }

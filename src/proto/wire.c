@@ -196,52 +196,43 @@ static int kvw_wait_fd(int fd, short ev, uint64_t deadline_ns)
     }
 }
 
-kvw_status_t kvw__sock_send_all(int fd, const void *p, size_t n, uint64_t deadline_ns)
+/* send_all (tx) and recv_all: moves all n bytes at b within the deadline. */
+static kvw_status_t kvw_sock_all(int fd, uint8_t *b, size_t n, uint64_t deadline_ns, bool tx)
 {
-    const uint8_t *b = p;
     while (n) {
-        ssize_t k = send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        ssize_t k = tx ? send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT) : recv(fd, b, n, MSG_DONTWAIT);
         if (k > 0) {
             b += k;
             n -= (size_t)k;
             continue;
         }
+        if (k == 0 && !tx)
+            return kvw__error(KVW_ERR_CONN_CLOSED, "the peer closed the connection");
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-            int w = kvw_wait_fd(fd, POLLOUT, deadline_ns);
+            int w = kvw_wait_fd(fd, tx ? POLLOUT : POLLIN, deadline_ns);
             if (w == 0)
-                return kvw__error(KVW_ERR_TIMEOUT, "timed out sending to a peer");
+                return kvw__error(KVW_ERR_TIMEOUT, "%s",
+                                  tx ? "timed out sending to a peer"
+                                     : "timed out waiting for a peer's reply");
             if (w < 0)
                 return kvw__error(KVW_ERR_IO, "poll failed: %s", strerror(errno));
             continue;
         }
-        return kvw__error(KVW_ERR_CONN_CLOSED, "send failed: %s", strerror(errno));
+        return kvw__error(KVW_ERR_CONN_CLOSED, "%s failed: %s", tx ? "send" : "recv",
+                          strerror(errno));
     }
     return KVW_OK;
 }
 
+kvw_status_t kvw__sock_send_all(int fd, const void *p, size_t n, uint64_t deadline_ns)
+{
+    /* Only read: the cast serves the one loop of both directions. */
+    return kvw_sock_all(fd, (uint8_t *)(uintptr_t)p, n, deadline_ns, true);
+}
+
 kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns)
 {
-    uint8_t *b = p;
-    while (n) {
-        ssize_t k = recv(fd, b, n, MSG_DONTWAIT);
-        if (k > 0) {
-            b += k;
-            n -= (size_t)k;
-            continue;
-        }
-        if (k == 0)
-            return kvw__error(KVW_ERR_CONN_CLOSED, "the peer closed the connection");
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) {
-            int w = kvw_wait_fd(fd, POLLIN, deadline_ns);
-            if (w == 0)
-                return kvw__error(KVW_ERR_TIMEOUT, "timed out waiting for a peer's reply");
-            if (w < 0)
-                return kvw__error(KVW_ERR_IO, "poll failed: %s", strerror(errno));
-            continue;
-        }
-        return kvw__error(KVW_ERR_CONN_CLOSED, "recv failed: %s", strerror(errno));
-    }
-    return KVW_OK;
+    return kvw_sock_all(fd, p, n, deadline_ns, false);
 }
 
 kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,

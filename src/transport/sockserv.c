@@ -3,6 +3,7 @@
 #include "transport/tl_util.h"
 
 #include <errno.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -146,7 +147,18 @@ kvw_status_t kvw__sock_check_sendable(const char *name, kvw__sock_ep_t *ep, cons
         pthread_mutex_lock(&ep->srv->mu);
         pthread_mutex_unlock(&ep->srv->mu);
     }
-    return st;
+    if (st != KVW_OK)
+        return st;
+    const kvw__sockserv_ops_t *ops = ep->srv->ops;
+    if (ops->probe_hup && !atomic_load(&ep->dead)) {
+        struct pollfd pfd = {.fd = ep->fd, .events = POLLRDHUP};
+        if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)))
+            atomic_store(&ep->dead, true);
+    }
+    if (atomic_load(&ep->dead))
+        return kvw__error(KVW_ERR_CONN_CLOSED, "%s %s: %s%s%s", name, what, ops->gone[0],
+                          ep->hd.peer, ops->gone[1]);
+    return KVW_OK;
 }
 
 void kvw__sock_ep_add(kvw__sock_ep_t *ep)
@@ -391,9 +403,5 @@ void kvw__sockserv_fini(kvw__sockserv_t *srv)
         srv->eps = ep->next;
         ep_free(ep);
     }
-    while (srv->rkeys) {
-        kvw__tl_rkey_t *rk = srv->rkeys;
-        srv->rkeys = rk->next;
-        srv->ops->rkey_free(rk);
-    }
+    kvw__tl_rkeys_free(&srv->rkeys, srv->ops->rkey_free);
 }

@@ -46,6 +46,12 @@ typedef struct kvw__sockserv_ops {
     unsigned max_conns; /* accepted connections at once; more are closed at once */
     /* What a connected endpoint's watcher says when the receiver sends something. */
     const char *unexpected;
+    /* A failed connected endpoint, in put's and notify's CONN_CLOSED message: the words
+     * before and after the peer ("tcp put: " gone[0] peer gone[1]). */
+    const char *gone[2];
+    /* put and notify first ask the socket whether the receiver still holds its end
+     * (poll for a hang-up), and fail the endpoint when it does not. */
+    bool probe_hup;
     /* A new accepted socket (non-blocking): returns its endpoint, made with
      * kvw__sock_ep_init, or NULL to refuse it (the server closes fd). */
     kvw__sock_ep_t *(*accept)(kvw__sockserv_t *srv, int fd, const struct sockaddr *sa,
@@ -104,7 +110,8 @@ void kvw__sockserv_delete(kvw__sockserv_t *srv);
 /* Fills an endpoint's head: not failed, not closing, connected ones with a tx lock. */
 void kvw__sock_ep_init(kvw__sock_ep_t *ep, kvw__sockserv_t *srv, int fd, bool accepted);
 
-/* kvw__tl_check_sendable for a socket endpoint. */
+/* kvw__tl_check_sendable for a socket endpoint, then: not failed (CONN_CLOSED, see
+ * ops->gone and ops->probe_hup). */
 kvw_status_t kvw__sock_check_sendable(const char *name, kvw__sock_ep_t *ep, const char *what);
 
 /* Adds a connected endpoint made with kvw__sock_ep_init; the thread watches it. */
@@ -123,6 +130,8 @@ int kvw__sockserv_progress(kvw_tl_h tl);
 void kvw__sockserv_ep_close(kvw_tl_ep_h ep);
 void kvw__sockserv_close(kvw_tl_h tl);
 void kvw__sockserv_stop(kvw_tl_h tl);
+/* Those slots in an ops table (see KVW_TL_OPS_SLOTS). */
+#define KVW__SOCKSERV_OPS_SLOTS KVW_TL_OPS_THREAD_SLOTS(kvw__sockserv)
 
 /* fini, first half: stops the thread and frees every endpoint and key. The transport
  * then frees its regions and calls kvw__sockserv_delete. */

@@ -1,7 +1,10 @@
 /* What every transport does the same way; see tl_base.h. */
 #include "transport/tl_base.h"
 
+#include "core/le.h"
+
 #include <stdio.h>
+#include <string.h>
 
 void kvw__tl_ep_init(kvw__tl_ep_t *ep, const char *tl_name, const atomic_bool *closed,
                      bool accepted)
@@ -24,8 +27,11 @@ kvw_status_t kvw__tl_check_sendable(const char *tl_name, const kvw__tl_ep_t *ep,
     return KVW_OK;
 }
 
-kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts, size_t n)
+kvw_status_t kvw__tl_check_puts(kvw_status_t sendable, const kvw__tl_ep_t *ep,
+                                const kvw_tl_put_t *puts, size_t n)
 {
+    if (sendable != KVW_OK)
+        return sendable;
     const char *tl = ep->tl_name;
     if (n > 0 && puts == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s put: puts is NULL", tl);
@@ -49,8 +55,11 @@ kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts
     return KVW_OK;
 }
 
-kvw_status_t kvw__tl_check_notify(const kvw__tl_ep_t *ep, const void *msg, size_t len)
+kvw_status_t kvw__tl_check_notify(kvw_status_t sendable, const kvw__tl_ep_t *ep, const void *msg,
+                                  size_t len)
 {
+    if (sendable != KVW_OK)
+        return sendable;
     if (len > KVW_TL_MAX_NOTIFY || (msg == NULL && len > 0))
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s notify: %zu bytes (limit %u), msg %p",
                           ep->tl_name, len, KVW_TL_MAX_NOTIFY, msg);
@@ -140,4 +149,44 @@ void kvw__tl_rkey_unlink(pthread_mutex_t *mu, kvw__tl_rkey_t **head, kvw__tl_rke
     if (rk->next)
         rk->next->prev = rk->prev;
     pthread_mutex_unlock(mu);
+}
+
+void kvw__tl_rkeys_free(kvw__tl_rkey_t **head, void (*free_fn)(kvw__tl_rkey_t *rk))
+{
+    while (*head) {
+        kvw__tl_rkey_t *rk = *head;
+        *head = rk->next;
+        free_fn(rk);
+    }
+}
+
+kvw_status_t kvw__tl_region_link(const char *tl_name, kvw_hmap_t *regions, kvw_hnode_t *n,
+                                 uint64_t id)
+{
+    if (kvw__hmap_find(regions, id))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "%s mem_reg: region id %llu is already registered",
+                          tl_name, (unsigned long long)id);
+    kvw__hmap_insert(regions, n, id);
+    return KVW_OK;
+}
+
+void kvw__tl_regions_free(kvw_hmap_t *regions, void (*free_fn)(void *arg, kvw_hnode_t *n),
+                          void *arg)
+{
+    for (kvw_hnode_t *n = kvw__hmap_first(regions), *next; n; n = next) {
+        next = kvw__hmap_next(regions, n);
+        free_fn(arg, n);
+    }
+    kvw__hmap_fini(regions);
+}
+
+void kvw__tl_pack_head(uint8_t *p, size_t len, uint32_t magic, uint8_t version, uint8_t kind,
+                       uint64_t token)
+{
+    memset(p, 0, len);
+    kvw__le32_put(p, magic);
+    p[4] = version;
+    p[5] = kind;
+    kvw__le16_put(p + 6, 0);
+    kvw__le64_put(p + 8, token);
 }

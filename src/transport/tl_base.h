@@ -10,6 +10,7 @@
 #ifndef KVW_TRANSPORT_TL_BASE_H
 #define KVW_TRANSPORT_TL_BASE_H
 
+#include "core/hmap.h"
 #include "transport/transport.h"
 
 #include <pthread.h>
@@ -41,12 +42,15 @@ void kvw__tl_ep_init(kvw__tl_ep_t *ep, const char *tl_name, const atomic_bool *c
 kvw_status_t kvw__tl_check_sendable(const char *tl_name, const kvw__tl_ep_t *ep,
                                     const char *what);
 
-/* Checks every write of a put before any moves: a key unpacked on `ep`, a range inside
- * its remote region (OUT_OF_RANGE), a source. INVALID_PARAM, OUT_OF_RANGE. */
-kvw_status_t kvw__tl_check_puts(const kvw__tl_ep_t *ep, const kvw_tl_put_t *puts, size_t n);
+/* put's checks, after `sendable` (the transport's sendable check, returned when it
+ * failed): every write before any moves, a key unpacked on `ep`, a range inside its
+ * remote region (OUT_OF_RANGE), a source. INVALID_PARAM, OUT_OF_RANGE. */
+kvw_status_t kvw__tl_check_puts(kvw_status_t sendable, const kvw__tl_ep_t *ep,
+                                const kvw_tl_put_t *puts, size_t n);
 
-/* A notification's size and buffer. INVALID_PARAM. */
-kvw_status_t kvw__tl_check_notify(const kvw__tl_ep_t *ep, const void *msg, size_t len);
+/* notify's, after `sendable` likewise: a notification's size and buffer. INVALID_PARAM. */
+kvw_status_t kvw__tl_check_notify(kvw_status_t sendable, const kvw__tl_ep_t *ep, const void *msg,
+                                  size_t len);
 
 /* address's arguments: an instance, and a buffer of at least `need` bytes.
  * INVALID_PARAM, BUFFER_TOO_SMALL. */
@@ -76,5 +80,27 @@ void kvw__tl_format_reason(const kvw__tl_ep_t *ep, char *buf, size_t cap, const 
 /* Adds a key (its head filled in) to, and removes it from, an instance's list, under mu. */
 void kvw__tl_rkey_link(pthread_mutex_t *mu, kvw__tl_rkey_t **head, kvw__tl_rkey_t *rk);
 void kvw__tl_rkey_unlink(pthread_mutex_t *mu, kvw__tl_rkey_t **head, kvw__tl_rkey_t *rk);
+
+/* fini: hands every key still on an instance's list to free_fn; the list is empty after. */
+void kvw__tl_rkeys_free(kvw__tl_rkey_t **head, void (*free_fn)(kvw__tl_rkey_t *rk));
+
+/*
+ * An instance's registered regions: a hash map by region id (core/hmap.h) of nodes that
+ * the transport embeds in its region, guarded by the lock the transport names.
+ *
+ * mem_reg: links node `n` under `id`, unless a region of that id is registered already
+ * (INVALID_PARAM "<tl> mem_reg: region id N is already registered"). The lock held.
+ */
+kvw_status_t kvw__tl_region_link(const char *tl_name, kvw_hmap_t *regions, kvw_hnode_t *n,
+                                 uint64_t id);
+
+/* fini: hands every region's node to free_fn and releases the table. */
+void kvw__tl_regions_free(kvw_hmap_t *regions, void (*free_fn)(void *arg, kvw_hnode_t *n),
+                          void *arg);
+
+/* The head that transport addresses and packed keys share: zeroes `len` bytes, then
+ * writes u32 magic | u8 version | u8 kind | u16 zero | u64 token (16 bytes). */
+void kvw__tl_pack_head(uint8_t *p, size_t len, uint32_t magic, uint8_t version, uint8_t kind,
+                       uint64_t token);
 
 #endif

@@ -155,6 +155,21 @@ typedef struct kvw_tl_ops {
     void *(*rkey_ptr)(kvw_tl_rkey_h rkey);
 } kvw_tl_ops_t;
 
+/*
+ * Every transport names its slot functions after itself (tcp_init, tcp_put, ...); a
+ * table lists them with these (name and caps, and rkey_ptr where there is one, apart):
+ *   KVW_TL_OPS_SLOTS(p)         init, address, mem_reg, mem_dereg, connect, rkey_unpack,
+ *                               rkey_release, put, notify and fini
+ *   KVW_TL_OPS_THREAD_SLOTS(p)  progress, ep_close, close and stop (transports that run
+ *                               on the socket server take these from sockserv.h)
+ */
+#define KVW_TL_OPS_SLOTS(p)                                                                 \
+    .init = p##_init, .address = p##_address, .mem_reg = p##_mem_reg,                      \
+    .mem_dereg = p##_mem_dereg, .connect = p##_connect, .rkey_unpack = p##_rkey_unpack,    \
+    .rkey_release = p##_rkey_release, .put = p##_put, .notify = p##_notify, .fini = p##_fini
+#define KVW_TL_OPS_THREAD_SLOTS(p)                                                          \
+    .progress = p##_progress, .ep_close = p##_ep_close, .close = p##_close, .stop = p##_stop
+
 /* Transports compiled into this library, looked up by name ("tcp", "shm", "ucx"), then
  * names that the installed resolver claims (see kvw__tl_set_resolver). */
 const kvw_tl_ops_t *kvw__tl_find(const char *name);

@@ -202,20 +202,8 @@ static void cipc_fini(kvw_tl_h tl)
 
 const kvw_tl_ops_t kvw_tl_cuda_ipc_ops = {
     .name = "cuda_ipc",
-    .init = cipc_init,
-    .address = cipc_address,
-    .mem_reg = cipc_mem_reg,
-    .mem_dereg = cipc_mem_dereg,
-    .connect = cipc_connect,
-    .rkey_unpack = cipc_rkey_unpack,
-    .rkey_release = cipc_rkey_release,
-    .put = cipc_put,
-    .notify = cipc_notify,
-    .progress = cipc_progress,
-    .ep_close = cipc_ep_close,
-    .close = cipc_close,
-    .stop = cipc_stop,
-    .fini = cipc_fini,
+    KVW_TL_OPS_SLOTS(cipc),
+    KVW_TL_OPS_THREAD_SLOTS(cipc),
     .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
     .rkey_ptr = cipc_rkey_ptr,
 };

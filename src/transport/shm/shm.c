@@ -92,13 +92,13 @@ enum { CONN_NEW, CONN_EP, CONN_DONE };
 typedef struct shm_iface shm_iface_t;
 
 typedef struct shm_region {
+    kvw_hnode_t node; /* in tl->regions, under id */
     uint64_t id;
     uint8_t *addr;
     uint64_t len;
     int memfd; /* own duplicate of the memory file, or -1 (cma mode) */
     uint64_t memfd_off;
     uint64_t secret;
-    struct shm_region *next;
 } shm_region_t;
 
 typedef struct shm_ep {
@@ -126,7 +126,7 @@ struct shm_iface {
     struct sockaddr_un sun;
     socklen_t sun_len;
 
-    shm_region_t *regions; /* srv.reg_mu */
+    kvw_hmap_t regions; /* srv.reg_mu */
 
     uint8_t rxbuf[SHM_MAX_MSG + 8]; /* receive thread only */
 };
@@ -331,18 +331,15 @@ static void serve_fd_req(shm_iface_t *tl, shm_ep_t *ep, const uint8_t *p)
     int fd = -1;
     int32_t status = KVW_ERR_NOT_FOUND;
     pthread_mutex_lock(&tl->srv.reg_mu);
-    for (shm_region_t *r = tl->regions; r; r = r->next) {
-        if (r->id != id)
-            continue;
-        if (r->memfd < 0 || r->secret != secret) {
-            status = KVW_ERR_REJECTED;
-            break;
-        }
+    kvw_hnode_t *n = kvw__hmap_find(&tl->regions, id);
+    const shm_region_t *r = n ? KVW_CONTAINER_OF(n, shm_region_t, node) : NULL;
+    if (r && (r->memfd < 0 || r->secret != secret)) {
+        status = KVW_ERR_REJECTED;
+    } else if (r) {
         fd = fcntl(r->memfd, F_DUPFD_CLOEXEC, 0);
         status = fd >= 0 ? KVW_OK : KVW_ERR_IO;
         kvw__le64_put(rep + 8, r->memfd_off);
         kvw__le64_put(rep + 16, r->len);
-        break;
     }
     pthread_mutex_unlock(&tl->srv.reg_mu);
     kvw__le32_put(rep, (uint32_t)status);
@@ -500,6 +497,10 @@ static const kvw__sockserv_ops_t shm_srv_ops = {
     .name = "shm",
     .max_conns = SHM_MAX_CONNS,
     .unexpected = "unexpected message from the receiver",
+    /* Checked right now, so that a cma write never lands in a process that reused a
+     * dead receiver's pid. */
+    .probe_hup = true,
+    .gone = {"the receiver (", ") is gone"},
     .accept = srv_accept,
     .rx = srv_rx,
     .stalled = srv_stalled,
@@ -544,13 +545,20 @@ static kvw_status_t shm_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
     if (st != KVW_OK)
         return st;
     uint8_t *p = buf;
-    memset(p, 0, SHM_ADDR_LEN);
-    kvw__le32_put(p, SHM_ADDR_MAGIC);
-    p[4] = SHM_VERSION;
-    kvw__le64_put(p + 8, tl->srv.token);
+    kvw__tl_pack_head(p, SHM_ADDR_LEN, SHM_ADDR_MAGIC, SHM_VERSION, 0, tl->srv.token);
     kvw__le64_put(p + 16, (uint64_t)getpid());
     *len_p = SHM_ADDR_LEN;
     return KVW_OK;
+}
+
+/* A region that is not (or no longer) in the table, or any at fini. */
+static void region_free(void *arg, kvw_hnode_t *n)
+{
+    shm_region_t *r = KVW_CONTAINER_OF(n, shm_region_t, node);
+    (void)arg;
+    if (r->memfd >= 0)
+        close(r->memfd);
+    free(r);
 }
 
 static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem_kind_t kind,
@@ -570,35 +578,23 @@ static kvw_status_t shm_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     r->len = len;
     r->memfd = -1;
     if (len > 0 && kvw__shm_mem_lookup(addr, len, &r->memfd, &r->memfd_off)) {
-        kvw_status_t st = kvw__random_bytes(&r->secret, sizeof(r->secret));
+        st = kvw__random_bytes(&r->secret, sizeof(r->secret));
         if (st != KVW_OK) {
-            close(r->memfd);
-            free(r);
+            region_free(NULL, &r->node);
             return st;
         }
     }
     pthread_mutex_lock(&tl->srv.reg_mu);
-    for (shm_region_t *o = tl->regions; o; o = o->next) {
-        if (o->id == region_id) {
-            pthread_mutex_unlock(&tl->srv.reg_mu);
-            if (r->memfd >= 0)
-                close(r->memfd);
-            free(r);
-            return kvw__error(KVW_ERR_INVALID_PARAM,
-                              "shm mem_reg: region id %llu is already registered",
-                              (unsigned long long)region_id);
-        }
-    }
-    r->next = tl->regions;
-    tl->regions = r;
+    st = kvw__tl_region_link("shm", &tl->regions, &r->node, region_id);
     pthread_mutex_unlock(&tl->srv.reg_mu);
+    if (st != KVW_OK) {
+        region_free(NULL, &r->node);
+        return st;
+    }
 
     uint8_t *p = rkey_buf;
-    memset(p, 0, SHM_RKEY_LEN);
-    kvw__le32_put(p, SHM_RKEY_MAGIC);
-    p[4] = SHM_VERSION;
-    p[5] = r->memfd >= 0 ? SHM_MODE_MEMFD : SHM_MODE_CMA;
-    kvw__le64_put(p + 8, tl->srv.token);
+    kvw__tl_pack_head(p, SHM_RKEY_LEN, SHM_RKEY_MAGIC, SHM_VERSION,
+                      r->memfd >= 0 ? SHM_MODE_MEMFD : SHM_MODE_CMA, tl->srv.token);
     kvw__le64_put(p + 16, region_id);
     kvw__le64_put(p + 24, len);
     kvw__le64_put(p + 32, (uint64_t)getpid());
@@ -616,18 +612,10 @@ static void shm_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
     if (tl == NULL || r == NULL)
         return;
     pthread_mutex_lock(&tl->srv.reg_mu);
-    shm_region_t **pp = &tl->regions;
-    while (*pp && *pp != r)
-        pp = &(*pp)->next;
-    bool found = *pp == r;
-    if (found)
-        *pp = r->next;
+    bool found = kvw__hmap_remove(&tl->regions, &r->node) == 0;
     pthread_mutex_unlock(&tl->srv.reg_mu);
-    if (!found)
-        return;
-    if (r->memfd >= 0)
-        close(r->memfd);
-    free(r);
+    if (found)
+        region_free(NULL, &r->node);
 }
 
 static kvw_status_t shm_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw_tl_ep_h *ep_p)
@@ -820,23 +808,9 @@ static void shm_rkey_release(kvw_tl_rkey_h rkey)
     rkey_free(rk);
 }
 
-/* A connected endpoint is usable: not failed, and (checked right now, so that a cma
- * write never lands in a process that reused a dead receiver's pid) the receiver still
- * holds its end of the socket. */
 static kvw_status_t check_sendable(shm_ep_t *ep, const char *what)
 {
-    kvw_status_t st = kvw__sock_check_sendable("shm", ep ? &ep->s : NULL, what);
-    if (st != KVW_OK)
-        return st;
-    if (!atomic_load(&ep->s.dead)) {
-        struct pollfd pfd = {.fd = ep->s.fd, .events = POLLRDHUP};
-        if (poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)))
-            atomic_store(&ep->s.dead, true);
-    }
-    if (atomic_load(&ep->s.dead))
-        return kvw__error(KVW_ERR_CONN_CLOSED, "shm %s: the receiver (%s) is gone", what,
-                          ep->s.hd.peer);
-    return KVW_OK;
+    return kvw__sock_check_sendable("shm", ep ? &ep->s : NULL, what);
 }
 
 static kvw_status_t cma_flush(shm_ep_t *ep, struct iovec *l, struct iovec *r, size_t cnt)
@@ -886,10 +860,9 @@ static kvw_status_t shm_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
 {
     shm_ep_t *ep = to_ep(ep_h);
     (void)room; /* one-sided: the receiver never sees it (see the file comment) */
-    kvw_status_t st = check_sendable(ep, "put");
+    kvw_status_t st =
+        kvw__tl_check_puts(check_sendable(ep, "put"), ep ? &ep->s.hd : NULL, puts, n);
     if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tl_check_puts(&ep->s.hd, puts, n)) != KVW_OK)
         return st;
     for (size_t i = 0; i < n; i++) {
         if (puts[i].len > (uint64_t)SSIZE_MAX)
@@ -930,10 +903,9 @@ static kvw_status_t shm_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
 static kvw_status_t shm_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
 {
     shm_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = check_sendable(ep, "notify");
+    kvw_status_t st =
+        kvw__tl_check_notify(check_sendable(ep, "notify"), ep ? &ep->s.hd : NULL, msg, len);
     if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tl_check_notify(&ep->s.hd, msg, len)) != KVW_OK)
         return st;
     /* The writes before this call were plain stores into shared pages (or completed
      * inside the kernel): make them visible before the message that announces them. */
@@ -953,31 +925,13 @@ static void shm_fini(kvw_tl_h tl_h)
     if (tl == NULL)
         return;
     kvw__sockserv_fini(&tl->srv);
-    while (tl->regions) {
-        shm_region_t *r = tl->regions;
-        tl->regions = r->next;
-        if (r->memfd >= 0)
-            close(r->memfd);
-        free(r);
-    }
+    kvw__tl_regions_free(&tl->regions, region_free, NULL);
     kvw__sockserv_delete(&tl->srv);
 }
 
 const kvw_tl_ops_t kvw_tl_shm_ops = {
     .name = "shm",
-    .init = shm_init,
-    .address = shm_address,
-    .mem_reg = shm_mem_reg,
-    .mem_dereg = shm_mem_dereg,
-    .connect = shm_connect,
-    .rkey_unpack = shm_rkey_unpack,
-    .rkey_release = shm_rkey_release,
-    .put = shm_put,
-    .notify = shm_notify,
-    .progress = kvw__sockserv_progress,
-    .ep_close = kvw__sockserv_ep_close,
-    .close = kvw__sockserv_close,
-    .stop = kvw__sockserv_stop,
-    .fini = shm_fini,
+    KVW_TL_OPS_SLOTS(shm),
+    KVW__SOCKSERV_OPS_SLOTS,
     .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
 };

@@ -53,18 +53,17 @@
 #define TCP_RX_CHUNK (4u << 20)    /* largest single recv into registered memory */
 #define TCP_DISCARD_CHUNK (64u << 10)
 #define TCP_MAX_CONNS 4096         /* accepted connections at once; more are refused */
-#define TCP_REGION_BUCKETS 1024
 #define TCP_SOCKBUF (4 << 20)
 
 typedef struct tcp_iface tcp_iface_t;
 
 typedef struct tcp_region {
+    kvw_hnode_t node; /* in tl->regions, under id */
     uint64_t id;
     uint8_t *addr;
     uint64_t len;
     unsigned refs; /* the table's reference + one per connection receiving into it */
     bool dead;     /* deregistered: no byte may land any more */
-    struct tcp_region *next;
 } tcp_region_t;
 
 enum { RX_HELLO, RX_HDR, RX_PAYLOAD, RX_DISCARD, RX_NOTIFY };
@@ -95,7 +94,7 @@ struct tcp_iface {
     struct sockaddr_storage listen_addr;
 
     /* Under srv.reg_mu, as is every payload byte landing in these regions. */
-    tcp_region_t *buckets[TCP_REGION_BUCKETS];
+    kvw_hmap_t regions;
 
     uint8_t discard[TCP_DISCARD_CHUNK]; /* receive thread only */
 };
@@ -117,21 +116,11 @@ static inline tcp_iface_t *ep_iface(const tcp_ep_t *ep)
     return (tcp_iface_t *)(void *)ep->s.srv;
 }
 
-static size_t region_bucket(uint64_t id)
-{
-    id ^= id >> 33;
-    id *= 0xff51afd7ed558ccdull;
-    id ^= id >> 33;
-    return (size_t)(id & (TCP_REGION_BUCKETS - 1));
-}
-
 /* srv.reg_mu held. */
 static tcp_region_t *region_find(tcp_iface_t *tl, uint64_t id)
 {
-    for (tcp_region_t *r = tl->buckets[region_bucket(id)]; r; r = r->next)
-        if (r->id == id)
-            return r;
-    return NULL;
+    kvw_hnode_t *n = kvw__hmap_find(&tl->regions, id);
+    return n ? KVW_CONTAINER_OF(n, tcp_region_t, node) : NULL;
 }
 
 /* srv.reg_mu held. */
@@ -502,6 +491,7 @@ static const kvw__sockserv_ops_t tcp_srv_ops = {
     .name = "tcp",
     .max_conns = TCP_MAX_CONNS,
     .unexpected = "unexpected bytes from the receiver",
+    .gone = {"the connection to ", " has failed"},
     .accept = srv_accept,
     .rx = srv_rx,
     .stalled = srv_stalled,
@@ -613,23 +603,16 @@ static kvw_status_t tcp_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem
     r->len = len;
     r->refs = 1;
     pthread_mutex_lock(&tl->srv.reg_mu);
-    if (region_find(tl, region_id)) {
-        pthread_mutex_unlock(&tl->srv.reg_mu);
-        free(r);
-        return kvw__error(KVW_ERR_INVALID_PARAM, "tcp mem_reg: region id %llu is already registered",
-                          (unsigned long long)region_id);
-    }
-    size_t b = region_bucket(region_id);
-    r->next = tl->buckets[b];
-    tl->buckets[b] = r;
+    st = kvw__tl_region_link("tcp", &tl->regions, &r->node, region_id);
     pthread_mutex_unlock(&tl->srv.reg_mu);
+    if (st != KVW_OK) {
+        free(r);
+        return st;
+    }
 
     uint8_t *p = rkey_buf;
-    kvw__le32_put(p, KVW_TCP_RKEY_MAGIC);
-    p[4] = KVW_TCP_VERSION;
-    p[5] = KVW_TCP_RKEY_KIND;
-    kvw__le16_put(p + 6, 0);
-    kvw__le64_put(p + 8, tl->srv.token);
+    kvw__tl_pack_head(p, KVW_TCP_RKEY_LEN, KVW_TCP_RKEY_MAGIC, KVW_TCP_VERSION, KVW_TCP_RKEY_KIND,
+                      tl->srv.token);
     kvw__le64_put(p + 16, region_id);
     kvw__le64_put(p + 24, len);
     *rkey_len_p = KVW_TCP_RKEY_LEN;
@@ -644,11 +627,7 @@ static void tcp_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
     if (tl == NULL || r == NULL)
         return;
     pthread_mutex_lock(&tl->srv.reg_mu);
-    tcp_region_t **pp = &tl->buckets[region_bucket(r->id)];
-    while (*pp && *pp != r)
-        pp = &(*pp)->next;
-    if (*pp == r) {
-        *pp = r->next;
+    if (kvw__hmap_remove(&tl->regions, &r->node) == 0) {
         r->dead = true;
         region_unref(r);
     }
@@ -796,13 +775,8 @@ static void tcp_rkey_release(kvw_tl_rkey_h rkey)
 
 static kvw_status_t check_sendable(tcp_ep_t *ep, const char *what)
 {
-    kvw_status_t st = kvw__sock_check_sendable("tcp", ep ? &ep->s : NULL, what);
-    if (st == KVW_OK && atomic_load(&ep->s.dead))
-        st = kvw__error(KVW_ERR_CONN_CLOSED, "tcp %s: the connection to %s has failed", what,
-                        ep->s.hd.peer);
-    return st;
+    return kvw__sock_check_sendable("tcp", ep ? &ep->s : NULL, what);
 }
-
 
 /* tx_mu held. Sends iov; on failure the stream may hold half a frame, so the
  * connection is marked dead and shut down (the receiver then drops it too). */
@@ -819,11 +793,10 @@ static kvw_status_t ep_send(tcp_ep_t *ep, struct iovec *iov, size_t cnt, const c
 static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, size_t n)
 {
     tcp_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = check_sendable(ep, "put");
-    if (st != KVW_OK)
-        return st;
     /* Check every write before sending any, so a bad batch moves nothing. */
-    if ((st = kvw__tl_check_puts(&ep->s.hd, puts, n)) != KVW_OK)
+    kvw_status_t st =
+        kvw__tl_check_puts(check_sendable(ep, "put"), ep ? &ep->s.hd : NULL, puts, n);
+    if (st != KVW_OK)
         return st;
     pthread_mutex_lock(&ep->s.tx_mu);
     st = check_sendable(ep, "put");
@@ -852,10 +825,9 @@ static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
 static kvw_status_t tcp_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
 {
     tcp_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = check_sendable(ep, "notify");
+    kvw_status_t st =
+        kvw__tl_check_notify(check_sendable(ep, "notify"), ep ? &ep->s.hd : NULL, msg, len);
     if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tl_check_notify(&ep->s.hd, msg, len)) != KVW_OK)
         return st;
     uint8_t h[KVW_TCP_HDR_LEN];
     kvw_tcp_hdr_encode(h, KVW_TCP_NOTIFY, 0, 0, 0, len);
@@ -869,37 +841,26 @@ static kvw_status_t tcp_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
     return st;
 }
 
+/* fini: a region left registered (the receive thread has stopped). */
+static void region_free(void *arg, kvw_hnode_t *n)
+{
+    (void)arg;
+    free(KVW_CONTAINER_OF(n, tcp_region_t, node));
+}
+
 static void tcp_fini(kvw_tl_h tl_h)
 {
     tcp_iface_t *tl = to_iface(tl_h);
     if (tl == NULL)
         return;
     kvw__sockserv_fini(&tl->srv);
-    for (size_t b = 0; b < TCP_REGION_BUCKETS; b++) {
-        while (tl->buckets[b]) {
-            tcp_region_t *r = tl->buckets[b];
-            tl->buckets[b] = r->next;
-            free(r);
-        }
-    }
+    kvw__tl_regions_free(&tl->regions, region_free, NULL);
     kvw__sockserv_delete(&tl->srv);
 }
 
 const kvw_tl_ops_t kvw_tl_tcp_ops = {
     .name = "tcp",
-    .init = tcp_init,
-    .address = tcp_address,
-    .mem_reg = tcp_mem_reg,
-    .mem_dereg = tcp_mem_dereg,
-    .connect = tcp_connect,
-    .rkey_unpack = tcp_rkey_unpack,
-    .rkey_release = tcp_rkey_release,
-    .put = tcp_put,
-    .notify = tcp_notify,
-    .progress = kvw__sockserv_progress,
-    .ep_close = kvw__sockserv_ep_close,
-    .close = kvw__sockserv_close,
-    .stop = kvw__sockserv_stop,
-    .fini = tcp_fini,
+    KVW_TL_OPS_SLOTS(tcp),
+    KVW__SOCKSERV_OPS_SLOTS,
     .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_OWN_THREAD,
 };

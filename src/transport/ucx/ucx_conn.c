@@ -322,7 +322,7 @@ static void on_sender_msg(ucx_iface_t *tl, const msg_hdr_t *h, const void *data,
     if (h->type == MSG_RKEY_REQ) {
         int32_t status = KVW_ERR_NOT_FOUND;
         pthread_mutex_lock(&tl->reg_mu);
-        ucx_region_t *r = *ucx_region_slot(tl, h->d);
+        ucx_region_t *r = ucx_region_find(tl, h->d);
         if (r)
             status = r->base == h->e && r->len == h->f ? KVW_OK : KVW_ERR_REJECTED;
         pthread_mutex_unlock(&tl->reg_mu);

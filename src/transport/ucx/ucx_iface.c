@@ -578,10 +578,7 @@ static kvw_status_t ucx_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
     if (st != KVW_OK)
         return st;
     uint8_t *p = buf;
-    memset(p, 0, UCX_ADDR_HDR);
-    kvw__le32_put(p, UCX_ADDR_MAGIC);
-    p[4] = UCX_VERSION;
-    kvw__le64_put(p + 8, tl->token);
+    kvw__tl_pack_head(p, UCX_ADDR_HDR, UCX_ADDR_MAGIC, UCX_VERSION, 0, tl->token);
     memcpy(p + UCX_ADDR_HDR, tl->waddr, tl->waddr_len);
     *len_p = need;
     return KVW_OK;
@@ -631,19 +628,23 @@ static void fini_ep(ucx_iface_t *tl, ucx_ep_t *ep)
     }
 }
 
+/* fini, after the worker: a registration, in the table or deregistered too late. */
+static void region_free(void *arg, kvw_hnode_t *n)
+{
+    ucx_iface_t *tl = arg;
+    ucx_region_t *r = KVW_CONTAINER_OF(n, ucx_region_t, node);
+    if (r->memh)
+        ucp_mem_unmap(tl->ctx, r->memh);
+    free(r);
+}
+
 static void ucx_fini(kvw_tl_h tl_h)
 {
     ucx_iface_t *tl = to_iface(tl_h);
     if (tl == NULL)
         return;
     ucx_stop(tl_h);
-    while (tl->rkeys) {
-        ucx_rkey_t *rk = (ucx_rkey_t *)(void *)tl->rkeys;
-        tl->rkeys = rk->hd.next;
-        if (rk->urkey)
-            ucp_rkey_destroy(rk->urkey);
-        free(rk);
-    }
+    kvw__tl_rkeys_free(&tl->rkeys, ucx_rkey_free);
     /* Let the closes and goodbyes the thread started finish, briefly. */
     uint64_t deadline = deadline_in(KVW_MIN(tl->timeout_ms, UCX_CLOSE_MS));
     while (tl->ops && kvw__now_ns() < deadline) {
@@ -685,15 +686,11 @@ static void ucx_fini(kvw_tl_h tl_h)
      * regions), so the registrations go after it, before the context. */
     ucp_worker_release_address(tl->worker, tl->waddr);
     ucp_worker_destroy(tl->worker);
-    for (size_t b = 0; b <= UCX_REGION_BUCKETS; b++) {
-        ucx_region_t **head = b < UCX_REGION_BUCKETS ? &tl->regions[b] : &tl->dead_regions;
-        while (*head) {
-            ucx_region_t *r = *head;
-            *head = r->next;
-            if (r->memh)
-                ucp_mem_unmap(tl->ctx, r->memh);
-            free(r);
-        }
+    kvw__tl_regions_free(&tl->regions, region_free, tl);
+    while (tl->dead_regions) {
+        ucx_region_t *r = tl->dead_regions;
+        tl->dead_regions = r->dead_next;
+        region_free(tl, &r->node);
     }
     ucp_cleanup(tl->ctx);
     /* Nothing in UCX refers to these any more. */
@@ -722,19 +719,7 @@ static void ucx_fini(kvw_tl_h tl_h)
 
 const kvw_tl_ops_t kvw_tl_ucx_ops = {
     .name = "ucx",
-    .init = ucx_init,
-    .address = ucx_address,
-    .mem_reg = ucx_mem_reg,
-    .mem_dereg = ucx_mem_dereg,
-    .connect = ucx_connect,
-    .rkey_unpack = ucx_rkey_unpack,
-    .rkey_release = ucx_rkey_release,
-    .put = ucx_put,
-    .notify = ucx_notify,
-    .progress = ucx_progress,
-    .ep_close = ucx_ep_close,
-    .close = ucx_close,
-    .stop = ucx_stop,
-    .fini = ucx_fini,
+    KVW_TL_OPS_SLOTS(ucx),
+    KVW_TL_OPS_THREAD_SLOTS(ucx),
     .caps = KVW_TL_CAP_OWN_THREAD,
 };

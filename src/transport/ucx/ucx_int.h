@@ -134,7 +134,6 @@ _Static_assert(sizeof(size_t) == sizeof(uint64_t), "lengths are passed to UCX as
 #define UCX_FENCE_SLOTS 8         /* rkeys whose order put() tracks within one call */
 #define UCX_MAX_ACCEPTED 4096     /* accepted connections at once; more HELLOs go unanswered */
 #define UCX_CLOSE_MS 2000         /* cap on waiting for one endpoint close */
-#define UCX_REGION_BUCKETS 256    /* region id hash for the receive path */
 #define UCX_GOODBYE_MS 1000       /* cap on sending BYE when the instance closes */
 
 /*
@@ -171,10 +170,11 @@ typedef struct msg_hdr {
 typedef struct ucx_iface ucx_iface_t;
 
 typedef struct ucx_region {
+    kvw_hnode_t node; /* in tl->regions, under id */
     uint64_t id, base, len;
     ucp_mem_h memh;    /* NULL for an empty region */
     unsigned inflight; /* under reg_mu: rendezvous receives writing into it */
-    struct ucx_region *next; /* hash bucket, or tl->dead_regions */
+    struct ucx_region *dead_next; /* on tl->dead_regions */
 } ucx_region_t;
 
 /* A rendezvous DATA receive in flight. */
@@ -277,7 +277,7 @@ struct ucx_iface {
     bool err_deferred; /* progress thread: a report waits for receives to end */
 
     pthread_mutex_t reg_mu; /* regions */
-    ucx_region_t *regions[UCX_REGION_BUCKETS];
+    kvw_hmap_t regions; /* by id: the receive path looks writes up here */
     ucx_region_t *dead_regions; /* deregistered while a receive still wrote into them */
 
     /* progress thread only (fini after stop) */
@@ -388,8 +388,8 @@ void ucx_ep_close(kvw_tl_ep_h ep_h);
 
 /* ucx_mem.c: regions and remote keys */
 
-/* reg_mu held. */
-ucx_region_t **ucx_region_slot(ucx_iface_t *tl, uint64_t id);
+/* The registered region `id`, or NULL. reg_mu held. */
+ucx_region_t *ucx_region_find(ucx_iface_t *tl, uint64_t id);
 
 kvw_status_t ucx_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem_kind_t kind,
                          uint64_t region_id, kvw_tl_mem_h *mem_p, void *rkey_buf,
@@ -401,6 +401,9 @@ kvw_status_t ucx_rkey_unpack(kvw_tl_ep_h ep_h, const void *buf, size_t len,
                              kvw_tl_rkey_h *rkey_p);
 
 void ucx_rkey_release(kvw_tl_rkey_h rkey);
+
+/* Frees an unpacked key (off the instance's list: release, or fini). */
+void ucx_rkey_free(kvw__tl_rkey_t *hd);
 
 /* ucx_put.c: the data paths (put, DATA receive) and notify */
 

@@ -4,12 +4,10 @@
  */
 #include "transport/ucx/ucx_int.h"
 
-ucx_region_t **ucx_region_slot(ucx_iface_t *tl, uint64_t id)
+ucx_region_t *ucx_region_find(ucx_iface_t *tl, uint64_t id)
 {
-    ucx_region_t **pp = &tl->regions[(id * 0x9e3779b97f4a7c15ull) >> 56];
-    while (*pp && (*pp)->id != id)
-        pp = &(*pp)->next;
-    return pp;
+    kvw_hnode_t *n = kvw__hmap_find(&tl->regions, id);
+    return n ? KVW_CONTAINER_OF(n, ucx_region_t, node) : NULL;
 }
 
 kvw_status_t ucx_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem_kind_t kind,
@@ -22,7 +20,7 @@ kvw_status_t ucx_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem_kind_t
     if (st != KVW_OK)
         return st;
     pthread_mutex_lock(&tl->reg_mu);
-    bool dup = *ucx_region_slot(tl, region_id) != NULL;
+    bool dup = ucx_region_find(tl, region_id) != NULL;
     pthread_mutex_unlock(&tl->reg_mu);
     if (dup)
         return kvw__error(KVW_ERR_INVALID_PARAM, "ucx mem_reg: region id %llu is already registered",
@@ -66,21 +64,13 @@ kvw_status_t ucx_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem_kind_t
         }
     }
     pthread_mutex_lock(&tl->reg_mu);
-    ucx_region_t **slot = ucx_region_slot(tl, region_id);
-    if (*slot) { /* registered concurrently */
-        pthread_mutex_unlock(&tl->reg_mu);
-        st = kvw__error(KVW_ERR_INVALID_PARAM, "ucx mem_reg: region id %llu is already registered",
-                        (unsigned long long)region_id);
-        goto err_release;
-    }
-    *slot = r; /* r->next is NULL: the end of the bucket */
+    st = kvw__tl_region_link("ucx", &tl->regions, &r->node, region_id); /* or: concurrently */
     pthread_mutex_unlock(&tl->reg_mu);
+    if (st != KVW_OK)
+        goto err_release;
 
     uint8_t *p = rkey_buf;
-    memset(p, 0, UCX_RKEY_HDR);
-    kvw__le32_put(p, UCX_RKEY_MAGIC);
-    p[4] = UCX_VERSION;
-    kvw__le64_put(p + 8, tl->token);
+    kvw__tl_pack_head(p, UCX_RKEY_HDR, UCX_RKEY_MAGIC, UCX_VERSION, 0, tl->token);
     kvw__le64_put(p + 16, region_id);
     kvw__le64_put(p + 24, r->base);
     kvw__le64_put(p + 32, len);
@@ -111,10 +101,7 @@ void ucx_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
     if (tl == NULL || r == NULL)
         return;
     pthread_mutex_lock(&tl->reg_mu);
-    ucx_region_t **pp = ucx_region_slot(tl, r->id);
-    bool found = *pp == r;
-    if (found)
-        *pp = r->next;
+    bool found = kvw__hmap_remove(&tl->regions, &r->node) == 0;
     pthread_mutex_unlock(&tl->reg_mu);
     if (!found)
         return;
@@ -130,7 +117,7 @@ void ucx_mem_dereg(kvw_tl_h tl_h, kvw_tl_mem_h mem)
             /* Keep the registration until fini rather than let UCX write into memory
              * that is no longer mapped for it. */
             pthread_mutex_lock(&tl->reg_mu);
-            r->next = tl->dead_regions;
+            r->dead_next = tl->dead_regions;
             tl->dead_regions = r;
             pthread_mutex_unlock(&tl->reg_mu);
             return;
@@ -287,13 +274,19 @@ kvw_status_t ucx_rkey_unpack(kvw_tl_ep_h ep_h, const void *buf, size_t len,
     return KVW_OK;
 }
 
+void ucx_rkey_free(kvw__tl_rkey_t *hd)
+{
+    ucx_rkey_t *rk = (ucx_rkey_t *)(void *)hd;
+    if (rk->urkey)
+        ucp_rkey_destroy(rk->urkey);
+    free(rk);
+}
+
 void ucx_rkey_release(kvw_tl_rkey_h rkey)
 {
     ucx_rkey_t *rk = (ucx_rkey_t *)(void *)rkey;
     if (rk == NULL)
         return;
     kvw__tl_rkey_unlink(&rk->tl->mu, &rk->tl->rkeys, &rk->hd);
-    if (rk->urkey)
-        ucp_rkey_destroy(rk->urkey);
-    free(rk);
+    ucx_rkey_free(&rk->hd);
 }

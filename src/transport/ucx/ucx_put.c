@@ -45,7 +45,7 @@ ucs_status_t ucx_on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t
     }
     ep->last_rx_ns = kvw__now_ns();
     pthread_mutex_lock(&tl->reg_mu);
-    ucx_region_t *r = *ucx_region_slot(tl, h->c);
+    ucx_region_t *r = ucx_region_find(tl, h->c);
     if (r == NULL || !kvw__add_u64(h->d, len, &end) || end > r->len) {
         if (r)
             ucx_ep_fail_locked(ep, KVW_ERR_OUT_OF_RANGE, true,
@@ -297,11 +297,10 @@ static kvw_status_t post_rma_puts(ucx_ep_t *ep, const kvw_tl_put_t *puts, size_t
 kvw_status_t ucx_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, size_t n)
 {
     ucx_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = kvw__tl_check_sendable("ucx", ep ? &ep->hd : NULL, "put");
-    if (st != KVW_OK)
-        return st;
     /* Check everything before moving a byte. */
-    if ((st = kvw__tl_check_puts(&ep->hd, puts, n)) != KVW_OK)
+    kvw_status_t st = kvw__tl_check_puts(kvw__tl_check_sendable("ucx", ep ? &ep->hd : NULL, "put"),
+                                         ep ? &ep->hd : NULL, puts, n);
+    if (st != KVW_OK)
         return st;
     bool kill = false;
     pthread_rwlock_rdlock(&ep->rw);
@@ -319,10 +318,10 @@ kvw_status_t ucx_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, 
 kvw_status_t ucx_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
 {
     ucx_ep_t *ep = to_ep(ep_h);
-    kvw_status_t st = kvw__tl_check_sendable("ucx", ep ? &ep->hd : NULL, "notify");
+    kvw_status_t st = kvw__tl_check_notify(
+        kvw__tl_check_sendable("ucx", ep ? &ep->hd : NULL, "notify"), ep ? &ep->hd : NULL, msg,
+        len);
     if (st != KVW_OK)
-        return st;
-    if ((st = kvw__tl_check_notify(&ep->hd, msg, len)) != KVW_OK)
         return st;
     ucx_iface_t *tl = ep->tl;
     uint8_t hdr[UCX_MSG_HDR];
