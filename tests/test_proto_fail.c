@@ -37,6 +37,9 @@
  *       (sched.c)
  *   abort from a decode instance that does not own the room   refused; the owner's room
  *       succeeds (dispatch.c)
+ *   forged completion on a connection of its own   completions count only on the data
+ *       connection their prefill rank bound; the room succeeds with the real bytes only
+ *       (land.c)
  *   posted, never sent / posted, no sender / sent, never posted   the wait timeout fires
  *       on a room waiting for its peer, not sooner (room.c)
  *   malformed frames on the bootstrap and control ports   bad magic, version, length,
@@ -1929,6 +1932,78 @@ static void di_stall(drv_t *x)
     stall_connections(x);
 }
 
+static void ignore_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
+{
+    (void)arg, (void)ep, (void)msg, (void)len;
+}
+
+/* Completions are counted only on the data connection of the peer that writes the room:
+ * a connection of our own to the decode rank's transport (any local process can find a
+ * shm socket name, any host can reach a tcp port) sends the victim's completion as its
+ * prefill rank would (worker.c), with the right byte count, for every peer id, first bare
+ * and then after a BIND with a guessed nonce. The room must not move; the real sender
+ * then completes it with the reference bytes. */
+static void di_forge(drv_t *x)
+{
+    struct kvw_ctx *d = x->d->dec.ctx[0];
+    pthread_mutex_lock(&d->mu);
+    kvw_room_t *r = kvw__room_find(d, x->v->id);
+    uint32_t npeers = d->num_peers;
+    uint64_t expected = r && r->num_srcs ? r->srcs[0].expected : 0;
+    pthread_mutex_unlock(&d->mu);
+    CHECK(expected > 0, "the victim expects no bytes");
+    uint8_t addr[KVW_TL_MAX_ADDR];
+    size_t alen = KVW_TL_MAX_ADDR;
+    const kvw_tl_ops_t *ops = kvw__tl_find(g_tl);
+    kvw_tl_params_t tp = {.cb = {.on_notify = ignore_notify}, .timeout_ms = kvt_tmo_ms(10000)};
+    kvw_tl_h tl = NULL;
+    kvw_tl_ep_h ep = NULL;
+    if (!CHECK(ops && d->tl_ops->address(d->tl, addr, &alen) == KVW_OK &&
+                   ops->init(&tp, &tl) == KVW_OK,
+               "forger: %s", kvw_last_error()))
+        return;
+    if (CHECK(ops->connect(tl, addr, alen, &ep) == KVW_OK, "the forger cannot connect: %s",
+              kvw_last_error())) {
+        for (int bind = 0; bind < 2; bind++)
+            for (uint32_t id = 0; id < npeers; id++) {
+                kvw_wbuf_t w;
+                if (bind) {
+                    kvw__wb_init(&w, KVW_MSG_BIND);
+                    kvw__wb_u32(&w, id);
+                    for (int i = 0; i < 32; i++)
+                        kvw__wb_u8(&w, 0);
+                    CHECK(kvw__wb_finish(&w) == KVW_OK && ops->notify(ep, w.p, w.len) == KVW_OK,
+                          "forger notify: %s", kvw_last_error());
+                    kvw__wb_free(&w);
+                }
+                kvw__wb_init(&w, KVW_MSG_DONE);
+                kvw__wb_u64(&w, x->v->id);
+                kvw__wb_u32(&w, id);
+                kvw__wb_u64(&w, 0);         /* chunk begin */
+                kvw__wb_u64(&w, x->v->n);   /* chunk end */
+                kvw__wb_u64(&w, expected);  /* bytes */
+                kvw__wb_u8(&w, 1);          /* last chunk */
+                kvw__wb_u8(&w, 0);          /* not staged */
+                kvw__wb_u64(&w, 0);
+                kvw__wb_u64(&w, 0);
+                kvw__wb_u64(&w, 0);
+                kvw__wb_u8(&w, 1); /* final */
+                CHECK(kvw__wb_finish(&w) == KVW_OK && ops->notify(ep, w.p, w.len) == KVW_OK,
+                      "forger notify: %s", kvw_last_error());
+                kvw__wb_free(&w);
+            }
+        sleep_ms(100); /* time for the decode to handle them */
+        kvw_room_state_t s = kvw_receiver_poll(x->v->r[0]);
+        CHECK(s == KVW_ROOM_WAITING_FOR_INPUT, "after forged completions the victim is %s: %s",
+              kvw_room_state_string(s), kvw_receiver_failure(x->v->r[0]));
+        ops->ep_close(ep);
+    }
+    ops->close(tl);
+    ops->stop(tl);
+    ops->fini(tl);
+    ch_tag(x->e->ch[0], "forged");
+}
+
 /* ---- prefill injections */
 
 static void pi_none(drv_t *x)
@@ -1972,6 +2047,15 @@ static void send_refused(drv_t *x, uint64_t from)
     if (kvt_expect_failure("sending on a failed room", st, WANT(x->row->pst), err, "already failed", m,
                            sizeof(m)))
         CHECK(false, "%s", m);
+}
+
+/* The real sender, once the forger is done. */
+static void pi_after_forge(drv_t *x)
+{
+    p_open(x->in, x->v);
+    if (ch_expect(x->e->ch[1], "forged", NULL, kvt_tmo_ms(15000)))
+        return;
+    p_send_all(x->in, x->v);
 }
 
 /* The decode aborts before any byte: afterwards sending is refused. */
@@ -2459,6 +2543,8 @@ static const frow_t g_rows[] = {
      NULL, di_claim, pi_vseen, R_INSTANCE, 0},
     {"abort from a decode instance that does not own the room", 1, 1, NULL, W_NONE, NOFAIL,
      NOFAIL, NULL, V_OK, S_ROOM, 0, NULL, di_foreign_abort, pi_foreign_abort, R_INSTANCE, 0},
+    {"forged completion on a connection of its own", 1, 1, NULL, W_NONE, NOFAIL, NOFAIL, NULL,
+     V_OK, S_ROOM, 0, NULL, di_forge, pi_after_forge, 0, 0},
     /* Timeouts. */
     {"posted, never sent", 1, 2, NULL, W_ROOM, ANYF, ANYF, "timed out",
      V_UNTOUCHED, S_ROOM, 2000, NULL, NULL, pi_open_only, 0, 0},
