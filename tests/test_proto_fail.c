@@ -2044,8 +2044,8 @@ static void send_refused(drv_t *x, uint64_t from)
     char err[512] = "";
     kvw_status_t st = p_send(x->in, x->v, from, x->v->n, true, err, sizeof(err));
     char m[900];
-    if (kvt_expect_failure("sending on a failed room", st, WANT(x->row->pst), err, "already failed", m,
-                           sizeof(m)))
+    if (kvt_expect_failure("sending on a failed room", st, WANT(x->row->pst), err,
+                           "already failed", m, sizeof(m)))
         CHECK(false, "%s", m);
 }
 
