@@ -271,6 +271,15 @@ void kvt_pp_range(uint32_t num_layers, uint32_t pp_size, const uint32_t *splits,
 /* Case-insensitive substring test, for checking kvw_last_error() messages. */
 int kvt_contains(const char *haystack, const char *needle);
 
+/*
+ * An operation or a room that must have failed: `got` is a failure status (neither OK
+ * nor INPROGRESS), equal to `want` unless want is KVW_OK (any failure), `reason` is not
+ * empty and holds `needle` (case-insensitive; NULL: any reason). Returns 0, or -1 with
+ * a message that starts with `what`.
+ */
+int kvt_expect_failure(const char *what, kvw_status_t got, kvw_status_t want,
+                       const char *reason, const char *needle, char *msg, size_t cap);
+
 /* Monotonic time in nanoseconds. */
 uint64_t kvt_now_ns(void);
 
