@@ -188,7 +188,7 @@ static void run(const char *tl_name)
     kvt_copy_make(&dst, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd = NULL;
-    kvw_recv_post_t post = {.num_tokens = TOKENS, .prefix_len = 0, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS, .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_create(dctx, ROOM, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
 
@@ -231,7 +231,7 @@ static void run(const char *tl_name)
     /* Only now does the real prefill rank send. Had a forged completion counted, the
      * room would be Success with stale bytes, or Failed for a second completion. */
     CHECK(kvw_sender_create(pctx, ROOM, &snd) == KVW_OK, "%s", kvw_last_error());
-    kvw_send_chunk_t c = {.num_tokens = TOKENS, .chunk_begin = 0, .chunk_end = TOKENS,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = TOKENS, .chunk_begin = 0, .chunk_end = TOKENS,
                           .last_chunk = 1, .pages = sp.side};
     CHECK(kvw_sender_send(snd, &c) == KVW_OK, "%s", kvw_last_error());
     kvw_room_state_t rst = ip_wait_recv(rcv, DEADLINE_NS);
@@ -239,14 +239,14 @@ static void run(const char *tl_name)
     ip_ref(&model, &src, 1, &sp.side, &dst, &dp.side, expect.data, TOKENS, NULL);
     char msg[512];
     CHECK(rst == KVW_ROOM_SUCCESS, "room ended %s: %s", kvw_room_state_string(rst),
-          kvw_receiver_failure(rcv));
+          kvw_room_failure(kvw_receiver_room(rcv)));
     CHECK(kvt_copy_compare(&dst, &expect, "decode", msg, sizeof(msg)) == 0,
           "Success with wrong bytes over %s: %s", tl_name, msg);
     CHECK(kvt_rank_check_guards(&dst, msg, sizeof(msg)) == 0, "%s", msg);
     if (st == KVW_OK)
         forger_done(tl_name, ftl, fep);
-    kvw_sender_destroy(snd);
-    kvw_receiver_destroy(rcv);
+    kvw_room_destroy(kvw_sender_room(snd));
+    kvw_room_destroy(kvw_receiver_room(rcv));
     kvt_copy_free(&expect);
     kvt_req_pages_free(&sp);
     kvt_req_pages_free(&dp);

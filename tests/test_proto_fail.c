@@ -279,7 +279,7 @@ static kvw_status_t inst_build(inst_t *in, const kvt_model_t *m, uint32_t tp, bo
                              .page_size = {PAGE, PAGE},
                              .num_pages = {FULL_PAGES, SWA_PAGES},
                              .num_slots = MAX_SLOTS};
-        s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = in->model.m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         kvw_status_t st = kvt_rank_build(&s, &in->r[t]);
@@ -405,8 +405,9 @@ static void room_pages(bool prefill, int slot, uint64_t n, rpages_t *p)
     uint32_t ns = w ? (uint32_t)((n - swb + PAGE - 1) / PAGE) : 0;
     memcpy(p->full, pf[s] + (size_t)slot * SLOT_FULL, sizeof(uint32_t) * nf);
     memcpy(p->swa, ps[s] + (size_t)slot * SLOT_SWA, sizeof(uint32_t) * ns);
-    p->side.full = (kvw_pages_t){p->full, nf, 0};
-    p->side.swa = (kvw_pages_t){p->swa, ns, swb};
+    p->side.full = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->full, nf, 0};
+    p->side.swa = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->swa, ns, swb};
+    p->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
     p->side.state_slot = -1;
 }
 
@@ -450,7 +451,7 @@ static kvw_status_t p_send(inst_t *in, room_t *rm, uint64_t b, uint64_t e, bool 
 {
     rpages_t p;
     room_pages(true, rm->slot, rm->n, &p);
-    kvw_send_chunk_t c = {.num_tokens = rm->n, .chunk_begin = b, .chunk_end = e,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = rm->n, .chunk_begin = b, .chunk_end = e,
                           .last_chunk = last, .pages = p.side};
     kvw_status_t first = KVW_OK;
     for (uint32_t k = 0; k < in->n; k++) {
@@ -475,7 +476,7 @@ static bool p_send_all(inst_t *in, room_t *rm)
 static void p_close(inst_t *in, room_t *rm)
 {
     for (uint32_t k = 0; k < in->n; k++) {
-        kvw_sender_destroy(rm->s[k]);
+        kvw_room_destroy(kvw_sender_room(rm->s[k]));
         rm->s[k] = NULL;
     }
 }
@@ -486,7 +487,7 @@ static bool d_open_post(inst_t *in, room_t *rm, const kvw_side_pages_t *override
     bool ok = true;
     rpages_t p;
     room_pages(false, rm->slot, rm->n, &p);
-    kvw_recv_post_t post = {.num_tokens = rm->n, .prefix_len = 0,
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm->n, .prefix_len = 0,
                             .pages = override ? *override : p.side};
     for (uint32_t k = 0; k < in->n; k++) {
         ok &= CHECK(kvw_receiver_create(in->ctx[k], rm->id, 0, &rm->r[k]) == KVW_OK,
@@ -503,7 +504,7 @@ static bool d_open_post(inst_t *in, room_t *rm, const kvw_side_pages_t *override
 static void d_close(inst_t *in, room_t *rm)
 {
     for (uint32_t k = 0; k < in->n; k++) {
-        kvw_receiver_destroy(rm->r[k]);
+        kvw_room_destroy(kvw_receiver_room(rm->r[k]));
         rm->r[k] = NULL;
     }
 }
@@ -513,7 +514,7 @@ static kvw_room_state_t wait_recv(kvw_receiver_h h, kvw_room_state_t want, uint6
 {
     uint64_t end = now_ms() + timeout_ms;
     kvw_room_state_t s;
-    while (!terminal(s = kvw_receiver_poll(h)) && s != want && now_ms() < end)
+    while (!terminal(s = kvw_room_poll(kvw_receiver_room(h))) && s != want && now_ms() < end)
         usleep(500);
     return s;
 }
@@ -522,7 +523,7 @@ static kvw_room_state_t wait_send(kvw_sender_h h, uint64_t timeout_ms)
 {
     uint64_t end = now_ms() + timeout_ms;
     kvw_room_state_t s;
-    while (!terminal(s = kvw_sender_poll(h)) && now_ms() < end)
+    while (!terminal(s = kvw_room_poll(kvw_sender_room(h))) && now_ms() < end)
         usleep(500);
     return s;
 }
@@ -535,14 +536,14 @@ static bool p_wait_state(inst_t *in, room_t *rm, kvw_room_state_t state, uint64_
     for (;;) {
         bool all = true;
         for (uint32_t k = 0; k < in->n; k++)
-            all &= kvw_sender_poll(rm->s[k]) >= state;
+            all &= kvw_room_poll(kvw_sender_room(rm->s[k])) >= state;
         if (all)
             return true;
         if (now_ms() > end)
             return CHECK(false, "prefill room %llu did not reach %s (state %s: %s)",
                          (unsigned long long)rm->id, kvw_room_state_string(state),
-                         kvw_room_state_string(kvw_sender_poll(rm->s[0])),
-                         kvw_sender_failure(rm->s[0]));
+                         kvw_room_state_string(kvw_room_poll(kvw_sender_room(rm->s[0]))),
+                         kvw_room_failure(kvw_sender_room(rm->s[0])));
         usleep(500);
     }
 }
@@ -557,7 +558,7 @@ static bool p_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *
     for (uint32_t k = 0; k < in->n; k++) {
         uint64_t left = now_ms() - t0 < timeout_ms ? timeout_ms - (now_ms() - t0) : 0;
         kvw_room_state_t s = wait_send(rm->s[k], left);
-        const char *why = kvw_sender_failure(rm->s[k]);
+        const char *why = kvw_room_failure(kvw_sender_room(rm->s[k]));
         ok &= check_(s == want, __LINE__, bug,
                      "prefill room %llu rank %u: %s after %llu ms (want %s)%s%s",
                      (unsigned long long)rm->id, k, kvw_room_state_string(s),
@@ -585,7 +586,7 @@ static bool d_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *
     for (uint32_t k = 0; k < in->n; k++) {
         uint64_t left = now_ms() - t0 < timeout_ms ? timeout_ms - (now_ms() - t0) : 0;
         kvw_room_state_t s = wait_recv(rm->r[k], KVW_ROOM_SUCCESS, left);
-        const char *why = kvw_receiver_failure(rm->r[k]);
+        const char *why = kvw_room_failure(kvw_receiver_room(rm->r[k]));
         ok &= check_(s == want, __LINE__, bug,
                      "decode room %llu rank %u: %s after %llu ms (want %s)%s%s",
                      (unsigned long long)rm->id, k, kvw_room_state_string(s),
@@ -602,7 +603,7 @@ static bool d_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *
                     (unsigned long long)(now_ms() - t0), why);
         }
         if (s == KVW_ROOM_SUCCESS && want == KVW_ROOM_SUCCESS)
-            ok &= CHECK(kvw_receiver_status(rm->r[k]) == KVW_OK, "success with a non-OK status");
+            ok &= CHECK(kvw_room_status(kvw_receiver_room(rm->r[k])) == KVW_OK, "success with a non-OK status");
     }
     return ok;
 }
@@ -686,7 +687,7 @@ static bool d_verify(const inst_t *dec, const snap_t *snap, const inst_t *src, r
                     sd[s][b] = kvt_rank_data(&src->r[s], b);
                 ss[s] = kvt_ref_side(&src->r[s], &pp.side, sd[s]);
             }
-            kvw_chunk_t c = {.num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
+            kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
                              .prefix_len = 0, .last_chunk = 1};
             char msg[512];
             uint64_t per_src[MAXR] = {0};
@@ -699,9 +700,8 @@ static bool d_verify(const inst_t *dec, const snap_t *snap, const inst_t *src, r
                 for (uint32_t s = 0; s < src->n; s++)
                     want += per_src[s];
                 if (rm->r[k]) {
-                    kvw_room_metrics_t mt;
-                    memset(&mt, 0, sizeof(mt));
-                    kvw_receiver_metrics(rm->r[k], &mt);
+                    kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+                    kvw_room_metrics(kvw_receiver_room(rm->r[k]), &mt);
                     ok &= CHECK(mt.bytes == want, "room %llu decode rank %u: %llu bytes "
                                 "confirmed, the reference moves %llu", (unsigned long long)rm->id,
                                 k, (unsigned long long)mt.bytes, (unsigned long long)want);
@@ -854,7 +854,7 @@ static int sanity_prefill(env_t *e)
     CHECK(kvw_sender_create(in.ctx[0], rooms[0].id, &dup) == KVW_ERR_BUSY,
           "a second sender for room %llu was not refused with BUSY", (unsigned long long)rooms[0].id);
     if (dup)
-        kvw_sender_destroy(dup);
+        kvw_room_destroy(kvw_sender_room(dup));
     for (int i = 0; i < 4; i++)
         p_close(&in, &rooms[i]);
     p_end(e, &in, kvt_tmo_ms(20000));
@@ -888,7 +888,7 @@ static int sanity_decode(env_t *e)
           "a second receiver for room %llu was not refused with BUSY",
           (unsigned long long)rooms[0].id);
     if (dup)
-        kvw_receiver_destroy(dup);
+        kvw_room_destroy(kvw_receiver_room(dup));
     for (int i = 0; i < 4; i++)
         d_close(&d.dec, &rooms[i]);
     d_end(&d);
@@ -946,8 +946,8 @@ static int pdeath_decode(env_t *e)
             CHECK(wait_recv(rm.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
                       KVW_ROOM_TRANSFERRING,
                   "decode rank %u never saw the first chunk (state %s: %s)", k,
-                  kvw_room_state_string(kvw_receiver_poll(rm.r[k])),
-                  kvw_receiver_failure(rm.r[k]));
+                  kvw_room_state_string(kvw_room_poll(kvw_receiver_room(rm.r[k]))),
+                  kvw_room_failure(kvw_receiver_room(rm.r[k])));
         ch_tag(e->ch[0], "transferring");
         outcome = V_PARTIAL;
     } else {
@@ -966,19 +966,19 @@ static int pdeath_decode(env_t *e)
         CHECK(dt + 100 >= PEER_TIMEOUT_MS, "frozen peer declared dead after %llu ms, before "
               "the %u ms peer timeout", (unsigned long long)dt, PEER_TIMEOUT_MS);
     for (uint32_t k = 0; k < d.dec.n; k++) {
-        kvw_status_t st = kvw_receiver_status(rm.r[k]);
+        kvw_status_t st = kvw_room_status(kvw_receiver_room(rm.r[k]));
         CHECK(st != KVW_OK && st != KVW_INPROGRESS, "decode rank %u status %s", k,
               kvw_status_string(st));
     }
     /* The room never turns into SUCCESS later. */
     sleep_ms(200);
     for (uint32_t k = 0; k < d.dec.n; k++)
-        CHECK(kvw_receiver_poll(rm.r[k]) == KVW_ROOM_FAILED, "FAILED is not sticky");
+        CHECK(kvw_room_poll(kvw_receiver_room(rm.r[k])) == KVW_ROOM_FAILED, "FAILED is not sticky");
     /* A new room needing the dead prefill rank fails at once, with a reason. */
     room_t r2 = room_def(21, 4);
     rpages_t p;
     room_pages(false, r2.slot, r2.n, &p);
-    kvw_recv_post_t post = {.num_tokens = r2.n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = r2.n, .pages = p.side};
     for (uint32_t k = 0; k < d.dec.n; k++) {
         if (!CHECK(kvw_receiver_create(d.dec.ctx[k], r2.id, 0, &r2.r[k]) == KVW_OK,
                    "receiver_create after the prefill died: %s", kvw_last_error()))
@@ -989,12 +989,12 @@ static int pdeath_decode(env_t *e)
                       KVW_ROOM_FAILED,
                   "a room posted to a dead prefill did not fail");
         else
-            CHECK(kvw_last_error()[0] && kvw_receiver_poll(r2.r[k]) == KVW_ROOM_FAILED,
+            CHECK(kvw_last_error()[0] && kvw_room_poll(kvw_receiver_room(r2.r[k])) == KVW_ROOM_FAILED,
                   "post to a dead prefill: %s, room %s", kvw_status_string(st),
-                  kvw_room_state_string(kvw_receiver_poll(r2.r[k])));
+                  kvw_room_state_string(kvw_room_poll(kvw_receiver_room(r2.r[k]))));
         if (k == 0)
             say("posting to the dead prefill: %s (%s)", kvw_status_string(st),
-                kvw_receiver_failure(r2.r[k]));
+                kvw_room_failure(kvw_receiver_room(r2.r[k])));
     }
     room_t *rp[1] = {&rm};
     d_verify(&d.dec, &d.snap, &d.src, rp, &outcome, 1);
@@ -1094,7 +1094,7 @@ static int ddeath_victim(env_t *e)
     /* The bytes reach the decode even with the prefill-side bug, so no bug tag here. */
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     room_t *rp[1] = {&rm};
-    int out = kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+    int out = kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
     ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     d_close(&d.dec, &rm);
@@ -1125,14 +1125,14 @@ static int ddeath_second(env_t *e)
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
     room_t r3 = room_def(30, 2);
     room_t *rp[2] = {&rm, &r3};
-    int out[2] = {kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL, V_UNTOUCHED};
+    int out[2] = {kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL, V_UNTOUCHED};
     if (g_variant == 0) {
         if (ch_expect(e->ch[0], "again", NULL, kvt_tmo_ms(15000)))
             return 1;
         d_open_post(&d.dec, &r3, NULL);
         ch_tag(e->ch[0], "posted");
         d_expect(&d.dec, &r3, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
-        out[1] = kvw_receiver_poll(r3.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+        out[1] = kvw_room_poll(kvw_receiver_room(r3.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     }
     d_verify(&d.dec, &d.snap, &d.src, rp, out, 2);
     ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
@@ -1165,8 +1165,8 @@ static int dabort_prefill(env_t *e)
     p_expect(&in, &a, KVW_ROOM_FAILED, "abort", PEER_TIMEOUT_MS + SLACK_MS, NULL);
     p_expect(&in, &c, KVW_ROOM_FAILED, "abort", PEER_TIMEOUT_MS + SLACK_MS, NULL);
     for (uint32_t k = 0; k < in.n; k++) {
-        CHECK(kvw_sender_status(a.s[k]) == KVW_ERR_ABORTED, "aborted room status %s",
-              kvw_status_string(kvw_sender_status(a.s[k])));
+        CHECK(kvw_room_status(kvw_sender_room(a.s[k])) == KVW_ERR_ABORTED, "aborted room status %s",
+              kvw_status_string(kvw_room_status(kvw_sender_room(a.s[k]))));
     }
     /* Sending on an aborted room is refused; the healthy room goes through. */
     CHECK(p_send(&in, &a, 0, a.n, true, err, sizeof(err)) != KVW_OK,
@@ -1198,26 +1198,26 @@ static int dabort_decode(env_t *e)
     if (ch_expect(e->ch[0], "c1", NULL, kvt_tmo_ms(10000)))
         return 1;
     for (uint32_t k = 0; k < d.dec.n; k++)
-        kvw_receiver_abort(a.r[k]);
+        kvw_room_abort(kvw_receiver_room(a.r[k]));
     for (uint32_t k = 0; k < d.dec.n; k++)
         CHECK(wait_recv(c.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) == KVW_ROOM_TRANSFERRING,
-              "room C never started on decode rank %u: %s", k, kvw_receiver_failure(c.r[k]));
-    kvw_receiver_abort(c.r[0]); /* only decode rank 0 aborts C */
+              "room C never started on decode rank %u: %s", k, kvw_room_failure(kvw_receiver_room(c.r[k])));
+    kvw_room_abort(kvw_receiver_room(c.r[0])); /* only decode rank 0 aborts C */
     uint64_t t0 = now_ms();
     ch_tag(e->ch[0], "aborted");
     for (uint32_t k = 0; k < d.dec.n; k++) {
-        CHECK(kvw_receiver_poll(a.r[k]) == KVW_ROOM_FAILED &&
-                  kvw_receiver_status(a.r[k]) == KVW_ERR_ABORTED,
-              "locally aborted room A is %s / %s", kvw_room_state_string(kvw_receiver_poll(a.r[k])),
-              kvw_status_string(kvw_receiver_status(a.r[k])));
-        CHECK(kvt_contains(kvw_receiver_failure(a.r[k]), "abort"), "abort reason: %s",
-              kvw_receiver_failure(a.r[k]));
+        CHECK(kvw_room_poll(kvw_receiver_room(a.r[k])) == KVW_ROOM_FAILED &&
+                  kvw_room_status(kvw_receiver_room(a.r[k])) == KVW_ERR_ABORTED,
+              "locally aborted room A is %s / %s", kvw_room_state_string(kvw_room_poll(kvw_receiver_room(a.r[k]))),
+              kvw_status_string(kvw_room_status(kvw_receiver_room(a.r[k]))));
+        CHECK(kvt_contains(kvw_room_failure(kvw_receiver_room(a.r[k])), "abort"), "abort reason: %s",
+              kvw_room_failure(kvw_receiver_room(a.r[k])));
     }
     /* The other decode ranks of C hear of the failure from the prefill promptly, not
      * through their wait timeout. */
     d_expect(&d.dec, &c, KVW_ROOM_FAILED, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     uint64_t dt = now_ms() - t0;
-    const char *why1 = d.dec.n > 1 ? kvw_receiver_failure(c.r[1]) : "";
+    const char *why1 = d.dec.n > 1 ? kvw_room_failure(kvw_receiver_room(c.r[1])) : "";
     BUGCHECK("abort-propagation", !kvt_contains(why1, "timed out") && dt < WAIT_TIMEOUT_MS,
              "decode rank 1 did not abort room C and learned of decode rank 0's abort only "
              "through its own wait timeout, %llu ms later: %s", (unsigned long long)dt, why1);
@@ -1255,15 +1255,15 @@ static int pabort_prefill(env_t *e)
     if (ch_expect(e->ch[1], "transferring", NULL, kvt_tmo_ms(10000)))
         return 1;
     for (uint32_t k = 0; k < in.n; k++) {
-        kvw_sender_abort(dd.s[k]);
-        kvw_sender_abort(ff.s[k]);
+        kvw_room_abort(kvw_sender_room(dd.s[k]));
+        kvw_room_abort(kvw_sender_room(ff.s[k]));
     }
     for (uint32_t k = 0; k < in.n; k++)
-        CHECK(kvw_sender_poll(dd.s[k]) == KVW_ROOM_FAILED &&
-                  kvw_sender_status(dd.s[k]) == KVW_ERR_ABORTED &&
-                  kvt_contains(kvw_sender_failure(dd.s[k]), "abort"),
-              "locally aborted sender: %s / %s: %s", kvw_room_state_string(kvw_sender_poll(dd.s[k])),
-              kvw_status_string(kvw_sender_status(dd.s[k])), kvw_sender_failure(dd.s[k]));
+        CHECK(kvw_room_poll(kvw_sender_room(dd.s[k])) == KVW_ROOM_FAILED &&
+                  kvw_room_status(kvw_sender_room(dd.s[k])) == KVW_ERR_ABORTED &&
+                  kvt_contains(kvw_room_failure(kvw_sender_room(dd.s[k])), "abort"),
+              "locally aborted sender: %s / %s: %s", kvw_room_state_string(kvw_room_poll(kvw_sender_room(dd.s[k]))),
+              kvw_status_string(kvw_room_status(kvw_sender_room(dd.s[k]))), kvw_room_failure(kvw_sender_room(dd.s[k])));
     CHECK(p_send(&in, &ff, ff.n / 2, ff.n, true, err, sizeof(err)) != KVW_OK,
           "sending on an aborted room succeeded");
     p_send_all(&in, &ee);
@@ -1298,9 +1298,9 @@ static int pabort_decode(env_t *e)
     d_expect(&d.dec, &ff, KVW_ROOM_FAILED, "aborted by the prefill", PEER_TIMEOUT_MS + SLACK_MS,
              NULL);
     for (uint32_t k = 0; k < d.dec.n; k++)
-        CHECK(kvw_receiver_status(dd.r[k]) == KVW_ERR_ABORTED,
+        CHECK(kvw_room_status(kvw_receiver_room(dd.r[k])) == KVW_ERR_ABORTED,
               "room aborted by the prefill has status %s on the decode",
-              kvw_status_string(kvw_receiver_status(dd.r[k])));
+              kvw_status_string(kvw_room_status(kvw_receiver_room(dd.r[k]))));
     d_expect(&d.dec, &ee, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
     if (ch_expect(e->ch[0], "esent", NULL, kvt_tmo_ms(15000)))
         return 1;
@@ -1429,7 +1429,7 @@ static int hs_decode(env_t *e)
         kvt_rank_spec_t sp = {.model = &g_model, .layout = KVW_LAYOUT_NHD,
                               .page_size = {PAGE, PAGE}, .num_pages = {FULL_PAGES, SWA_PAGES},
                               .num_slots = MAX_SLOTS, .describe_only = 1};
-        sp.par = (kvw_parallel_t){.tp_size = 2, .pp_size = 1, .layer_end = 2, .dp_size = 1};
+        sp.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 2, .pp_size = 1, .layer_end = 2, .dp_size = 1};
         if (CHECK(kvt_rank_describe(&sp, &r3) == KVW_OK, "describe TP 2")) {
             r3.par.tp_size = 3;
             kvw_status_t st = kvt_rank_open(&r3);
@@ -1959,7 +1959,7 @@ static int stall_decode(env_t *e)
     room_t rm = room_def(80, 0);
     rpages_t p;
     room_pages(false, rm.slot, rm.n, &p);
-    kvw_recv_post_t post = {.num_tokens = rm.n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm.n, .pages = p.side};
     for (uint32_t k = 0; k < d.dec.n; k++) {
         CHECK(kvw_receiver_create(d.dec.ctx[k], rm.id, 0, &rm.r[k]) == KVW_OK, "create: %s",
               kvw_last_error());
@@ -1971,7 +1971,7 @@ static int stall_decode(env_t *e)
     ch_tag(e->ch[0], "posted");
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, "stall");
     room_t *rp[1] = {&rm};
-    int out = kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+    int out = kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
     d_close(&d.dec, &rm);
     d_end(&d);
@@ -2030,7 +2030,7 @@ static int badpages_decode(env_t *e)
         case BP_SWA_MISALIGNED: p.side.swa.first_token += 1; break;
         default: break;
         }
-        kvw_recv_post_t post = {.num_tokens = rm[i].n, .pages = p.side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm[i].n, .pages = p.side};
         post_err[i][0] = '\0';
         for (uint32_t k = 0; k < d.dec.n; k++) {
             CHECK(kvw_receiver_create(d.dec.ctx[k], rm[i].id, 0, &rm[i].r[k]) == KVW_OK,
@@ -2038,10 +2038,10 @@ static int badpages_decode(env_t *e)
             post_st[i][k] = kvw_receiver_post(rm[i].r[k], &post);
             if (post_st[i][k] != KVW_OK) {
                 snprintf(post_err[i], sizeof(post_err[i]), "%s", kvw_last_error());
-                CHECK(post_err[i][0] && kvw_receiver_poll(rm[i].r[k]) == KVW_ROOM_FAILED,
+                CHECK(post_err[i][0] && kvw_room_poll(kvw_receiver_room(rm[i].r[k])) == KVW_ROOM_FAILED,
                       "%s: post returned %s, room %s, message '%s'", what[i],
                       kvw_status_string(post_st[i][k]),
-                      kvw_room_state_string(kvw_receiver_poll(rm[i].r[k])), post_err[i]);
+                      kvw_room_state_string(kvw_room_poll(kvw_receiver_room(rm[i].r[k]))), post_err[i]);
             }
         }
         if (i == BP_HEALTHY)
@@ -2053,7 +2053,7 @@ static int badpages_decode(env_t *e)
                  WAIT_TIMEOUT_MS + SLACK_MS, NULL);
         if (i != BP_HEALTHY)
             say("%s: post %s%s%s; room: %s", what[i], kvw_status_string(post_st[i][0]),
-                post_err[i][0] ? ": " : "", post_err[i], kvw_receiver_failure(rm[i].r[0]));
+                post_err[i][0] ? ": " : "", post_err[i], kvw_room_failure(kvw_receiver_room(rm[i].r[0])));
     }
     /* An index beyond the pool may be refused when posting or by the prefill's plan;
      * either way the room fails with a reason (checked above). */
@@ -2101,11 +2101,11 @@ static int timeout_prefill(env_t *e)
     uint64_t dt = now_ms() - t0;
     CHECK(dt + 150 >= WAIT_TIMEOUT_MS, "prefill rooms timed out after %llu ms, before the %u ms "
           "wait timeout", (unsigned long long)dt, WAIT_TIMEOUT_MS);
-    CHECK(kvt_contains(kvw_sender_failure(r2.s[0]), "no decode rank posted"),
-          "the reason does not say what the room waited for: %s", kvw_sender_failure(r2.s[0]));
+    CHECK(kvt_contains(kvw_room_failure(kvw_sender_room(r2.s[0])), "no decode rank posted"),
+          "the reason does not say what the room waited for: %s", kvw_room_failure(kvw_sender_room(r2.s[0])));
     for (uint32_t k = 0; k < in.n; k++)
-        CHECK(kvw_sender_status(r2.s[k]) == KVW_ERR_TIMEOUT, "timed-out room status %s",
-              kvw_status_string(kvw_sender_status(r2.s[k])));
+        CHECK(kvw_room_status(kvw_sender_room(r2.s[k])) == KVW_ERR_TIMEOUT, "timed-out room status %s",
+              kvw_status_string(kvw_room_status(kvw_sender_room(r2.s[k]))));
     ch_tag(e->ch[1], "done");
     p_close(&in, &r2);
     p_close(&in, &r3);
@@ -2134,7 +2134,7 @@ static int timeout_decode(env_t *e)
     /* Its own timer fires, or another rank's timeout reaches it through the prefill
      * (the reason still says "timed out", checked above). */
     for (uint32_t k = 0; k < d.dec.n; k++) {
-        kvw_status_t st = kvw_receiver_status(r1.r[k]);
+        kvw_status_t st = kvw_room_status(kvw_receiver_room(r1.r[k]));
         CHECK(st == KVW_ERR_TIMEOUT || st == KVW_ERR_REMOTE_FAILED || st == KVW_ERR_ABORTED,
               "timed-out room status %s", kvw_status_string(st));
     }
@@ -2193,7 +2193,7 @@ static int slowchunk_decode(env_t *e)
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, 3 * WAIT_TIMEOUT_MS, "slow-chunks");
     ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     room_t *rp[1] = {&rm};
-    int out = kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+    int out = kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
     d_close(&d.dec, &rm);
     d_end(&d);
@@ -2493,7 +2493,7 @@ static int mitm_prefill(env_t *e)
         p_expect(&in, &r2, KVW_ROOM_SUCCESS, NULL, kvt_tmo_ms(10000), NULL);
         kvw_room_state_t s = wait_send(r1.s[0], kvt_tmo_ms(10000));
         say("prefill sender of the tampered room: %s %s", kvw_room_state_string(s),
-            kvw_sender_failure(r1.s[0]));
+            kvw_room_failure(kvw_sender_room(r1.s[0])));
         ch_tag(e->ch[1], "sent");
     }
     p_close(&in, &r1);
@@ -2534,7 +2534,7 @@ static int mitm_decode(env_t *e)
              * the REQ names. Record what happened; everything else must be exact. */
             say("NOTE: REQ rewritten in transit to page %u: decode room %s%s%s; page %u %s", foreign,
                 kvw_room_state_string(s), s == KVW_ROOM_FAILED ? ": " : "",
-                kvw_receiver_failure(r1.r[0]), foreign,
+                kvw_room_failure(kvw_receiver_room(r1.r[0])), foreign,
                 landed ? "WRITTEN (shm has no receiver-side check; expected limitation)"
                        : "untouched");
             g_ignore_full_page = foreign;
@@ -2564,7 +2564,7 @@ static int mitm_decode(env_t *e)
             d_verify(&d.dec, &d.snap, &d.src, rp, o, 2);
         } else {
             if (landed)
-                say("NOTE: shm: after kvw_receiver_destroy, a prefill that has not seen the "
+                say("NOTE: shm: after kvw_room_destroy, a prefill that has not seen the "
                     "ABORT still writes the destroyed room's pages (one-sided writes, no "
                     "receiver-side check)");
             int o[2] = {V_PARTIAL, V_OK};
@@ -2618,7 +2618,7 @@ static kvw_status_t p_send_rank(inst_t *in, room_t *rm, uint32_t k)
 {
     rpages_t p;
     room_pages(true, rm->slot, rm->n, &p);
-    kvw_send_chunk_t c = {.num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
                           .last_chunk = 1, .pages = p.side};
     (void)in;
     kvw_status_t st = kvw_sender_send(rm->s[k], &c);
@@ -2644,17 +2644,17 @@ static int leave_prefill(env_t *e)
     p_send_rank(&in, &ra, 1);
     p_send_rank(&in, &rb, 1);
     CHECK(wait_send(ra.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
-          kvw_sender_failure(ra.s[1]));
+          kvw_room_failure(kvw_sender_room(ra.s[1])));
     CHECK(wait_send(rb.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
-          kvw_sender_failure(rb.s[1]));
+          kvw_room_failure(kvw_sender_room(rb.s[1])));
     ch_tag(e->ch[1], "sent1");
     if (ch_expect(e->ch[1], "left1", NULL, kvt_tmo_ms(15000)))
         return 1;
     /* Let prefill rank 0 see the departure first (the case also holds if it has not). */
     sleep_ms(300);
-    CHECK(kvw_sender_poll(ra.s[0]) == KVW_ROOM_WAITING_FOR_INPUT,
+    CHECK(kvw_room_poll(kvw_sender_room(ra.s[0])) == KVW_ROOM_WAITING_FOR_INPUT,
           "room A rank 0 changed state when an unrelated decode rank left: %s (%s)",
-          kvw_room_state_string(kvw_sender_poll(ra.s[0])), kvw_sender_failure(ra.s[0]));
+          kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[0]))), kvw_room_failure(kvw_sender_room(ra.s[0])));
     CHECK(kvw_sender_create(in.ctx[0], rb.id, &rb.s[0]) == KVW_OK, "sender B rank 0: %s",
           kvw_last_error());
     p_send_rank(&in, &ra, 0);
@@ -2666,10 +2666,10 @@ static int leave_prefill(env_t *e)
     /* Both decode ranks are gone now: finished rooms stay finished. */
     sleep_ms(300);
     for (uint32_t k = 0; k < 2; k++) {
-        CHECK(kvw_sender_poll(ra.s[k]) == KVW_ROOM_SUCCESS, "room A rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_sender_poll(ra.s[k])), kvw_sender_failure(ra.s[k]));
-        CHECK(kvw_sender_poll(rb.s[k]) == KVW_ROOM_SUCCESS, "room B rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_sender_poll(rb.s[k])), kvw_sender_failure(rb.s[k]));
+        CHECK(kvw_room_poll(kvw_sender_room(ra.s[k])) == KVW_ROOM_SUCCESS, "room A rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[k]))), kvw_room_failure(kvw_sender_room(ra.s[k])));
+        CHECK(kvw_room_poll(kvw_sender_room(rb.s[k])) == KVW_ROOM_SUCCESS, "room B rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(rb.s[k]))), kvw_room_failure(kvw_sender_room(rb.s[k])));
     }
     p_close(&in, &ra);
     p_close(&in, &rb);
@@ -2691,21 +2691,21 @@ static int leave_decode(env_t *e)
         return 1;
     CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
           "room A rank 1: %s",
-          kvw_receiver_failure(ra.r[1]));
+          kvw_room_failure(kvw_receiver_room(ra.r[1])));
     CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
           "room B rank 1: %s",
-          kvw_receiver_failure(rb.r[1]));
+          kvw_room_failure(kvw_receiver_room(rb.r[1])));
     /* Decode rank 1 leaves: its rooms are done, its context goes away. */
-    kvw_receiver_destroy(ra.r[1]);
-    kvw_receiver_destroy(rb.r[1]);
+    kvw_room_destroy(kvw_receiver_room(ra.r[1]));
+    kvw_room_destroy(kvw_receiver_room(rb.r[1]));
     ra.r[1] = rb.r[1] = NULL;
     kvw_ctx_destroy(d.dec.ctx[1]);
     d.dec.ctx[1] = NULL;
     ch_tag(e->ch[0], "left1");
     CHECK(wait_recv(ra.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
-          "room A rank 0: %s", kvw_receiver_failure(ra.r[0]));
+          "room A rank 0: %s", kvw_room_failure(kvw_receiver_room(ra.r[0])));
     CHECK(wait_recv(rb.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
-          "room B rank 0: %s", kvw_receiver_failure(rb.r[0]));
+          "room B rank 0: %s", kvw_room_failure(kvw_receiver_room(rb.r[0])));
     room_t *rp[2] = {&ra, &rb};
     int out[2] = {V_OK, V_OK};
     if (d_verify(&d.dec, &d.snap, &d.src, rp, out, 2))

@@ -64,7 +64,7 @@ static void foreign_abort(uint64_t id)
     pthread_mutex_unlock(&b->mu);
     kvw_receiver_h h = NULL;
     CHECK(kvw_receiver_create(g_b, id + 1000, 0, &h) == KVW_OK, "%s", kvw_last_error());
-    kvw_recv_post_t post = {.num_tokens = TOKENS, .prefix_len = 0, .pages = g_bpages->side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS, .prefix_len = 0, .pages = g_bpages->side};
     CHECK(kvw_receiver_post(h, &post) == KVW_OK, "%s", kvw_last_error());
     wait_prefill_room(id + 1000);
     g_bsync = h;
@@ -122,7 +122,7 @@ int main(void)
     CHECK(kvt_req_pages_make(&da, &rs, &rng, &pa) == 0, "pages");
     CHECK(kvt_req_pages_make(&db, &rs, &rng, &pb) == 0, "pages");
     kvw_receiver_h ra = NULL, rb = NULL;
-    kvw_recv_post_t post = {.num_tokens = TOKENS, .prefix_len = 0, .pages = pa.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS, .prefix_len = 0, .pages = pa.side};
     CHECK(kvw_receiver_create(a, 5, 0, &ra) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(ra, &post) == KVW_OK, "%s", kvw_last_error());
     wait_prefill_room(5); /* A's request is the first the prefill rank sees */
@@ -131,19 +131,19 @@ int main(void)
     CHECK(kvw_receiver_post(rb, &post) == KVW_OK, "%s", kvw_last_error());
     kvw_room_state_t sa = ip_wait_recv(ra, DEADLINE_NS), sb = ip_wait_recv(rb, DEADLINE_NS);
     const char *want = "posted for DP group 0, but the room belongs to instance 1 group 0";
-    CHECK(sa == KVW_ROOM_FAILED && kvt_contains(kvw_receiver_failure(ra), want),
-          "owner: %s: %s", kvw_room_state_string(sa), kvw_receiver_failure(ra));
-    CHECK(sb == KVW_ROOM_FAILED && kvt_contains(kvw_receiver_failure(rb), want) &&
-              kvt_contains(kvw_receiver_failure(rb), "decode instance 2"),
-          "second claimant: %s: %s", kvw_room_state_string(sb), kvw_receiver_failure(rb));
+    CHECK(sa == KVW_ROOM_FAILED && kvt_contains(kvw_room_failure(kvw_receiver_room(ra)), want),
+          "owner: %s: %s", kvw_room_state_string(sa), kvw_room_failure(kvw_receiver_room(ra)));
+    CHECK(sb == KVW_ROOM_FAILED && kvt_contains(kvw_room_failure(kvw_receiver_room(rb)), want) &&
+              kvt_contains(kvw_room_failure(kvw_receiver_room(rb)), "decode instance 2"),
+          "second claimant: %s: %s", kvw_room_state_string(sb), kvw_room_failure(kvw_receiver_room(rb)));
     kvw_sender_h s5 = NULL;
     CHECK(kvw_sender_create(pctx, 5, &s5) == KVW_OK, "%s", kvw_last_error());
-    CHECK(kvw_sender_poll(s5) == KVW_ROOM_FAILED && kvt_contains(kvw_sender_failure(s5), want),
-          "prefill: %s: %s", kvw_room_state_string(kvw_sender_poll(s5)),
-          kvw_sender_failure(s5));
-    kvw_sender_destroy(s5);
-    kvw_receiver_destroy(ra);
-    kvw_receiver_destroy(rb);
+    CHECK(kvw_room_poll(kvw_sender_room(s5)) == KVW_ROOM_FAILED && kvt_contains(kvw_room_failure(kvw_sender_room(s5)), want),
+          "prefill: %s: %s", kvw_room_state_string(kvw_room_poll(kvw_sender_room(s5))),
+          kvw_room_failure(kvw_sender_room(s5)));
+    kvw_room_destroy(kvw_sender_room(s5));
+    kvw_room_destroy(kvw_receiver_room(ra));
+    kvw_room_destroy(kvw_receiver_room(rb));
     kvt_req_pages_free(&pa);
     kvt_req_pages_free(&pb);
 
@@ -152,7 +152,7 @@ int main(void)
     CHECK(kvt_req_pages_make(&db, &rs, &rng, &bp) == 0, "pages");
     g_bpages = &bp;
     one_room(pctx, &src, a, &da, 6, foreign_abort);
-    kvw_receiver_destroy(g_bsync);
+    kvw_room_destroy(kvw_receiver_room(g_bsync));
     kvt_req_pages_free(&bp);
 
     /* 3. A's identity, reused while A lives. */

@@ -148,10 +148,10 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
     uint32_t *zeros = calloc(KVW_MAX(nf, ns), sizeof(uint32_t));
     if (zeros == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory scattering");
-    kvw_side_pages_t fake = {.full = {zeros, (uint32_t)nf, 0}, .swa = {zeros, (uint32_t)ns, 0},
-                             .state_slot = 0};
+    kvw_side_pages_t fake = {.full = {.pages = zeros, .num_pages = (uint32_t)nf},
+                             .swa = {.pages = zeros, .num_pages = (uint32_t)ns}, .state_slot = 0};
     kvw_plan_h plan;
-    kvw_status_t st = kvw_plan_create(src, ctx->rank, c, &fake, &r->post_pages, &plan);
+    kvw_status_t st = kvw__plan_create(src, ctx->rank, c, &fake, &r->post_pages, &plan);
     if (st == KVW_OK) {
         st = kvw__stage_move(ctx, plan, false, ctx->staging + goff, soff, soff + slen);
         kvw_plan_destroy(plan);
