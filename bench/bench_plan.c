@@ -129,7 +129,8 @@ static void side_free(side_t *s)
 
 static kvw_chunk_t whole_request(void)
 {
-    kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = tokens, .chunk_begin = 0, .chunk_end = tokens,
+    kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = tokens, .chunk_begin = 0,
+                      .chunk_end = tokens,
                       .prefix_len = 0, .last_chunk = 1};
     return ch;
 }

@@ -60,7 +60,8 @@ static kvt_rank_spec_t rank_spec(const kvt_model_t *m, uint64_t tokens)
     uint32_t pages = (uint32_t)((tokens + 63) / 64 + 1);
     kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {64, 64},
                          .num_pages = {pages, pages}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1, .layer_end = m->m.num_layers,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1,
+                             .layer_end = m->m.num_layers,
                              .dp_size = 1};
     return s;
 }
@@ -128,7 +129,8 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
         if (kvt_read_full(cmd, &room, sizeof(room)) || room == 0)
             break;
         kvw_receiver_h rcv = NULL;
-        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens, .pages = dp.side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens,
+                                .pages = dp.side};
         int ok = kvw_receiver_create(ctx, room, 0, &rcv) == KVW_OK &&
                  kvw_receiver_post(rcv, &post) == KVW_OK;
         uint64_t posted = ok;
@@ -159,7 +161,8 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
                 sd[b] = kvt_rank_data(&src, b);
             kvt_ref_side_t ss = kvt_ref_side(&src, &sp.side, sd);
             kvt_ref_side_t ds = kvt_ref_side(&dst, &dp.side, exp.data);
-            kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens, .chunk_end = c->tokens,
+            kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                                 .chunk_end = c->tokens,
                                  .last_chunk = 1};
             char msg[512];
             int bad = pulled != 0 || kvt_ref_transfer(&m->m, &ss, 1, &ds, &whole, NULL, NULL, msg,
@@ -318,7 +321,8 @@ int main(int argc, char **argv)
     if (kvt_write_full(to_child[1], bs, sizeof(bs)))
         goto out;
     kvt_req_pages_t sp = pages_of(&src, c.tokens, 10);
-    kvw_send_chunk_t ch = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = c.tokens, .chunk_end = c.tokens, .last_chunk = 1,
+    kvw_send_chunk_t ch = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = c.tokens,
+                           .chunk_end = c.tokens, .last_chunk = 1,
                            .pages = sp.side};
     /* Per mode (0 streamed, 1 after): tails, transfer times (after only), forward pass. */
     uint64_t tail[2][MAXREPS], xfer[MAXREPS], fwd[2][MAXREPS], bytes = 0;

@@ -158,7 +158,8 @@ __attribute__((unused)) static kvt_rank_t *fzc_rank_build(const fzc_rank_cfg_t *
                          .num_pages = {FZC_FULL_PAGES, FZC_SWA_PAGES},
                          .num_slots = FZC_SLOTS, .fused_kv = c->fused,
                          .describe_only = c->describe_only};
-    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = c->tp, .tp_rank = c->rank, .pp_size = 1, .pp_rank = 0,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = c->tp,
+                             .tp_rank = c->rank, .pp_size = 1, .pp_rank = 0,
                              .layer_begin = 0, .layer_end = model.m.num_layers, .dp_size = 1,
                              .dp_rank = 0};
     kvt_rank_t *r = calloc(1, sizeof(*r));
@@ -397,7 +398,8 @@ __attribute__((unused)) static kvw_peer_t *fzc_peer_add(struct kvw_ctx *ctx, kvw
     /* Whether the pair exchanges bytes, as the handshake decides it. */
     kvw_rank_h src = ctx->side == KVW_SIDE_PREFILL ? ctx->rank : remote;
     kvw_rank_h dst = ctx->side == KVW_SIDE_PREFILL ? remote : ctx->rank;
-    kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 1, .chunk_begin = 0, .chunk_end = 1, .last_chunk = 1};
+    kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 1, .chunk_begin = 0,
+                     .chunk_end = 1, .last_chunk = 1};
     kvw_plan_h plan;
     if (kvw__plan_create_nopages(src, dst, &c, &plan) == KVW_OK) {
         p->needed = plan->num_segs > 0;

@@ -200,7 +200,8 @@ static void test_plan_masks(const kvt_rank_t *src, const kvt_rank_t *dst)
     kvt_rng_t rng = {5};
     kvt_req_spec_t rs = {.full_end = 50, .swa_end = 50, .state_slot = -1};
     kvt_req_pages_t sp, dp;
-    CHECK(kvt_req_pages_make(src, &rs, &rng, &sp) == 0 && kvt_req_pages_make(dst, &rs, &rng, &dp) == 0,
+    CHECK(kvt_req_pages_make(src, &rs, &rng, &sp) == 0 && kvt_req_pages_make(dst, &rs, &rng,
+                                                                             &dp) == 0,
           "pages");
     const kvw_chunk_t full = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 50,
                               .chunk_end = 50, .last_chunk = 1};
@@ -299,7 +300,8 @@ static void test_run_masks(const kvt_rank_t *src, const kvt_rank_t *dst)
     kvt_rng_t rng = {6};
     kvt_req_spec_t rs = {.full_end = 20, .swa_end = 20, .state_slot = -1};
     kvt_req_pages_t sp, dp;
-    CHECK(kvt_req_pages_make(src, &rs, &rng, &sp) == 0 && kvt_req_pages_make(dst, &rs, &rng, &dp) == 0,
+    CHECK(kvt_req_pages_make(src, &rs, &rng, &sp) == 0 && kvt_req_pages_make(dst, &rs, &rng,
+                                                                             &dp) == 0,
           "pages");
     kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELD_NUM_TOKENS, .num_tokens = 20};
     kvw_plan_h plan = NULL;
@@ -375,7 +377,8 @@ static void test_room_handle(env_t *e)
           kvw_room_state_string(kvw_room_wait(rr, 0)));
 
     /* Post: prefix_len left out (0) although the memory says 30. */
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELD_NUM_TOKENS | KVW_RECV_POST_FIELD_PAGES,
+    kvw_recv_post_t post = {.field_mask =
+                                KVW_RECV_POST_FIELD_NUM_TOKENS | KVW_RECV_POST_FIELD_PAGES,
                             .num_tokens = TOKENS, .prefix_len = 30, .pages = dp.side};
     kvw_recv_post_t bad = post;
     bad.field_mask |= UNKNOWN_BIT;
@@ -389,13 +392,15 @@ static void test_room_handle(env_t *e)
     bad.pages.full.field_mask |= UNKNOWN_BIT;
     expect_refused(kvw_receiver_post(rcv, &bad), "post, unknown bit in its pages",
                    "post->pages.full: kvw_pages_t", "0x10000000000", NULL);
-    CHECK(kvw_room_poll(rr) == KVW_ROOM_BOOTSTRAPPING || kvw_room_poll(rr) == KVW_ROOM_WAITING_FOR_INPUT,
+    CHECK(kvw_room_poll(rr) == KVW_ROOM_BOOTSTRAPPING ||
+          kvw_room_poll(rr) == KVW_ROOM_WAITING_FOR_INPUT,
           "a refused post changed the room: %s", kvw_room_state_string(kvw_room_poll(rr)));
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "post: %s", kvw_last_error());
 
     /* Send: the chunk range and last_chunk left out (the whole request, last) although
      * the memory says [10, 20) and not last; the state slot left out (none). */
-    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELD_NUM_TOKENS | KVW_SEND_CHUNK_FIELD_PAGES,
+    kvw_send_chunk_t c = {.field_mask =
+                              KVW_SEND_CHUNK_FIELD_NUM_TOKENS | KVW_SEND_CHUNK_FIELD_PAGES,
                           .num_tokens = TOKENS, .chunk_begin = 10, .chunk_end = 20,
                           .last_chunk = 0, .pages = sp.side};
     c.pages.field_mask &= ~(uint64_t)KVW_SIDE_PAGES_FIELD_STATE_SLOT;

@@ -77,10 +77,12 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
     kvt_copy_make(dst, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd[2] = {NULL, NULL};
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 40, .prefix_len = 0, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 40,
+                            .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_create(dctx, 5, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
-    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = 40, .chunk_begin = 0, .chunk_end = 40, .last_chunk = 1,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = 40,
+                          .chunk_begin = 0, .chunk_end = 40, .last_chunk = 1,
                           .pages = sp.side};
     for (int k = 0; k < 2; k++) {
         CHECK(kvw_sender_create(pctx[k], 5, &snd[k]) == KVW_OK, "%s", kvw_last_error());
@@ -116,7 +118,8 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
     CHECK(dm.hop_ns[KVW_HOP_WORKER] == 0 && dm.hop_ns[KVW_HOP_ACK_RX] == 0,
           "receiver has prefill hops");
     /* A terminal room: wait returns at once, also with a zero timeout. */
-    CHECK(kvw_room_wait(kvw_receiver_room(rcv), 0) == KVW_ROOM_SUCCESS, "wait(0) on a finished room");
+    CHECK(kvw_room_wait(kvw_receiver_room(rcv), 0) == KVW_ROOM_SUCCESS,
+          "wait(0) on a finished room");
     uint64_t per_src[2] = {0, 0};
     ip_ref(&model, src, 2, &sp.side, dst, &dp.side, expect.data, 40, per_src);
     CHECK(per_src[0] > 0 && per_src[1] > 0, "both prefill ranks must contribute heads");
@@ -190,7 +193,10 @@ int main(void)
         kvw_receiver_h idle = NULL;
         uint32_t pg[3] = {0, 1, 2};
         kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 40,
-                                .pages = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL, .full = {KVW_PAGES_FIELDS_ALL, pg, 3, 0}, .swa = {KVW_PAGES_FIELDS_ALL, pg, 3, 0}, .state_slot = -1}};
+                                .pages = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                                          .full = {KVW_PAGES_FIELDS_ALL, pg, 3,
+                                                   0}, .swa = {KVW_PAGES_FIELDS_ALL, pg, 3,
+                                                               0}, .state_slot = -1}};
         CHECK(kvw_receiver_create(dctx, 9, 0, &idle) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_receiver_post(idle, &post) == KVW_OK, "%s", kvw_last_error());
         kvw_room_state_t ws = kvw_room_wait(kvw_receiver_room(idle), kvt_tmo_ms(300));

@@ -188,7 +188,8 @@ static void run(const char *tl_name)
     kvt_copy_make(&dst, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd = NULL;
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS, .prefix_len = 0, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
+                            .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_create(dctx, ROOM, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
 
@@ -231,7 +232,8 @@ static void run(const char *tl_name)
     /* Only now does the real prefill rank send. Had a forged completion counted, the
      * room would be Success with stale bytes, or Failed for a second completion. */
     CHECK(kvw_sender_create(pctx, ROOM, &snd) == KVW_OK, "%s", kvw_last_error());
-    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = TOKENS, .chunk_begin = 0, .chunk_end = TOKENS,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = TOKENS,
+                          .chunk_begin = 0, .chunk_end = TOKENS,
                           .last_chunk = 1, .pages = sp.side};
     CHECK(kvw_sender_send(snd, &c) == KVW_OK, "%s", kvw_last_error());
     kvw_room_state_t rst = ip_wait_recv(rcv, DEADLINE_NS);

@@ -39,7 +39,8 @@ static kvw_status_t grank_make(uint32_t tp, uint32_t rank, bool gpu, uint64_t se
     memset(g, 0, sizeof(*g));
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {64, 64}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = rank,
+                             .pp_size = 1, .layer_begin = 0,
                              .layer_end = model.m.num_layers, .dp_size = 1};
     kvw_status_t st = kvt_rank_build(&s, &g->r);
     if (st != KVW_OK)
@@ -132,13 +133,15 @@ static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_g
             kvt_copy_make(&dst[i].r, &expect[i]);
         kvw_receiver_h rcv[2] = {NULL, NULL};
         kvw_sender_h snd[2] = {NULL, NULL};
-        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens, .prefix_len = 0, .pages = dp.side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens,
+                                .prefix_len = 0, .pages = dp.side};
         for (uint32_t i = 0; i < D; i++) {
             CHECK(kvw_receiver_create(dctx[i], room, 0, &rcv[i]) == KVW_OK, "%s",
                   kvw_last_error());
             CHECK(kvw_receiver_post(rcv[i], &post) == KVW_OK, "%s", kvw_last_error());
         }
-        kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = tokens, .chunk_begin = 0, .chunk_end = tokens,
+        kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = tokens,
+                              .chunk_begin = 0, .chunk_end = tokens,
                               .last_chunk = 1, .pages = sp.side};
         for (uint32_t i = 0; i < S; i++) {
             CHECK(kvw_sender_create(pctx[i], room, &snd[i]) == KVW_OK, "%s", kvw_last_error());
@@ -217,9 +220,11 @@ static void events(const char *tl)
     kvt_req_pages_t sp, dp;
     CHECK(kvt_req_pages_make(&src.r, &rs, &rng, &sp) == 0 &&
               kvt_req_pages_make(&dst.r, &rs, &rng, &dp) == 0, "pages");
-    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = tokens, .chunk_end = tokens, .last_chunk = 1,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = tokens,
+                          .chunk_end = tokens, .last_chunk = 1,
                           .pages = sp.side};
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens,
+                            .pages = dp.side};
     void *ev[4] = {NULL, NULL, NULL, NULL};
     for (int i = 0; i < 4; i++)
         CHECK(kvw__cuda_event_create(&ev[i]) == KVW_OK, "%s", kvw_last_error());
@@ -243,7 +248,8 @@ static void events(const char *tl)
           "%s: the room ended (%s) before its events completed", tl, kvw_room_state_string(st));
     CHECK(kvw__cuda_event_record(ev[1], NULL) == KVW_OK, "%s", kvw_last_error());
     usleep(100000);
-    CHECK(kvw_room_poll(kvw_receiver_room(rcv)) != KVW_ROOM_SUCCESS, "%s: Success with layer 0 unmarked", tl);
+    CHECK(kvw_room_poll(kvw_receiver_room(rcv)) != KVW_ROOM_SUCCESS,
+          "%s: Success with layer 0 unmarked", tl);
     CHECK(kvw__cuda_event_record(ev[0], NULL) == KVW_OK, "%s", kvw_last_error());
     st = ip_wait_recv(rcv, kvt_tmo_ns(60ull * 1000000000ull));
     CHECK(st == KVW_ROOM_SUCCESS, "%s: events room ended %s: %s", tl, kvw_room_state_string(st),
@@ -305,7 +311,8 @@ static void events(const char *tl)
                   kvt_contains(kvw_room_failure(kvw_sender_room(snd)), "waits for layer 1") &&
                   kvt_contains(kvw_room_failure(kvw_sender_room(snd)), "CUDA event"),
               "%s: never-complete event: %s: %s", tl,
-              kvw_room_state_string(kvw_room_poll(kvw_sender_room(snd))), kvw_room_failure(kvw_sender_room(snd)));
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(snd))),
+              kvw_room_failure(kvw_sender_room(snd)));
         kvw_room_destroy(kvw_sender_room(snd));
         kvw_room_destroy(kvw_receiver_room(rcv));
     }
@@ -349,7 +356,8 @@ static void refusals(void)
     memset(&m, 0, sizeof(m));
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {8, 8}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1, .layer_end = model.m.num_layers,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1,
+                             .layer_end = model.m.num_layers,
                              .dp_size = 1};
     CHECK(kvt_rank_describe(&s, &m.r) == KVW_OK, "%s", kvw_last_error());
     m.r.bufs[0].mem_kind = KVW_MEM_CUDA;

@@ -90,12 +90,14 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
     kvt_copy_make(&dst, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd = NULL;
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS, .prefix_len = 0, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
+                            .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_create(dctx, 5, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_sender_create(pctx, 5, &snd) == KVW_OK, "%s", kvw_last_error());
     /* Two chunks: the second must not be mistaken for a rewrite of the first. */
-    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = TOKENS, .chunk_begin = 0, .chunk_end = 50,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = TOKENS,
+                          .chunk_begin = 0, .chunk_end = 50,
                           .pages = sp.side};
     CHECK(kvw_sender_send(snd, &c) == KVW_OK, "%s", kvw_last_error());
     c.chunk_begin = 50;
@@ -106,7 +108,8 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
     CHECK(sst2 == KVW_OK || hostile, "%s", kvw_last_error());
     uint64_t t0 = kvt_now_ns();
     kvw_room_state_t rst, sst;
-    while ((!terminal(rst = kvw_room_poll(kvw_receiver_room(rcv))) || !terminal(sst = kvw_room_poll(kvw_sender_room(snd)))) &&
+    while ((!terminal(rst = kvw_room_poll(kvw_receiver_room(rcv))) ||
+            !terminal(sst = kvw_room_poll(kvw_sender_room(snd)))) &&
            kvt_now_ns() - t0 < DEADLINE_NS)
         usleep(1000);
     sst = kvw_room_poll(kvw_sender_room(snd));

@@ -279,7 +279,8 @@ static kvw_status_t inst_build(inst_t *in, const kvt_model_t *m, uint32_t tp, bo
                              .page_size = {PAGE, PAGE},
                              .num_pages = {FULL_PAGES, SWA_PAGES},
                              .num_slots = MAX_SLOTS};
-        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                 .tp_rank = t, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = in->model.m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         kvw_status_t st = kvt_rank_build(&s, &in->r[t]);
@@ -451,7 +452,8 @@ static kvw_status_t p_send(inst_t *in, room_t *rm, uint64_t b, uint64_t e, bool 
 {
     rpages_t p;
     room_pages(true, rm->slot, rm->n, &p);
-    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = rm->n, .chunk_begin = b, .chunk_end = e,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = rm->n,
+                          .chunk_begin = b, .chunk_end = e,
                           .last_chunk = last, .pages = p.side};
     kvw_status_t first = KVW_OK;
     for (uint32_t k = 0; k < in->n; k++) {
@@ -487,7 +489,8 @@ static bool d_open_post(inst_t *in, room_t *rm, const kvw_side_pages_t *override
     bool ok = true;
     rpages_t p;
     room_pages(false, rm->slot, rm->n, &p);
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm->n, .prefix_len = 0,
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm->n,
+                            .prefix_len = 0,
                             .pages = override ? *override : p.side};
     for (uint32_t k = 0; k < in->n; k++) {
         ok &= CHECK(kvw_receiver_create(in->ctx[k], rm->id, 0, &rm->r[k]) == KVW_OK,
@@ -603,7 +606,8 @@ static bool d_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *
                     (unsigned long long)(now_ms() - t0), why);
         }
         if (s == KVW_ROOM_SUCCESS && want == KVW_ROOM_SUCCESS)
-            ok &= CHECK(kvw_room_status(kvw_receiver_room(rm->r[k])) == KVW_OK, "success with a non-OK status");
+            ok &= CHECK(kvw_room_status(kvw_receiver_room(rm->r[k])) == KVW_OK,
+                        "success with a non-OK status");
     }
     return ok;
 }
@@ -687,7 +691,8 @@ static bool d_verify(const inst_t *dec, const snap_t *snap, const inst_t *src, r
                     sd[s][b] = kvt_rank_data(&src->r[s], b);
                 ss[s] = kvt_ref_side(&src->r[s], &pp.side, sd[s]);
             }
-            kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
+            kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = rm->n,
+                             .chunk_begin = 0, .chunk_end = rm->n,
                              .prefix_len = 0, .last_chunk = 1};
             char msg[512];
             uint64_t per_src[MAXR] = {0};
@@ -978,7 +983,8 @@ static int pdeath_decode(env_t *e)
     room_t r2 = room_def(21, 4);
     rpages_t p;
     room_pages(false, r2.slot, r2.n, &p);
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = r2.n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = r2.n,
+                            .pages = p.side};
     for (uint32_t k = 0; k < d.dec.n; k++) {
         if (!CHECK(kvw_receiver_create(d.dec.ctx[k], r2.id, 0, &r2.r[k]) == KVW_OK,
                    "receiver_create after the prefill died: %s", kvw_last_error()))
@@ -989,7 +995,8 @@ static int pdeath_decode(env_t *e)
                       KVW_ROOM_FAILED,
                   "a room posted to a dead prefill did not fail");
         else
-            CHECK(kvw_last_error()[0] && kvw_room_poll(kvw_receiver_room(r2.r[k])) == KVW_ROOM_FAILED,
+            CHECK(kvw_last_error()[0] &&
+                  kvw_room_poll(kvw_receiver_room(r2.r[k])) == KVW_ROOM_FAILED,
                   "post to a dead prefill: %s, room %s", kvw_status_string(st),
                   kvw_room_state_string(kvw_room_poll(kvw_receiver_room(r2.r[k]))));
         if (k == 0)
@@ -1125,7 +1132,8 @@ static int ddeath_second(env_t *e)
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
     room_t r3 = room_def(30, 2);
     room_t *rp[2] = {&rm, &r3};
-    int out[2] = {kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL, V_UNTOUCHED};
+    int out[2] = {kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL,
+                  V_UNTOUCHED};
     if (g_variant == 0) {
         if (ch_expect(e->ch[0], "again", NULL, kvt_tmo_ms(15000)))
             return 1;
@@ -1201,16 +1209,19 @@ static int dabort_decode(env_t *e)
         kvw_room_abort(kvw_receiver_room(a.r[k]));
     for (uint32_t k = 0; k < d.dec.n; k++)
         CHECK(wait_recv(c.r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) == KVW_ROOM_TRANSFERRING,
-              "room C never started on decode rank %u: %s", k, kvw_room_failure(kvw_receiver_room(c.r[k])));
+              "room C never started on decode rank %u: %s", k,
+              kvw_room_failure(kvw_receiver_room(c.r[k])));
     kvw_room_abort(kvw_receiver_room(c.r[0])); /* only decode rank 0 aborts C */
     uint64_t t0 = now_ms();
     ch_tag(e->ch[0], "aborted");
     for (uint32_t k = 0; k < d.dec.n; k++) {
         CHECK(kvw_room_poll(kvw_receiver_room(a.r[k])) == KVW_ROOM_FAILED &&
                   kvw_room_status(kvw_receiver_room(a.r[k])) == KVW_ERR_ABORTED,
-              "locally aborted room A is %s / %s", kvw_room_state_string(kvw_room_poll(kvw_receiver_room(a.r[k]))),
+              "locally aborted room A is %s / %s",
+              kvw_room_state_string(kvw_room_poll(kvw_receiver_room(a.r[k]))),
               kvw_status_string(kvw_room_status(kvw_receiver_room(a.r[k]))));
-        CHECK(kvt_contains(kvw_room_failure(kvw_receiver_room(a.r[k])), "abort"), "abort reason: %s",
+        CHECK(kvt_contains(kvw_room_failure(kvw_receiver_room(a.r[k])), "abort"),
+              "abort reason: %s",
               kvw_room_failure(kvw_receiver_room(a.r[k])));
     }
     /* The other decode ranks of C hear of the failure from the prefill promptly, not
@@ -1262,8 +1273,10 @@ static int pabort_prefill(env_t *e)
         CHECK(kvw_room_poll(kvw_sender_room(dd.s[k])) == KVW_ROOM_FAILED &&
                   kvw_room_status(kvw_sender_room(dd.s[k])) == KVW_ERR_ABORTED &&
                   kvt_contains(kvw_room_failure(kvw_sender_room(dd.s[k])), "abort"),
-              "locally aborted sender: %s / %s: %s", kvw_room_state_string(kvw_room_poll(kvw_sender_room(dd.s[k]))),
-              kvw_status_string(kvw_room_status(kvw_sender_room(dd.s[k]))), kvw_room_failure(kvw_sender_room(dd.s[k])));
+              "locally aborted sender: %s / %s: %s",
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(dd.s[k]))),
+              kvw_status_string(kvw_room_status(kvw_sender_room(dd.s[k]))),
+              kvw_room_failure(kvw_sender_room(dd.s[k])));
     CHECK(p_send(&in, &ff, ff.n / 2, ff.n, true, err, sizeof(err)) != KVW_OK,
           "sending on an aborted room succeeded");
     p_send_all(&in, &ee);
@@ -1429,7 +1442,8 @@ static int hs_decode(env_t *e)
         kvt_rank_spec_t sp = {.model = &g_model, .layout = KVW_LAYOUT_NHD,
                               .page_size = {PAGE, PAGE}, .num_pages = {FULL_PAGES, SWA_PAGES},
                               .num_slots = MAX_SLOTS, .describe_only = 1};
-        sp.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 2, .pp_size = 1, .layer_end = 2, .dp_size = 1};
+        sp.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 2,
+                                  .pp_size = 1, .layer_end = 2, .dp_size = 1};
         if (CHECK(kvt_rank_describe(&sp, &r3) == KVW_OK, "describe TP 2")) {
             r3.par.tp_size = 3;
             kvw_status_t st = kvt_rank_open(&r3);
@@ -1959,7 +1973,8 @@ static int stall_decode(env_t *e)
     room_t rm = room_def(80, 0);
     rpages_t p;
     room_pages(false, rm.slot, rm.n, &p);
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm.n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm.n,
+                            .pages = p.side};
     for (uint32_t k = 0; k < d.dec.n; k++) {
         CHECK(kvw_receiver_create(d.dec.ctx[k], rm.id, 0, &rm.r[k]) == KVW_OK, "create: %s",
               kvw_last_error());
@@ -2030,7 +2045,8 @@ static int badpages_decode(env_t *e)
         case BP_SWA_MISALIGNED: p.side.swa.first_token += 1; break;
         default: break;
         }
-        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm[i].n, .pages = p.side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm[i].n,
+                                .pages = p.side};
         post_err[i][0] = '\0';
         for (uint32_t k = 0; k < d.dec.n; k++) {
             CHECK(kvw_receiver_create(d.dec.ctx[k], rm[i].id, 0, &rm[i].r[k]) == KVW_OK,
@@ -2038,10 +2054,12 @@ static int badpages_decode(env_t *e)
             post_st[i][k] = kvw_receiver_post(rm[i].r[k], &post);
             if (post_st[i][k] != KVW_OK) {
                 snprintf(post_err[i], sizeof(post_err[i]), "%s", kvw_last_error());
-                CHECK(post_err[i][0] && kvw_room_poll(kvw_receiver_room(rm[i].r[k])) == KVW_ROOM_FAILED,
+                CHECK(post_err[i][0] &&
+                      kvw_room_poll(kvw_receiver_room(rm[i].r[k])) == KVW_ROOM_FAILED,
                       "%s: post returned %s, room %s, message '%s'", what[i],
                       kvw_status_string(post_st[i][k]),
-                      kvw_room_state_string(kvw_room_poll(kvw_receiver_room(rm[i].r[k]))), post_err[i]);
+                      kvw_room_state_string(kvw_room_poll(kvw_receiver_room(rm[i].r[k]))),
+                      post_err[i]);
             }
         }
         if (i == BP_HEALTHY)
@@ -2053,7 +2071,8 @@ static int badpages_decode(env_t *e)
                  WAIT_TIMEOUT_MS + SLACK_MS, NULL);
         if (i != BP_HEALTHY)
             say("%s: post %s%s%s; room: %s", what[i], kvw_status_string(post_st[i][0]),
-                post_err[i][0] ? ": " : "", post_err[i], kvw_room_failure(kvw_receiver_room(rm[i].r[0])));
+                post_err[i][0] ? ": " : "", post_err[i],
+                kvw_room_failure(kvw_receiver_room(rm[i].r[0])));
     }
     /* An index beyond the pool may be refused when posting or by the prefill's plan;
      * either way the room fails with a reason (checked above). */
@@ -2102,9 +2121,11 @@ static int timeout_prefill(env_t *e)
     CHECK(dt + 150 >= WAIT_TIMEOUT_MS, "prefill rooms timed out after %llu ms, before the %u ms "
           "wait timeout", (unsigned long long)dt, WAIT_TIMEOUT_MS);
     CHECK(kvt_contains(kvw_room_failure(kvw_sender_room(r2.s[0])), "no decode rank posted"),
-          "the reason does not say what the room waited for: %s", kvw_room_failure(kvw_sender_room(r2.s[0])));
+          "the reason does not say what the room waited for: %s",
+          kvw_room_failure(kvw_sender_room(r2.s[0])));
     for (uint32_t k = 0; k < in.n; k++)
-        CHECK(kvw_room_status(kvw_sender_room(r2.s[k])) == KVW_ERR_TIMEOUT, "timed-out room status %s",
+        CHECK(kvw_room_status(kvw_sender_room(r2.s[k])) == KVW_ERR_TIMEOUT,
+              "timed-out room status %s",
               kvw_status_string(kvw_room_status(kvw_sender_room(r2.s[k]))));
     ch_tag(e->ch[1], "done");
     p_close(&in, &r2);
@@ -2618,7 +2639,8 @@ static kvw_status_t p_send_rank(inst_t *in, room_t *rm, uint32_t k)
 {
     rpages_t p;
     room_pages(true, rm->slot, rm->n, &p);
-    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = rm->n,
+                          .chunk_begin = 0, .chunk_end = rm->n,
                           .last_chunk = 1, .pages = p.side};
     (void)in;
     kvw_status_t st = kvw_sender_send(rm->s[k], &c);
@@ -2654,7 +2676,8 @@ static int leave_prefill(env_t *e)
     sleep_ms(300);
     CHECK(kvw_room_poll(kvw_sender_room(ra.s[0])) == KVW_ROOM_WAITING_FOR_INPUT,
           "room A rank 0 changed state when an unrelated decode rank left: %s (%s)",
-          kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[0]))), kvw_room_failure(kvw_sender_room(ra.s[0])));
+          kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[0]))),
+          kvw_room_failure(kvw_sender_room(ra.s[0])));
     CHECK(kvw_sender_create(in.ctx[0], rb.id, &rb.s[0]) == KVW_OK, "sender B rank 0: %s",
           kvw_last_error());
     p_send_rank(&in, &ra, 0);
@@ -2666,10 +2689,14 @@ static int leave_prefill(env_t *e)
     /* Both decode ranks are gone now: finished rooms stay finished. */
     sleep_ms(300);
     for (uint32_t k = 0; k < 2; k++) {
-        CHECK(kvw_room_poll(kvw_sender_room(ra.s[k])) == KVW_ROOM_SUCCESS, "room A rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[k]))), kvw_room_failure(kvw_sender_room(ra.s[k])));
-        CHECK(kvw_room_poll(kvw_sender_room(rb.s[k])) == KVW_ROOM_SUCCESS, "room B rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_room_poll(kvw_sender_room(rb.s[k]))), kvw_room_failure(kvw_sender_room(rb.s[k])));
+        CHECK(kvw_room_poll(kvw_sender_room(ra.s[k])) == KVW_ROOM_SUCCESS,
+              "room A rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[k]))),
+              kvw_room_failure(kvw_sender_room(ra.s[k])));
+        CHECK(kvw_room_poll(kvw_sender_room(rb.s[k])) == KVW_ROOM_SUCCESS,
+              "room B rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(rb.s[k]))),
+              kvw_room_failure(kvw_sender_room(rb.s[k])));
     }
     p_close(&in, &ra);
     p_close(&in, &rb);

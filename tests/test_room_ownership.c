@@ -64,7 +64,8 @@ static void foreign_abort(uint64_t id)
     pthread_mutex_unlock(&b->mu);
     kvw_receiver_h h = NULL;
     CHECK(kvw_receiver_create(g_b, id + 1000, 0, &h) == KVW_OK, "%s", kvw_last_error());
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS, .prefix_len = 0, .pages = g_bpages->side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
+                            .prefix_len = 0, .pages = g_bpages->side};
     CHECK(kvw_receiver_post(h, &post) == KVW_OK, "%s", kvw_last_error());
     wait_prefill_room(id + 1000);
     g_bsync = h;
@@ -122,7 +123,8 @@ int main(void)
     CHECK(kvt_req_pages_make(&da, &rs, &rng, &pa) == 0, "pages");
     CHECK(kvt_req_pages_make(&db, &rs, &rng, &pb) == 0, "pages");
     kvw_receiver_h ra = NULL, rb = NULL;
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS, .prefix_len = 0, .pages = pa.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
+                            .prefix_len = 0, .pages = pa.side};
     CHECK(kvw_receiver_create(a, 5, 0, &ra) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(ra, &post) == KVW_OK, "%s", kvw_last_error());
     wait_prefill_room(5); /* A's request is the first the prefill rank sees */
@@ -135,10 +137,12 @@ int main(void)
           "owner: %s: %s", kvw_room_state_string(sa), kvw_room_failure(kvw_receiver_room(ra)));
     CHECK(sb == KVW_ROOM_FAILED && kvt_contains(kvw_room_failure(kvw_receiver_room(rb)), want) &&
               kvt_contains(kvw_room_failure(kvw_receiver_room(rb)), "decode instance 2"),
-          "second claimant: %s: %s", kvw_room_state_string(sb), kvw_room_failure(kvw_receiver_room(rb)));
+          "second claimant: %s: %s", kvw_room_state_string(sb),
+          kvw_room_failure(kvw_receiver_room(rb)));
     kvw_sender_h s5 = NULL;
     CHECK(kvw_sender_create(pctx, 5, &s5) == KVW_OK, "%s", kvw_last_error());
-    CHECK(kvw_room_poll(kvw_sender_room(s5)) == KVW_ROOM_FAILED && kvt_contains(kvw_room_failure(kvw_sender_room(s5)), want),
+    CHECK(kvw_room_poll(kvw_sender_room(s5)) == KVW_ROOM_FAILED &&
+          kvt_contains(kvw_room_failure(kvw_sender_room(s5)), want),
           "prefill: %s: %s", kvw_room_state_string(kvw_room_poll(kvw_sender_room(s5))),
           kvw_room_failure(kvw_sender_room(s5)));
     kvw_room_destroy(kvw_sender_room(s5));

@@ -44,7 +44,8 @@ static kvw_status_t make_rank(uint32_t tp, uint32_t pp, uint32_t rank, kvt_rank_
 {
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {32, 32}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = pp > 1 ? 0 : rank, .pp_size = pp,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                             .tp_rank = pp > 1 ? 0 : rank, .pp_size = pp,
                              .pp_rank = pp > 1 ? rank : 0,
                              .layer_begin = pp > 1 ? rank * (NLAYERS / pp) : 0,
                              .layer_end = pp > 1 ? (rank + 1) * (NLAYERS / pp) : NLAYERS,
@@ -107,7 +108,8 @@ static void room_open(env_t *e, room_t *rm, uint64_t id)
     for (uint32_t d = 0; d < e->nd; d++) {
         CHECK(kvt_req_pages_make(&e->dst[d], &spec, &rng, &rm->dp[d]) == 0, "destination pages");
         kvt_copy_make(&e->dst[d], &rm->exp[d]);
-        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = NTOK, .pages = rm->dp[d].side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = NTOK,
+                                .pages = rm->dp[d].side};
         CHECK(kvw_receiver_create(e->dctx[d], id, 0, &rm->rcv[d]) == KVW_OK, "%s",
               kvw_last_error());
         CHECK(kvw_receiver_post(rm->rcv[d], &post) == KVW_OK, "%s", kvw_last_error());
@@ -136,7 +138,8 @@ static void room_close(room_t *rm)
 
 static kvw_chunk_t chunk_of(uint64_t b, uint64_t e)
 {
-    return (kvw_chunk_t){.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = NTOK, .chunk_begin = b, .chunk_end = e,
+    return (kvw_chunk_t){.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = NTOK, .chunk_begin = b,
+                         .chunk_end = e,
                          .last_chunk = e == NTOK};
 }
 
@@ -200,7 +203,8 @@ static void check_partial(room_t *rm, const char *when)
         uint64_t deadline = kvt_now_ns() + kvt_tmo_ns(60000000000ull);
         for (;;) {
             kvw_room_metrics(kvw_receiver_room(rm->rcv[d]), &m);
-            if (m.bytes >= rm->want[d] || kvw_room_poll(kvw_receiver_room(rm->rcv[d])) == KVW_ROOM_FAILED ||
+            if (m.bytes >= rm->want[d] ||
+                kvw_room_poll(kvw_receiver_room(rm->rcv[d])) == KVW_ROOM_FAILED ||
                 kvt_now_ns() > deadline)
                 break;
             usleep(1000);
@@ -284,7 +288,8 @@ static void check_success(room_t *rm, const char *what)
 static void send_streamed(room_t *rm, const kvw_chunk_t *c)
 {
     for (uint32_t k = 0; k < rm->e->np; k++) {
-        kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = c->num_tokens, .chunk_begin = c->chunk_begin,
+        kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                               .num_tokens = c->num_tokens, .chunk_begin = c->chunk_begin,
                                .chunk_end = c->chunk_end, .last_chunk = c->last_chunk,
                                .pages = rm->sp[k].side};
         CHECK(kvw_sender_send_streamed(rm->snd[k], &sc) == KVW_OK, "%s", kvw_last_error());
@@ -343,7 +348,8 @@ static void case_chunked(env_t *e, uint64_t id)
     send_streamed(&rm, &c1);
     mark(&rm, &c1, 1, 2);
     /* The next chunk must wait for the first one's forward pass. */
-    kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = NTOK, .chunk_begin = 24, .chunk_end = NTOK,
+    kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = NTOK,
+                           .chunk_begin = 24, .chunk_end = NTOK,
                            .last_chunk = 1, .pages = rm.sp[0].side};
     kvw_status_t st = kvw_sender_send_streamed(rm.snd[0], &sc);
     CHECK(st == KVW_ERR_INVALID_PARAM &&
@@ -385,7 +391,8 @@ static void case_abort(env_t *e, uint64_t id, bool by_decode)
               kvw_room_state_string(s));
         if (by_decode)
             CHECK(kvt_contains(kvw_room_failure(kvw_sender_room(rm.snd[k])), "aborted by"),
-                  "[%s] %s: prefill reason: %s", e->name, what, kvw_room_failure(kvw_sender_room(rm.snd[k])));
+                  "[%s] %s: prefill reason: %s", e->name, what,
+                  kvw_room_failure(kvw_sender_room(rm.snd[k])));
         /* The stream is over: marking more layers is refused with the room's status. */
         uint32_t le = rm.e->src[k].par.layer_end;
         kvw_status_t st = kvw_sender_layers_ready(rm.snd[k], le - 1, le);
@@ -531,7 +538,8 @@ static void run_timeout(const char *tl)
         mark(&rm, &c, 0, 1);
         mark(&rm, &c, 2, 3);
         kvw_room_state_t s = kvw_room_wait(kvw_sender_room(rm.snd[0]), kvt_tmo_ms(60000));
-        CHECK(s == KVW_ROOM_FAILED && kvw_room_status(kvw_sender_room(rm.snd[0])) == KVW_ERR_TIMEOUT,
+        CHECK(s == KVW_ROOM_FAILED &&
+              kvw_room_status(kvw_sender_room(rm.snd[0])) == KVW_ERR_TIMEOUT,
               "[%s] never-ready layers: prefill ended %s (%s)", e.name, kvw_room_state_string(s),
               kvw_status_string(kvw_room_status(kvw_sender_room(rm.snd[0]))));
         CHECK(kvt_contains(kvw_room_failure(kvw_sender_room(rm.snd[0])), "timed out") &&
@@ -541,7 +549,8 @@ static void run_timeout(const char *tl)
         for (uint32_t d = 0; d < e.nd; d++) {
             s = kvw_room_wait(kvw_receiver_room(rm.rcv[d]), kvt_tmo_ms(60000));
             CHECK(s == KVW_ROOM_FAILED &&
-                      kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[d])), "waits for layers 1, 3"),
+                      kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[d])),
+                                   "waits for layers 1, 3"),
                   "[%s] decode %u ended %s: %s", e.name, d, kvw_room_state_string(s),
                   kvw_room_failure(kvw_receiver_room(rm.rcv[d])));
         }
@@ -589,8 +598,10 @@ static void run_timeout_pp(const char *tl)
               kvw_room_failure(kvw_sender_room(rm.snd[1])));
         s = kvw_room_wait(kvw_receiver_room(rm.rcv[0]), kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED &&
-                  (kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[0])), "waits for layer 3") ||
-                   (room_wide && kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[0])), "timed out"))),
+                  (kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[0])),
+                                "waits for layer 3") ||
+                   (room_wide && kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[0])),
+                                              "timed out"))),
               "[%s] decode ended %s: %s", e.name, kvw_room_state_string(s),
               kvw_room_failure(kvw_receiver_room(rm.rcv[0])));
         room_close(&rm);

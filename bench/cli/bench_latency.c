@@ -157,7 +157,8 @@ static int l_side_build(const lat_cfg_t *c, lat_side_t *s)
     kvt_rank_spec_t sp = {.model = &s->model, .layout = KVW_LAYOUT_NHD,
                           .page_size = {page, page}, .num_pages = {pages, pages},
                           .num_slots = 2};
-    sp.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1, .layer_end = s->model.m.num_layers,
+    sp.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1,
+                              .layer_end = s->model.m.num_layers,
                               .dp_size = 1};
     if (kvt_rank_build(&sp, &s->rank) != KVW_OK) {
         fprintf(stderr, "bench: rank: %s\n", kvw_last_error());
@@ -216,7 +217,8 @@ static int l_prefill_main(const lat_cfg_t *c, const char *tl, int ch, int echo_f
     lat_echo_t echo = {echo_fd, len};
     pthread_t et;
     pthread_create(&et, NULL, l_echo_main, &echo);
-    kvw_send_chunk_t chunk = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = c->tokens, .chunk_end = c->tokens, .last_chunk = 1,
+    kvw_send_chunk_t chunk = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                              .chunk_end = c->tokens, .last_chunk = 1,
                               .pages = s.pages.side};
     kvw_sender_h *snd = calloc(L_MAX_ROOMS, sizeof(*snd));
     while (snd && l_recv(ch, &m) == 0) {
@@ -331,7 +333,8 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
     }
     /* Payload bytes of one room, from the plan. */
     kvw_plan_h plan;
-    kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens, .chunk_end = c->tokens, .last_chunk = 1};
+    kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                         .chunk_end = c->tokens, .last_chunk = 1};
     if (kvw_plan_create(d.rank.h, d.rank.h, &whole, &d.pages.side, &d.pages.side, &plan) !=
         KVW_OK) {
         fprintf(stderr, "bench: plan: %s\n", kvw_last_error());
@@ -359,7 +362,8 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
     for (int h = 0; h < 7; h++)
         hops[h] = calloc(c->rooms, 8);
     kvw_receiver_h *rcv = calloc(c->inflight, sizeof(*rcv));
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens, .pages = d.pages.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens,
+                            .pages = d.pages.side};
     uint64_t id = 1;
     if (!v1 || !v2 || !v3 || !vb || !buf || !rcv || l_recv(ch[0], &m) || m.op != 'K') {
         fprintf(stderr, "bench: %s prefill did not start: %s\n", tl, m.op == 'E' ? m.err : "");

@@ -314,7 +314,8 @@ static int b_inst_build(const bench_cfg_t *c, const kvt_model_t *m, uint32_t tp,
                              .page_size = {c->page, c->page},
                              .num_pages = {sz.full_pages, sz.swa_pages},
                              .num_slots = sz.slots, .describe_only = 1};
-        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                 .tp_rank = t, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = m->m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         kvt_rank_t *r = &in->ranks[t];
@@ -458,7 +459,8 @@ static int b_wait_senders(kvw_sender_h *s, uint32_t n, char *err, size_t errcap)
         while (!cli_room_ended(kvw_room_poll(kvw_sender_room(s[i]))))
             b_backoff(t0);
         if (kvw_room_poll(kvw_sender_room(s[i])) != KVW_ROOM_SUCCESS && rc == 0) {
-            snprintf(err, errcap, "prefill room failed: %s", kvw_room_failure(kvw_sender_room(s[i])));
+            snprintf(err, errcap, "prefill room failed: %s",
+                     kvw_room_failure(kvw_sender_room(s[i])));
             rc = -1;
         }
     }
@@ -468,7 +470,8 @@ static int b_wait_senders(kvw_sender_h *s, uint32_t n, char *err, size_t errcap)
 static int b_arm(b_inst_t *in, uint64_t room, uint64_t n, const b_pages_t *pg, kvw_sender_h *snd,
                  char *err, size_t errcap)
 {
-    kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = n, .chunk_begin = 0, .chunk_end = n, .last_chunk = 1,
+    kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = n,
+                           .chunk_begin = 0, .chunk_end = n, .last_chunk = 1,
                            .pages = pg->side};
     for (uint32_t k = 0; k < in->n; k++) {
         snd[k] = NULL;
@@ -506,7 +509,8 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
                 if (!all)
                     continue;
                 for (uint32_t k = 0; k < n; k++) {
-                    if (kvw_room_poll(kvw_sender_room(snd[s * n + k])) != KVW_ROOM_SUCCESS && rc == 0) {
+                    if (kvw_room_poll(kvw_sender_room(snd[s * n + k])) != KVW_ROOM_SUCCESS &&
+                        rc == 0) {
                         snprintf(err, errcap, "prefill rate room failed: %s",
                                  kvw_room_failure(kvw_sender_room(snd[s * n + k])));
                         rc = -1;
@@ -719,7 +723,8 @@ static int b_decode_mem(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *in
     }
     int rc = 0;
     int64_t rss0 = b_rss_bytes(), heap0 = b_heap_bytes();
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens, .prefix_len = 0, .pages = pg.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens,
+                            .prefix_len = 0, .pages = pg.side};
     for (uint32_t i = 0; i < rooms && rc == 0; i++)
         for (uint32_t k = 0; k < in->n && rc == 0; k++)
             if (kvw_receiver_create(in->ctx[k], room0 + i, 0, &r[i * in->n + k]) != KVW_OK ||
@@ -783,7 +788,8 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
                     continue;
                 uint64_t now = b_now();
                 for (uint32_t k = 0; k < n; k++) {
-                    if (kvw_room_poll(kvw_receiver_room(rcv[s * n + k])) != KVW_ROOM_SUCCESS && rc == 0) {
+                    if (kvw_room_poll(kvw_receiver_room(rcv[s * n + k])) != KVW_ROOM_SUCCESS &&
+                        rc == 0) {
                         snprintf(err, errcap, "rate room failed on decode rank %u: %s", k,
                                  kvw_room_failure(kvw_receiver_room(rcv[s * n + k])));
                         rc = -1;
@@ -795,7 +801,8 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
                 progress = true;
             }
             if (!busy[s] && next < total && rc == 0) {
-                kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 1, .prefix_len = 0, .pages = pg[s].side};
+                kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 1,
+                                        .prefix_len = 0, .pages = pg[s].side};
                 t_post[s] = b_now();
                 for (uint32_t k = 0; k < n; k++) {
                     rcv[s * n + k] = NULL;
@@ -1052,7 +1059,8 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
                 }
                 break;
             }
-            kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = n, .prefix_len = 0, .pages = pg.side};
+            kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = n,
+                                    .prefix_len = 0, .pages = pg.side};
             uint64_t t0 = b_now();
             for (uint32_t k = 0; k < in.n && rc == 0; k++)
                 if (kvw_receiver_post(rcv[k], &post) != KVW_OK) {
@@ -1252,7 +1260,8 @@ static int b_plan_memory(const bench_cfg_t *c, const kvt_model_t *m, const bench
     kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {c->page, c->page},
                          .num_pages = {sz.full_pages, sz.swa_pages}, .num_slots = sz.slots,
                          .describe_only = 1};
-    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = t->ptp, .tp_rank = 0, .pp_size = 1,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = t->ptp,
+                             .tp_rank = 0, .pp_size = 1,
                              .layer_end = m->m.num_layers, .dp_size = 1};
     if (kvt_rank_build(&s, &src) != KVW_OK) {
         snprintf(err, errcap, "plan memory: prefill rank: %s", kvw_last_error());
@@ -1281,7 +1290,8 @@ static int b_plan_memory(const bench_cfg_t *c, const kvt_model_t *m, const bench
         b_pages_set(&ps, n, c->page, window, 0, 0, slot);
         b_pages_set(&pd, n, c->page, window, 0, 0, slot);
         row->full_pages = ps.side.full.num_pages;
-        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = n, .chunk_begin = 0, .chunk_end = n, .last_chunk = 1};
+        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = n, .chunk_begin = 0,
+                          .chunk_end = n, .last_chunk = 1};
         kvw_plan_h plan;
         kvw_plan_stats_t st = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
         if (kvw_plan_create(src.h, dst.h, &ch, &ps.side, &pd.side, &plan) != KVW_OK ||

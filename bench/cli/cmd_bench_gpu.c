@@ -127,7 +127,8 @@ static int g_build(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, bo
         kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD,
                              .page_size = {c->page, c->page},
                              .num_pages = {in->full_pages, in->swa_pages}, .num_slots = 1};
-        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = r, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                 .tp_rank = r, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = m->m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         if (kvt_rank_build(&s, &in->ranks[r]) != KVW_OK) {
@@ -363,7 +364,8 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             continue;
         }
         for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
-            kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = t->tokens, .chunk_begin = 0,
+            kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                                   .num_tokens = t->tokens, .chunk_begin = 0,
                                    .chunk_end = t->tokens, .last_chunk = 1,
                                    .pages = in.pg[i].side};
             for (uint32_t k = 0; k < in.n && rc == 0; k++) {
@@ -432,7 +434,8 @@ static int g_verify(const kvt_model_t *m, const g_topo_t *t, g_inst_t *in, const
             for (uint32_t s = 0; s < src->n; s++)
                 ss[s] = kvt_ref_side(&src->ranks[s], &src->pg[i].side, sd[s]);
             kvt_ref_side_t ds = kvt_ref_side(&in->ranks[k], &in->pg[i].side, exp.data);
-            kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = t->tokens, .chunk_begin = 0,
+            kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = t->tokens,
+                              .chunk_begin = 0,
                               .chunk_end = t->tokens, .prefix_len = 0, .last_chunk = 1};
             char msg[400];
             if (kvt_ref_transfer(&m->m, ss, src->n, &ds, &ch, NULL, NULL, msg, sizeof(msg))) {
@@ -507,7 +510,8 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         }
         uint64_t t0 = kvt_now_ns();
         for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
-            kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = t->tokens, .prefix_len = 0,
+            kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                                    .num_tokens = t->tokens, .prefix_len = 0,
                                     .pages = in.pg[i].side};
             for (uint32_t k = 0; k < in.n && rc == 0; k++) {
                 kvw_receiver_h *r = &rcv[i * in.n + k];

@@ -94,8 +94,8 @@ static kvw_status_t kvw_expand_emit(void *arg, const kvw_seg_t *s, uint64_t so, 
                 return st;
         }
     }
-    *p = (kvw_run_t){.field_mask = KVW_RUN_FIELDS_ALL, .src_buf = s->src_buf, .dst_buf = s->dst_buf, .src_off = so,
-                     .dst_off = doff, .len = len};
+    *p = (kvw_run_t){.field_mask = KVW_RUN_FIELDS_ALL, .src_buf = s->src_buf,
+                     .dst_buf = s->dst_buf, .src_off = so, .dst_off = doff, .len = len};
     c->have = true;
     return KVW_OK;
 }

@@ -98,7 +98,8 @@ int kvt_model_preset(const char *name, kvt_model_t *model_p)
         model.state[0].groups[2] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 32, 128 * 3 * 2};
         /* Temporal (SSM) state: a 128 x 128 fp32 matrix per value head. */
         model.state[1].num_groups = 1;
-        model.state[1].groups[0] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 32, 128 * 128 * 4};
+        model.state[1].groups[0] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 32,
+                                                       128 * 128 * 4};
     } else {
         return -1;
     }
