@@ -10,7 +10,7 @@
  *      prefill saw the request; send -> Success (the decode's confirmation included);
  *   3. rooms posted in batches of --inflight, each timed post -> Success from the
  *      library's own hop stamps.
- * Waits use kvw_*_wait (woken by the state change, no polling). The breakdown comes
+ * Waits use kvw_room_wait (woken by the state change, no polling). The breakdown comes
  * from the hop stamps (kvw_room_metrics_t.hop_ns: CLOCK_MONOTONIC on both sides of one
  * host). The baseline, one sample next to every timed room: the room's payload as one
  * frame and an 8-byte acknowledgement, over a TCP connection on 127.0.0.1 (tcp, ucx) or

@@ -321,7 +321,7 @@ struct kvw_ctx {
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    pthread_cond_t done_cv; /* a room turned terminal (CLOCK_MONOTONIC; kvw_*_wait) */
+    pthread_cond_t done_cv; /* a room turned terminal (CLOCK_MONOTONIC; kvw_room_wait) */
     /* Busy polling (0: off): spinners watch these counters instead of the guarded
      * fields, so that they never read what others write under mu. */
     uint64_t busy_poll_ns;
