@@ -21,9 +21,15 @@
  * caller sets to the fields it wants, and a report (kvw_route_t, kvw_run_t,
  * kvw_config_var_t, kvw_cuda_profile_t), whose mask the library sets to the fields it
  * filled. A nested struct (kvw_side_pages_t in kvw_send_chunk_t, ...) carries its own
- * mask, read only when the outer struct's bit for it is set. Fields are only ever added
- * at the end, and arrays of these structs (layers, buffers, pages, routes) keep a fixed
- * stride within one SONAME major version (libkvwire.so.0).
+ * mask, read only when the outer struct's bit for it is set.
+ *
+ * Layout. A struct passed singly may gain fields at its end in a later minor version:
+ * the library reads a field only when its bit is set, so a caller built against older
+ * headers still works. Element structs of arrays (kvw_layer_desc_t, kvw_buffer_desc_t,
+ * kvw_state_group_t, kvw_route_t, kvw_config_var_t) and structs embedded in others
+ * (kvw_pages_t, kvw_side_pages_t, kvw_parallel_t) keep their size, hence the stride of
+ * their arrays, within one SONAME major version (libkvwire.so.0); growing them takes a
+ * new major.
  */
 #ifndef KVWIRE_KVWIRE_H
 #define KVWIRE_KVWIRE_H
