@@ -129,7 +129,8 @@ static void side_free(side_t *s)
 
 static kvw_chunk_t whole_request(void)
 {
-    kvw_chunk_t ch = {.num_tokens = tokens, .chunk_begin = 0, .chunk_end = tokens,
+    kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = tokens, .chunk_begin = 0,
+                      .chunk_end = tokens,
                       .prefix_len = 0, .last_chunk = 1};
     return ch;
 }
@@ -168,7 +169,7 @@ static void bench_build(const kvt_model_t *m, uint32_t stp, uint32_t dtp, uint32
     for (uint32_t d = 0; d < dtp; d++)
         for (uint32_t s = 0; s < stp; s++) {
             kvw_plan_h plan;
-            kvw_plan_stats_t st;
+            kvw_plan_stats_t st = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
             /* Skip pairs that exchange nothing (none here, but stay general). */
             uint64_t h0 = heap_in_use();
             if (kvw_plan_create(S.r[s].h, D.r[d].h, &ch, &S.pg[s].side, &D.pg[d].side, &plan))
@@ -282,7 +283,7 @@ static void bench_exec(const exec_case_t *c)
     uint64_t bytes = 0, runs = 0;
     for (uint32_t d = 0; d < D->tp; d++)
         for (uint32_t s = 0; s < S->tp; s++) {
-            kvw_plan_stats_t st;
+            kvw_plan_stats_t st = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
             if (kvw_plan_create(S->r[s].h, D->r[d].h, &ch, &S->pg[s].side, &D->pg[d].side,
                                 &plans[n]))
                 die("kvw_plan_create");

@@ -60,7 +60,8 @@ static kvt_rank_spec_t rank_spec(const kvt_model_t *m, uint64_t tokens)
     uint32_t pages = (uint32_t)((tokens + 63) / 64 + 1);
     kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {64, 64},
                          .num_pages = {pages, pages}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1, .layer_end = m->m.num_layers,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1,
+                             .layer_end = m->m.num_layers,
                              .dp_size = 1};
     return s;
 }
@@ -128,22 +129,22 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
         if (kvt_read_full(cmd, &room, sizeof(room)) || room == 0)
             break;
         kvw_receiver_h rcv = NULL;
-        kvw_recv_post_t post = {.num_tokens = c->tokens, .pages = dp.side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens,
+                                .pages = dp.side};
         int ok = kvw_receiver_create(ctx, room, 0, &rcv) == KVW_OK &&
                  kvw_receiver_post(rcv, &post) == KVW_OK;
         uint64_t posted = ok;
         kvt_write_full(res, &posted, sizeof(posted));
-        kvw_room_state_t st = ok ? kvw_receiver_wait(rcv, 120000) : KVW_ROOM_FAILED;
+        kvw_room_state_t st = ok ? kvw_room_wait(kvw_receiver_room(rcv), 120000) : KVW_ROOM_FAILED;
         uint64_t out[4] = {st == KVW_ROOM_SUCCESS ? kvt_now_ns() : 0, 0, 0, 0};
-        kvw_room_metrics_t mt;
-        memset(&mt, 0, sizeof(mt));
+        kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
         if (rcv)
-            kvw_receiver_metrics(rcv, &mt);
+            kvw_room_metrics(kvw_receiver_room(rcv), &mt);
         out[1] = mt.bytes;
         out[3] = mt.hop_ns[KVW_HOP_DONE_RX];
         if (st != KVW_ROOM_SUCCESS)
             fprintf(stderr, "gpu_stream: room %llu: %s\n", (unsigned long long)room,
-                    rcv ? kvw_receiver_failure(rcv) : kvw_last_error());
+                    rcv ? kvw_room_failure(kvw_receiver_room(rcv)) : kvw_last_error());
         /* The first room: every byte and guard against the reference. */
         if (st == KVW_ROOM_SUCCESS && room == 1) {
             /* The expected contents start from the host images' initial bytes; the
@@ -160,7 +161,8 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
                 sd[b] = kvt_rank_data(&src, b);
             kvt_ref_side_t ss = kvt_ref_side(&src, &sp.side, sd);
             kvt_ref_side_t ds = kvt_ref_side(&dst, &dp.side, exp.data);
-            kvw_chunk_t whole = {.num_tokens = c->tokens, .chunk_end = c->tokens,
+            kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                                 .chunk_end = c->tokens,
                                  .last_chunk = 1};
             char msg[512];
             int bad = pulled != 0 || kvt_ref_transfer(&m->m, &ss, 1, &ds, &whole, NULL, NULL, msg,
@@ -175,7 +177,7 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
             kvt_req_pages_free(&sp);
             kvt_rank_free(&src);
         }
-        kvw_receiver_destroy(rcv);
+        kvw_room_destroy(kvw_receiver_room(rcv));
         kvt_write_full(res, out, sizeof(out));
     }
     kvw_ctx_destroy(ctx);
@@ -319,7 +321,8 @@ int main(int argc, char **argv)
     if (kvt_write_full(to_child[1], bs, sizeof(bs)))
         goto out;
     kvt_req_pages_t sp = pages_of(&src, c.tokens, 10);
-    kvw_send_chunk_t ch = {.num_tokens = c.tokens, .chunk_end = c.tokens, .last_chunk = 1,
+    kvw_send_chunk_t ch = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = c.tokens,
+                           .chunk_end = c.tokens, .last_chunk = 1,
                            .pages = sp.side};
     /* Per mode (0 streamed, 1 after): tails, transfer times (after only), forward pass. */
     uint64_t tail[2][MAXREPS], xfer[MAXREPS], fwd[2][MAXREPS], bytes = 0;
@@ -351,11 +354,10 @@ int main(int argc, char **argv)
                 if (kvw_sender_send(snd, &ch) != KVW_OK)
                     goto out;
             }
-            kvw_room_state_t st = kvw_sender_wait(snd, 120000);
-            kvw_room_metrics_t pm;
-            memset(&pm, 0, sizeof(pm));
-            kvw_sender_metrics(snd, &pm);
-            kvw_sender_destroy(snd);
+            kvw_room_state_t st = kvw_room_wait(kvw_sender_room(snd), 120000);
+            kvw_room_metrics_t pm = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+            kvw_room_metrics(kvw_sender_room(snd), &pm);
+            kvw_room_destroy(kvw_sender_room(snd));
             if (kvt_read_full(to_parent[0], res, sizeof(res)) || res[0] == 0 || st != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "gpu_stream: room %llu did not succeed\n",
                         (unsigned long long)room);

@@ -24,10 +24,17 @@
 
 enum { LAYERS = 2, HEADS = 4, HEAD_BYTES = 128, PAGE = 16, PAGES = 64, REQUESTS = 3 };
 
-static const kvw_layer_desc_t layer_kinds[LAYERS] = {{KVW_LAYER_FULL, 0}, {KVW_LAYER_FULL, 0}};
-static const kvw_model_t model = {.num_layers = LAYERS, .layers = layer_kinds,
-                                  .num_kv_heads = HEADS, .k_head_dim = 64, .v_head_dim = 64,
-                                  .elem_size = 2};
+/* Every struct starts with a field mask: the fields it names are read, the others take
+ * their documented defaults (here: no MLA, no block scales, no sliding window). */
+static const kvw_layer_desc_t layer_kinds[LAYERS] = {
+    {.field_mask = KVW_LAYER_FIELD_KIND, .kind = KVW_LAYER_FULL},
+    {.field_mask = KVW_LAYER_FIELD_KIND, .kind = KVW_LAYER_FULL}};
+static const kvw_model_t model = {
+    .field_mask = KVW_MODEL_FIELD_NUM_LAYERS | KVW_MODEL_FIELD_LAYERS |
+                  KVW_MODEL_FIELD_NUM_KV_HEADS | KVW_MODEL_FIELD_K_HEAD_DIM |
+                  KVW_MODEL_FIELD_V_HEAD_DIM | KVW_MODEL_FIELD_ELEM_SIZE,
+    .num_layers = LAYERS, .layers = layer_kinds, .num_kv_heads = HEADS, .k_head_dim = 64,
+    .v_head_dim = 64, .elem_size = 2};
 
 /* The byte a prefill engine computed for (layer, role, global head, token, offset). */
 static uint8_t kv_byte(uint32_t layer, uint32_t role, uint32_t head, uint64_t token, uint32_t i)
@@ -67,6 +74,7 @@ static int rank_make(uint32_t tp, uint32_t tp_rank, rank_t *r)
     for (uint32_t l = 0; l < LAYERS; l++)
         for (uint32_t role = 0; role < 2; role++) {
             kvw_buffer_desc_t *b = &r->bufs[l * 2 + role];
+            b->field_mask = KVW_BUFFER_FIELDS_ALL;
             b->pool = KVW_POOL_FULL;
             b->layer = l;
             b->role = role ? KVW_ROLE_V : KVW_ROLE_K;
@@ -84,8 +92,10 @@ static int rank_make(uint32_t tp, uint32_t tp_rank, rank_t *r)
     kvw_rank_params_t p = {.field_mask = KVW_RANK_FIELD_MODEL | KVW_RANK_FIELD_PARALLEL |
                                          KVW_RANK_FIELD_BUFFERS,
                            .model = &model, .buffers = r->bufs, .num_buffers = LAYERS * 2};
-    p.parallel = (kvw_parallel_t){.tp_size = tp, .tp_rank = tp_rank, .pp_size = 1,
-                                  .layer_begin = 0, .layer_end = LAYERS, .dp_size = 1};
+    /* PP, DP and the layer range keep their defaults: one stage, one group, every layer. */
+    p.parallel = (kvw_parallel_t){
+        .field_mask = KVW_PARALLEL_FIELD_TP_SIZE | KVW_PARALLEL_FIELD_TP_RANK,
+        .tp_size = tp, .tp_rank = tp_rank};
     if (kvw_rank_create(&p, &r->h) != KVW_OK) {
         fprintf(stderr, "kvw_rank_create: %s\n", kvw_last_error());
         return -1;
@@ -142,10 +152,14 @@ static int prefill(int addr_fd, int go_fd)
         uint32_t np = (uint32_t)((req_tokens(q) + PAGE - 1) / PAGE);
         for (uint32_t i = 0; i < np; i++)
             pages[q][i] = req_page(q, i, 0);
-        kvw_send_chunk_t c = {.num_tokens = req_tokens(q), .chunk_begin = 0,
-                              .chunk_end = req_tokens(q), .last_chunk = 1};
-        c.pages.full = (kvw_pages_t){pages[q], np, 0};
-        c.pages.state_slot = -1;
+        /* The whole request in one chunk: the chunk range and last_chunk are left to their
+         * defaults ([0, num_tokens), last), and so is the state slot (none). */
+        kvw_send_chunk_t c = {
+            .field_mask = KVW_SEND_CHUNK_FIELD_NUM_TOKENS | KVW_SEND_CHUNK_FIELD_PAGES,
+            .num_tokens = req_tokens(q),
+            .pages = {.field_mask = KVW_SIDE_PAGES_FIELD_FULL,
+                      .full = {.field_mask = KVW_PAGES_FIELD_PAGES | KVW_PAGES_FIELD_NUM_PAGES,
+                               .pages = pages[q], .num_pages = np}}};
         /* Each TP rank sends its heads; the room completes with both. */
         kvw_sender_h s[2] = {NULL, NULL};
         for (uint32_t k = 0; k < 2; k++)
@@ -155,12 +169,12 @@ static int prefill(int addr_fd, int go_fd)
                 rc = 1;
             }
         for (uint32_t k = 0; k < 2; k++) {
-            if (s[k] && kvw_sender_wait(s[k], 30000) != KVW_ROOM_SUCCESS) {
+            if (s[k] && kvw_room_wait(kvw_sender_room(s[k]), 30000) != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "prefill rank %u, room %d: %s\n", k, q + 1,
-                        kvw_sender_failure(s[k]));
+                        kvw_room_failure(kvw_sender_room(s[k])));
                 rc = 1;
             }
-            kvw_sender_destroy(s[k]);
+            kvw_room_destroy(kvw_sender_room(s[k]));
         }
     }
     for (uint32_t k = 0; k < 2; k++) {
@@ -195,9 +209,12 @@ static int decode(int addr_fd, int go_fd)
         uint32_t np = (uint32_t)((req_tokens(q) + PAGE - 1) / PAGE);
         for (uint32_t i = 0; i < np; i++)
             pages[q][i] = req_page(q, i, 1);
-        kvw_recv_post_t post = {.num_tokens = req_tokens(q), .prefix_len = 0};
-        post.pages.full = (kvw_pages_t){pages[q], np, 0};
-        post.pages.state_slot = -1;
+        kvw_recv_post_t post = {
+            .field_mask = KVW_RECV_POST_FIELD_NUM_TOKENS | KVW_RECV_POST_FIELD_PAGES,
+            .num_tokens = req_tokens(q),
+            .pages = {.field_mask = KVW_SIDE_PAGES_FIELD_FULL,
+                      .full = {.field_mask = KVW_PAGES_FIELD_PAGES | KVW_PAGES_FIELD_NUM_PAGES,
+                               .pages = pages[q], .num_pages = np}}};
         if (kvw_receiver_create(ctx, (uint64_t)q + 1, 0, &rv[q]) != KVW_OK ||
             kvw_receiver_post(rv[q], &post) != KVW_OK) {
             fprintf(stderr, "decode room %d: %s\n", q + 1, kvw_last_error());
@@ -209,8 +226,9 @@ static int decode(int addr_fd, int go_fd)
     int rc = 0;
     uint64_t checked = 0;
     for (int q = 0; q < REQUESTS; q++) {
-        if (kvw_receiver_wait(rv[q], 30000) != KVW_ROOM_SUCCESS) {
-            fprintf(stderr, "decode room %d: %s\n", q + 1, kvw_receiver_failure(rv[q]));
+        if (kvw_room_wait(kvw_receiver_room(rv[q]), 30000) != KVW_ROOM_SUCCESS) {
+            fprintf(stderr, "decode room %d: %s\n", q + 1,
+                    kvw_room_failure(kvw_receiver_room(rv[q])));
             rc = 1;
             continue;
         }
@@ -227,7 +245,7 @@ static int decode(int addr_fd, int go_fd)
                             return 1;
                         }
                 }
-        kvw_receiver_destroy(rv[q]);
+        kvw_room_destroy(kvw_receiver_room(rv[q]));
     }
     kvw_ctx_destroy(ctx);
     rank_free(&r);

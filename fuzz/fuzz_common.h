@@ -121,17 +121,17 @@ __attribute__((unused)) static void fzc_model(kvt_model_t *m)
     memset(m, 0, sizeof(*m));
     snprintf(m->name, sizeof(m->name), "fuzz-hybrid");
     m->m.num_layers = 3;
-    m->layers[0] = (kvw_layer_desc_t){KVW_LAYER_SWA, 12};
-    m->layers[1] = (kvw_layer_desc_t){KVW_LAYER_FULL, 0};
-    m->layers[2] = (kvw_layer_desc_t){KVW_LAYER_STATE, 0};
+    m->layers[0] = (kvw_layer_desc_t){KVW_LAYER_FIELDS_ALL, KVW_LAYER_SWA, 12};
+    m->layers[1] = (kvw_layer_desc_t){KVW_LAYER_FIELDS_ALL, KVW_LAYER_FULL, 0};
+    m->layers[2] = (kvw_layer_desc_t){KVW_LAYER_FIELDS_ALL, KVW_LAYER_STATE, 0};
     m->m.num_kv_heads = 8;
     m->m.k_head_dim = 4;
     m->m.v_head_dim = 4;
     m->m.elem_size = 2;
     m->num_state_bufs = 1;
     m->state[0].num_groups = 2;
-    m->state[0].groups[0] = (kvw_state_group_t){8, 6};
-    m->state[0].groups[1] = (kvw_state_group_t){4, 10};
+    m->state[0].groups[0] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 8, 6};
+    m->state[0].groups[1] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 4, 10};
     kvt_model_relink(m);
 }
 
@@ -158,7 +158,8 @@ __attribute__((unused)) static kvt_rank_t *fzc_rank_build(const fzc_rank_cfg_t *
                          .num_pages = {FZC_FULL_PAGES, FZC_SWA_PAGES},
                          .num_slots = FZC_SLOTS, .fused_kv = c->fused,
                          .describe_only = c->describe_only};
-    s.par = (kvw_parallel_t){.tp_size = c->tp, .tp_rank = c->rank, .pp_size = 1, .pp_rank = 0,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = c->tp,
+                             .tp_rank = c->rank, .pp_size = 1, .pp_rank = 0,
                              .layer_begin = 0, .layer_end = model.m.num_layers, .dp_size = 1,
                              .dp_rank = 0};
     kvt_rank_t *r = calloc(1, sizeof(*r));
@@ -215,8 +216,9 @@ __attribute__((unused)) static void fzc_pages_simple(const kvt_rank_t *r, uint64
         pg->full[i] = full_start + i;
     for (uint32_t i = 0; i < ns; i++)
         pg->swa[i] = (i * 3 + 1) % FZC_SWA_PAGES;
-    pg->side.full = (kvw_pages_t){pg->full, nf, 0};
-    pg->side.swa = (kvw_pages_t){pg->swa, ns, swb};
+    pg->side.full = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, pg->full, nf, 0};
+    pg->side.swa = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, pg->swa, ns, swb};
+    pg->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
     pg->side.state_slot = slot;
 }
 
@@ -399,7 +401,8 @@ __attribute__((unused)) static kvw_peer_t *fzc_peer_add(struct kvw_ctx *ctx, kvw
     /* Whether the pair exchanges bytes, as the handshake decides it. */
     kvw_rank_h src = ctx->side == KVW_SIDE_PREFILL ? ctx->rank : remote;
     kvw_rank_h dst = ctx->side == KVW_SIDE_PREFILL ? remote : ctx->rank;
-    kvw_chunk_t c = {.num_tokens = 1, .chunk_begin = 0, .chunk_end = 1, .last_chunk = 1};
+    kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 1, .chunk_begin = 0,
+                     .chunk_end = 1, .last_chunk = 1};
     kvw_plan_h plan;
     if (kvw__plan_create_nopages(src, dst, &c, &plan) == KVW_OK) {
         p->needed = plan->num_segs > 0;

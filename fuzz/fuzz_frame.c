@@ -194,7 +194,8 @@ static void fzf_prefill(fzc_in_t *in)
         fzc_fail("sender: %s", kvw_last_error());
     fzc_pages_t pg;
     fzc_pages_simple(me, n, 1, 0, &pg);
-    kvw_send_chunk_t sc = {.num_tokens = n, .chunk_begin = 0, .chunk_end = n, .last_chunk = 1,
+    kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = n,
+                           .chunk_begin = 0, .chunk_end = n, .last_chunk = 1,
                            .pages = pg.side};
     if (chunked && n > 2) {
         sc.chunk_end = n / 2;
@@ -230,12 +231,13 @@ static void fzf_prefill(fzc_in_t *in)
     if (fzc_run_worker(ctx, 5000) != 0)
         fzc_fail("the prefill worker did not go idle within 5 s (hang)");
     FZC_SAY("prefill room 7: %s %s (%llu puts so far)\n",
-            kvw_room_state_string(kvw_sender_poll(snd)), kvw_sender_failure(snd),
+            kvw_room_state_string(kvw_room_poll(kvw_sender_room(snd))),
+            kvw_room_failure(kvw_sender_room(snd)),
             (unsigned long long)fzc_puts);
     pthread_mutex_lock(&ctx->mu);
     kvw__check_timeouts(ctx, kvw__now_ns() + 3600ull * 1000000000ull);
     pthread_mutex_unlock(&ctx->mu);
-    kvw_sender_destroy(snd);
+    kvw_room_destroy(kvw_sender_room(snd));
     kvw_ctx_destroy(ctx);
 }
 
@@ -325,7 +327,8 @@ static void fzf_decode(fzc_in_t *in)
         fzc_fail("receiver: %s", kvw_last_error());
     fzc_pages_t pg;
     fzc_pages_simple(me, n, 2, 3, &pg);
-    kvw_recv_post_t post = {.num_tokens = n, .prefix_len = prefix, .pages = pg.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = n,
+                            .prefix_len = prefix, .pages = pg.side};
     if (kvw_receiver_post(rcv, &post) != KVW_OK)
         fzc_fail("post: %s", kvw_last_error());
     fzc_ctx_drain_wake(ctx);
@@ -375,16 +378,16 @@ static void fzf_decode(fzc_in_t *in)
         }
         fzc_ctx_drain_wake(ctx);
     }
-    FZC_SAY("decode room 7: %s %s\n", kvw_room_state_string(kvw_receiver_poll(rcv)),
-            kvw_receiver_failure(rcv));
+    FZC_SAY("decode room 7: %s %s\n", kvw_room_state_string(kvw_room_poll(kvw_receiver_room(rcv))),
+            kvw_room_failure(kvw_receiver_room(rcv)));
     pthread_mutex_lock(&ctx->mu);
     kvw__check_timeouts(ctx, kvw__now_ns() + 3600ull * 1000000000ull);
     /* Destroying a room waits (up to the peer timeout) for its prefill ranks to confirm
      * that they stopped writing; nobody answers here. */
     ctx->peer_timeout_ms = 1;
     pthread_mutex_unlock(&ctx->mu);
-    kvw_receiver_destroy(rcv);
-    kvw_receiver_destroy(idle);
+    kvw_room_destroy(kvw_receiver_room(rcv));
+    kvw_room_destroy(kvw_receiver_room(idle));
     kvw_ctx_destroy(ctx);
     fzc_check_guards(me, "decode rank after the frames");
 }

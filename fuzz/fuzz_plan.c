@@ -70,6 +70,7 @@ typedef struct fzp_side {
 
 static void fzp_read_list(fzc_in_t *in, bool wide, kvw_pages_t *pl, uint32_t *store)
 {
+    pl->field_mask = KVW_PAGES_FIELDS_ALL;
     pl->first_token = wide ? fzc_u64(in) : fzc_u8(in);
     pl->num_pages = fzc_u8(in) % (FZP_MAX_PAGES + 1);
     for (uint32_t i = 0; i < pl->num_pages; i++)
@@ -82,6 +83,7 @@ static void fzp_read_pages(fzc_in_t *in, bool wide, fzp_side_t *s)
     memset(s, 0, sizeof(*s));
     fzp_read_list(in, wide, &s->side.full, s->full);
     fzp_read_list(in, wide, &s->side.swa, s->swa);
+    s->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
     s->side.state_slot = wide ? (int64_t)fzc_u64(in) : (int64_t)(int8_t)fzc_u8(in);
 }
 
@@ -117,7 +119,7 @@ int kvw_fuzz_plan(const uint8_t *data, size_t size)
     fzp_cfg_t *cfg = &fzp_cfgs[fzc_u8(&in) % FZP_NUM_CFG];
     uint8_t flags = fzc_u8(&in);
     bool wide_chunk = flags & 1, wide_pages = flags & 2;
-    kvw_chunk_t chunk;
+    kvw_chunk_t chunk = {.field_mask = KVW_CHUNK_FIELDS_ALL};
     chunk.num_tokens = wide_chunk ? fzc_u64(&in) : fzc_u8(&in);
     chunk.chunk_begin = wide_chunk ? fzc_u64(&in) : fzc_u8(&in);
     chunk.chunk_end = wide_chunk ? fzc_u64(&in) : fzc_u8(&in);
@@ -139,7 +141,7 @@ int kvw_fuzz_plan(const uint8_t *data, size_t size)
         kvt_rank_t *dst = cfg->dst;
         kvt_rank_clear(dst, 0);
         for (uint32_t i = 0; i < cfg->num_src; i++) {
-            kvw_plan_stats_t stats;
+            kvw_plan_stats_t stats = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
             if (kvw_plan_stats(plans[i], &stats) != KVW_OK)
                 fzc_fail("stats of a valid plan failed: %s", kvw_last_error());
             if (kvw_plan_exec_cpu(plans[i]) != KVW_OK)

@@ -173,7 +173,8 @@ static void gen_room_msg(gen_buf_t *b, uint8_t type, uint64_t room, const char *
 
 static uint64_t gen_expected(kvw_rank_h src, kvw_rank_h dst, uint64_t n, uint64_t prefix)
 {
-    kvw_chunk_t c = {.num_tokens = n, .chunk_begin = 0, .chunk_end = n, .prefix_len = prefix,
+    kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = n, .chunk_begin = 0,
+                     .chunk_end = n, .prefix_len = prefix,
                      .last_chunk = 1};
     kvw_plan_h plan;
     if (kvw__plan_create_nopages(src, dst, &c, &plan) != KVW_OK)

@@ -74,7 +74,8 @@ static inline kvw_status_t ip_rank(const kvt_model_t *model, uint32_t tp_size, u
 {
     kvt_rank_spec_t s = {.model = model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {num_pages, num_pages}, .num_slots = num_slots};
-    s.par = (kvw_parallel_t){.tp_size = tp_size, .tp_rank = tp_rank, .pp_size = 1,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp_size,
+                             .tp_rank = tp_rank, .pp_size = 1,
                              .layer_begin = 0, .layer_end = model->m.num_layers, .dp_size = 1};
     return kvt_rank_build(&s, r);
 }
@@ -111,7 +112,8 @@ static inline kvw_room_state_t ip_wait_recv(kvw_receiver_h rcv, uint64_t deadlin
 {
     uint64_t t0 = kvt_now_ns();
     kvw_room_state_t st;
-    while ((st = kvw_receiver_poll(rcv)) != KVW_ROOM_SUCCESS && st != KVW_ROOM_FAILED &&
+    while ((st = kvw_room_poll(kvw_receiver_room(rcv))) != KVW_ROOM_SUCCESS &&
+           st != KVW_ROOM_FAILED &&
            kvt_now_ns() - t0 < deadline_ns)
         usleep(1000);
     return st;
@@ -136,7 +138,8 @@ static inline void ip_ref(const kvt_model_t *model, const kvt_rank_t *srcs, uint
         ss[k] = kvt_ref_side(&srcs[k], src_pages, sd[k]);
     }
     kvt_ref_side_t ds = kvt_ref_side(dst, dst_pages, expect);
-    kvw_chunk_t whole = {.num_tokens = tokens, .chunk_end = tokens, .last_chunk = 1};
+    kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = tokens,
+                         .chunk_end = tokens, .last_chunk = 1};
     char msg[512];
     CHECK(kvt_ref_transfer(&model->m, ss, num_srcs, &ds, &whole, NULL, per_src, msg,
                            sizeof(msg)) == 0,
@@ -185,22 +188,24 @@ static inline void ip_room_verified(const kvt_model_t *model, kvw_ctx_h pctx,
     kvt_copy_make(dst, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd = NULL;
-    kvw_recv_post_t post = {.num_tokens = room->tokens, .prefix_len = 0, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = room->tokens,
+                            .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_create(dctx, room->id, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
     if (room->posted)
         room->posted(room->id);
     CHECK(kvw_sender_create(pctx, room->id, &snd) == KVW_OK, "%s", kvw_last_error());
-    kvw_send_chunk_t c = {.num_tokens = room->tokens, .chunk_begin = 0,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = room->tokens,
+                          .chunk_begin = 0,
                           .chunk_end = room->tokens, .last_chunk = 1, .pages = sp.side};
     CHECK(kvw_sender_send(snd, &c) == KVW_OK, "%s", kvw_last_error());
     kvw_room_state_t st = ip_wait_recv(rcv, room->deadline_ns);
     CHECK(st == KVW_ROOM_SUCCESS, "%s ended %s: %s", room->what, kvw_room_state_string(st),
-          kvw_receiver_failure(rcv));
+          kvw_room_failure(kvw_receiver_room(rcv)));
     ip_ref(model, src, 1, &sp.side, dst, &dp.side, expect.data, room->tokens, NULL);
     ip_verify(dst, &expect, "");
-    kvw_sender_destroy(snd);
-    kvw_receiver_destroy(rcv);
+    kvw_room_destroy(kvw_sender_room(snd));
+    kvw_room_destroy(kvw_receiver_room(rcv));
     kvt_copy_free(&expect);
     kvt_req_pages_free(&sp);
     kvt_req_pages_free(&dp);

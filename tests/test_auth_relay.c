@@ -254,18 +254,22 @@ int main(void)
     CHECK(st == KVW_OK, "relayed handshake: %s", kvw_last_error());
     if (st == KVW_OK) {
         uint32_t pg[2] = {0, 1};
-        kvw_recv_post_t post = {.num_tokens = 20,
-                                .pages = {.full = {pg, 2, 0}, .swa = {pg, 2, 0}, .state_slot = -1}};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 20,
+                                .pages = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                                          .full = {KVW_PAGES_FIELDS_ALL, pg, 2,
+                                                   0}, .swa = {KVW_PAGES_FIELDS_ALL, pg, 2,
+                                                               0}, .state_slot = -1}};
         kvw_receiver_h rv = NULL;
         CHECK(kvw_receiver_create(dctx, 7, 0, &rv) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_receiver_post(rv, &post) == KVW_OK, "post through the relay: %s",
               kvw_last_error());
         atomic_store(&r.inject, true);
-        kvw_room_state_t s = kvw_receiver_wait(rv, kvt_tmo_ms(20000));
-        CHECK(s == KVW_ROOM_FAILED && kvt_contains(kvw_receiver_failure(rv), "authentic"),
+        kvw_room_state_t s = kvw_room_wait(kvw_receiver_room(rv), kvt_tmo_ms(20000));
+        CHECK(s == KVW_ROOM_FAILED && kvt_contains(kvw_room_failure(kvw_receiver_room(rv)),
+                                                   "authentic"),
               "room after an injected frame: %s: %s", kvw_room_state_string(s),
-              kvw_receiver_failure(rv));
-        kvw_receiver_destroy(rv);
+              kvw_room_failure(kvw_receiver_room(rv)));
+        kvw_room_destroy(kvw_receiver_room(rv));
         kvw_ctx_destroy(dctx);
     }
     relay_stop(&r);
@@ -278,9 +282,14 @@ int main(void)
     CHECK(st == KVW_OK, "clean relay: %s", kvw_last_error());
     if (st == KVW_OK) {
         uint32_t pg[2] = {2, 3};
-        kvw_side_pages_t pages = {.full = {pg, 2, 0}, .swa = {pg, 2, 0}, .state_slot = -1};
-        kvw_recv_post_t post = {.num_tokens = 20, .pages = pages};
-        kvw_send_chunk_t c = {.num_tokens = 20, .chunk_end = 20, .last_chunk = 1, .pages = pages};
+        kvw_side_pages_t pages = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                                  .full = {KVW_PAGES_FIELDS_ALL, pg, 2,
+                                           0}, .swa = {KVW_PAGES_FIELDS_ALL, pg, 2,
+                                                       0}, .state_slot = -1};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 20,
+                                .pages = pages};
+        kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = 20,
+                              .chunk_end = 20, .last_chunk = 1, .pages = pages};
         kvt_copy_t expect;
         kvt_copy_make(&dst, &expect);
         kvw_receiver_h rv = NULL;
@@ -289,15 +298,15 @@ int main(void)
               "%s", kvw_last_error());
         CHECK(kvw_sender_create(pctx, 8, &s) == KVW_OK && kvw_sender_send(s, &c) == KVW_OK, "%s",
               kvw_last_error());
-        CHECK(kvw_receiver_wait(rv, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s",
-              kvw_receiver_failure(rv));
-        CHECK(kvw_sender_wait(s, kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s",
-              kvw_sender_failure(s));
+        CHECK(kvw_room_wait(kvw_receiver_room(rv), kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s",
+              kvw_room_failure(kvw_receiver_room(rv)));
+        CHECK(kvw_room_wait(kvw_sender_room(s), kvt_tmo_ms(20000)) == KVW_ROOM_SUCCESS, "%s",
+              kvw_room_failure(kvw_sender_room(s)));
         ip_ref(&model, &src, 1, &pages, &dst, &pages, expect.data, 20, NULL);
         ip_verify(&dst, &expect, "");
         kvt_copy_free(&expect);
-        kvw_sender_destroy(s);
-        kvw_receiver_destroy(rv);
+        kvw_room_destroy(kvw_sender_room(s));
+        kvw_room_destroy(kvw_receiver_room(rv));
         kvw_ctx_destroy(dctx);
     }
     relay_stop(&r);

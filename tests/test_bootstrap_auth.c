@@ -413,12 +413,12 @@ static void hostile_endpoint(void)
         st = kvw_receiver_create_from(dctx, 5, f.addr, 0, &rv);
         if (st == KVW_OK) {
             kvw_room_state_t s = ip_wait_recv(rv, kvt_tmo_ns(5 * SEC));
-            const char *why = kvw_receiver_failure(rv);
+            const char *why = kvw_room_failure(kvw_receiver_room(rv));
             CHECK(s == KVW_ROOM_FAILED && why && kvt_contains(why, "dp0/tp0/pp0") &&
                       kvt_contains(why, "not connecting to it"),
                   "room naming a hostile endpoint: %s: %s", kvw_room_state_string(s),
                   why ? why : "-");
-            kvw_receiver_destroy(rv);
+            kvw_room_destroy(kvw_receiver_room(rv));
         } else {
             CHECK(kvt_contains(kvw_last_error(), "not connecting to it"),
                   "room naming a hostile endpoint refused at creation: %s", kvw_last_error());

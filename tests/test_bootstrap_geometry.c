@@ -77,28 +77,29 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
     kvt_copy_make(dst, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd[2] = {NULL, NULL};
-    kvw_recv_post_t post = {.num_tokens = 40, .prefix_len = 0, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 40,
+                            .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_create(dctx, 5, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
-    kvw_send_chunk_t c = {.num_tokens = 40, .chunk_begin = 0, .chunk_end = 40, .last_chunk = 1,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = 40,
+                          .chunk_begin = 0, .chunk_end = 40, .last_chunk = 1,
                           .pages = sp.side};
     for (int k = 0; k < 2; k++) {
         CHECK(kvw_sender_create(pctx[k], 5, &snd[k]) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_sender_send(snd[k], &c) == KVW_OK, "%s", kvw_last_error());
     }
-    /* kvw_receiver_wait blocks until the state change (a generous bound, never reached
+    /* kvw_room_wait blocks until the state change (a generous bound, never reached
      * unless the room hangs). */
-    kvw_room_state_t st = kvw_receiver_wait(rcv, kvt_tmo_ms(30000));
+    kvw_room_state_t st = kvw_room_wait(kvw_receiver_room(rcv), kvt_tmo_ms(30000));
     CHECK(st == KVW_ROOM_SUCCESS, "room ended %s: %s", kvw_room_state_string(st),
-          kvw_receiver_failure(rcv));
+          kvw_room_failure(kvw_receiver_room(rcv)));
     for (int k = 0; k < 2; k++) {
-        kvw_room_state_t ps = kvw_sender_wait(snd[k], kvt_tmo_ms(30000));
+        kvw_room_state_t ps = kvw_room_wait(kvw_sender_room(snd[k]), kvt_tmo_ms(30000));
         CHECK(ps == KVW_ROOM_SUCCESS, "sender %d ended %s: %s", k, kvw_room_state_string(ps),
-              kvw_sender_failure(snd[k]));
+              kvw_room_failure(kvw_sender_room(snd[k])));
         /* Each side stamps its own hops, in protocol order. */
-        kvw_room_metrics_t pm;
-        memset(&pm, 0, sizeof(pm));
-        kvw_sender_metrics(snd[k], &pm);
+        kvw_room_metrics_t pm = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+        kvw_room_metrics(kvw_sender_room(snd[k]), &pm);
         const uint64_t *h = pm.hop_ns;
         CHECK(h[KVW_HOP_REQ_RX] && h[KVW_HOP_SEND] && h[KVW_HOP_WORKER] && h[KVW_HOP_BYTES_OUT] &&
                   h[KVW_HOP_ACK_RX] && h[KVW_HOP_SUCCESS],
@@ -108,9 +109,8 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
                   h[KVW_HOP_ACK_RX] <= h[KVW_HOP_SUCCESS] && h[KVW_HOP_SEND] <= h[KVW_HOP_WORKER],
               "sender %d hops out of order", k);
     }
-    kvw_room_metrics_t dm;
-    memset(&dm, 0, sizeof(dm));
-    kvw_receiver_metrics(rcv, &dm);
+    kvw_room_metrics_t dm = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+    kvw_room_metrics(kvw_receiver_room(rcv), &dm);
     CHECK(dm.hop_ns[KVW_HOP_POST] && dm.hop_ns[KVW_HOP_DONE_RX] && dm.hop_ns[KVW_HOP_SUCCESS] &&
               dm.hop_ns[KVW_HOP_POST] <= dm.hop_ns[KVW_HOP_DONE_RX] &&
               dm.hop_ns[KVW_HOP_DONE_RX] <= dm.hop_ns[KVW_HOP_SUCCESS],
@@ -118,19 +118,19 @@ static void transfer_verified(kvw_ctx_h pctx[2], kvt_rank_t src[2], kvw_ctx_h dc
     CHECK(dm.hop_ns[KVW_HOP_WORKER] == 0 && dm.hop_ns[KVW_HOP_ACK_RX] == 0,
           "receiver has prefill hops");
     /* A terminal room: wait returns at once, also with a zero timeout. */
-    CHECK(kvw_receiver_wait(rcv, 0) == KVW_ROOM_SUCCESS, "wait(0) on a finished room");
+    CHECK(kvw_room_wait(kvw_receiver_room(rcv), 0) == KVW_ROOM_SUCCESS,
+          "wait(0) on a finished room");
     uint64_t per_src[2] = {0, 0};
     ip_ref(&model, src, 2, &sp.side, dst, &dp.side, expect.data, 40, per_src);
     CHECK(per_src[0] > 0 && per_src[1] > 0, "both prefill ranks must contribute heads");
-    kvw_room_metrics_t mt;
-    memset(&mt, 0, sizeof(mt));
-    kvw_receiver_metrics(rcv, &mt);
+    kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+    kvw_room_metrics(kvw_receiver_room(rcv), &mt);
     CHECK(mt.bytes == per_src[0] + per_src[1], "%llu bytes confirmed, the reference moves %llu",
           (unsigned long long)mt.bytes, (unsigned long long)(per_src[0] + per_src[1]));
     ip_verify(dst, &expect, "");
     for (int k = 0; k < 2; k++)
-        kvw_sender_destroy(snd[k]);
-    kvw_receiver_destroy(rcv);
+        kvw_room_destroy(kvw_sender_room(snd[k]));
+    kvw_room_destroy(kvw_receiver_room(rcv));
     kvt_copy_free(&expect);
     kvt_req_pages_free(&sp);
     kvt_req_pages_free(&dp);
@@ -188,18 +188,21 @@ int main(void)
     CHECK(st == KVW_OK, "TP2 decode: %s", kvw_last_error());
     if (st == KVW_OK) {
         transfer_verified(pctx, src, dctx, &dst);
-        /* A room no prefill rank sends: kvw_receiver_wait returns at its timeout with the
+        /* A room no prefill rank sends: kvw_room_wait returns at its timeout with the
          * room still open. */
         kvw_receiver_h idle = NULL;
         uint32_t pg[3] = {0, 1, 2};
-        kvw_recv_post_t post = {.num_tokens = 40,
-                                .pages = {.full = {pg, 3, 0}, .swa = {pg, 3, 0}, .state_slot = -1}};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 40,
+                                .pages = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                                          .full = {KVW_PAGES_FIELDS_ALL, pg, 3,
+                                                   0}, .swa = {KVW_PAGES_FIELDS_ALL, pg, 3,
+                                                               0}, .state_slot = -1}};
         CHECK(kvw_receiver_create(dctx, 9, 0, &idle) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_receiver_post(idle, &post) == KVW_OK, "%s", kvw_last_error());
-        kvw_room_state_t ws = kvw_receiver_wait(idle, kvt_tmo_ms(300));
+        kvw_room_state_t ws = kvw_room_wait(kvw_receiver_room(idle), kvt_tmo_ms(300));
         CHECK(ws == KVW_ROOM_WAITING_FOR_INPUT, "idle room after wait(300): %s",
               kvw_room_state_string(ws));
-        kvw_receiver_destroy(idle);
+        kvw_room_destroy(kvw_receiver_room(idle));
         kvw_ctx_destroy(dctx);
     }
     /* With the whole instance registered, TP1 is still refused (n >= want is not enough). */

@@ -174,7 +174,8 @@ static int inst_build(inst_t *in, uint32_t tp, uint64_t seed)
         kvt_rank_spec_t s = {.model = &g_model, .layout = t % 2 ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD,
                              .page_size = {PAGE, SWA_PAGE},
                              .num_pages = {in->full_pages, in->swa_pages}, .num_slots = 1};
-        s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                 .tp_rank = t, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = g_model.m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         if (kvt_rank_build(&s, &in->r[t]) != KVW_OK) {
@@ -321,8 +322,9 @@ static int assign_pages(kvt_rng_t *rng, const inst_t *in, room_t *rooms, uint32_
         memcpy(pg->full, pf + uf, sizeof(uint32_t) * nf);
         memcpy(pg->swa, ps + us, sizeof(uint32_t) * ns);
         uf += nf, us += ns;
-        pg->side.full = (kvw_pages_t){pg->full, nf, 0};
-        pg->side.swa = (kvw_pages_t){pg->swa, ns, swb};
+        pg->side.full = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, pg->full, nf, 0};
+        pg->side.swa = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, pg->swa, ns, swb};
+        pg->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
         pg->side.state_slot = -1;
     }
     free(pf);
@@ -359,7 +361,8 @@ static void verify_rank(const kvt_rank_t *d, const kvt_copy_t *snap, const kvt_c
                 continue;
             }
             room_t *r = &rooms[o - 1];
-            if (kvw_receiver_poll(r->rcv[k]) == KVW_ROOM_SUCCESS && got[i] != expect->data[b][i] &&
+            if (kvw_room_poll(kvw_receiver_room(r->rcv[k])) == KVW_ROOM_SUCCESS &&
+                got[i] != expect->data[b][i] &&
                 !room_bad[(o - 1) * MAXR + k]) {
                 room_bad[(o - 1) * MAXR + k] = true;
                 say("    room %llu decode rank %u: Success but buffer %u byte %llu is 0x%02x, "
@@ -418,7 +421,8 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
                 memset(tmp[k].data[b], 0, tmp[k].len[b]);
             kvt_ref_side_t ds = kvt_ref_side(&D->r[k], &r->dpg.side, expect[k].data);
             for (uint32_t c = 0; c < r->nchunks; c++) {
-                kvw_chunk_t ch = {.num_tokens = r->n, .chunk_begin = r->bounds[c],
+                kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = r->n,
+                                  .chunk_begin = r->bounds[c],
                                   .chunk_end = r->bounds[c + 1], .prefix_len = r->prefix,
                                   .last_chunk = c + 1 == r->nchunks};
                 char msg[512];
@@ -443,7 +447,8 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
         for (int half = 0; half < 2; half++) {
             if ((half == 0) == decode_first) {
                 for (uint32_t k = 0; k < D->tp; k++) {
-                    kvw_recv_post_t post = {.num_tokens = r->n, .prefix_len = r->prefix,
+                    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                                            .num_tokens = r->n, .prefix_len = r->prefix,
                                             .pages = r->dpg.side};
                     if (kvw_receiver_create(pr->dctx[k], r->id, 0, &r->rcv[k]) != KVW_OK) {
                         fail("receiver_create room %llu: %s", (unsigned long long)r->id,
@@ -461,7 +466,8 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
                     }
                     r->sent_ok[j] = true;
                     for (uint32_t c = 0; c < r->nchunks && r->sent_ok[j]; c++) {
-                        kvw_send_chunk_t sc = {.num_tokens = r->n, .chunk_begin = r->bounds[c],
+                        kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                                               .num_tokens = r->n, .chunk_begin = r->bounds[c],
                                                .chunk_end = r->bounds[c + 1],
                                                .last_chunk = c + 1 == r->nchunks,
                                                .pages = r->spg.side};
@@ -476,9 +482,11 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
         bool all = true;
         for (uint32_t i = 0; i < nr && all; i++) {
             for (uint32_t k = 0; k < D->tp && all; k++)
-                all = rooms[i].rcv[k] == NULL || terminal(kvw_receiver_poll(rooms[i].rcv[k]));
+                all = rooms[i].rcv[k] == NULL ||
+                terminal(kvw_room_poll(kvw_receiver_room(rooms[i].rcv[k])));
             for (uint32_t j = 0; j < P->tp && all; j++)
-                all = rooms[i].snd[j] == NULL || terminal(kvw_sender_poll(rooms[i].snd[j]));
+                all = rooms[i].snd[j] == NULL ||
+                terminal(kvw_room_poll(kvw_sender_room(rooms[i].snd[j])));
         }
         if (all || now_ms() - t0 > ROOM_DEADLINE_MS)
             break;
@@ -505,14 +513,18 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
         room_t *r = &rooms[i];
         bool lost = false, failed = false, corrupt = false;
         for (uint32_t k = 0; k < D->tp; k++) {
-            kvw_room_state_t s = r->rcv[k] ? kvw_receiver_poll(r->rcv[k]) : KVW_ROOM_FAILED;
+            kvw_room_state_t s = r->rcv[k]
+                                     ? kvw_room_poll(kvw_receiver_room(r->rcv[k]))
+                                     : KVW_ROOM_FAILED;
             if (!terminal(s)) {
                 lost = true;
                 say("    LOST: room %llu decode rank %u still %s after %u ms\n",
                     (unsigned long long)r->id, k, kvw_room_state_string(s), ROOM_DEADLINE_MS);
             } else if (s == KVW_ROOM_FAILED) {
                 failed = true;
-                const char *why = r->rcv[k] ? kvw_receiver_failure(r->rcv[k]) : "no receiver";
+                const char *why = r->rcv[k]
+                                      ? kvw_room_failure(kvw_receiver_room(r->rcv[k]))
+                                      : "no receiver";
                 if (why == NULL || why[0] == '\0') {
                     res->no_reason++;
                     fail("room %llu decode rank %u failed without a reason",
@@ -525,13 +537,15 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
             corrupt |= room_bad[i * MAXR + k];
         }
         for (uint32_t j = 0; j < P->tp; j++) {
-            kvw_room_state_t s = r->snd[j] ? kvw_sender_poll(r->snd[j]) : KVW_ROOM_FAILED;
+            kvw_room_state_t s = r->snd[j]
+                                     ? kvw_room_poll(kvw_sender_room(r->snd[j]))
+                                     : KVW_ROOM_FAILED;
             if (!terminal(s)) {
                 lost = true;
                 say("    LOST: room %llu prefill rank %u still %s after %u ms\n",
                     (unsigned long long)r->id, j, kvw_room_state_string(s), ROOM_DEADLINE_MS);
             } else if (s == KVW_ROOM_FAILED) {
-                const char *why = kvw_sender_failure(r->snd[j]);
+                const char *why = kvw_room_failure(kvw_sender_room(r->snd[j]));
                 if (why == NULL || why[0] == '\0') {
                     res->no_reason++;
                     fail("room %llu prefill rank %u failed without a reason",
@@ -564,9 +578,9 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
     }
     for (uint32_t i = 0; i < nr; i++) {
         for (uint32_t k = 0; k < D->tp; k++)
-            kvw_receiver_destroy(rooms[i].rcv[k]);
+            kvw_room_destroy(kvw_receiver_room(rooms[i].rcv[k]));
         for (uint32_t j = 0; j < P->tp; j++)
-            kvw_sender_destroy(rooms[i].snd[j]);
+            kvw_room_destroy(kvw_sender_room(rooms[i].snd[j]));
         kvt_req_pages_free(&rooms[i].spg);
         kvt_req_pages_free(&rooms[i].dpg);
     }

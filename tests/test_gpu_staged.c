@@ -39,7 +39,8 @@ static kvw_status_t grank_make(uint32_t tp, uint32_t rank, bool gpu, uint64_t se
     memset(g, 0, sizeof(*g));
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {64, 64}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = rank,
+                             .pp_size = 1, .layer_begin = 0,
                              .layer_end = model.m.num_layers, .dp_size = 1};
     kvw_status_t st = kvt_rank_build(&s, &g->r);
     if (st != KVW_OK)
@@ -132,13 +133,15 @@ static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_g
             kvt_copy_make(&dst[i].r, &expect[i]);
         kvw_receiver_h rcv[2] = {NULL, NULL};
         kvw_sender_h snd[2] = {NULL, NULL};
-        kvw_recv_post_t post = {.num_tokens = tokens, .prefix_len = 0, .pages = dp.side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens,
+                                .prefix_len = 0, .pages = dp.side};
         for (uint32_t i = 0; i < D; i++) {
             CHECK(kvw_receiver_create(dctx[i], room, 0, &rcv[i]) == KVW_OK, "%s",
                   kvw_last_error());
             CHECK(kvw_receiver_post(rcv[i], &post) == KVW_OK, "%s", kvw_last_error());
         }
-        kvw_send_chunk_t c = {.num_tokens = tokens, .chunk_begin = 0, .chunk_end = tokens,
+        kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = tokens,
+                              .chunk_begin = 0, .chunk_end = tokens,
                               .last_chunk = 1, .pages = sp.side};
         for (uint32_t i = 0; i < S; i++) {
             CHECK(kvw_sender_create(pctx[i], room, &snd[i]) == KVW_OK, "%s", kvw_last_error());
@@ -148,10 +151,9 @@ static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_g
             kvw_room_state_t rs_ = ip_wait_recv(rcv[i], kvt_tmo_ns(120ull * 1000000000ull));
             CHECK(rs_ == KVW_ROOM_SUCCESS, "%s: room %llu, decode rank %u ended %s: %s", what,
                   (unsigned long long)room, i, kvw_room_state_string(rs_),
-                  kvw_receiver_failure(rcv[i]));
-            kvw_room_metrics_t m;
-            memset(&m, 0, sizeof(m));
-            kvw_receiver_metrics(rcv[i], &m);
+                  kvw_room_failure(kvw_receiver_room(rcv[i])));
+            kvw_room_metrics_t m = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+            kvw_room_metrics(kvw_receiver_room(rcv[i]), &m);
             if (src_gpu || dst_gpu)
                 CHECK(m.path && strcmp(m.path, "staged") == 0, "%s: room %llu took the %s path",
                       what, (unsigned long long)room, m.path ? m.path : "(none)");
@@ -172,9 +174,9 @@ static void run(const char *tl, uint32_t S, bool src_gpu, uint32_t D, bool dst_g
             kvt_copy_free(&expect[i]);
         }
         for (uint32_t i = 0; i < S; i++)
-            kvw_sender_destroy(snd[i]);
+            kvw_room_destroy(kvw_sender_room(snd[i]));
         for (uint32_t i = 0; i < D; i++)
-            kvw_receiver_destroy(rcv[i]);
+            kvw_room_destroy(kvw_receiver_room(rcv[i]));
         kvt_req_pages_free(&sp);
         kvt_req_pages_free(&dp);
     }
@@ -218,9 +220,11 @@ static void events(const char *tl)
     kvt_req_pages_t sp, dp;
     CHECK(kvt_req_pages_make(&src.r, &rs, &rng, &sp) == 0 &&
               kvt_req_pages_make(&dst.r, &rs, &rng, &dp) == 0, "pages");
-    kvw_send_chunk_t c = {.num_tokens = tokens, .chunk_end = tokens, .last_chunk = 1,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = tokens,
+                          .chunk_end = tokens, .last_chunk = 1,
                           .pages = sp.side};
-    kvw_recv_post_t post = {.num_tokens = tokens, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens,
+                            .pages = dp.side};
     void *ev[4] = {NULL, NULL, NULL, NULL};
     for (int i = 0; i < 4; i++)
         CHECK(kvw__cuda_event_create(&ev[i]) == KVW_OK, "%s", kvw_last_error());
@@ -239,22 +243,23 @@ static void events(const char *tl)
     CHECK(kvw_sender_layers_ready_event(snd, 0, 3, ev[1]) == KVW_ERR_INVALID_PARAM,
           "a layer outside the stage was accepted");
     usleep(200000);
-    kvw_room_state_t st = kvw_receiver_poll(rcv);
+    kvw_room_state_t st = kvw_room_poll(kvw_receiver_room(rcv));
     CHECK(st != KVW_ROOM_SUCCESS && st != KVW_ROOM_FAILED,
           "%s: the room ended (%s) before its events completed", tl, kvw_room_state_string(st));
     CHECK(kvw__cuda_event_record(ev[1], NULL) == KVW_OK, "%s", kvw_last_error());
     usleep(100000);
-    CHECK(kvw_receiver_poll(rcv) != KVW_ROOM_SUCCESS, "%s: Success with layer 0 unmarked", tl);
+    CHECK(kvw_room_poll(kvw_receiver_room(rcv)) != KVW_ROOM_SUCCESS,
+          "%s: Success with layer 0 unmarked", tl);
     CHECK(kvw__cuda_event_record(ev[0], NULL) == KVW_OK, "%s", kvw_last_error());
     st = ip_wait_recv(rcv, kvt_tmo_ns(60ull * 1000000000ull));
     CHECK(st == KVW_ROOM_SUCCESS, "%s: events room ended %s: %s", tl, kvw_room_state_string(st),
-          kvw_receiver_failure(rcv));
+          kvw_room_failure(kvw_receiver_room(rcv)));
     grank_pull(&dst);
     ip_ref(&model, &src.r, 1, &sp.side, &dst.r, &dp.side, expect.data, tokens, NULL);
     ip_verify(&dst.r, &expect, "events room: ");
     kvt_copy_free(&expect);
-    kvw_sender_destroy(snd);
-    kvw_receiver_destroy(rcv);
+    kvw_room_destroy(kvw_sender_room(snd));
+    kvw_room_destroy(kvw_receiver_room(rcv));
 
     /* Room 2: an event already complete marks at once; the other layer plainly. */
     CHECK(kvw_receiver_create(dctx, 2, 0, &rcv) == KVW_OK && kvw_receiver_post(rcv, &post) ==
@@ -265,9 +270,9 @@ static void events(const char *tl)
     CHECK(kvw_sender_layers_ready(snd, 0, 1) == KVW_OK, "%s", kvw_last_error());
     st = ip_wait_recv(rcv, kvt_tmo_ns(60ull * 1000000000ull));
     CHECK(st == KVW_ROOM_SUCCESS, "%s: room 2 ended %s: %s", tl, kvw_room_state_string(st),
-          kvw_receiver_failure(rcv));
-    kvw_sender_destroy(snd);
-    kvw_receiver_destroy(rcv);
+          kvw_room_failure(kvw_receiver_room(rcv)));
+    kvw_room_destroy(kvw_sender_room(snd));
+    kvw_room_destroy(kvw_receiver_room(rcv));
 
     /* Room 3: aborted while its event is pending; recording it later changes nothing. */
     CHECK(kvw_receiver_create(dctx, 3, 0, &rcv) == KVW_OK && kvw_receiver_post(rcv, &post) ==
@@ -275,16 +280,16 @@ static void events(const char *tl)
     CHECK(kvw_sender_create(pctx, 3, &snd) == KVW_OK && kvw_sender_send_streamed(snd, &c) ==
               KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_sender_layers_ready_event(snd, 0, 2, ev[2]) == KVW_OK, "%s", kvw_last_error());
-    kvw_sender_abort(snd);
+    kvw_room_abort(kvw_sender_room(snd));
     CHECK(kvw__cuda_event_record(ev[2], NULL) == KVW_OK, "%s", kvw_last_error());
     usleep(100000);
-    CHECK(kvw_sender_poll(snd) == KVW_ROOM_FAILED, "%s: aborted room is %s", tl,
-          kvw_room_state_string(kvw_sender_poll(snd)));
+    CHECK(kvw_room_poll(kvw_sender_room(snd)) == KVW_ROOM_FAILED, "%s: aborted room is %s", tl,
+          kvw_room_state_string(kvw_room_poll(kvw_sender_room(snd))));
     st = ip_wait_recv(rcv, kvt_tmo_ns(60ull * 1000000000ull));
     CHECK(st == KVW_ROOM_FAILED, "%s: decode of the aborted room ended %s", tl,
           kvw_room_state_string(st));
-    kvw_sender_destroy(snd);
-    kvw_receiver_destroy(rcv);
+    kvw_room_destroy(kvw_sender_room(snd));
+    kvw_room_destroy(kvw_receiver_room(rcv));
 
     /* Room 4, own contexts with a 1.5 s wait: an event that never completes. */
     CHECK(make_ctx_wait(&src, KVW_SIDE_PREFILL, tl, "127.0.0.1:0", true, 1500, &pshort) ==
@@ -300,15 +305,16 @@ static void events(const char *tl)
         CHECK(kvw_sender_layers_ready(snd, 0, 1) == KVW_OK, "%s", kvw_last_error());
         CHECK(kvw_sender_layers_ready_event(snd, 1, 2, ev[3]) == KVW_OK, "%s",
               kvw_last_error());
-        st = kvw_sender_wait(snd, kvt_tmo_ms(30000));
-        CHECK(kvw_sender_poll(snd) == KVW_ROOM_FAILED &&
-                  kvt_contains(kvw_sender_failure(snd), "timed out") &&
-                  kvt_contains(kvw_sender_failure(snd), "waits for layer 1") &&
-                  kvt_contains(kvw_sender_failure(snd), "CUDA event"),
+        st = kvw_room_wait(kvw_sender_room(snd), kvt_tmo_ms(30000));
+        CHECK(kvw_room_poll(kvw_sender_room(snd)) == KVW_ROOM_FAILED &&
+                  kvt_contains(kvw_room_failure(kvw_sender_room(snd)), "timed out") &&
+                  kvt_contains(kvw_room_failure(kvw_sender_room(snd)), "waits for layer 1") &&
+                  kvt_contains(kvw_room_failure(kvw_sender_room(snd)), "CUDA event"),
               "%s: never-complete event: %s: %s", tl,
-              kvw_room_state_string(kvw_sender_poll(snd)), kvw_sender_failure(snd));
-        kvw_sender_destroy(snd);
-        kvw_receiver_destroy(rcv);
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(snd))),
+              kvw_room_failure(kvw_sender_room(snd)));
+        kvw_room_destroy(kvw_sender_room(snd));
+        kvw_room_destroy(kvw_receiver_room(rcv));
     }
     kvt_req_pages_free(&sp);
     kvt_req_pages_free(&dp);
@@ -350,7 +356,8 @@ static void refusals(void)
     memset(&m, 0, sizeof(m));
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {8, 8}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1, .layer_end = model.m.num_layers,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1,
+                             .layer_end = model.m.num_layers,
                              .dp_size = 1};
     CHECK(kvt_rank_describe(&s, &m.r) == KVW_OK, "%s", kvw_last_error());
     m.r.bufs[0].mem_kind = KVW_MEM_CUDA;

@@ -30,10 +30,10 @@ static void failing_room(kvw_ctx_h dctx, uint64_t id)
     kvw_status_t st = kvw_receiver_create_from(dctx, id, "127.0.0.1:1", 0, &rv);
     CHECK(st == KVW_OK, "%s", kvw_last_error());
     if (rv) {
-        kvw_room_state_t s = kvw_receiver_wait(rv, kvt_tmo_ms(20000));
+        kvw_room_state_t s = kvw_room_wait(kvw_receiver_room(rv), kvt_tmo_ms(20000));
         CHECK(s == KVW_ROOM_FAILED, "room %llu ended %s", (unsigned long long)id,
               kvw_room_state_string(s));
-        kvw_receiver_destroy(rv);
+        kvw_room_destroy(kvw_receiver_room(rv));
     }
 }
 

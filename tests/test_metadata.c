@@ -66,14 +66,16 @@ static void room(env_t *e, uint64_t id, const uint8_t *const meta[2], const size
     kvt_copy_make(&e->dst, &expect_kv);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd[2] = {NULL, NULL};
-    kvw_recv_post_t post = {.num_tokens = 40, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 40,
+                            .pages = dp.side};
     CHECK(kvw_receiver_create(e->dctx, id, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
     size_t got = 99;
     uint8_t small[8];
     CHECK(kvw_receiver_metadata(rcv, small, sizeof(small), &got) == KVW_INPROGRESS && got == 0,
           "[%s] metadata before Success: %s", e->tl, kvw_last_error());
-    kvw_send_chunk_t c = {.num_tokens = 40, .chunk_begin = 0, .chunk_end = 40, .last_chunk = 1,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = 40,
+                          .chunk_begin = 0, .chunk_end = 40, .last_chunk = 1,
                           .pages = sp.side};
     for (int k = 0; k < 2; k++) {
         CHECK(kvw_sender_create(e->pctx[k], id, &snd[k]) == KVW_OK, "%s", kvw_last_error());
@@ -87,15 +89,18 @@ static void room(env_t *e, uint64_t id, const uint8_t *const meta[2], const size
         CHECK(st == KVW_ERR_INVALID_PARAM && kvt_contains(kvw_last_error(), "before the last chunk"),
               "[%s] late metadata: %s: %s", e->tl, kvw_status_string(st), kvw_last_error());
     }
-    kvw_room_state_t s = kvw_receiver_wait(rcv, kvt_tmo_ms(60000));
+    kvw_room_state_t s = kvw_room_wait(kvw_receiver_room(rcv), kvt_tmo_ms(60000));
     CHECK(s == want, "[%s] room %llu ended %s (want %s): %s", e->tl, (unsigned long long)id,
-          kvw_room_state_string(s), kvw_room_state_string(want), kvw_receiver_failure(rcv));
+          kvw_room_state_string(s), kvw_room_state_string(want),
+          kvw_room_failure(kvw_receiver_room(rcv)));
     if (s == KVW_ROOM_FAILED && needle)
-        CHECK(kvt_contains(kvw_receiver_failure(rcv), needle), "[%s] reason lacks '%s': %s",
-              e->tl, needle, kvw_receiver_failure(rcv));
+        CHECK(kvt_contains(kvw_room_failure(kvw_receiver_room(rcv)), needle),
+              "[%s] reason lacks '%s': %s",
+              e->tl, needle, kvw_room_failure(kvw_receiver_room(rcv)));
     if (s == KVW_ROOM_FAILED) {
         kvw_status_t st = kvw_receiver_metadata(rcv, small, sizeof(small), &got);
-        CHECK(st == kvw_receiver_status(rcv), "[%s] metadata of a failed room: %s", e->tl,
+        CHECK(st == kvw_room_status(kvw_receiver_room(rcv)), "[%s] metadata of a failed room: %s",
+              e->tl,
               kvw_status_string(st));
     }
     if (s == KVW_ROOM_SUCCESS) {
@@ -120,10 +125,10 @@ static void room(env_t *e, uint64_t id, const uint8_t *const meta[2], const size
         ip_verify(&e->dst, &expect_kv, prefix);
     }
     for (int k = 0; k < 2; k++) {
-        kvw_sender_wait(snd[k], kvt_tmo_ms(20000));
-        kvw_sender_destroy(snd[k]);
+        kvw_room_wait(kvw_sender_room(snd[k]), kvt_tmo_ms(20000));
+        kvw_room_destroy(kvw_sender_room(snd[k]));
     }
-    kvw_receiver_destroy(rcv);
+    kvw_room_destroy(kvw_receiver_room(rcv));
     kvt_copy_free(&expect_kv);
     kvt_req_pages_free(&sp);
     kvt_req_pages_free(&dp);
@@ -180,7 +185,7 @@ static void run(const char *tl)
     CHECK(kvw_sender_set_metadata(big, huge, KVW_MAX_ROOM_METADATA) == KVW_OK, "%s",
           kvw_last_error());
     free(huge);
-    kvw_sender_destroy(big);
+    kvw_room_destroy(kvw_sender_room(big));
 out:
     kvw_ctx_destroy(e.dctx);
     kvw_ctx_destroy(e.pctx[1]);

@@ -85,8 +85,10 @@ static void room_pages(int slot, pages_t *p)
 {
     for (int i = 0; i < PAGES_PER_ROOM; i++)
         p->full[i] = p->swa[i] = (uint32_t)(slot * PAGES_PER_ROOM + i);
-    p->side = (kvw_side_pages_t){.full = {p->full, PAGES_PER_ROOM, 0},
-                                 .swa = {p->swa, PAGES_PER_ROOM, 0}, .state_slot = -1};
+    p->side = (kvw_side_pages_t){.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                                 .full = {KVW_PAGES_FIELDS_ALL, p->full, PAGES_PER_ROOM, 0},
+                                 .swa = {KVW_PAGES_FIELDS_ALL, p->swa, PAGES_PER_ROOM,
+                                         0}, .state_slot = -1};
 }
 
 typedef struct room {
@@ -101,7 +103,8 @@ static void d_open(kvw_ctx_h dctx, room_t *rm, const char *bs)
 {
     pages_t p;
     room_pages(rm->slot, &p);
-    kvw_recv_post_t post = {.num_tokens = TOKENS, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
+                            .pages = p.side};
     CHECK(kvw_receiver_create_from(dctx, rm->id, bs, 0, &rm->rv) == KVW_OK, "[%s] room %llu: %s",
           g_tl, (unsigned long long)rm->id, kvw_last_error());
     CHECK(kvw_receiver_post(rm->rv, &post) == KVW_OK, "[%s] post room %llu: %s", g_tl,
@@ -116,7 +119,8 @@ static void d_open_bad(kvw_ctx_h dctx, room_t *rm, const char *bs, const char *n
 {
     pages_t p;
     room_pages(rm->slot, &p);
-    kvw_recv_post_t post = {.num_tokens = TOKENS, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
+                            .pages = p.side};
     CHECK(kvw_receiver_create_from(dctx, rm->id, bs, 0, &rm->rv) == KVW_OK, "[%s] room %llu: %s",
           g_tl, (unsigned long long)rm->id, kvw_last_error());
     kvw_status_t st = kvw_receiver_post(rm->rv, &post);
@@ -136,7 +140,8 @@ static void p_send(room_t *rm)
 {
     pages_t p;
     room_pages(rm->slot, &p);
-    kvw_send_chunk_t c = {.num_tokens = TOKENS, .chunk_end = TOKENS, .last_chunk = 1,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = TOKENS,
+                          .chunk_end = TOKENS, .last_chunk = 1,
                           .pages = p.side};
     for (uint32_t k = 0; k < rm->src->tp; k++)
         CHECK(kvw_sender_send(rm->s[k], &c) == KVW_OK, "%s", kvw_last_error());
@@ -144,12 +149,15 @@ static void p_send(room_t *rm)
 
 static void expect_room(room_t *rm, kvw_room_state_t want, const char *needle)
 {
-    kvw_room_state_t s = kvw_receiver_wait(rm->rv, kvt_tmo_ms(30000));
+    kvw_room_state_t s = kvw_room_wait(kvw_receiver_room(rm->rv), kvt_tmo_ms(30000));
     CHECK(s == want, "[%s] room %llu: %s (want %s): %s", g_tl, (unsigned long long)rm->id,
-          kvw_room_state_string(s), kvw_room_state_string(want), kvw_receiver_failure(rm->rv));
+          kvw_room_state_string(s), kvw_room_state_string(want),
+          kvw_room_failure(kvw_receiver_room(rm->rv)));
     if (s == KVW_ROOM_FAILED && needle)
-        CHECK(kvt_contains(kvw_receiver_failure(rm->rv), needle), "[%s] room %llu: reason lacks "
-              "'%s': %s", g_tl, (unsigned long long)rm->id, needle, kvw_receiver_failure(rm->rv));
+        CHECK(kvt_contains(kvw_room_failure(kvw_receiver_room(rm->rv)), needle),
+              "[%s] room %llu: reason lacks "
+              "'%s': %s", g_tl, (unsigned long long)rm->id, needle,
+              kvw_room_failure(kvw_receiver_room(rm->rv)));
 }
 
 /* Adds room rm's reference writes (from its instance's ranks) to `expect`. */
@@ -170,10 +178,10 @@ static void verify(const kvt_rank_t *dst, const kvt_copy_t *expect, const char *
 static void close_room(room_t *rm)
 {
     for (int k = 0; k < 2; k++) {
-        kvw_sender_destroy(rm->s[k]);
+        kvw_room_destroy(kvw_sender_room(rm->s[k]));
         rm->s[k] = NULL;
     }
-    kvw_receiver_destroy(rm->rv);
+    kvw_room_destroy(kvw_receiver_room(rm->rv));
     rm->rv = NULL;
 }
 
@@ -233,7 +241,7 @@ static void run(const char *tl)
     snprintf(b_addr, sizeof(b_addr), "%s", b.bs);
     for (int i = 1; i < 3; i++)
         for (int k = 0; k < 2; k++) {
-            kvw_sender_destroy(rb[i].s[k]);
+            kvw_room_destroy(kvw_sender_room(rb[i].s[k]));
             rb[i].s[k] = NULL;
         }
     inst_stop(&b);
@@ -276,21 +284,22 @@ static void run(const char *tl)
         snprintf(c_addr, sizeof(c_addr), "%s", kvw_bootstrap_address(bsc));
         room_t rc = {.id = 41, .slot = 8};
         d_open(dctx, &rc, c_addr);
-        CHECK(kvw_receiver_poll(rc.rv) == KVW_ROOM_BOOTSTRAPPING, "room 41 before its instance: %s",
-              kvw_room_state_string(kvw_receiver_poll(rc.rv)));
-        kvw_receiver_abort(rc.rv);
-        CHECK(kvw_receiver_poll(rc.rv) == KVW_ROOM_FAILED, "aborted room 41 is %s",
-              kvw_room_state_string(kvw_receiver_poll(rc.rv)));
-        kvw_receiver_destroy(rc.rv);
+        CHECK(kvw_room_poll(kvw_receiver_room(rc.rv)) == KVW_ROOM_BOOTSTRAPPING,
+              "room 41 before its instance: %s",
+              kvw_room_state_string(kvw_room_poll(kvw_receiver_room(rc.rv))));
+        kvw_room_abort(kvw_receiver_room(rc.rv));
+        CHECK(kvw_room_poll(kvw_receiver_room(rc.rv)) == KVW_ROOM_FAILED, "aborted room 41 is %s",
+              kvw_room_state_string(kvw_room_poll(kvw_receiver_room(rc.rv))));
+        kvw_room_destroy(kvw_receiver_room(rc.rv));
         inst_t c;
         CHECK(inst_start(&c, 1, 71, c_addr, false) == KVW_OK, "instance C: %s", kvw_last_error());
         kvw_sender_h s = NULL;
         CHECK(kvw_sender_create(c.ctx[0], 41, &s) == KVW_OK, "%s", kvw_last_error());
-        kvw_room_state_t ps = kvw_sender_wait(s, kvt_tmo_ms(30000));
-        CHECK(ps == KVW_ROOM_FAILED && kvt_contains(kvw_sender_failure(s), "abort"),
+        kvw_room_state_t ps = kvw_room_wait(kvw_sender_room(s), kvt_tmo_ms(30000));
+        CHECK(ps == KVW_ROOM_FAILED && kvt_contains(kvw_room_failure(kvw_sender_room(s)), "abort"),
               "[%s] C's sender of the aborted room: %s: %s", g_tl, kvw_room_state_string(ps),
-              kvw_sender_failure(s));
-        kvw_sender_destroy(s);
+              kvw_room_failure(kvw_sender_room(s)));
+        kvw_room_destroy(kvw_sender_room(s));
         inst_stop(&c);
         kvw_bootstrap_stop(bsc);
     }

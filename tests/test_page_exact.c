@@ -90,12 +90,14 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
     kvt_copy_make(&dst, &expect);
     kvw_receiver_h rcv = NULL;
     kvw_sender_h snd = NULL;
-    kvw_recv_post_t post = {.num_tokens = TOKENS, .prefix_len = 0, .pages = dp.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
+                            .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_create(dctx, 5, 0, &rcv) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
     CHECK(kvw_sender_create(pctx, 5, &snd) == KVW_OK, "%s", kvw_last_error());
     /* Two chunks: the second must not be mistaken for a rewrite of the first. */
-    kvw_send_chunk_t c = {.num_tokens = TOKENS, .chunk_begin = 0, .chunk_end = 50,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = TOKENS,
+                          .chunk_begin = 0, .chunk_end = 50,
                           .pages = sp.side};
     CHECK(kvw_sender_send(snd, &c) == KVW_OK, "%s", kvw_last_error());
     c.chunk_begin = 50;
@@ -106,10 +108,11 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
     CHECK(sst2 == KVW_OK || hostile, "%s", kvw_last_error());
     uint64_t t0 = kvt_now_ns();
     kvw_room_state_t rst, sst;
-    while ((!terminal(rst = kvw_receiver_poll(rcv)) || !terminal(sst = kvw_sender_poll(snd))) &&
+    while ((!terminal(rst = kvw_room_poll(kvw_receiver_room(rcv))) ||
+            !terminal(sst = kvw_room_poll(kvw_sender_room(snd)))) &&
            kvt_now_ns() - t0 < DEADLINE_NS)
         usleep(1000);
-    sst = kvw_sender_poll(snd);
+    sst = kvw_room_poll(kvw_sender_room(snd));
     char msg[512];
     if (hostile) {
         uint64_t f[KVW_FAULT_NUM_KINDS];
@@ -117,17 +120,17 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
         CHECK(f[kind] > 0, "the fault was never injected (%s, %s)", path, spec);
         CHECK(rst == KVW_ROOM_FAILED, "decode room ended %s with a mislaid put (%s)",
               kvw_room_state_string(rst), path);
-        const char *why = kvw_receiver_failure(rcv);
+        const char *why = kvw_room_failure(kvw_receiver_room(rcv));
         CHECK(why && kvt_contains(why, needle), "decode reason '%s' lacks '%s'",
               why ? why : "(none)", needle);
         CHECK(sst == KVW_ROOM_FAILED, "prefill room ended %s", kvw_room_state_string(sst));
-        why = kvw_sender_failure(snd);
+        why = kvw_room_failure(kvw_sender_room(snd));
         CHECK(why && why[0], "prefill room failed without a reason");
     } else {
         CHECK(rst == KVW_ROOM_SUCCESS, "decode room ended %s: %s (%s)",
-              kvw_room_state_string(rst), kvw_receiver_failure(rcv), path);
+              kvw_room_state_string(rst), kvw_room_failure(kvw_receiver_room(rcv)), path);
         CHECK(sst == KVW_ROOM_SUCCESS, "prefill room ended %s: %s",
-              kvw_room_state_string(sst), kvw_sender_failure(snd));
+              kvw_room_state_string(sst), kvw_room_failure(kvw_sender_room(snd)));
         ip_ref(&model, &src, 1, &sp.side, &dst, &dp.side, expect.data, TOKENS, NULL);
         /* The reference starts from the same bytes, so this also proves nothing outside
          * the room's pages changed. */
@@ -135,8 +138,8 @@ static void run_room(const char *path, const char *spec, bool hostile, const cha
               path);
     }
     CHECK(kvt_rank_check_guards(&dst, msg, sizeof(msg)) == 0, "%s", msg);
-    kvw_sender_destroy(snd);
-    kvw_receiver_destroy(rcv);
+    kvw_room_destroy(kvw_sender_room(snd));
+    kvw_room_destroy(kvw_receiver_room(rcv));
     kvt_copy_free(&before);
     kvt_copy_free(&expect);
     kvt_req_pages_free(&sp);

@@ -78,7 +78,7 @@ int main(void)
     kvw_room_state_t st = ip_wait_recv(bad, DEADLINE_NS);
     CHECK(st == KVW_ROOM_FAILED, "the oversized request's room ended %s",
           kvw_room_state_string(st));
-    const char *why = kvw_receiver_failure(bad);
+    const char *why = kvw_room_failure(kvw_receiver_room(bad));
     CHECK(why && kvt_contains(why, "17 pages is longer than the pool (16 pages)"),
           "reason: %s", why ? why : "(none)");
     struct kvw_ctx *pc = pctx;
@@ -86,7 +86,7 @@ int main(void)
     bool kept = kvw__room_find(pc, 21) != NULL;
     pthread_mutex_unlock(&pc->mu);
     CHECK(!kept, "the prefill rank kept a room for the refused request");
-    kvw_receiver_destroy(bad);
+    kvw_room_destroy(kvw_receiver_room(bad));
 
     /* The same peer's next room goes through. */
     ip_room_t room = {.id = 22, .tokens = TOKENS, .seed = 5, .deadline_ns = DEADLINE_NS,

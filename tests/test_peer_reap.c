@@ -43,27 +43,33 @@ static void one_room(kvw_ctx_h pctx, kvt_rank_t *src, kvw_ctx_h dctx, kvt_rank_t
                      uint64_t id)
 {
     uint32_t pg[2] = {0, 1};
-    kvw_side_pages_t pages = {.full = {pg, 2, 0}, .swa = {pg, 2, 0}, .state_slot = -1};
+    kvw_side_pages_t pages = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                              .full = {KVW_PAGES_FIELDS_ALL, pg, 2,
+                                       0}, .swa = {KVW_PAGES_FIELDS_ALL, pg, 2,
+                                                   0}, .state_slot = -1};
     kvt_copy_t expect;
     kvt_copy_make(dst, &expect);
     kvw_receiver_h rv = NULL;
     kvw_sender_h s = NULL;
-    kvw_recv_post_t post = {.num_tokens = 20, .pages = pages};
-    kvw_send_chunk_t c = {.num_tokens = 20, .chunk_end = 20, .last_chunk = 1, .pages = pages};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 20,
+                            .pages = pages};
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = 20,
+                          .chunk_end = 20, .last_chunk = 1, .pages = pages};
     CHECK(kvw_receiver_create(dctx, id, 0, &rv) == KVW_OK && kvw_receiver_post(rv, &post) == KVW_OK,
           "%s", kvw_last_error());
     CHECK(kvw_sender_create(pctx, id, &s) == KVW_OK && kvw_sender_send(s, &c) == KVW_OK, "%s",
           kvw_last_error());
-    kvw_room_state_t st = kvw_receiver_wait(rv, kvt_tmo_ms(30000));
+    kvw_room_state_t st = kvw_room_wait(kvw_receiver_room(rv), kvt_tmo_ms(30000));
     CHECK(st == KVW_ROOM_SUCCESS, "room %llu: %s", (unsigned long long)id,
-          kvw_receiver_failure(rv));
-    CHECK(kvw_sender_wait(s, kvt_tmo_ms(30000)) == KVW_ROOM_SUCCESS, "sender %llu: %s",
-          (unsigned long long)id, kvw_sender_failure(s));
+          kvw_room_failure(kvw_receiver_room(rv)));
+    CHECK(kvw_room_wait(kvw_sender_room(s), kvt_tmo_ms(30000)) == KVW_ROOM_SUCCESS,
+          "sender %llu: %s",
+          (unsigned long long)id, kvw_room_failure(kvw_sender_room(s)));
     ip_ref(&model, src, 1, &pages, dst, &pages, expect.data, 20, NULL);
     ip_verify(dst, &expect, "");
     kvt_copy_free(&expect);
-    kvw_sender_destroy(s);
-    kvw_receiver_destroy(rv);
+    kvw_room_destroy(kvw_sender_room(s));
+    kvw_room_destroy(kvw_receiver_room(rv));
 }
 
 static void run(const char *tl)

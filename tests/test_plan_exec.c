@@ -135,7 +135,8 @@ static int inst_build(inst_t *in, const kvt_model_t *model, const side_cfg_t *sc
             kvt_rank_spec_t spec;
             memset(&spec, 0, sizeof(spec));
             spec.model = model;
-            spec.par = (kvw_parallel_t){.tp_size = sc->tp, .tp_rank = t, .pp_size = pp,
+            spec.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = sc->tp,
+                                        .tp_rank = t, .pp_size = pp,
                                         .pp_rank = p, .layer_begin = lb, .layer_end = le,
                                         .dp_size = 1, .dp_rank = 0};
             spec.layout = sc->layout;
@@ -297,7 +298,8 @@ static void run_case(const case_cfg_t *cc)
     uint64_t runs_raw = 0, runs_co = 0, total_bytes = 0, ref_total = 0;
     uint64_t begin = 0;
     for (uint32_t c = 0; c < nchunks; c++) {
-        kvw_chunk_t ch = {.num_tokens = cc->tokens, .chunk_begin = begin, .chunk_end = ends[c],
+        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = cc->tokens,
+                          .chunk_begin = begin, .chunk_end = ends[c],
                           .prefix_len = cc->prefix, .last_chunk = c + 1 == nchunks};
         begin = ends[c];
         for (uint32_t d = 0; d < D.n; d++) {
@@ -316,7 +318,7 @@ static void run_case(const case_cfg_t *cc)
                       kvw_status_string(st), kvw_last_error());
                 if (st != KVW_OK)
                     continue;
-                kvw_plan_stats_t stats;
+                kvw_plan_stats_t stats = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
                 st = kvw_plan_stats(plan, &stats);
                 CHECK(st == KVW_OK, "kvw_plan_stats: %s", kvw_status_string(st));
                 CHECK(stats.bytes == per_src[s],
@@ -669,9 +671,14 @@ static void test_reference_literal(void)
         want_v[i] = want_k[i] == 0xEE ? 0xEE : (uint8_t)(want_k[i] + 100);
 
     uint32_t sp_pages[2] = {1, 0}, dp_pages[2] = {0, 1};
-    kvw_side_pages_t sp = {.full = {sp_pages, 2, 0}, .state_slot = -1};
-    kvw_side_pages_t dp = {.full = {dp_pages, 2, 0}, .state_slot = -1};
-    kvw_chunk_t ch = {.num_tokens = 3, .chunk_end = 3, .last_chunk = 1};
+    kvw_side_pages_t sp = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL, .full = {KVW_PAGES_FIELDS_ALL,
+                                                                             sp_pages, 2, 0},
+    .state_slot = -1};
+    kvw_side_pages_t dp = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL, .full = {KVW_PAGES_FIELDS_ALL,
+                                                                             dp_pages, 2, 0},
+    .state_slot = -1};
+    kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 3, .chunk_end = 3,
+                      .last_chunk = 1};
 
     kvt_copy_t exp;
     char msg[256];
@@ -718,7 +725,8 @@ static kvw_status_t build_simple(const kvt_model_t *m, uint32_t tp, uint32_t ran
     kvt_rank_spec_t spec;
     memset(&spec, 0, sizeof(spec));
     spec.model = m;
-    spec.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
+    spec.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                .tp_rank = rank, .pp_size = 1, .layer_begin = 0,
                                 .layer_end = m->m.num_layers, .dp_size = 1};
     spec.layout = layout;
     spec.page_size[0] = spec.page_size[1] = 16;
@@ -753,8 +761,12 @@ static void mismatch(const char *what, const kvt_model_t *a, const kvt_model_t *
         snprintf(w, sizeof(w), "%s (check_compatible)", what);
         expect_error(w, kvw_rank_check_compatible(ra.h, rb.h), KVW_ERR_INCOMPATIBLE, n1, n2);
         uint32_t pages[4] = {0, 1, 2, 3};
-        kvw_side_pages_t sp = {.full = {pages, 4, 0}, .swa = {pages, 4, 0}, .state_slot = 0};
-        kvw_chunk_t ch = {.num_tokens = 50, .chunk_end = 50, .last_chunk = 1};
+        kvw_side_pages_t sp = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                               .full = {KVW_PAGES_FIELDS_ALL, pages, 4,
+                                        0}, .swa = {KVW_PAGES_FIELDS_ALL, pages, 4,
+                                                    0}, .state_slot = 0};
+        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 50, .chunk_end = 50,
+                          .last_chunk = 1};
         kvw_plan_h plan = NULL;
         snprintf(w, sizeof(w), "%s (plan_create)", what);
         expect_error(w, kvw_plan_create(ra.h, rb.h, &ch, &sp, &sp, &plan), KVW_ERR_INCOMPATIBLE,
@@ -842,10 +854,16 @@ static void test_validation(void)
     CHECK(build_simple(&m, 2, 0, NHD, &d) == KVW_OK, "dst: %s", kvw_last_error());
     if (s.h && d.h) {
         uint32_t sp_full[8] = {0, 1, 2, 3, 4, 5, 6, 7}, dp_full[8] = {9, 8, 7, 6, 5, 4, 3, 2};
-        kvw_chunk_t ch = {.num_tokens = 100, .chunk_end = 100, .last_chunk = 1};
+        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 100, .chunk_end = 100,
+                          .last_chunk = 1};
         /* 100 tokens, page 16: 7 pages; window 128 covers everything: SWA needs 7 too. */
-        kvw_side_pages_t sp = {.full = {sp_full, 7, 0}, .swa = {sp_full, 7, 0}, .state_slot = -1};
-        kvw_side_pages_t dp = {.full = {dp_full, 7, 0}, .swa = {dp_full + 1, 7, 0},
+        kvw_side_pages_t sp = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                               .full = {KVW_PAGES_FIELDS_ALL, sp_full, 7,
+                                        0}, .swa = {KVW_PAGES_FIELDS_ALL, sp_full, 7,
+                                                    0}, .state_slot = -1};
+        kvw_side_pages_t dp = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                               .full = {KVW_PAGES_FIELDS_ALL, dp_full, 7,
+                                        0}, .swa = {KVW_PAGES_FIELDS_ALL, dp_full + 1, 7, 0},
                                .state_slot = -1};
         kvw_plan_h plan = NULL;
         st = kvw_plan_create(s.h, d.h, &ch, &sp, &dp, &plan);
@@ -896,7 +914,7 @@ static void test_validation(void)
         kvw_chunk_t chp = ch;
         chp.prefix_len = 40;
         kvw_side_pages_t dpp = dp;
-        dpp.full = (kvw_pages_t){dp_full, 5, 32};
+        dpp.full = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, dp_full, 5, 32};
         st = kvw_plan_create(s.h, d.h, &chp, &sp, &dpp, &plan);
         CHECK(st == KVW_OK, "destination pages from the prefix page: %s", kvw_last_error());
         kvw_plan_destroy(plan);
@@ -921,8 +939,12 @@ static void test_validation(void)
     CHECK(build_simple(&q, 2, 1, NHD, &d) == KVW_OK, "dst: %s", kvw_last_error());
     if (s.h && d.h) {
         uint32_t pages[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-        kvw_chunk_t ch = {.num_tokens = 50, .chunk_end = 50, .last_chunk = 1};
-        kvw_side_pages_t sp = {.full = {pages, 4, 0}, .swa = {pages, 0, 0}, .state_slot = 1};
+        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 50, .chunk_end = 50,
+                          .last_chunk = 1};
+        kvw_side_pages_t sp = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                               .full = {KVW_PAGES_FIELDS_ALL, pages, 4,
+                                        0}, .swa = {KVW_PAGES_FIELDS_ALL, pages, 0,
+                                                    0}, .state_slot = 1};
         kvw_side_pages_t dp = sp;
         dp.state_slot = 2; /* two slots: 0 and 1 */
         kvw_plan_h plan = NULL;
@@ -1056,8 +1078,10 @@ static void test_expand_stop(void)
     CHECK(build_simple(&m, 4, 1, NHD, &d) == KVW_OK, "dst: %s", kvw_last_error());
     if (s.h && d.h) {
         uint32_t pages[8] = {7, 6, 5, 4, 3, 2, 1, 0};
-        kvw_chunk_t ch = {.num_tokens = 100, .chunk_end = 100, .last_chunk = 1};
-        kvw_side_pages_t sp = {.full = {pages, 7, 0}, .state_slot = -1};
+        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = 100, .chunk_end = 100,
+                          .last_chunk = 1};
+        kvw_side_pages_t sp = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                               .full = {KVW_PAGES_FIELDS_ALL, pages, 7, 0}, .state_slot = -1};
         kvw_plan_h plan = NULL;
         CHECK(kvw_plan_create(s.h, d.h, &ch, &sp, &sp, &plan) == KVW_OK, "%s", kvw_last_error());
         int calls = 0;
@@ -1104,10 +1128,12 @@ static int compact_plan(uint32_t src_tp, uint32_t dst_tp, uint64_t n, uint32_t p
                          .state_slot = -1};
     if (kvt_req_pages_make(&s, &rs, &rng, &sp) || kvt_req_pages_make(&d, &rs, &rng, &dp))
         goto out;
-    kvw_chunk_t ch = {.num_tokens = n, .chunk_end = n, .last_chunk = 1};
+    kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = n, .chunk_end = n,
+                      .last_chunk = 1};
     kvw_plan_h plan = NULL;
     if (kvw_plan_create(s.h, d.h, &ch, &sp.side, &dp.side, &plan) != KVW_OK)
         goto out;
+    out->field_mask = KVW_PLAN_STATS_FIELDS_ALL;
     rc = kvw_plan_stats(plan, out) == KVW_OK ? 0 : -1;
     kvw_plan_destroy(plan);
 out:

@@ -329,7 +329,8 @@ static kvw_status_t inst_build(inst_t *in, const kvt_model_t *m, uint32_t tp, bo
                              .page_size = {PAGE, PAGE},
                              .num_pages = {FULL_PAGES, SWA_PAGES},
                              .num_slots = MAX_SLOTS};
-        s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL,
+                                 .tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = in->model.m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         kvw_status_t st = kvt_rank_build(&s, &in->r[t]);
@@ -455,8 +456,10 @@ static void room_pages(bool prefill, int slot, uint64_t n, rpages_t *p)
     uint32_t ns = w ? (uint32_t)((n - swb + PAGE - 1) / PAGE) : 0;
     memcpy(p->full, pf[s] + (size_t)slot * SLOT_FULL, sizeof(uint32_t) * nf);
     memcpy(p->swa, ps[s] + (size_t)slot * SLOT_SWA, sizeof(uint32_t) * ns);
-    p->side.full = (kvw_pages_t){p->full, nf, 0};
-    p->side.swa = (kvw_pages_t){p->swa, ns, swb};
+    p->side.full = (kvw_pages_t){.field_mask = KVW_PAGES_FIELDS_ALL,
+                                 .pages = p->full, .num_pages = nf, .first_token = 0};
+    p->side.swa = (kvw_pages_t){.field_mask = KVW_PAGES_FIELDS_ALL,
+                                .pages = p->swa, .num_pages = ns, .first_token = swb};
     p->side.state_slot = -1;
 }
 
@@ -500,7 +503,8 @@ static kvw_status_t p_send(inst_t *in, room_t *rm, uint64_t b, uint64_t e, bool 
 {
     rpages_t p;
     room_pages(true, rm->slot, rm->n, &p);
-    kvw_send_chunk_t c = {.num_tokens = rm->n, .chunk_begin = b, .chunk_end = e,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                          .num_tokens = rm->n, .chunk_begin = b, .chunk_end = e,
                           .last_chunk = last, .pages = p.side};
     kvw_status_t first = KVW_OK;
     for (uint32_t k = 0; k < in->n; k++) {
@@ -525,7 +529,7 @@ static bool p_send_all(inst_t *in, room_t *rm)
 static void p_close(inst_t *in, room_t *rm)
 {
     for (uint32_t k = 0; k < in->n; k++) {
-        kvw_sender_destroy(rm->s[k]);
+        kvw_room_destroy(kvw_sender_room(rm->s[k]));
         rm->s[k] = NULL;
     }
 }
@@ -536,7 +540,8 @@ static bool d_open_post(inst_t *in, room_t *rm, const kvw_side_pages_t *override
     bool ok = true;
     rpages_t p;
     room_pages(false, rm->slot, rm->n, &p);
-    kvw_recv_post_t post = {.num_tokens = rm->n, .prefix_len = 0,
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                            .num_tokens = rm->n, .prefix_len = 0,
                             .pages = override ? *override : p.side};
     for (uint32_t k = 0; k < in->n; k++) {
         ok &= CHECK(kvw_receiver_create(in->ctx[k], rm->id, 0, &rm->r[k]) == KVW_OK,
@@ -553,7 +558,7 @@ static bool d_open_post(inst_t *in, room_t *rm, const kvw_side_pages_t *override
 static void d_close(inst_t *in, room_t *rm)
 {
     for (uint32_t k = 0; k < in->n; k++) {
-        kvw_receiver_destroy(rm->r[k]);
+        kvw_room_destroy(kvw_receiver_room(rm->r[k]));
         rm->r[k] = NULL;
     }
 }
@@ -563,7 +568,7 @@ static kvw_room_state_t wait_recv(kvw_receiver_h h, kvw_room_state_t want, uint6
 {
     uint64_t end = now_ms() + timeout_ms;
     kvw_room_state_t s;
-    while (!terminal(s = kvw_receiver_poll(h)) && s != want && now_ms() < end)
+    while (!terminal(s = kvw_room_poll(kvw_receiver_room(h))) && s != want && now_ms() < end)
         usleep(500);
     return s;
 }
@@ -572,7 +577,7 @@ static kvw_room_state_t wait_send(kvw_sender_h h, uint64_t timeout_ms)
 {
     uint64_t end = now_ms() + timeout_ms;
     kvw_room_state_t s;
-    while (!terminal(s = kvw_sender_poll(h)) && now_ms() < end)
+    while (!terminal(s = kvw_room_poll(kvw_sender_room(h))) && now_ms() < end)
         usleep(500);
     return s;
 }
@@ -585,14 +590,14 @@ static bool p_wait_state(inst_t *in, room_t *rm, kvw_room_state_t state, uint64_
     for (;;) {
         bool all = true;
         for (uint32_t k = 0; k < in->n; k++)
-            all &= kvw_sender_poll(rm->s[k]) >= state;
+            all &= kvw_room_poll(kvw_sender_room(rm->s[k])) >= state;
         if (all)
             return true;
         if (now_ms() > end)
             return CHECK(false, "prefill room %llu did not reach %s (state %s: %s)",
                          (unsigned long long)rm->id, kvw_room_state_string(state),
-                         kvw_room_state_string(kvw_sender_poll(rm->s[0])),
-                         kvw_sender_failure(rm->s[0]));
+                         kvw_room_state_string(kvw_room_poll(kvw_sender_room(rm->s[0]))),
+                         kvw_room_failure(kvw_sender_room(rm->s[0])));
         usleep(500);
     }
 }
@@ -607,7 +612,7 @@ static bool p_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *
     for (uint32_t k = 0; k < in->n; k++) {
         uint64_t left = now_ms() - t0 < timeout_ms ? timeout_ms - (now_ms() - t0) : 0;
         kvw_room_state_t s = wait_send(rm->s[k], left);
-        const char *why = kvw_sender_failure(rm->s[k]);
+        const char *why = kvw_room_failure(kvw_sender_room(rm->s[k]));
         ok &= check_(s == want, __LINE__, bug,
                      "prefill room %llu rank %u: %s after %llu ms (want %s)%s%s",
                      (unsigned long long)rm->id, k, kvw_room_state_string(s),
@@ -635,7 +640,7 @@ static bool d_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *
     for (uint32_t k = 0; k < in->n; k++) {
         uint64_t left = now_ms() - t0 < timeout_ms ? timeout_ms - (now_ms() - t0) : 0;
         kvw_room_state_t s = wait_recv(rm->r[k], KVW_ROOM_SUCCESS, left);
-        const char *why = kvw_receiver_failure(rm->r[k]);
+        const char *why = kvw_room_failure(kvw_receiver_room(rm->r[k]));
         ok &= check_(s == want, __LINE__, bug,
                      "decode room %llu rank %u: %s after %llu ms (want %s)%s%s",
                      (unsigned long long)rm->id, k, kvw_room_state_string(s),
@@ -652,7 +657,8 @@ static bool d_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *
                     (unsigned long long)(now_ms() - t0), why);
         }
         if (s == KVW_ROOM_SUCCESS && want == KVW_ROOM_SUCCESS)
-            ok &= CHECK(kvw_receiver_status(rm->r[k]) == KVW_OK, "success with a non-OK status");
+            ok &= CHECK(kvw_room_status(kvw_receiver_room(rm->r[k])) == KVW_OK,
+                        "success with a non-OK status");
     }
     return ok;
 }
@@ -710,7 +716,8 @@ static bool d_verify(const inst_t *dec, const snap_t *snap, const inst_t *src, r
                     sd[s][b] = kvt_rank_data(&src->r[s], b);
                 ss[s] = kvt_ref_side(&src->r[s], &pp.side, sd[s]);
             }
-            kvw_chunk_t c = {.num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
+            kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL,
+                             .num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
                              .prefix_len = 0, .last_chunk = 1};
             char msg[512];
             uint64_t per_src[MAXR] = {0};
@@ -725,7 +732,8 @@ static bool d_verify(const inst_t *dec, const snap_t *snap, const inst_t *src, r
                 if (rm->r[k]) {
                     kvw_room_metrics_t mt;
                     memset(&mt, 0, sizeof(mt));
-                    kvw_receiver_metrics(rm->r[k], &mt);
+                    mt.field_mask = KVW_ROOM_METRICS_FIELD_BYTES;
+                    kvw_room_metrics(kvw_receiver_room(rm->r[k]), &mt);
                     ok &= CHECK(mt.bytes == want, "room %llu decode rank %u: %llu bytes "
                                 "confirmed, the reference moves %llu", (unsigned long long)rm->id,
                                 k, (unsigned long long)mt.bytes, (unsigned long long)want);
@@ -1186,8 +1194,8 @@ static void run_attacks(const char *addr, bool control, const char *bs)
     int n = mk_attacks(at, control);
     for (int i = 0; i < n; i++) {
         int fd = port_connect(addr, control);
-        if (!CHECK(fd >= 0, "%s port %s: cannot connect for '%s'", control ? "control" : "bootstrap",
-                   addr, at[i].what))
+        if (!CHECK(fd >= 0, "%s port %s: cannot connect for '%s'",
+                   control ? "control" : "bootstrap", addr, at[i].what))
             continue;
         uint64_t t0 = now_ms();
         if (at[i].len)
@@ -1352,8 +1360,10 @@ static int proxy_main(env_t *e)
         p[np++] = (struct pollfd){.fd = lbs, .events = POLLIN};
         p[np++] = (struct pollfd){.fd = lctl, .events = POLLIN};
         for (int i = 0; i < nc; i++) {
-            p[np++] = (struct pollfd){.fd = conns[i].open ? conns[i].d2p.from : -1, .events = POLLIN};
-            p[np++] = (struct pollfd){.fd = conns[i].open ? conns[i].p2d.from : -1, .events = POLLIN};
+            p[np++] =
+                (struct pollfd){.fd = conns[i].open ? conns[i].d2p.from : -1, .events = POLLIN};
+            p[np++] =
+                (struct pollfd){.fd = conns[i].open ? conns[i].p2d.from : -1, .events = POLLIN};
         }
         if (poll(p, (nfds_t)np, 100) < 0 && errno != EINTR)
             break;
@@ -1575,12 +1585,12 @@ static void drv_expect_d(drv_t *x, room_t *rm, const char *which, bool ok, kvw_s
             continue;
         uint64_t used = now_ms() - t0, left = used < timeout_ms ? timeout_ms - used : 0;
         kvw_room_state_t s = wait_recv(rm->r[k], KVW_ROOM_SUCCESS, left);
-        const char *why = kvw_receiver_failure(rm->r[k]);
+        const char *why = kvw_room_failure(kvw_receiver_room(rm->r[k]));
         char what[160], m[900];
         snprintf(what, sizeof(what), "decode room %s (%llu) rank %u after %llu ms", which,
                  (unsigned long long)rm->id, k, (unsigned long long)(now_ms() - x->t0));
         if (ok) {
-            CHECK(s == KVW_ROOM_SUCCESS && kvw_receiver_status(rm->r[k]) == KVW_OK,
+            CHECK(s == KVW_ROOM_SUCCESS && kvw_room_status(kvw_receiver_room(rm->r[k])) == KVW_OK,
                   "%s: %s, expected Success%s%s", what, kvw_room_state_string(s),
                   why[0] ? ": " : "", why);
             continue;
@@ -1588,11 +1598,12 @@ static void drv_expect_d(drv_t *x, room_t *rm, const char *which, bool ok, kvw_s
         if (!CHECK(s == KVW_ROOM_FAILED, "%s: %s, expected Failed", what,
                    kvw_room_state_string(s)))
             continue;
-        if (kvt_expect_failure(what, kvw_receiver_status(rm->r[k]), st, why, needle, m,
-                               sizeof(m)))
+        if (kvt_expect_failure(what, kvw_room_status(kvw_receiver_room(rm->r[k])), st, why, needle,
+                               m, sizeof(m)))
             CHECK(false, "%s", m);
         else if (k == 0)
-            say("%s: %s: %s", what, kvw_status_string(kvw_receiver_status(rm->r[k])), why);
+            say("%s: %s: %s", what, kvw_status_string(kvw_room_status(kvw_receiver_room(rm->r[k]))),
+                why);
     }
 }
 
@@ -1606,12 +1617,12 @@ static void drv_expect_p(drv_t *x, room_t *rm, const char *which, bool ok, kvw_s
             continue;
         uint64_t used = now_ms() - t0, left = used < timeout_ms ? timeout_ms - used : 0;
         kvw_room_state_t s = wait_send(rm->s[k], left);
-        const char *why = kvw_sender_failure(rm->s[k]);
+        const char *why = kvw_room_failure(kvw_sender_room(rm->s[k]));
         char what[160], m[900];
         snprintf(what, sizeof(what), "prefill room %s (%llu) rank %u", which,
                  (unsigned long long)rm->id, k);
         if (ok) {
-            CHECK(s == KVW_ROOM_SUCCESS && kvw_sender_status(rm->s[k]) == KVW_OK,
+            CHECK(s == KVW_ROOM_SUCCESS && kvw_room_status(kvw_sender_room(rm->s[k])) == KVW_OK,
                   "%s: %s, expected Success%s%s", what, kvw_room_state_string(s),
                   why[0] ? ": " : "", why);
             continue;
@@ -1619,10 +1630,12 @@ static void drv_expect_p(drv_t *x, room_t *rm, const char *which, bool ok, kvw_s
         if (!CHECK(s == KVW_ROOM_FAILED, "%s: %s, expected Failed", what,
                    kvw_room_state_string(s)))
             continue;
-        if (kvt_expect_failure(what, kvw_sender_status(rm->s[k]), st, why, needle, m, sizeof(m)))
+        if (kvt_expect_failure(what, kvw_room_status(kvw_sender_room(rm->s[k])), st, why, needle, m,
+                               sizeof(m)))
             CHECK(false, "%s", m);
         else if (k == 0)
-            say("%s: %s: %s", what, kvw_status_string(kvw_sender_status(rm->s[k])), why);
+            say("%s: %s: %s", what, kvw_status_string(kvw_room_status(kvw_sender_room(rm->s[k]))),
+                why);
     }
 }
 
@@ -1642,7 +1655,8 @@ static bool dp_bad_pages(drv_t *x)
     case BP_DUP: p.full[2] = p.full[0]; break;
     default: p.side.swa.first_token += 1; break;
     }
-    kvw_recv_post_t post = {.num_tokens = v->n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                            .num_tokens = v->n, .pages = p.side};
     for (uint32_t k = 0; k < x->d->dec.n; k++) {
         CHECK(kvw_receiver_create(x->d->dec.ctx[k], v->id, 0, &v->r[k]) == KVW_OK, "create: %s",
               kvw_last_error());
@@ -1664,11 +1678,12 @@ static bool dp_abort_then_post(drv_t *x)
     room_t *v = x->v;
     rpages_t p;
     room_pages(false, v->slot, v->n, &p);
-    kvw_recv_post_t post = {.num_tokens = v->n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                            .num_tokens = v->n, .pages = p.side};
     for (uint32_t k = 0; k < x->d->dec.n; k++) {
         CHECK(kvw_receiver_create(x->d->dec.ctx[k], v->id, 0, &v->r[k]) == KVW_OK, "create: %s",
               kvw_last_error());
-        kvw_receiver_abort(v->r[k]);
+        kvw_room_abort(kvw_receiver_room(v->r[k]));
         expect_call(x, "post after abort", kvw_receiver_post(v->r[k], &post), x->row->dst);
     }
     return true;
@@ -1680,7 +1695,8 @@ static bool dp_twice(drv_t *x)
     d_open_post(&x->d->dec, x->v, NULL);
     rpages_t p;
     room_pages(false, x->v->slot, x->v->n, &p);
-    kvw_recv_post_t post = {.num_tokens = x->v->n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                            .num_tokens = x->v->n, .pages = p.side};
     expect_call(x, "second post", kvw_receiver_post(x->v->r[0], &post), x->row->dst);
     return true;
 }
@@ -1694,7 +1710,7 @@ static bool dp_second_receiver(drv_t *x)
                 x->row->dst);
     CHECK(dup == NULL, "a refused receiver_create returned a handle");
     if (dup)
-        kvw_receiver_destroy(dup);
+        kvw_room_destroy(kvw_receiver_room(dup));
     return true;
 }
 
@@ -1704,13 +1720,15 @@ static bool dp_prefix(drv_t *x)
     room_t *v = x->v;
     rpages_t p;
     room_pages(false, v->slot, v->n, &p);
-    kvw_recv_post_t post = {.num_tokens = v->n, .prefix_len = v->n + 1, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                            .num_tokens = v->n, .prefix_len = v->n + 1, .pages = p.side};
     for (uint32_t k = 0; k < x->d->dec.n; k++) {
         CHECK(kvw_receiver_create(x->d->dec.ctx[k], v->id, 0, &v->r[k]) == KVW_OK, "create: %s",
               kvw_last_error());
         expect_call(x, "post with a prefix beyond the request", kvw_receiver_post(v->r[k], &post),
                     x->row->dst);
-        kvw_recv_post_t good = {.num_tokens = v->n, .pages = p.side};
+        kvw_recv_post_t good = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                                .num_tokens = v->n, .pages = p.side};
         CHECK(kvw_receiver_post(v->r[k], &good) == KVW_OK, "the right post after a refused one: "
               "%s", kvw_last_error());
     }
@@ -1751,7 +1769,7 @@ static void di_wait_dying(drv_t *x)
             CHECK(wait_recv(x->v->r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
                       KVW_ROOM_TRANSFERRING,
                   "decode rank %u never saw the first chunk: %s", k,
-                  kvw_receiver_failure(x->v->r[k]));
+                  kvw_room_failure(kvw_receiver_room(x->v->r[k])));
         ch_tag(x->e->ch[0], "transferring");
     }
     ch_recv(x->e->ch[0], &m, kvt_tmo_ms(5000));
@@ -1762,7 +1780,7 @@ static void di_wait_dying(drv_t *x)
 static void di_abort_all(drv_t *x)
 {
     for (uint32_t k = 0; k < x->d->dec.n; k++)
-        kvw_receiver_abort(x->v->r[k]);
+        kvw_room_abort(kvw_receiver_room(x->v->r[k]));
     x->t0 = now_ms();
 }
 
@@ -1776,8 +1794,8 @@ static void di_abort_rank0_mid(drv_t *x)
         CHECK(wait_recv(x->v->r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
                   KVW_ROOM_TRANSFERRING,
               "the victim never started on decode rank %u: %s", k,
-              kvw_receiver_failure(x->v->r[k]));
-    kvw_receiver_abort(x->v->r[0]);
+              kvw_room_failure(kvw_receiver_room(x->v->r[k])));
+    kvw_room_abort(kvw_receiver_room(x->v->r[0]));
     x->t0 = now_ms();
     ch_tag(x->e->ch[0], "aborted");
 }
@@ -1851,7 +1869,7 @@ static void di_claim(drv_t *x)
     x->t0 = now_ms();
     for (uint32_t k = 0; k < b.n; k++) {
         kvw_room_state_t s = wait_recv(v2.r[k], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000));
-        const char *why = kvw_receiver_failure(v2.r[k]);
+        const char *why = kvw_room_failure(kvw_receiver_room(v2.r[k]));
         CHECK(s == KVW_ROOM_FAILED && kvt_contains(why, x->row->needle) &&
                   kvt_contains(why, "decode instance 2"),
               "the second claimant: %s: %s", kvw_room_state_string(s), why);
@@ -1993,9 +2011,9 @@ static void di_forge(drv_t *x)
                 kvw__wb_free(&w);
             }
         sleep_ms(100); /* time for the decode to handle them */
-        kvw_room_state_t s = kvw_receiver_poll(x->v->r[0]);
+        kvw_room_state_t s = kvw_room_poll(kvw_receiver_room(x->v->r[0]));
         CHECK(s == KVW_ROOM_WAITING_FOR_INPUT, "after forged completions the victim is %s: %s",
-              kvw_room_state_string(s), kvw_receiver_failure(x->v->r[0]));
+              kvw_room_state_string(s), kvw_room_failure(kvw_receiver_room(x->v->r[0])));
         ops->ep_close(ep);
     }
     ops->close(tl);
@@ -2092,7 +2110,7 @@ static void pi_abort(drv_t *x)
             return;
     }
     for (uint32_t k = 0; k < x->in->n; k++)
-        kvw_sender_abort(x->v->s[k]);
+        kvw_room_abort(kvw_sender_room(x->v->s[k]));
     send_refused(x, from);
 }
 
@@ -2105,7 +2123,8 @@ static void pi_bad_chunk(drv_t *x)
     p_open(x->in, v);
     rpages_t p;
     room_pages(true, v->slot, v->n, &p);
-    kvw_send_chunk_t good = {.num_tokens = v->n, .chunk_begin = 0, .chunk_end = v->n / 2,
+    kvw_send_chunk_t good = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                             .num_tokens = v->n, .chunk_begin = 0, .chunk_end = v->n / 2,
                              .pages = p.side};
     kvw_send_chunk_t bad = good;
     switch (x->row->arg) {
@@ -2144,7 +2163,8 @@ static void pi_tokens(drv_t *x)
     p_wait_state(x->in, v, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000));
     rpages_t p;
     room_pages(true, v->slot, v->n, &p);
-    kvw_send_chunk_t c = {.num_tokens = v->n + 16, .chunk_begin = 0, .chunk_end = v->n + 16,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                          .num_tokens = v->n + 16, .chunk_begin = 0, .chunk_end = v->n + 16,
                           .last_chunk = 1, .pages = p.side};
     for (uint32_t k = 0; k < x->in->n; k++)
         kvw_sender_send(v->s[k], &c); /* queued or refused: the room fails either way */
@@ -2159,7 +2179,7 @@ static void pi_second_sender(drv_t *x)
                 x->row->pst);
     CHECK(dup == NULL, "a refused sender_create returned a handle");
     if (dup)
-        kvw_sender_destroy(dup);
+        kvw_room_destroy(kvw_sender_room(dup));
     p_send_all(x->in, x->v);
 }
 
@@ -2191,9 +2211,10 @@ static void pi_foreign_abort(drv_t *x)
     p_wait_state(x->in, &own, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000));
     ch_tag(x->e->ch[1], "xseen");
     p_close(x->in, &own);
-    CHECK(kvw_sender_poll(x->v->s[0]) == KVW_ROOM_WAITING_FOR_INPUT,
+    CHECK(kvw_room_poll(kvw_sender_room(x->v->s[0])) == KVW_ROOM_WAITING_FOR_INPUT,
           "an abort from another decode instance changed the room: %s (%s)",
-          kvw_room_state_string(kvw_sender_poll(x->v->s[0])), kvw_sender_failure(x->v->s[0]));
+          kvw_room_state_string(kvw_room_poll(kvw_sender_room(x->v->s[0]))),
+          kvw_room_failure(kvw_sender_room(x->v->s[0])));
     p_send_all(x->in, x->v);
 }
 /* ---- incompatible decode instances, stalled connections */
@@ -2240,7 +2261,8 @@ static void tp3_try(drv_t *x)
     kvt_rank_spec_t sp = {.model = &g_model, .layout = KVW_LAYOUT_NHD,
                           .page_size = {PAGE, PAGE}, .num_pages = {FULL_PAGES, SWA_PAGES},
                           .num_slots = MAX_SLOTS, .describe_only = 1};
-    sp.par = (kvw_parallel_t){.tp_size = 2, .pp_size = 1, .layer_end = 2, .dp_size = 1};
+    sp.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL,
+                              .tp_size = 2, .pp_size = 1, .layer_end = 2, .dp_size = 1};
     if (!CHECK(kvt_rank_describe(&sp, &r3) == KVW_OK, "describe TP 2"))
         return;
     r3.par.tp_size = 3;
@@ -2372,7 +2394,8 @@ static void drv_f_refused(drv_t *x, room_t *f)
 {
     rpages_t p;
     room_pages(false, f->slot, f->n, &p);
-    kvw_recv_post_t post = {.num_tokens = f->n, .pages = p.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                            .num_tokens = f->n, .pages = p.side};
     for (uint32_t k = 0; k < x->d->dec.n; k++) {
         if (!CHECK(kvw_receiver_create(x->d->dec.ctx[k], f->id, 0, &f->r[k]) == KVW_OK,
                    "receiver_create after the prefill died: %s", kvw_last_error()))
@@ -2445,9 +2468,11 @@ static int drv_decode(env_t *e)
     }
     /* I stays Success; then every byte. */
     for (uint32_t k = 0; k < d.dec.n; k++)
-        CHECK(kvw_receiver_poll(i.r[k]) == KVW_ROOM_SUCCESS, "room I on decode rank %u turned "
-              "%s: %s", k, kvw_room_state_string(kvw_receiver_poll(i.r[k])),
-              kvw_receiver_failure(i.r[k]));
+        CHECK(kvw_room_poll(kvw_receiver_room(i.r[k])) == KVW_ROOM_SUCCESS,
+              "room I on decode rank %u turned "
+              "%s: %s",
+              k, kvw_room_state_string(kvw_room_poll(kvw_receiver_room(i.r[k]))),
+              kvw_room_failure(kvw_receiver_room(i.r[k])));
     sleep_ms(100); /* late writes for the victim would land now */
     room_t *rp[4] = {&v, &i, &c, &f};
     int out[4] = {row->vbytes, V_OK, row->scope == S_ROOM ? V_OK : V_UNTOUCHED,
@@ -2664,7 +2689,7 @@ static int ddeath_victim(env_t *e)
     /* The bytes reach the decode even with the prefill-side bug, so no bug tag here. */
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     room_t *rp[1] = {&rm};
-    int out = kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+    int out = kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
     ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     d_close(&d.dec, &rm);
@@ -2695,14 +2720,15 @@ static int ddeath_second(env_t *e)
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
     room_t r3 = room_def(30, 2);
     room_t *rp[2] = {&rm, &r3};
-    int out[2] = {kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL, V_UNTOUCHED};
+    int out[2] = {kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL,
+                  V_UNTOUCHED};
     if (g_variant == 0) {
         if (ch_expect(e->ch[0], "again", NULL, kvt_tmo_ms(15000)))
             return 1;
         d_open_post(&d.dec, &r3, NULL);
         ch_tag(e->ch[0], "posted");
         d_expect(&d.dec, &r3, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
-        out[1] = kvw_receiver_poll(r3.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+        out[1] = kvw_room_poll(kvw_receiver_room(r3.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     }
     d_verify(&d.dec, &d.snap, &d.src, rp, out, 2);
     ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
@@ -2755,7 +2781,7 @@ static int slowchunk_decode(env_t *e)
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, 3 * WAIT_TIMEOUT_MS, "slow-chunks");
     ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
     room_t *rp[1] = {&rm};
-    int out = kvw_receiver_poll(rm.r[0]) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+    int out = kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
     d_close(&d.dec, &rm);
     d_end(&d);
@@ -2775,7 +2801,8 @@ static kvw_status_t p_send_rank(inst_t *in, room_t *rm, uint32_t k)
 {
     rpages_t p;
     room_pages(true, rm->slot, rm->n, &p);
-    kvw_send_chunk_t c = {.num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                          .num_tokens = rm->n, .chunk_begin = 0, .chunk_end = rm->n,
                           .last_chunk = 1, .pages = p.side};
     (void)in;
     kvw_status_t st = kvw_sender_send(rm->s[k], &c);
@@ -2801,17 +2828,18 @@ static int leave_prefill(env_t *e)
     p_send_rank(&in, &ra, 1);
     p_send_rank(&in, &rb, 1);
     CHECK(wait_send(ra.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
-          kvw_sender_failure(ra.s[1]));
+          kvw_room_failure(kvw_sender_room(ra.s[1])));
     CHECK(wait_send(rb.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
-          kvw_sender_failure(rb.s[1]));
+          kvw_room_failure(kvw_sender_room(rb.s[1])));
     ch_tag(e->ch[1], "sent1");
     if (ch_expect(e->ch[1], "left1", NULL, kvt_tmo_ms(15000)))
         return 1;
     /* Let prefill rank 0 see the departure first (the case also holds if it has not). */
     sleep_ms(300);
-    CHECK(kvw_sender_poll(ra.s[0]) == KVW_ROOM_WAITING_FOR_INPUT,
+    CHECK(kvw_room_poll(kvw_sender_room(ra.s[0])) == KVW_ROOM_WAITING_FOR_INPUT,
           "room A rank 0 changed state when an unrelated decode rank left: %s (%s)",
-          kvw_room_state_string(kvw_sender_poll(ra.s[0])), kvw_sender_failure(ra.s[0]));
+          kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[0]))),
+          kvw_room_failure(kvw_sender_room(ra.s[0])));
     CHECK(kvw_sender_create(in.ctx[0], rb.id, &rb.s[0]) == KVW_OK, "sender B rank 0: %s",
           kvw_last_error());
     p_send_rank(&in, &ra, 0);
@@ -2823,10 +2851,14 @@ static int leave_prefill(env_t *e)
     /* Both decode ranks are gone now: finished rooms stay finished. */
     sleep_ms(300);
     for (uint32_t k = 0; k < 2; k++) {
-        CHECK(kvw_sender_poll(ra.s[k]) == KVW_ROOM_SUCCESS, "room A rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_sender_poll(ra.s[k])), kvw_sender_failure(ra.s[k]));
-        CHECK(kvw_sender_poll(rb.s[k]) == KVW_ROOM_SUCCESS, "room B rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_sender_poll(rb.s[k])), kvw_sender_failure(rb.s[k]));
+        CHECK(kvw_room_poll(kvw_sender_room(ra.s[k])) == KVW_ROOM_SUCCESS,
+              "room A rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[k]))),
+              kvw_room_failure(kvw_sender_room(ra.s[k])));
+        CHECK(kvw_room_poll(kvw_sender_room(rb.s[k])) == KVW_ROOM_SUCCESS,
+              "room B rank %u turned %s: %s", k,
+              kvw_room_state_string(kvw_room_poll(kvw_sender_room(rb.s[k]))),
+              kvw_room_failure(kvw_sender_room(rb.s[k])));
     }
     p_close(&in, &ra);
     p_close(&in, &rb);
@@ -2848,21 +2880,21 @@ static int leave_decode(env_t *e)
         return 1;
     CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
           "room A rank 1: %s",
-          kvw_receiver_failure(ra.r[1]));
+          kvw_room_failure(kvw_receiver_room(ra.r[1])));
     CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
           "room B rank 1: %s",
-          kvw_receiver_failure(rb.r[1]));
+          kvw_room_failure(kvw_receiver_room(rb.r[1])));
     /* Decode rank 1 leaves: its rooms are done, its context goes away. */
-    kvw_receiver_destroy(ra.r[1]);
-    kvw_receiver_destroy(rb.r[1]);
+    kvw_room_destroy(kvw_receiver_room(ra.r[1]));
+    kvw_room_destroy(kvw_receiver_room(rb.r[1]));
     ra.r[1] = rb.r[1] = NULL;
     kvw_ctx_destroy(d.dec.ctx[1]);
     d.dec.ctx[1] = NULL;
     ch_tag(e->ch[0], "left1");
     CHECK(wait_recv(ra.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
-          "room A rank 0: %s", kvw_receiver_failure(ra.r[0]));
+          "room A rank 0: %s", kvw_room_failure(kvw_receiver_room(ra.r[0])));
     CHECK(wait_recv(rb.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
-          "room B rank 0: %s", kvw_receiver_failure(rb.r[0]));
+          "room B rank 0: %s", kvw_room_failure(kvw_receiver_room(rb.r[0])));
     room_t *rp[2] = {&ra, &rb};
     int out[2] = {V_OK, V_OK};
     if (d_verify(&d.dec, &d.snap, &d.src, rp, out, 2))

@@ -20,7 +20,8 @@ static kvt_rank_t *rank_of(uint32_t tp, uint32_t rank, uint32_t dp_size, uint32_
     kvt_rank_t *r = calloc(1, sizeof(*r));
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {8, 8}, .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = rank, .pp_size = 1,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = rank,
+                             .pp_size = 1,
                              .layer_end = model.m.num_layers, .dp_size = dp_size,
                              .dp_rank = dp_rank};
     if (r == NULL || kvt_rank_build(&s, r) != KVW_OK)
@@ -52,8 +53,10 @@ int main(void)
     kvw_peer_t *other = fzc_peer_add(ctx, fzc_rank_clone(q->h)); /* DP group 1 */
     kvw_receiver_h rv = NULL;
     uint32_t pages[3] = {0, 1, 2}; /* 40 tokens in pages of 16, both pools from token 0 */
-    kvw_recv_post_t post = {.num_tokens = 40,
-                            .pages = {.full = {pages, 3, 0}, .swa = {pages, 3, 0},
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 40,
+                            .pages = {.field_mask = KVW_SIDE_PAGES_FIELDS_ALL,
+                                      .full = {KVW_PAGES_FIELDS_ALL, pages, 3,
+                                               0}, .swa = {KVW_PAGES_FIELDS_ALL, pages, 3, 0},
                                       .state_slot = -1}};
     CHECK(kvw_receiver_create(ctx, 7, 0, &rv) == KVW_OK && kvw_receiver_post(rv, &post) == KVW_OK,
           "%s", kvw_last_error());
@@ -87,7 +90,7 @@ int main(void)
     ctx->peer_timeout_ms = 1; /* nobody confirms the abort here */
     pthread_mutex_unlock(&ctx->mu);
 
-    kvw_receiver_destroy(rv);
+    kvw_room_destroy(kvw_receiver_room(rv));
     kvw_ctx_destroy(ctx);
     kvt_rank_t *all[] = {d, p0, p1, q};
     for (int i = 0; i < 4; i++) {

@@ -44,7 +44,8 @@ static kvw_status_t make_rank(uint32_t tp, uint32_t pp, uint32_t rank, kvt_rank_
 {
     kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
                          .num_pages = {32, 32}, .num_slots = 2};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = pp > 1 ? 0 : rank, .pp_size = pp,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                             .tp_rank = pp > 1 ? 0 : rank, .pp_size = pp,
                              .pp_rank = pp > 1 ? rank : 0,
                              .layer_begin = pp > 1 ? rank * (NLAYERS / pp) : 0,
                              .layer_end = pp > 1 ? (rank + 1) * (NLAYERS / pp) : NLAYERS,
@@ -107,7 +108,8 @@ static void room_open(env_t *e, room_t *rm, uint64_t id)
     for (uint32_t d = 0; d < e->nd; d++) {
         CHECK(kvt_req_pages_make(&e->dst[d], &spec, &rng, &rm->dp[d]) == 0, "destination pages");
         kvt_copy_make(&e->dst[d], &rm->exp[d]);
-        kvw_recv_post_t post = {.num_tokens = NTOK, .pages = rm->dp[d].side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = NTOK,
+                                .pages = rm->dp[d].side};
         CHECK(kvw_receiver_create(e->dctx[d], id, 0, &rm->rcv[d]) == KVW_OK, "%s",
               kvw_last_error());
         CHECK(kvw_receiver_post(rm->rcv[d], &post) == KVW_OK, "%s", kvw_last_error());
@@ -120,14 +122,14 @@ static void room_close(room_t *rm)
 {
     env_t *e = rm->e;
     for (uint32_t k = 0; k < e->np; k++) {
-        kvw_sender_wait(rm->snd[k], kvt_tmo_ms(30000));
-        kvw_sender_destroy(rm->snd[k]);
+        kvw_room_wait(kvw_sender_room(rm->snd[k]), kvt_tmo_ms(30000));
+        kvw_room_destroy(kvw_sender_room(rm->snd[k]));
         kvt_req_pages_free(&rm->sp[k]);
         free(rm->sdata[k]);
     }
     char msg[512];
     for (uint32_t d = 0; d < e->nd; d++) {
-        kvw_receiver_destroy(rm->rcv[d]);
+        kvw_room_destroy(kvw_receiver_room(rm->rcv[d]));
         CHECK(kvt_rank_check_guards(&e->dst[d], msg, sizeof(msg)) == 0, "[%s] %s", e->name, msg);
         kvt_copy_free(&rm->exp[d]);
         kvt_req_pages_free(&rm->dp[d]);
@@ -136,7 +138,8 @@ static void room_close(room_t *rm)
 
 static kvw_chunk_t chunk_of(uint64_t b, uint64_t e)
 {
-    return (kvw_chunk_t){.num_tokens = NTOK, .chunk_begin = b, .chunk_end = e,
+    return (kvw_chunk_t){.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = NTOK, .chunk_begin = b,
+                         .chunk_end = e,
                          .last_chunk = e == NTOK};
 }
 
@@ -196,11 +199,12 @@ static void check_partial(room_t *rm, const char *when)
 {
     env_t *e = rm->e;
     for (uint32_t d = 0; d < e->nd; d++) {
-        kvw_room_metrics_t m;
+        kvw_room_metrics_t m = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
         uint64_t deadline = kvt_now_ns() + kvt_tmo_ns(60000000000ull);
         for (;;) {
-            kvw_receiver_metrics(rm->rcv[d], &m);
-            if (m.bytes >= rm->want[d] || kvw_receiver_poll(rm->rcv[d]) == KVW_ROOM_FAILED ||
+            kvw_room_metrics(kvw_receiver_room(rm->rcv[d]), &m);
+            if (m.bytes >= rm->want[d] ||
+                kvw_room_poll(kvw_receiver_room(rm->rcv[d])) == KVW_ROOM_FAILED ||
                 kvt_now_ns() > deadline)
                 break;
             usleep(1000);
@@ -208,10 +212,10 @@ static void check_partial(room_t *rm, const char *when)
         CHECK(m.bytes == rm->want[d], "[%s] %s: decode %u counted %llu bytes, the layers marked "
               "hold %llu", e->name, when, d, (unsigned long long)m.bytes,
               (unsigned long long)rm->want[d]);
-        kvw_room_state_t s = kvw_receiver_poll(rm->rcv[d]);
+        kvw_room_state_t s = kvw_room_poll(kvw_receiver_room(rm->rcv[d]));
         CHECK(s == KVW_ROOM_TRANSFERRING, "[%s] %s: decode %u is %s before the last layer was "
               "marked: %s", e->name, when, d, kvw_room_state_string(s),
-              kvw_receiver_failure(rm->rcv[d]));
+              kvw_room_failure(kvw_receiver_room(rm->rcv[d])));
         char msg[512];
         CHECK(kvt_copy_compare(&e->dst[d], &rm->exp[d], "decode", msg, sizeof(msg)) == 0,
               "[%s] %s: decode %u: %s", e->name, when, d, msg);
@@ -223,7 +227,7 @@ static void check_partial(room_t *rm, const char *when)
         for (uint32_t l = e->src[k].par.layer_begin; l < e->src[k].par.layer_end; l++)
             open |= !rm->marked[l];
         if (open)
-            CHECK(kvw_sender_poll(rm->snd[k]) != KVW_ROOM_SUCCESS,
+            CHECK(kvw_room_poll(kvw_sender_room(rm->snd[k])) != KVW_ROOM_SUCCESS,
                   "[%s] %s: prefill %u succeeded", e->name, when, k);
     }
 }
@@ -244,20 +248,20 @@ static void check_success(room_t *rm, const char *what)
     env_t *e = rm->e;
     char msg[512];
     for (uint32_t d = 0; d < e->nd; d++) {
-        kvw_room_state_t s = kvw_receiver_wait(rm->rcv[d], kvt_tmo_ms(60000));
+        kvw_room_state_t s = kvw_room_wait(kvw_receiver_room(rm->rcv[d]), kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_SUCCESS, "[%s] %s: decode %u ended %s: %s", e->name, what, d,
-              kvw_room_state_string(s), kvw_receiver_failure(rm->rcv[d]));
-        kvw_room_metrics_t m;
-        kvw_receiver_metrics(rm->rcv[d], &m);
+              kvw_room_state_string(s), kvw_room_failure(kvw_receiver_room(rm->rcv[d])));
+        kvw_room_metrics_t m = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+        kvw_room_metrics(kvw_receiver_room(rm->rcv[d]), &m);
         CHECK(m.bytes == rm->want[d], "[%s] %s: decode %u counted %llu bytes, want %llu",
               e->name, what, d, (unsigned long long)m.bytes, (unsigned long long)rm->want[d]);
         CHECK(m.path && !strcmp(m.path, e->path), "[%s] %s: path %s", e->name, what,
               m.path ? m.path : "(none)");
     }
     for (uint32_t k = 0; k < e->np; k++) {
-        kvw_room_state_t s = kvw_sender_wait(rm->snd[k], kvt_tmo_ms(60000));
+        kvw_room_state_t s = kvw_room_wait(kvw_sender_room(rm->snd[k]), kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_SUCCESS, "[%s] %s: prefill %u ended %s: %s", e->name, what, k,
-              kvw_room_state_string(s), kvw_sender_failure(rm->snd[k]));
+              kvw_room_state_string(s), kvw_room_failure(kvw_sender_room(rm->snd[k])));
     }
     for (uint32_t d = 0; d < e->nd; d++) {
         kvt_copy_t full;
@@ -284,7 +288,8 @@ static void check_success(room_t *rm, const char *what)
 static void send_streamed(room_t *rm, const kvw_chunk_t *c)
 {
     for (uint32_t k = 0; k < rm->e->np; k++) {
-        kvw_send_chunk_t sc = {.num_tokens = c->num_tokens, .chunk_begin = c->chunk_begin,
+        kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                               .num_tokens = c->num_tokens, .chunk_begin = c->chunk_begin,
                                .chunk_end = c->chunk_end, .last_chunk = c->last_chunk,
                                .pages = rm->sp[k].side};
         CHECK(kvw_sender_send_streamed(rm->snd[k], &sc) == KVW_OK, "%s", kvw_last_error());
@@ -343,7 +348,8 @@ static void case_chunked(env_t *e, uint64_t id)
     send_streamed(&rm, &c1);
     mark(&rm, &c1, 1, 2);
     /* The next chunk must wait for the first one's forward pass. */
-    kvw_send_chunk_t sc = {.num_tokens = NTOK, .chunk_begin = 24, .chunk_end = NTOK,
+    kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = NTOK,
+                           .chunk_begin = 24, .chunk_end = NTOK,
                            .last_chunk = 1, .pages = rm.sp[0].side};
     kvw_status_t st = kvw_sender_send_streamed(rm.snd[0], &sc);
     CHECK(st == KVW_ERR_INVALID_PARAM &&
@@ -375,34 +381,35 @@ static void case_abort(env_t *e, uint64_t id, bool by_decode)
     mark(&rm, &c, 2, 3); /* every PP stage keeps a layer to mark */
     check_partial(&rm, what);
     if (by_decode)
-        kvw_receiver_abort(rm.rcv[0]);
+        kvw_room_abort(kvw_receiver_room(rm.rcv[0]));
     else
         for (uint32_t k = 0; k < e->np; k++)
-            kvw_sender_abort(rm.snd[k]);
+            kvw_room_abort(kvw_sender_room(rm.snd[k]));
     for (uint32_t k = 0; k < e->np; k++) {
-        kvw_room_state_t s = kvw_sender_wait(rm.snd[k], kvt_tmo_ms(60000));
+        kvw_room_state_t s = kvw_room_wait(kvw_sender_room(rm.snd[k]), kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED, "[%s] %s: prefill %u ended %s", e->name, what, k,
               kvw_room_state_string(s));
         if (by_decode)
-            CHECK(kvt_contains(kvw_sender_failure(rm.snd[k]), "aborted by"),
-                  "[%s] %s: prefill reason: %s", e->name, what, kvw_sender_failure(rm.snd[k]));
+            CHECK(kvt_contains(kvw_room_failure(kvw_sender_room(rm.snd[k])), "aborted by"),
+                  "[%s] %s: prefill reason: %s", e->name, what,
+                  kvw_room_failure(kvw_sender_room(rm.snd[k])));
         /* The stream is over: marking more layers is refused with the room's status. */
         uint32_t le = rm.e->src[k].par.layer_end;
         kvw_status_t st = kvw_sender_layers_ready(rm.snd[k], le - 1, le);
-        CHECK(st == kvw_sender_status(rm.snd[k]) && st != KVW_OK &&
+        CHECK(st == kvw_room_status(kvw_sender_room(rm.snd[k])) && st != KVW_OK &&
                   kvt_contains(kvw_last_error(), "already failed"),
               "[%s] %s: mark after abort: %s: %s", e->name, what, kvw_status_string(st),
               kvw_last_error());
     }
     for (uint32_t d = 0; d < e->nd; d++) {
-        kvw_room_state_t s = kvw_receiver_wait(rm.rcv[d], kvt_tmo_ms(60000));
+        kvw_room_state_t s = kvw_room_wait(kvw_receiver_room(rm.rcv[d]), kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED, "[%s] %s: decode %u ended %s", e->name, what, d,
               kvw_room_state_string(s));
     }
     /* Destroying the receivers waits until no prefill rank can write their pages; then
      * they must hold exactly the layers marked before the abort, nothing of the rest. */
     for (uint32_t d = 0; d < e->nd; d++) {
-        kvw_receiver_destroy(rm.rcv[d]);
+        kvw_room_destroy(kvw_receiver_room(rm.rcv[d]));
         rm.rcv[d] = NULL;
         char msg[512];
         CHECK(kvt_copy_compare(&e->dst[d], &rm.exp[d], "decode", msg, sizeof(msg)) == 0,
@@ -530,20 +537,22 @@ static void run_timeout(const char *tl)
         send_streamed(&rm, &c);
         mark(&rm, &c, 0, 1);
         mark(&rm, &c, 2, 3);
-        kvw_room_state_t s = kvw_sender_wait(rm.snd[0], kvt_tmo_ms(60000));
-        CHECK(s == KVW_ROOM_FAILED && kvw_sender_status(rm.snd[0]) == KVW_ERR_TIMEOUT,
+        kvw_room_state_t s = kvw_room_wait(kvw_sender_room(rm.snd[0]), kvt_tmo_ms(60000));
+        CHECK(s == KVW_ROOM_FAILED &&
+              kvw_room_status(kvw_sender_room(rm.snd[0])) == KVW_ERR_TIMEOUT,
               "[%s] never-ready layers: prefill ended %s (%s)", e.name, kvw_room_state_string(s),
-              kvw_status_string(kvw_sender_status(rm.snd[0])));
-        CHECK(kvt_contains(kvw_sender_failure(rm.snd[0]), "timed out") &&
-                  kvt_contains(kvw_sender_failure(rm.snd[0]),
+              kvw_status_string(kvw_room_status(kvw_sender_room(rm.snd[0]))));
+        CHECK(kvt_contains(kvw_room_failure(kvw_sender_room(rm.snd[0])), "timed out") &&
+                  kvt_contains(kvw_room_failure(kvw_sender_room(rm.snd[0])),
                                "chunk [0, 40) waits for layers 1, 3 to be marked ready"),
-              "[%s] timeout reason: %s", e.name, kvw_sender_failure(rm.snd[0]));
+              "[%s] timeout reason: %s", e.name, kvw_room_failure(kvw_sender_room(rm.snd[0])));
         for (uint32_t d = 0; d < e.nd; d++) {
-            s = kvw_receiver_wait(rm.rcv[d], kvt_tmo_ms(60000));
+            s = kvw_room_wait(kvw_receiver_room(rm.rcv[d]), kvt_tmo_ms(60000));
             CHECK(s == KVW_ROOM_FAILED &&
-                      kvt_contains(kvw_receiver_failure(rm.rcv[d]), "waits for layers 1, 3"),
+                      kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[d])),
+                                   "waits for layers 1, 3"),
                   "[%s] decode %u ended %s: %s", e.name, d, kvw_room_state_string(s),
-                  kvw_receiver_failure(rm.rcv[d]));
+                  kvw_room_failure(kvw_receiver_room(rm.rcv[d])));
         }
         kvw_status_t st = kvw_sender_layers_ready(rm.snd[0], 1, 2);
         CHECK(st == KVW_ERR_TIMEOUT && kvt_contains(kvw_last_error(), "already failed"),
@@ -571,28 +580,30 @@ static void run_timeout_pp(const char *tl)
          * with the room (its own wait timeout, or the decode's failure, whichever comes
          * first). On shm each stage is confirmed on its own. */
         bool room_wide = !strcmp(tl, "tcp");
-        kvw_room_state_t s = kvw_sender_wait(rm.snd[0], kvt_tmo_ms(60000));
+        kvw_room_state_t s = kvw_room_wait(kvw_sender_room(rm.snd[0]), kvt_tmo_ms(60000));
         if (room_wide)
-            CHECK(s == KVW_ROOM_FAILED && kvw_sender_failure(rm.snd[0])[0],
+            CHECK(s == KVW_ROOM_FAILED && kvw_room_failure(kvw_sender_room(rm.snd[0]))[0],
                   "[%s] stage 0 ended %s: %s", e.name, kvw_room_state_string(s),
-                  kvw_sender_failure(rm.snd[0]));
+                  kvw_room_failure(kvw_sender_room(rm.snd[0])));
         else
             CHECK(s == KVW_ROOM_SUCCESS, "[%s] stage 0 ended %s: %s", e.name,
-                  kvw_room_state_string(s), kvw_sender_failure(rm.snd[0]));
-        s = kvw_sender_wait(rm.snd[1], kvt_tmo_ms(60000));
+                  kvw_room_state_string(s), kvw_room_failure(kvw_sender_room(rm.snd[0])));
+        s = kvw_room_wait(kvw_sender_room(rm.snd[1]), kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED &&
-                  (room_wide || (kvw_sender_status(rm.snd[1]) == KVW_ERR_TIMEOUT &&
-                                 kvt_contains(kvw_sender_failure(rm.snd[1]),
+                  (room_wide || (kvw_room_status(kvw_sender_room(rm.snd[1])) == KVW_ERR_TIMEOUT &&
+                                 kvt_contains(kvw_room_failure(kvw_sender_room(rm.snd[1])),
                                               "chunk [0, 40) waits for layer 3 to be marked "
                                               "ready"))),
               "[%s] stage 1 ended %s: %s", e.name, kvw_room_state_string(s),
-              kvw_sender_failure(rm.snd[1]));
-        s = kvw_receiver_wait(rm.rcv[0], kvt_tmo_ms(60000));
+              kvw_room_failure(kvw_sender_room(rm.snd[1])));
+        s = kvw_room_wait(kvw_receiver_room(rm.rcv[0]), kvt_tmo_ms(60000));
         CHECK(s == KVW_ROOM_FAILED &&
-                  (kvt_contains(kvw_receiver_failure(rm.rcv[0]), "waits for layer 3") ||
-                   (room_wide && kvt_contains(kvw_receiver_failure(rm.rcv[0]), "timed out"))),
+                  (kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[0])),
+                                "waits for layer 3") ||
+                   (room_wide && kvt_contains(kvw_room_failure(kvw_receiver_room(rm.rcv[0])),
+                                              "timed out"))),
               "[%s] decode ended %s: %s", e.name, kvw_room_state_string(s),
-              kvw_receiver_failure(rm.rcv[0]));
+              kvw_room_failure(kvw_receiver_room(rm.rcv[0])));
         room_close(&rm);
     }
     env_close(&e);

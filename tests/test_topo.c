@@ -37,7 +37,7 @@ static int kvw_test_checks;
         }                                                                                \
     } while (0)
 
-#define R(s, d, ss, ds, n) {(s), (d), (ss), (ds), (n)}
+#define R(s, d, ss, ds, n) {KVW_ROUTE_FIELDS_ALL, (s), (d), (ss), (ds), (n)}
 
 typedef struct {
     const char *name;

@@ -10,7 +10,7 @@
  *      prefill saw the request; send -> Success (the decode's confirmation included);
  *   3. rooms posted in batches of --inflight, each timed post -> Success from the
  *      library's own hop stamps.
- * Waits use kvw_*_wait (woken by the state change, no polling). The breakdown comes
+ * Waits use kvw_room_wait (woken by the state change, no polling). The breakdown comes
  * from the hop stamps (kvw_room_metrics_t.hop_ns: CLOCK_MONOTONIC on both sides of one
  * host). The baseline, one sample next to every timed room: the room's payload as one
  * frame and an 8-byte acknowledgement, over a TCP connection on 127.0.0.1 (tcp, ucx) or
@@ -157,7 +157,8 @@ static int l_side_build(const lat_cfg_t *c, lat_side_t *s)
     kvt_rank_spec_t sp = {.model = &s->model, .layout = KVW_LAYOUT_NHD,
                           .page_size = {page, page}, .num_pages = {pages, pages},
                           .num_slots = 2};
-    sp.par = (kvw_parallel_t){.tp_size = 1, .pp_size = 1, .layer_end = s->model.m.num_layers,
+    sp.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .pp_size = 1,
+                              .layer_end = s->model.m.num_layers,
                               .dp_size = 1};
     if (kvt_rank_build(&sp, &s->rank) != KVW_OK) {
         fprintf(stderr, "bench: rank: %s\n", kvw_last_error());
@@ -216,7 +217,8 @@ static int l_prefill_main(const lat_cfg_t *c, const char *tl, int ch, int echo_f
     lat_echo_t echo = {echo_fd, len};
     pthread_t et;
     pthread_create(&et, NULL, l_echo_main, &echo);
-    kvw_send_chunk_t chunk = {.num_tokens = c->tokens, .chunk_end = c->tokens, .last_chunk = 1,
+    kvw_send_chunk_t chunk = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                              .chunk_end = c->tokens, .last_chunk = 1,
                               .pages = s.pages.side};
     kvw_sender_h *snd = calloc(L_MAX_ROOMS, sizeof(*snd));
     while (snd && l_recv(ch, &m) == 0) {
@@ -236,27 +238,26 @@ static int l_prefill_main(const lat_cfg_t *c, const char *tl, int ch, int echo_f
         case 'W': /* wait until the decode's request is here */
             if ((st = kvw_sender_create(s.ctx, m.id, &snd[id])) != KVW_OK)
                 break;
-            while (kvw_sender_poll(snd[id]) == KVW_ROOM_BOOTSTRAPPING)
+            while (kvw_room_poll(kvw_sender_room(snd[id])) == KVW_ROOM_BOOTSTRAPPING)
                 usleep(20);
             break;
         case 'G': /* timed: send -> Success */
             r.t0 = l_now();
             if ((st = kvw_sender_send(snd[id], &chunk)) == KVW_OK &&
-                kvw_sender_wait(snd[id], 30000) != KVW_ROOM_SUCCESS)
+                kvw_room_wait(kvw_sender_room(snd[id]), 30000) != KVW_ROOM_SUCCESS)
                 st = KVW_ERR_TIMEOUT;
             r.t1 = l_now();
             break;
         case 'F': { /* finish: hop stamps of a finished room */
-            if (kvw_sender_wait(snd[id], 30000) != KVW_ROOM_SUCCESS)
+            if (kvw_room_wait(kvw_sender_room(snd[id]), 30000) != KVW_ROOM_SUCCESS)
                 st = KVW_ERR_TIMEOUT;
-            kvw_room_metrics_t mt;
-            memset(&mt, 0, sizeof(mt));
-            kvw_sender_metrics(snd[id], &mt);
+            kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+            kvw_room_metrics(kvw_sender_room(snd[id]), &mt);
             memcpy(r.hop_ns, mt.hop_ns, sizeof(r.hop_ns));
             if (st != KVW_OK)
                 snprintf(r.err, sizeof(r.err), "room %llu: %s", (unsigned long long)m.id,
-                         kvw_sender_failure(snd[id]));
-            kvw_sender_destroy(snd[id]);
+                         kvw_room_failure(kvw_sender_room(snd[id])));
+            kvw_room_destroy(kvw_sender_room(snd[id]));
             snd[id] = NULL;
             break;
         }
@@ -332,13 +333,14 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
     }
     /* Payload bytes of one room, from the plan. */
     kvw_plan_h plan;
-    kvw_chunk_t whole = {.num_tokens = c->tokens, .chunk_end = c->tokens, .last_chunk = 1};
+    kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                         .chunk_end = c->tokens, .last_chunk = 1};
     if (kvw_plan_create(d.rank.h, d.rank.h, &whole, &d.pages.side, &d.pages.side, &plan) !=
         KVW_OK) {
         fprintf(stderr, "bench: plan: %s\n", kvw_last_error());
         return 1;
     }
-    kvw_plan_stats_t ps;
+    kvw_plan_stats_t ps = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
     kvw_plan_stats(plan, &ps);
     res->bytes = ps.bytes;
     kvw_plan_destroy(plan);
@@ -360,7 +362,8 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
     for (int h = 0; h < 7; h++)
         hops[h] = calloc(c->rooms, 8);
     kvw_receiver_h *rcv = calloc(c->inflight, sizeof(*rcv));
-    kvw_recv_post_t post = {.num_tokens = c->tokens, .pages = d.pages.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens,
+                            .pages = d.pages.side};
     uint64_t id = 1;
     if (!v1 || !v2 || !v3 || !vb || !buf || !rcv || l_recv(ch[0], &m) || m.op != 'K') {
         fprintf(stderr, "bench: %s prefill did not start: %s\n", tl, m.op == 'E' ? m.err : "");
@@ -384,16 +387,15 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
         kvw_receiver_h h;
         uint64_t t0 = l_now();
         if (kvw_receiver_create(d.ctx, id, 0, &h) != KVW_OK || kvw_receiver_post(h, &post) != KVW_OK ||
-            kvw_receiver_wait(h, 30000) != KVW_ROOM_SUCCESS) {
+            kvw_room_wait(kvw_receiver_room(h), 30000) != KVW_ROOM_SUCCESS) {
             fprintf(stderr, "bench: %s room %llu: %s\n", tl, (unsigned long long)id,
                     kvw_last_error());
             goto out;
         }
         uint64_t t1 = l_now();
-        kvw_room_metrics_t dm;
-        memset(&dm, 0, sizeof(dm));
-        kvw_receiver_metrics(h, &dm);
-        kvw_receiver_destroy(h);
+        kvw_room_metrics_t dm = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+        kvw_room_metrics(kvw_receiver_room(h), &dm);
+        kvw_room_destroy(kvw_receiver_room(h));
         L_CALL('F', id);
         uint64_t b = l_rtt(eb[0], buf, len);
         if (i == 0)
@@ -416,9 +418,9 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
         L_CALL('W', id);
         L_CALL('G', id);
         v2[res->n2++] = m.t1 - m.t0;
-        if (kvw_receiver_wait(h, 30000) != KVW_ROOM_SUCCESS)
+        if (kvw_room_wait(kvw_receiver_room(h), 30000) != KVW_ROOM_SUCCESS)
             goto out;
-        kvw_receiver_destroy(h);
+        kvw_room_destroy(kvw_receiver_room(h));
         L_CALL('F', id);
         uint64_t b = l_rtt(eb[0], buf, len);
         if (b)
@@ -434,14 +436,13 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
                 kvw_receiver_post(rcv[j], &post) != KVW_OK)
                 goto out;
         for (uint32_t j = 0; j < k; j++) {
-            if (kvw_receiver_wait(rcv[j], 30000) != KVW_ROOM_SUCCESS)
+            if (kvw_room_wait(kvw_receiver_room(rcv[j]), 30000) != KVW_ROOM_SUCCESS)
                 goto out;
-            kvw_room_metrics_t dm;
-            memset(&dm, 0, sizeof(dm));
-            kvw_receiver_metrics(rcv[j], &dm);
+            kvw_room_metrics_t dm = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+            kvw_room_metrics(kvw_receiver_room(rcv[j]), &dm);
             if (res->n3 < c->rooms)
                 v3[res->n3++] = l_delta(dm.hop_ns[KVW_HOP_POST], dm.hop_ns[KVW_HOP_SUCCESS]);
-            kvw_receiver_destroy(rcv[j]);
+            kvw_room_destroy(kvw_receiver_room(rcv[j]));
         }
         for (uint32_t j = 0; j < k; j++)
             L_CALL('F', first + j);

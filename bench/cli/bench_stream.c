@@ -81,7 +81,8 @@ static int s_open(stream_env_t *e, uint64_t id, kvw_sender_h *snd, kvw_receiver_
 {
     stream_cfg_t *c = e->cfg;
     for (uint32_t d = 0; d < c->dtp; d++) {
-        kvw_recv_post_t post = {.num_tokens = c->tokens, .pages = e->dp[d].side};
+        kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens,
+                                .pages = e->dp[d].side};
         if (kvw_receiver_create(e->dctx[d], id, 0, &rcv[d]) != KVW_OK ||
             kvw_receiver_post(rcv[d], &post) != KVW_OK)
             return -1;
@@ -91,7 +92,8 @@ static int s_open(stream_env_t *e, uint64_t id, kvw_sender_h *snd, kvw_receiver_
             return -1;
     for (uint32_t k = 0; k < c->ptp; k++) {
         uint64_t deadline = kvt_now_ns() + 30000000000ull;
-        while (kvw_sender_poll(snd[k]) < KVW_ROOM_WAITING_FOR_INPUT && kvt_now_ns() < deadline) {
+        while (kvw_room_poll(kvw_sender_room(snd[k])) < KVW_ROOM_WAITING_FOR_INPUT &&
+               kvt_now_ns() < deadline) {
             struct timespec ts = {0, 100000};
             nanosleep(&ts, NULL);
         }
@@ -103,17 +105,18 @@ static void s_close(stream_env_t *e, kvw_sender_h *snd, kvw_receiver_h *rcv)
 {
     for (uint32_t k = 0; k < e->cfg->ptp; k++)
         if (snd[k])
-            kvw_sender_destroy(snd[k]);
+            kvw_room_destroy(kvw_sender_room(snd[k]));
     for (uint32_t d = 0; d < e->cfg->dtp; d++)
         if (rcv[d])
-            kvw_receiver_destroy(rcv[d]);
+            kvw_room_destroy(kvw_receiver_room(rcv[d]));
 }
 
 /* Hands the whole room (one chunk) to every prefill rank: streamed (its layers marked
  * ready later) or sent at once. Returns 0 or -1. */
 static int s_send_all(stream_env_t *e, kvw_sender_h *snd, bool streamed)
 {
-    kvw_send_chunk_t ch = {.num_tokens = e->cfg->tokens, .chunk_begin = 0,
+    kvw_send_chunk_t ch = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = e->cfg->tokens,
+                           .chunk_begin = 0,
                            .chunk_end = e->cfg->tokens, .last_chunk = 1};
     for (uint32_t k = 0; k < e->cfg->ptp; k++) {
         ch.pages = e->sp[k].side;
@@ -148,19 +151,19 @@ static int s_room(stream_env_t *e, bool streamed, uint64_t layer_ns, uint64_t *t
         goto out;
     uint64_t ready = 0, success = 0;
     for (uint32_t d = 0; d < c->dtp; d++) {
-        if (kvw_receiver_wait(rcv[d], 60000) != KVW_ROOM_SUCCESS) {
+        if (kvw_room_wait(kvw_receiver_room(rcv[d]), 60000) != KVW_ROOM_SUCCESS) {
             fprintf(stderr, "kvwire bench --stream: room %llu: %s\n", (unsigned long long)id,
-                    kvw_receiver_failure(rcv[d]));
+                    kvw_room_failure(kvw_receiver_room(rcv[d])));
             goto out;
         }
-        kvw_room_metrics_t m;
-        kvw_receiver_metrics(rcv[d], &m);
+        kvw_room_metrics_t m = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+        kvw_room_metrics(kvw_receiver_room(rcv[d]), &m);
         success = S_MAX(success, m.hop_ns[KVW_HOP_SUCCESS]);
     }
     for (uint32_t k = 0; k < c->ptp; k++) {
-        kvw_sender_wait(snd[k], 60000);
-        kvw_room_metrics_t m;
-        kvw_sender_metrics(snd[k], &m);
+        kvw_room_wait(kvw_sender_room(snd[k]), 60000);
+        kvw_room_metrics_t m = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+        kvw_room_metrics(kvw_sender_room(snd[k]), &m);
         ready = S_MAX(ready, m.hop_ns[KVW_HOP_SEND]);
     }
     *tail_p = success > ready ? success - ready : 0;
@@ -192,12 +195,12 @@ static int s_last_layer(stream_env_t *e, uint64_t *ns_p)
         if (kvw_sender_layers_ready(snd[k], c->layers - 1, c->layers) != KVW_OK)
             goto out;
     for (uint32_t d = 0; d < c->dtp; d++) {
-        kvw_room_metrics_t m;
+        kvw_room_metrics_t m = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
         uint64_t deadline = kvt_now_ns() + 60000000000ull;
         for (;;) {
-            kvw_receiver_metrics(rcv[d], &m);
+            kvw_room_metrics(kvw_receiver_room(rcv[d]), &m);
             if (m.bytes >= e->last_layer_bytes[d] || kvt_now_ns() > deadline ||
-                kvw_receiver_poll(rcv[d]) == KVW_ROOM_FAILED)
+                kvw_room_poll(kvw_receiver_room(rcv[d])) == KVW_ROOM_FAILED)
                 break;
             struct timespec ts = {0, 20000};
             nanosleep(&ts, NULL);
@@ -215,7 +218,7 @@ static int s_last_layer(stream_env_t *e, uint64_t *ns_p)
         if (kvw_sender_layers_ready(snd[k], 0, c->layers) != KVW_OK)
             goto out;
     for (uint32_t d = 0; d < c->dtp; d++)
-        if (kvw_receiver_wait(rcv[d], 60000) != KVW_ROOM_SUCCESS)
+        if (kvw_room_wait(kvw_receiver_room(rcv[d]), 60000) != KVW_ROOM_SUCCESS)
             goto out;
     rc = 0;
 out:
@@ -232,7 +235,8 @@ static kvw_status_t s_rank(stream_env_t *e, uint32_t tp, uint32_t r, kvt_rank_t 
     kvt_rank_spec_t s = {.model = &e->model, .layout = KVW_LAYOUT_NHD,
                          .page_size = {c->page, c->page}, .num_pages = {pages, pages},
                          .num_slots = 1};
-    s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = r, .pp_size = 1, .layer_begin = 0,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp, .tp_rank = r,
+                             .pp_size = 1, .layer_begin = 0,
                              .layer_end = e->model.m.num_layers, .dp_size = 1};
     return kvt_rank_build(&s, out);
 }
@@ -368,7 +372,8 @@ int kvw_bench_stream(int argc, char **argv)
         kvt_ref_side_t ds = kvt_ref_side(&e.dst[d], &e.dp[d].side, ddata);
         ds.par = &one;
         uint64_t bytes[S_MAX_TP] = {0};
-        kvw_chunk_t whole = {.num_tokens = c.tokens, .chunk_end = c.tokens, .last_chunk = 1};
+        kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c.tokens,
+                             .chunk_end = c.tokens, .last_chunk = 1};
         char msg[256] = "out of memory";
         ok = ok && kvt_ref_transfer(&e.model.m, ss, c.ptp, &ds, &whole, NULL, bytes, msg,
                                     sizeof(msg)) == 0;

@@ -228,8 +228,9 @@ static int b_pages_set(b_pages_t *p, uint64_t n, uint32_t page, uint64_t window,
     kvt_pages_consecutive(full0, nf, p->full);
     kvt_pages_consecutive(swa0, ns, p->swa);
     uint64_t swb = window && n > window ? (n - window) / page * page : 0;
-    p->side.full = (kvw_pages_t){p->full, nf, 0};
-    p->side.swa = (kvw_pages_t){p->swa, ns, swb};
+    p->side.full = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->full, nf, 0};
+    p->side.swa = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->swa, ns, swb};
+    p->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
     p->side.state_slot = slot;
     return 0;
 }
@@ -313,7 +314,8 @@ static int b_inst_build(const bench_cfg_t *c, const kvt_model_t *m, uint32_t tp,
                              .page_size = {c->page, c->page},
                              .num_pages = {sz.full_pages, sz.swa_pages},
                              .num_slots = sz.slots, .describe_only = 1};
-        s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = t, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                 .tp_rank = t, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = m->m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         kvt_rank_t *r = &in->ranks[t];
@@ -454,10 +456,11 @@ static int b_wait_senders(kvw_sender_h *s, uint32_t n, char *err, size_t errcap)
     int rc = 0;
     uint64_t t0 = kvt_now_ns();
     for (uint32_t i = 0; i < n; i++) {
-        while (!cli_room_ended(kvw_sender_poll(s[i])))
+        while (!cli_room_ended(kvw_room_poll(kvw_sender_room(s[i]))))
             b_backoff(t0);
-        if (kvw_sender_poll(s[i]) != KVW_ROOM_SUCCESS && rc == 0) {
-            snprintf(err, errcap, "prefill room failed: %s", kvw_sender_failure(s[i]));
+        if (kvw_room_poll(kvw_sender_room(s[i])) != KVW_ROOM_SUCCESS && rc == 0) {
+            snprintf(err, errcap, "prefill room failed: %s",
+                     kvw_room_failure(kvw_sender_room(s[i])));
             rc = -1;
         }
     }
@@ -467,7 +470,8 @@ static int b_wait_senders(kvw_sender_h *s, uint32_t n, char *err, size_t errcap)
 static int b_arm(b_inst_t *in, uint64_t room, uint64_t n, const b_pages_t *pg, kvw_sender_h *snd,
                  char *err, size_t errcap)
 {
-    kvw_send_chunk_t sc = {.num_tokens = n, .chunk_begin = 0, .chunk_end = n, .last_chunk = 1,
+    kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = n,
+                           .chunk_begin = 0, .chunk_end = n, .last_chunk = 1,
                            .pages = pg->side};
     for (uint32_t k = 0; k < in->n; k++) {
         snd[k] = NULL;
@@ -501,16 +505,17 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
             if (busy[s]) {
                 bool all = true;
                 for (uint32_t k = 0; k < n; k++)
-                    all &= cli_room_ended(kvw_sender_poll(snd[s * n + k]));
+                    all &= cli_room_ended(kvw_room_poll(kvw_sender_room(snd[s * n + k])));
                 if (!all)
                     continue;
                 for (uint32_t k = 0; k < n; k++) {
-                    if (kvw_sender_poll(snd[s * n + k]) != KVW_ROOM_SUCCESS && rc == 0) {
+                    if (kvw_room_poll(kvw_sender_room(snd[s * n + k])) != KVW_ROOM_SUCCESS &&
+                        rc == 0) {
                         snprintf(err, errcap, "prefill rate room failed: %s",
-                                 kvw_sender_failure(snd[s * n + k]));
+                                 kvw_room_failure(kvw_sender_room(snd[s * n + k])));
                         rc = -1;
                     }
-                    kvw_sender_destroy(snd[s * n + k]);
+                    kvw_room_destroy(kvw_sender_room(snd[s * n + k]));
                 }
                 busy[s] = false;
                 done++;
@@ -530,7 +535,7 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
     for (uint32_t s = 0; s < w && snd && busy; s++)
         if (busy[s])
             for (uint32_t k = 0; k < n; k++)
-                kvw_sender_destroy(snd[s * n + k]);
+                kvw_room_destroy(kvw_sender_room(snd[s * n + k]));
     for (uint32_t s = 0; s < w && pg; s++)
         b_pages_free(&pg[s]);
     free(snd);
@@ -629,7 +634,7 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
                 rc = 1;
             }
             for (uint32_t k = 0; k < in.n; k++) {
-                kvw_sender_destroy(snd[k]);
+                kvw_room_destroy(kvw_sender_room(snd[k]));
                 snd[k] = NULL;
             }
         } else if (cmd.op == B_OP_RATE) {
@@ -682,15 +687,15 @@ static int b_wait_receivers(kvw_receiver_h *r, uint32_t n, uint64_t room, char *
     for (;;) {
         bool all = true;
         for (uint32_t k = 0; k < n && all; k++)
-            all = cli_room_ended(kvw_receiver_poll(r[k]));
+            all = cli_room_ended(kvw_room_poll(kvw_receiver_room(r[k])));
         if (all)
             break;
         b_backoff(t0);
     }
     for (uint32_t k = 0; k < n; k++)
-        if (kvw_receiver_poll(r[k]) != KVW_ROOM_SUCCESS) {
+        if (kvw_room_poll(kvw_receiver_room(r[k])) != KVW_ROOM_SUCCESS) {
             snprintf(err, errcap, "room %llu failed on decode rank %u: %s",
-                     (unsigned long long)room, k, kvw_receiver_failure(r[k]));
+                     (unsigned long long)room, k, kvw_room_failure(kvw_receiver_room(r[k])));
             return -1;
         }
     return 0;
@@ -718,7 +723,8 @@ static int b_decode_mem(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *in
     }
     int rc = 0;
     int64_t rss0 = b_rss_bytes(), heap0 = b_heap_bytes();
-    kvw_recv_post_t post = {.num_tokens = tokens, .prefix_len = 0, .pages = pg.side};
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = tokens,
+                            .prefix_len = 0, .pages = pg.side};
     for (uint32_t i = 0; i < rooms && rc == 0; i++)
         for (uint32_t k = 0; k < in->n && rc == 0; k++)
             if (kvw_receiver_create(in->ctx[k], room0 + i, 0, &r[i * in->n + k]) != KVW_OK ||
@@ -732,7 +738,7 @@ static int b_decode_mem(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *in
     int64_t rss1 = b_rss_bytes(), heap1 = b_heap_bytes();
     for (uint32_t i = 0; i < rooms * in->n; i++)
         if (r[i])
-            kvw_receiver_destroy(r[i]);
+            kvw_room_destroy(kvw_receiver_room(r[i]));
     free(r);
     out->tokens = tokens;
     out->rooms = rooms;
@@ -777,24 +783,26 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
             if (busy[s]) {
                 bool all = true;
                 for (uint32_t k = 0; k < n && all; k++)
-                    all = cli_room_ended(kvw_receiver_poll(rcv[s * n + k]));
+                    all = cli_room_ended(kvw_room_poll(kvw_receiver_room(rcv[s * n + k])));
                 if (!all)
                     continue;
                 uint64_t now = b_now();
                 for (uint32_t k = 0; k < n; k++) {
-                    if (kvw_receiver_poll(rcv[s * n + k]) != KVW_ROOM_SUCCESS && rc == 0) {
+                    if (kvw_room_poll(kvw_receiver_room(rcv[s * n + k])) != KVW_ROOM_SUCCESS &&
+                        rc == 0) {
                         snprintf(err, errcap, "rate room failed on decode rank %u: %s", k,
-                                 kvw_receiver_failure(rcv[s * n + k]));
+                                 kvw_room_failure(kvw_receiver_room(rcv[s * n + k])));
                         rc = -1;
                     }
-                    kvw_receiver_destroy(rcv[s * n + k]);
+                    kvw_room_destroy(kvw_receiver_room(rcv[s * n + k]));
                 }
                 lat[done++] = now - t_post[s];
                 busy[s] = false;
                 progress = true;
             }
             if (!busy[s] && next < total && rc == 0) {
-                kvw_recv_post_t post = {.num_tokens = 1, .prefix_len = 0, .pages = pg[s].side};
+                kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 1,
+                                        .prefix_len = 0, .pages = pg[s].side};
                 t_post[s] = b_now();
                 for (uint32_t k = 0; k < n; k++) {
                     rcv[s * n + k] = NULL;
@@ -818,7 +826,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
     for (uint32_t s = 0; s < w && busy && rcv; s++)
         if (busy[s])
             for (uint32_t k = 0; k < n; k++)
-                kvw_receiver_destroy(rcv[s * n + k]);
+                kvw_room_destroy(kvw_receiver_room(rcv[s * n + k]));
     b_cpu_t c1 = b_cpu_now(), pc = {0, 0, 0};
     if (rc == 0 && kvt_read_full(ack_fd, &pc, sizeof(pc))) {
         snprintf(err, errcap, "rate: the prefill process did not report");
@@ -1046,12 +1054,13 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
                 }
             if (rc) {
                 for (uint32_t k = 0; k < in.n; k++) {
-                    kvw_receiver_destroy(rcv[k]);
+                    kvw_room_destroy(kvw_receiver_room(rcv[k]));
                     rcv[k] = NULL;
                 }
                 break;
             }
-            kvw_recv_post_t post = {.num_tokens = n, .prefix_len = 0, .pages = pg.side};
+            kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = n,
+                                    .prefix_len = 0, .pages = pg.side};
             uint64_t t0 = b_now();
             for (uint32_t k = 0; k < in.n && rc == 0; k++)
                 if (kvw_receiver_post(rcv[k], &post) != KVW_OK) {
@@ -1064,11 +1073,10 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
             uint64_t t1 = b_now();
             uint64_t bytes = 0;
             for (uint32_t k = 0; k < in.n; k++) {
-                kvw_room_metrics_t mt;
-                memset(&mt, 0, sizeof(mt));
-                kvw_receiver_metrics(rcv[k], &mt);
+                kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+                kvw_room_metrics(kvw_receiver_room(rcv[k]), &mt);
                 bytes += mt.bytes;
-                kvw_receiver_destroy(rcv[k]);
+                kvw_room_destroy(kvw_receiver_room(rcv[k]));
                 rcv[k] = NULL;
             }
             if (rc == 0 && rep >= 0) {
@@ -1252,7 +1260,8 @@ static int b_plan_memory(const bench_cfg_t *c, const kvt_model_t *m, const bench
     kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD, .page_size = {c->page, c->page},
                          .num_pages = {sz.full_pages, sz.swa_pages}, .num_slots = sz.slots,
                          .describe_only = 1};
-    s.par = (kvw_parallel_t){.tp_size = t->ptp, .tp_rank = 0, .pp_size = 1,
+    s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = t->ptp,
+                             .tp_rank = 0, .pp_size = 1,
                              .layer_end = m->m.num_layers, .dp_size = 1};
     if (kvt_rank_build(&s, &src) != KVW_OK) {
         snprintf(err, errcap, "plan memory: prefill rank: %s", kvw_last_error());
@@ -1281,9 +1290,10 @@ static int b_plan_memory(const bench_cfg_t *c, const kvt_model_t *m, const bench
         b_pages_set(&ps, n, c->page, window, 0, 0, slot);
         b_pages_set(&pd, n, c->page, window, 0, 0, slot);
         row->full_pages = ps.side.full.num_pages;
-        kvw_chunk_t ch = {.num_tokens = n, .chunk_begin = 0, .chunk_end = n, .last_chunk = 1};
+        kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = n, .chunk_begin = 0,
+                          .chunk_end = n, .last_chunk = 1};
         kvw_plan_h plan;
-        kvw_plan_stats_t st;
+        kvw_plan_stats_t st = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
         if (kvw_plan_create(src.h, dst.h, &ch, &ps.side, &pd.side, &plan) != KVW_OK ||
             kvw_plan_stats(plan, &st) != KVW_OK) {
             snprintf(err, errcap, "plan memory (%s, %llu tokens): %s", t->name,

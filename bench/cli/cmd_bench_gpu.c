@@ -127,7 +127,8 @@ static int g_build(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, bo
         kvt_rank_spec_t s = {.model = m, .layout = KVW_LAYOUT_NHD,
                              .page_size = {c->page, c->page},
                              .num_pages = {in->full_pages, in->swa_pages}, .num_slots = 1};
-        s.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = r, .pp_size = 1, .pp_rank = 0,
+        s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                 .tp_rank = r, .pp_size = 1, .pp_rank = 0,
                                  .layer_begin = 0, .layer_end = m->m.num_layers,
                                  .dp_size = 1, .dp_rank = 0};
         if (kvt_rank_build(&s, &in->ranks[r]) != KVW_OK) {
@@ -173,8 +174,9 @@ static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g
         memcpy(p->full, pf + uf, sizeof(uint32_t) * nf);
         memcpy(p->swa, ps + us, sizeof(uint32_t) * ns);
         uf += nf, us += ns;
-        p->side.full = (kvw_pages_t){p->full, nf, 0};
-        p->side.swa = (kvw_pages_t){p->swa, ns, swb};
+        p->side.full = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->full, nf, 0};
+        p->side.swa = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->swa, ns, swb};
+        p->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
         p->side.state_slot = -1;
     }
     free(pf);
@@ -362,7 +364,8 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             continue;
         }
         for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
-            kvw_send_chunk_t sc = {.num_tokens = t->tokens, .chunk_begin = 0,
+            kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
+                                   .num_tokens = t->tokens, .chunk_begin = 0,
                                    .chunk_end = t->tokens, .last_chunk = 1,
                                    .pages = in.pg[i].side};
             for (uint32_t k = 0; k < in.n && rc == 0; k++) {
@@ -380,14 +383,14 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
         for (uint32_t i = 0; i < t->rooms * in.n; i++) {
             if (snd[i] == NULL)
                 continue;
-            while (rc == 0 && !cli_room_ended(kvw_sender_poll(snd[i])))
+            while (rc == 0 && !cli_room_ended(kvw_room_poll(kvw_sender_room(snd[i]))))
                 g_nap();
-            if (rc == 0 && kvw_sender_poll(snd[i]) != KVW_ROOM_SUCCESS) {
+            if (rc == 0 && kvw_room_poll(kvw_sender_room(snd[i])) != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "bench --gpu: prefill room failed: %s\n",
-                        kvw_sender_failure(snd[i]));
+                        kvw_room_failure(kvw_sender_room(snd[i])));
                 rc = 1;
             }
-            kvw_sender_destroy(snd[i]);
+            kvw_room_destroy(kvw_sender_room(snd[i]));
             snd[i] = NULL;
         }
     }
@@ -431,7 +434,8 @@ static int g_verify(const kvt_model_t *m, const g_topo_t *t, g_inst_t *in, const
             for (uint32_t s = 0; s < src->n; s++)
                 ss[s] = kvt_ref_side(&src->ranks[s], &src->pg[i].side, sd[s]);
             kvt_ref_side_t ds = kvt_ref_side(&in->ranks[k], &in->pg[i].side, exp.data);
-            kvw_chunk_t ch = {.num_tokens = t->tokens, .chunk_begin = 0,
+            kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = t->tokens,
+                              .chunk_begin = 0,
                               .chunk_end = t->tokens, .prefix_len = 0, .last_chunk = 1};
             char msg[400];
             if (kvt_ref_transfer(&m->m, ss, src->n, &ds, &ch, NULL, NULL, msg, sizeof(msg))) {
@@ -506,7 +510,8 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         }
         uint64_t t0 = kvt_now_ns();
         for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
-            kvw_recv_post_t post = {.num_tokens = t->tokens, .prefix_len = 0,
+            kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                                    .num_tokens = t->tokens, .prefix_len = 0,
                                     .pages = in.pg[i].side};
             for (uint32_t k = 0; k < in.n && rc == 0; k++) {
                 kvw_receiver_h *r = &rcv[i * in.n + k];
@@ -518,7 +523,7 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
             }
         }
         for (uint32_t i = 0; i < t->rooms * in.n && rc == 0; i++)
-            while (!cli_room_ended(kvw_receiver_poll(rcv[i])))
+            while (!cli_room_ended(kvw_room_poll(kvw_receiver_room(rcv[i]))))
                 g_nap();
         uint64_t t1 = kvt_now_ns(), bytes = 0;
         if (rep > 0)
@@ -526,15 +531,15 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         for (uint32_t i = 0; i < t->rooms * in.n; i++) {
             if (rcv[i] == NULL)
                 continue;
-            if (rc == 0 && kvw_receiver_poll(rcv[i]) != KVW_ROOM_SUCCESS) {
+            if (rc == 0 && kvw_room_poll(kvw_receiver_room(rcv[i])) != KVW_ROOM_SUCCESS) {
                 snprintf(err, cap, "room %u failed on decode rank %u: %s", i / in.n, i % in.n,
-                         kvw_receiver_failure(rcv[i]));
+                         kvw_room_failure(kvw_receiver_room(rcv[i])));
                 rc = -1;
             }
-            kvw_room_metrics_t mt;
-            kvw_receiver_metrics(rcv[i], &mt);
+            kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+            kvw_room_metrics(kvw_receiver_room(rcv[i]), &mt);
             bytes += mt.bytes;
-            kvw_receiver_destroy(rcv[i]);
+            kvw_room_destroy(kvw_receiver_room(rcv[i]));
             rcv[i] = NULL;
         }
         if (rc)

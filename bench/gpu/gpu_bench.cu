@@ -220,10 +220,11 @@ static void run_case(Result &R, const kvt_model_t *model, uint32_t ntok, uint32_
     Side S, D;
     side_build(S, model, stp, srank, dev0, 11 + stp * 100 + srank, ntok);
     side_build(D, model, dtp, drank, dev1, 23 + dtp * 100 + drank, ntok);
-    kvw_chunk_t ch = {ntok, 0, ntok, 0, 1};
+    kvw_chunk_t ch = {KVW_CHUNK_FIELDS_ALL, ntok, 0, ntok, 0, 1};
     kvw_plan_h plan = nullptr;
     KV(kvw_plan_create(S.h, D.h, &ch, &S.pg.side, &D.pg.side, &plan));
-    kvw_plan_stats_t st;
+    kvw_plan_stats_t st{};
+    st.field_mask = KVW_PLAN_STATS_FIELDS_ALL;
     KV(kvw_plan_stats(plan, &st));
     R.bytes = st.bytes;
     R.runs = st.runs_coalesced;

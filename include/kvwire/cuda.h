@@ -147,7 +147,23 @@ KVW_API kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream);
  * come from the monotonic clock, device times from CUDA events on the worker's stream;
  * steps of concurrent workers add up, so totals can exceed the wall time.
  */
+enum {
+    KVW_CUDA_PROFILE_FIELD_STEPS = 1u << 0,
+    KVW_CUDA_PROFILE_FIELD_BYTES = 1u << 1,
+    KVW_CUDA_PROFILE_FIELD_PLAN_NS = 1u << 2,
+    KVW_CUDA_PROFILE_FIELD_LAUNCH_NS = 1u << 3,
+    KVW_CUDA_PROFILE_FIELD_UPLOAD_DEV_NS = 1u << 4,
+    KVW_CUDA_PROFILE_FIELD_KERNEL_DEV_NS = 1u << 5,
+    KVW_CUDA_PROFILE_FIELD_WAIT_NS = 1u << 6,
+    KVW_CUDA_PROFILE_FIELD_NOTIFY_NS = 1u << 7,
+    KVW_CUDA_PROFILE_FIELD_FIRST_START_NS = 1u << 8,
+    KVW_CUDA_PROFILE_FIELD_LAST_DONE_NS = 1u << 9
+};
+#define KVW_CUDA_PROFILE_FIELDS_ALL 0x3ffull
+
+/* A report: the library sets field_mask to the fields it filled. */
 typedef struct kvw_cuda_profile {
+    uint64_t field_mask; /* KVW_CUDA_PROFILE_FIELD_* */
     uint64_t steps, bytes;
     uint64_t plan_ns;       /* host: building and flattening the plan */
     uint64_t launch_ns;     /* host: enqueueing the plan upload and the kernel */

@@ -54,8 +54,10 @@ enum {
     KVW_CTX_FIELD_BUSY_POLL = 1u << 10
 };
 
+#define KVW_CTX_FIELDS_ALL 0x7ffull
+
 typedef struct kvw_ctx_params {
-    uint64_t field_mask;
+    uint64_t field_mask; /* KVW_CTX_FIELD_*; SIDE and RANK are required */
     kvw_side_t side;
     kvw_rank_h rank;       /* this rank's KV cache; must outlive the context */
     const char *transport; /* "tcp" (default), "shm", "ucx" */
@@ -80,7 +82,7 @@ typedef struct kvw_ctx_params {
      * prefill instance, each needs its own (default 0). */
     uint64_t instance_id;
     /* Busy polling, for latency-critical deployments: the context's control thread, its
-     * prefill workers and callers of kvw_*_wait spin this many microseconds for the next
+     * prefill workers and callers of kvw_room_wait spin this many microseconds for the next
      * event before they sleep. Each spinning thread costs a CPU core while it spins; 0
      * (default; also KVW_BUSY_POLL_US) sleeps at once, woken by the event itself. */
     uint32_t busy_poll_us;
@@ -102,8 +104,17 @@ KVW_API void kvw_ctx_destroy(kvw_ctx_h ctx);
  * NULL-terminated list: "tcp", "shm", "ucx", "cuda_ipc", ... */
 KVW_API const char *const *kvw_transport_names(void);
 
-/* One setting kvwire reads from the environment: its name, default and meaning. */
+enum {
+    KVW_CONFIG_VAR_FIELD_NAME = 1u << 0,
+    KVW_CONFIG_VAR_FIELD_DEFAULT_VALUE = 1u << 1,
+    KVW_CONFIG_VAR_FIELD_HELP = 1u << 2
+};
+#define KVW_CONFIG_VAR_FIELDS_ALL 0x7ull
+
+/* One setting kvwire reads from the environment: its name, default and meaning. A
+ * report: the library sets field_mask to the fields it filled. */
 typedef struct kvw_config_var {
+    uint64_t field_mask; /* KVW_CONFIG_VAR_FIELD_* */
     const char *name, *default_value, *help;
 } kvw_config_var_t;
 
@@ -133,6 +144,7 @@ enum {
     KVW_BOOTSTRAP_FIELD_ADDR = 1u << 0,
     KVW_BOOTSTRAP_FIELD_SECRET = 1u << 1
 };
+#define KVW_BOOTSTRAP_FIELDS_ALL 0x3ull
 
 typedef struct kvw_bootstrap_params {
     uint64_t field_mask; /* KVW_BOOTSTRAP_FIELD_*; ADDR is required */
@@ -156,7 +168,17 @@ KVW_API kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_
 /* One chunk: token range, the pages holding it on this rank, and whether it is the
  * last (the last chunk also carries the SWA window and state slots). The page arrays
  * are copied; the KV bytes must stay in place until the room leaves TRANSFERRING. */
+enum {
+    KVW_SEND_CHUNK_FIELD_NUM_TOKENS = 1u << 0,  /* required */
+    KVW_SEND_CHUNK_FIELD_CHUNK_BEGIN = 1u << 1, /* default 0 */
+    KVW_SEND_CHUNK_FIELD_CHUNK_END = 1u << 2,   /* default num_tokens */
+    KVW_SEND_CHUNK_FIELD_LAST_CHUNK = 1u << 3,  /* default: chunk_end == num_tokens */
+    KVW_SEND_CHUNK_FIELD_PAGES = 1u << 4        /* required */
+};
+#define KVW_SEND_CHUNK_FIELDS_ALL 0x1full
+
 typedef struct kvw_send_chunk {
+    uint64_t field_mask; /* KVW_SEND_CHUNK_FIELD_* */
     uint64_t num_tokens;
     uint64_t chunk_begin, chunk_end;
     int last_chunk;
@@ -234,7 +256,15 @@ KVW_API kvw_status_t kvw_receiver_create_from(kvw_ctx_h ctx, uint64_t room,
                                               uint32_t prefill_dp_rank,
                                               kvw_receiver_h *receiver_p);
 
+enum {
+    KVW_RECV_POST_FIELD_NUM_TOKENS = 1u << 0, /* required */
+    KVW_RECV_POST_FIELD_PREFIX_LEN = 1u << 1, /* default 0 */
+    KVW_RECV_POST_FIELD_PAGES = 1u << 2       /* required */
+};
+#define KVW_RECV_POST_FIELDS_ALL 0x7ull
+
 typedef struct kvw_recv_post {
+    uint64_t field_mask; /* KVW_RECV_POST_FIELD_* */
     uint64_t num_tokens;
     uint64_t prefix_len; /* tokens this rank already holds; they are not sent */
     kvw_side_pages_t pages;
@@ -271,41 +301,68 @@ typedef enum kvw_hop {
     KVW_HOP_COUNT
 } kvw_hop_t;
 
+enum {
+    KVW_ROOM_METRICS_FIELD_BYTES = 1u << 0,
+    KVW_ROOM_METRICS_FIELD_RUNS = 1u << 1,
+    KVW_ROOM_METRICS_FIELD_START_NS = 1u << 2,
+    KVW_ROOM_METRICS_FIELD_END_NS = 1u << 3,
+    KVW_ROOM_METRICS_FIELD_PATH = 1u << 4,
+    KVW_ROOM_METRICS_FIELD_HOP_NS = 1u << 5
+};
+#define KVW_ROOM_METRICS_FIELDS_ALL 0x3full
+
+/* Output: the caller sets field_mask to the fields it wants; kvw_room_metrics fills
+ * exactly those, leaves the others untouched, and keeps field_mask as it was. */
 typedef struct kvw_room_metrics {
+    uint64_t field_mask;   /* KVW_ROOM_METRICS_FIELD_* wanted */
     uint64_t bytes;        /* payload bytes sent (prefill) or confirmed (decode) */
     uint64_t runs;         /* coalesced runs posted (prefill) */
     uint64_t start_ns, end_ns; /* monotonic clock: first data moved, terminal state */
-    const char *path;      /* "direct" or "staged" */
+    const char *path;      /* "direct", "staged" or "none" (static storage) */
     uint64_t hop_ns[KVW_HOP_COUNT]; /* see kvw_hop_t */
 } kvw_room_metrics_t;
 
-/* Never blocks. */
-KVW_API kvw_room_state_t kvw_sender_poll(kvw_sender_h sender);
-KVW_API kvw_room_state_t kvw_receiver_poll(kvw_receiver_h receiver);
+/*
+ * One room handle serves both sides: kvw_sender_room and kvw_receiver_room give the
+ * room of a sender or a receiver (NULL for NULL), and the calls below work on either.
+ * The room handle is the same object as the sender or receiver handle it came from:
+ * it stays valid exactly as long, and kvw_room_destroy ends both.
+ */
+typedef struct kvw_room *kvw_room_h;
+
+KVW_API kvw_room_h kvw_sender_room(kvw_sender_h sender);
+KVW_API kvw_room_h kvw_receiver_room(kvw_receiver_h receiver);
+
+/* The room's id as passed to kvw_sender_create / kvw_receiver_create (0 for NULL), and
+ * its side: KVW_SIDE_PREFILL for a sender's room, KVW_SIDE_DECODE for a receiver's. */
+KVW_API uint64_t kvw_room_id(kvw_room_h room);
+KVW_API kvw_side_t kvw_room_side(kvw_room_h room);
+
+/* Never blocks. NULL: FAILED. */
+KVW_API kvw_room_state_t kvw_room_poll(kvw_room_h room);
 
 /* Blocks until the room is terminal (Success or Failed) or timeout_ms passed, woken by
  * the state change itself (no polling); returns the state then. timeout_ms 0: poll. */
-KVW_API kvw_room_state_t kvw_sender_wait(kvw_sender_h sender, uint32_t timeout_ms);
-KVW_API kvw_room_state_t kvw_receiver_wait(kvw_receiver_h receiver, uint32_t timeout_ms);
+KVW_API kvw_room_state_t kvw_room_wait(kvw_room_h room, uint32_t timeout_ms);
 
-/* Why the room failed ("" unless FAILED). Valid until the handle is destroyed. */
-KVW_API const char *kvw_sender_failure(kvw_sender_h sender);
-KVW_API const char *kvw_receiver_failure(kvw_receiver_h receiver);
-KVW_API kvw_status_t kvw_sender_status(kvw_sender_h sender);
-KVW_API kvw_status_t kvw_receiver_status(kvw_receiver_h receiver);
+/* Why the room failed ("" unless FAILED). Valid until the room is destroyed. */
+KVW_API const char *kvw_room_failure(kvw_room_h room);
 
-KVW_API void kvw_sender_metrics(kvw_sender_h sender, kvw_room_metrics_t *metrics_p);
-KVW_API void kvw_receiver_metrics(kvw_receiver_h receiver, kvw_room_metrics_t *metrics_p);
+/* OK once Success, INPROGRESS before, the failure's status once Failed. */
+KVW_API kvw_status_t kvw_room_status(kvw_room_h room);
+
+/* Fills the fields metrics_p->field_mask asks for (see kvw_room_metrics_t). Errors:
+ * INVALID_PARAM (NULL argument, bits unknown to this library). */
+KVW_API kvw_status_t kvw_room_metrics(kvw_room_h room, kvw_room_metrics_t *metrics_p);
 
 /* Aborts the room locally and tells the peers; they stop and acknowledge. */
-KVW_API void kvw_sender_abort(kvw_sender_h sender);
-KVW_API void kvw_receiver_abort(kvw_receiver_h receiver);
+KVW_API void kvw_room_abort(kvw_room_h room);
 
-/* Destroying a room that is not terminal aborts it first. A receiver is destroyed only
- * once no prefill rank can still write its pages (each confirmed it stopped, or was
- * declared dead, or the peer timeout passed), so the engine may reuse them at once. */
-KVW_API void kvw_sender_destroy(kvw_sender_h sender);
-KVW_API void kvw_receiver_destroy(kvw_receiver_h receiver);
+/* Destroys the room and with it the sender or receiver handle it came from. Destroying
+ * a room that is not terminal aborts it first. A decode room is destroyed only once no
+ * prefill rank can still write its pages (each confirmed it stopped, or was declared
+ * dead, or the peer timeout passed), so the engine may reuse them at once. */
+KVW_API void kvw_room_destroy(kvw_room_h room);
 
 #ifdef __cplusplus
 }

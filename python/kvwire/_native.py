@@ -17,11 +17,36 @@ __all__ = [
     "kvw_side_pages_t", "kvw_chunk_t", "kvw_plan_stats_t", "kvw_run_t",
     "kvw_ctx_params_t", "kvw_send_chunk_t", "kvw_recv_post_t", "kvw_room_metrics_t",
     "kvw_bootstrap_params_t", "KVW_BOOTSTRAP_FIELD_ADDR", "KVW_BOOTSTRAP_FIELD_SECRET",
-    "STRUCTS",
+    "STRUCTS", "KVW_RANK_FIELDS_ALL", "KVW_CTX_FIELDS_ALL",
+    "KVW_LAYER_FIELDS_ALL", "KVW_MODEL_FIELDS_ALL", "KVW_PARALLEL_FIELDS_ALL",
+    "KVW_STATE_GROUP_FIELDS_ALL", "KVW_BUFFER_FIELDS_ALL", "KVW_ROUTE_FIELDS_ALL",
+    "KVW_PAGES_FIELDS_ALL", "KVW_SIDE_PAGES_FIELDS_ALL", "KVW_CHUNK_FIELDS_ALL",
+    "KVW_PLAN_STATS_FIELDS_ALL", "KVW_RUN_FIELDS_ALL", "KVW_SEND_CHUNK_FIELDS_ALL",
+    "KVW_RECV_POST_FIELDS_ALL", "KVW_ROOM_METRICS_FIELDS_ALL",
 ]
 
 KVW_MAX_STATE_GROUPS = 8
 KVW_NUM_POOLS = 3
+
+# Every struct that crosses the API starts with a field mask (kvwire.h, "Field masks"):
+# the binding fills every field of the structs it passes in and asks for every field of
+# the ones the library fills, so it sets each mask to every bit it knows.
+KVW_LAYER_FIELDS_ALL = 0x3
+KVW_MODEL_FIELDS_ALL = 0x1ff
+KVW_PARALLEL_FIELDS_ALL = 0xff
+KVW_STATE_GROUP_FIELDS_ALL = 0x3
+KVW_BUFFER_FIELDS_ALL = 0x1fff
+KVW_ROUTE_FIELDS_ALL = 0x1f
+KVW_PAGES_FIELDS_ALL = 0x7
+KVW_SIDE_PAGES_FIELDS_ALL = 0x7
+KVW_CHUNK_FIELDS_ALL = 0x1f
+KVW_PLAN_STATS_FIELDS_ALL = 0x3f
+KVW_RUN_FIELDS_ALL = 0x1f
+KVW_SEND_CHUNK_FIELDS_ALL = 0x1f
+KVW_RECV_POST_FIELDS_ALL = 0x7
+KVW_ROOM_METRICS_FIELDS_ALL = 0x3f
+KVW_RANK_FIELDS_ALL = 0x7
+KVW_CTX_FIELDS_ALL = 0x7ff
 
 c_enum = ctypes.c_int  # every kvwire enum is passed and stored as a C int
 
@@ -30,6 +55,7 @@ c_enum = ctypes.c_int  # every kvwire enum is passed and stored as a C int
 
 class kvw_layer_desc_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("kind", c_enum),
         ("window", ctypes.c_uint32),
     ]
@@ -37,6 +63,7 @@ class kvw_layer_desc_t(ctypes.Structure):
 
 class kvw_model_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("num_layers", ctypes.c_uint32),
         ("layers", ctypes.POINTER(kvw_layer_desc_t)),
         ("num_kv_heads", ctypes.c_uint32),
@@ -51,6 +78,7 @@ class kvw_model_t(ctypes.Structure):
 
 class kvw_parallel_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("tp_size", ctypes.c_uint32),
         ("tp_rank", ctypes.c_uint32),
         ("pp_size", ctypes.c_uint32),
@@ -64,6 +92,7 @@ class kvw_parallel_t(ctypes.Structure):
 
 class kvw_state_group_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("total_heads", ctypes.c_uint32),
         ("head_bytes", ctypes.c_uint32),
     ]
@@ -71,6 +100,7 @@ class kvw_state_group_t(ctypes.Structure):
 
 class kvw_buffer_desc_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("pool", c_enum),
         ("layer", ctypes.c_uint32),
         ("role", c_enum),
@@ -100,6 +130,7 @@ class kvw_rank_params_t(ctypes.Structure):
 
 class kvw_route_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("src_rank", ctypes.c_uint32),
         ("dst_rank", ctypes.c_uint32),
         ("src_head_start", ctypes.c_uint32),
@@ -110,6 +141,7 @@ class kvw_route_t(ctypes.Structure):
 
 class kvw_pages_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("pages", ctypes.POINTER(ctypes.c_uint32)),
         ("num_pages", ctypes.c_uint32),
         ("first_token", ctypes.c_uint64),
@@ -118,6 +150,7 @@ class kvw_pages_t(ctypes.Structure):
 
 class kvw_side_pages_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("full", kvw_pages_t),
         ("swa", kvw_pages_t),
         ("state_slot", ctypes.c_int64),
@@ -126,6 +159,7 @@ class kvw_side_pages_t(ctypes.Structure):
 
 class kvw_chunk_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("num_tokens", ctypes.c_uint64),
         ("chunk_begin", ctypes.c_uint64),
         ("chunk_end", ctypes.c_uint64),
@@ -136,6 +170,7 @@ class kvw_chunk_t(ctypes.Structure):
 
 class kvw_plan_stats_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("bytes", ctypes.c_uint64),
         ("num_routes", ctypes.c_uint32),
         ("num_segments", ctypes.c_uint64),
@@ -147,6 +182,7 @@ class kvw_plan_stats_t(ctypes.Structure):
 
 class kvw_run_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("src_buf", ctypes.c_uint32),
         ("dst_buf", ctypes.c_uint32),
         ("src_off", ctypes.c_uint64),
@@ -193,6 +229,7 @@ KVW_BOOTSTRAP_FIELD_SECRET = 1 << 1
 
 class kvw_send_chunk_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("num_tokens", ctypes.c_uint64),
         ("chunk_begin", ctypes.c_uint64),
         ("chunk_end", ctypes.c_uint64),
@@ -203,6 +240,7 @@ class kvw_send_chunk_t(ctypes.Structure):
 
 class kvw_recv_post_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("num_tokens", ctypes.c_uint64),
         ("prefix_len", ctypes.c_uint64),
         ("pages", kvw_side_pages_t),
@@ -211,6 +249,7 @@ class kvw_recv_post_t(ctypes.Structure):
 
 class kvw_room_metrics_t(ctypes.Structure):
     _fields_ = [
+        ("field_mask", ctypes.c_uint64),
         ("bytes", ctypes.c_uint64),
         ("runs", ctypes.c_uint64),
         ("start_ns", ctypes.c_uint64),
@@ -292,20 +331,17 @@ _PROTOTYPES = {
     "kvw_bootstrap_address": (ctypes.c_char_p, [_h]),
     "kvw_bootstrap_stop": (None, [_h]),
     "kvw_receiver_post": (_st, [_h, _P(kvw_recv_post_t)]),
-    "kvw_sender_poll": (c_enum, [_h]),
-    "kvw_receiver_poll": (c_enum, [_h]),
-    "kvw_sender_wait": (c_enum, [_h, ctypes.c_uint32]),
-    "kvw_receiver_wait": (c_enum, [_h, ctypes.c_uint32]),
-    "kvw_sender_failure": (ctypes.c_char_p, [_h]),
-    "kvw_receiver_failure": (ctypes.c_char_p, [_h]),
-    "kvw_sender_status": (_st, [_h]),
-    "kvw_receiver_status": (_st, [_h]),
-    "kvw_sender_metrics": (None, [_h, _P(kvw_room_metrics_t)]),
-    "kvw_receiver_metrics": (None, [_h, _P(kvw_room_metrics_t)]),
-    "kvw_sender_abort": (None, [_h]),
-    "kvw_receiver_abort": (None, [_h]),
-    "kvw_sender_destroy": (None, [_h]),
-    "kvw_receiver_destroy": (None, [_h]),
+    "kvw_sender_room": (_h, [_h]),
+    "kvw_receiver_room": (_h, [_h]),
+    "kvw_room_id": (_u64, [_h]),
+    "kvw_room_side": (c_enum, [_h]),
+    "kvw_room_poll": (c_enum, [_h]),
+    "kvw_room_wait": (c_enum, [_h, ctypes.c_uint32]),
+    "kvw_room_failure": (ctypes.c_char_p, [_h]),
+    "kvw_room_status": (_st, [_h]),
+    "kvw_room_metrics": (_st, [_h, _P(kvw_room_metrics_t)]),
+    "kvw_room_abort": (None, [_h]),
+    "kvw_room_destroy": (None, [_h]),
     # kvwire/cuda.h (present when the library was built with its CUDA loader)
     "kvw_cuda_available": (_st, []),
     "kvw_cuda_device_count": (_st, [_P(ctypes.c_int)]),

@@ -270,10 +270,11 @@ class Model:
         """(kvw_model_t, layer array); keep both alive while the C side reads them."""
         arr = (N.kvw_layer_desc_t * max(1, len(self.layers)))()
         for i, l in enumerate(self.layers):
+            arr[i].field_mask = N.KVW_LAYER_FIELDS_ALL
             arr[i].kind = int(l.kind)
             arr[i].window = int(l.window)
         m = N.kvw_model_t(
-            num_layers=len(self.layers),
+            field_mask=N.KVW_MODEL_FIELDS_ALL, num_layers=len(self.layers),
             layers=ctypes.cast(arr, ctypes.POINTER(N.kvw_layer_desc_t)),
             num_kv_heads=self.num_kv_heads, k_head_dim=self.k_head_dim,
             v_head_dim=self.v_head_dim, mla_dim=self.mla_dim, elem_size=self.elem_size,
@@ -305,7 +306,7 @@ class Parallel:
 
     def to_c(self, num_layers):
         p = self.resolved(num_layers)
-        return N.kvw_parallel_t(tp_size=p.tp_size, tp_rank=p.tp_rank, pp_size=p.pp_size,
+        return N.kvw_parallel_t(field_mask=N.KVW_PARALLEL_FIELDS_ALL, tp_size=p.tp_size, tp_rank=p.tp_rank, pp_size=p.pp_size,
                                 pp_rank=p.pp_rank, layer_begin=p.layer_begin,
                                 layer_end=p.layer_end, dp_size=p.dp_size, dp_rank=p.dp_rank)
 
@@ -422,6 +423,7 @@ class Buffer:
                                  "tell it" % self.layer)
             kind = model.layers[self.layer].kind
             pool = {LayerKind.SWA: Pool.SWA, LayerKind.STATE: Pool.STATE}.get(kind, Pool.FULL)
+        d.field_mask = N.KVW_BUFFER_FIELDS_ALL
         d.pool = int(pool)
         d.layer = self.layer
         d.role = int(self.role)
@@ -432,6 +434,7 @@ class Buffer:
         d.v_head_bytes = self.v_head_bytes
         d.num_groups = len(self.groups)
         for i, (t, b) in enumerate(self.groups):
+            d.groups[i].field_mask = N.KVW_STATE_GROUP_FIELDS_ALL
             d.groups[i].total_heads = t
             d.groups[i].head_bytes = b
         d.addr = self.addr
@@ -597,6 +600,8 @@ class SidePages:
         fa, fn = _u32_array(self.full_pages)
         sa, sn = _u32_array(self.swa_pages)
         P = ctypes.POINTER(ctypes.c_uint32)
+        sp.field_mask = N.KVW_SIDE_PAGES_FIELDS_ALL
+        sp.full.field_mask = sp.swa.field_mask = N.KVW_PAGES_FIELDS_ALL
         sp.full.pages = ctypes.cast(fa, P) if fa is not None else P()
         sp.full.num_pages = fn
         sp.full.first_token = self.full_first_token
@@ -621,7 +626,7 @@ class Plan:
                  chunk_end=None, prefix_len=0, last_chunk=True):
         lib = N.load()
         self.src, self.dst = src, dst
-        chunk = N.kvw_chunk_t(num_tokens=num_tokens, chunk_begin=chunk_begin,
+        chunk = N.kvw_chunk_t(field_mask=N.KVW_CHUNK_FIELDS_ALL, num_tokens=num_tokens, chunk_begin=chunk_begin,
                               chunk_end=num_tokens if chunk_end is None else chunk_end,
                               prefix_len=prefix_len, last_chunk=1 if last_chunk else 0)
         sp, dp = N.kvw_side_pages_t(), N.kvw_side_pages_t()
@@ -636,7 +641,7 @@ class Plan:
         dst._users.add(self)
 
     def stats(self):
-        s = N.kvw_plan_stats_t()
+        s = N.kvw_plan_stats_t(field_mask=N.KVW_PLAN_STATS_FIELDS_ALL)
         _check(N.load().kvw_plan_stats(self._handle(), ctypes.byref(s)))
         return PlanStats(s.bytes, s.num_routes, s.num_segments, s.runs_raw, s.runs_coalesced,
                          s.plan_bytes)
@@ -866,11 +871,16 @@ class _Room:
         return self._h
 
     def _fn(self, what):
-        return getattr(N.load(), "kvw_%s_%s" % (self._kind, what))
+        """kvw_room_<what>, the calls both sides share on the room handle."""
+        return getattr(N.load(), "kvw_room_%s" % what)
+
+    def _room(self):
+        """The room handle of this sender or receiver (kvw_sender_room / kvw_receiver_room)."""
+        return getattr(N.load(), "kvw_%s_room" % self._kind)(self._handle())
 
     def poll(self):
         """The room's state (never blocks)."""
-        return RoomState(self._fn("poll")(self._handle()))
+        return RoomState(self._fn("poll")(self._room()))
 
     @property
     def state(self):
@@ -879,38 +889,38 @@ class _Room:
     @property
     def failure_reason(self):
         """Why the room failed ("" unless FAILED)."""
-        s = self._fn("failure")(self._handle())
+        s = self._fn("failure")(self._room())
         return s.decode(errors="replace") if s else ""
 
     @property
     def status(self):
         """The room's status (Status.OK unless it failed)."""
-        v = self._fn("status")(self._handle())
+        v = self._fn("status")(self._room())
         try:
             return Status(v)
         except ValueError:
             return v
 
     def metrics(self):
-        m = N.kvw_room_metrics_t()
-        self._fn("metrics")(self._handle(), ctypes.byref(m))
+        m = N.kvw_room_metrics_t(field_mask=N.KVW_ROOM_METRICS_FIELDS_ALL)
+        _check(self._fn("metrics")(self._room(), ctypes.byref(m)))
         hops = {name: m.hop_ns[i] for i, name in enumerate(HOPS) if m.hop_ns[i]}
         return RoomMetrics(m.bytes, m.runs, m.start_ns, m.end_ns,
                            m.path.decode() if m.path else "", hops)
 
     def abort(self):
         """Aborts the room locally and tells the peers."""
-        self._fn("abort")(self._handle())
+        self._fn("abort")(self._room())
 
     def wait(self, timeout=None):
-        """Blocks until the room is terminal (woken by the state change, kvw_*_wait);
+        """Blocks until the room is terminal (woken by the state change, kvw_room_wait);
         returns the final RoomState. Raises TimeoutError after `timeout` seconds (the
         room stays open)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             left = 1.0 if deadline is None else max(0.0, deadline - time.monotonic())
             # Slices of at most 1 s keep Ctrl-C responsive.
-            s = RoomState(self._fn("wait")(self._handle(), int(min(left, 1.0) * 1000) or 1))
+            s = RoomState(self._fn("wait")(self._room(), int(min(left, 1.0) * 1000) or 1))
             if s.terminal:
                 return s
             if deadline is not None and time.monotonic() >= deadline:
@@ -920,7 +930,7 @@ class _Room:
     def close(self):
         """Destroys the handle (a room that is not terminal is aborted first)."""
         if self._h is not None:
-            self._fn("destroy")(self._h)
+            self._fn("destroy")(self._room())
             self._h = None
             self.context._rooms.discard(self)
 
@@ -998,7 +1008,7 @@ class Sender(_Room):
                swa_pages, swa_first_token, state_slot):
         end = num_tokens if end is None else end
         last = (end == num_tokens) if last is None else bool(last)
-        c = N.kvw_send_chunk_t(num_tokens=num_tokens, chunk_begin=begin, chunk_end=end,
+        c = N.kvw_send_chunk_t(field_mask=N.KVW_SEND_CHUNK_FIELDS_ALL, num_tokens=num_tokens, chunk_begin=begin, chunk_end=end,
                                last_chunk=1 if last else 0)
         keep = SidePages(full_pages, full_first_token, swa_pages, swa_first_token,
                          state_slot).fill_c(c.pages)
@@ -1034,7 +1044,8 @@ class Receiver(_Room):
         """Tells the prefill ranks where to write: this rank's pages for tokens
         [prefix_len, num_tokens) of the full pool, the SWA window's pages and the
         state slot. Raises KvwireError (the room is then FAILED)."""
-        p = N.kvw_recv_post_t(num_tokens=num_tokens, prefix_len=prefix_len)
+        p = N.kvw_recv_post_t(field_mask=N.KVW_RECV_POST_FIELDS_ALL, num_tokens=num_tokens,
+                              prefix_len=prefix_len)
         keep = SidePages(full_pages, full_first_token, swa_pages, swa_first_token,
                          state_slot).fill_c(p.pages)
         st = N.load().kvw_receiver_post(self._handle(), ctypes.byref(p))

@@ -340,6 +340,38 @@ class TestLocalPlan(unittest.TestCase):
             for p, before in zip(s.planes, data):
                 self.assertTrue(p.mem == before)
 
+    def test_field_masks(self):
+        """A plan stats request with a bit the library does not know is refused, naming
+        the struct and the bit; a request for some fields fills only those."""
+        model, srcs = U.make_prefill_ranks(1)
+        d = U.HostRank(model, 1, 0, full_pages=8, swa_pages=8)
+        with kvwire.Plan(srcs[0].rank, d.rank, 40, kvwire.SidePages([0, 1, 2], 0, [0, 1, 2], 0),
+                         kvwire.SidePages([3, 4, 5], 0, [3, 4, 5], 0)) as plan:
+            lib = N.load()
+            s = N.kvw_plan_stats_t(field_mask=N.KVW_PLAN_STATS_FIELDS_ALL | (1 << 40))
+            self.assertEqual(lib.kvw_plan_stats(plan._handle(), ctypes.byref(s)),
+                             int(Status.ERR_INVALID_PARAM))
+            msg = lib.kvw_last_error().decode()
+            self.assertIn("kvw_plan_stats_t", msg)
+            self.assertIn("0x10000000000 unknown", msg)
+            s = N.kvw_plan_stats_t(field_mask=1, num_routes=12345)  # bytes only
+            self.assertEqual(lib.kvw_plan_stats(plan._handle(), ctypes.byref(s)), 0)
+            self.assertEqual(s.bytes, plan.stats().bytes)
+            self.assertEqual(s.num_routes, 12345)
+
+    def test_fields_all_match_headers(self):
+        """Every KVW_*_FIELDS_ALL of the binding equals the header's."""
+        text = ""
+        for h in ("kvwire.h", "xfer.h"):
+            with open(os.path.join(INCLUDE, "kvwire", h)) as f:
+                text += f.read()
+        found = dict((m.group(1), int(m.group(2), 16)) for m in re.finditer(
+            r"#define (KVW_\w+_FIELDS_ALL) 0x([0-9a-f]+)ull", text))
+        names = [n for n in dir(N) if n.endswith("_FIELDS_ALL")]
+        self.assertGreaterEqual(len(names), 16)
+        for n in names:
+            self.assertEqual(getattr(N, n), found.get(n), n)
+
     def test_plan_rejects_bad_pages(self):
         model, srcs = U.make_prefill_ranks(1)
         d = U.HostRank(model, 2, 0, full_pages=4, swa_pages=4)

@@ -204,7 +204,8 @@ static void cfg_public_fill(void)
                      d->choices);
         else
             snprintf(cfg_public_help[i], sizeof(cfg_public_help[i]), "%s", d->help);
-        cfg_public[i] = (kvw_config_var_t){.name = d->name,
+        cfg_public[i] = (kvw_config_var_t){.field_mask = KVW_CONFIG_VAR_FIELDS_ALL,
+                                           .name = d->name,
                                            .default_value = d->shown ? d->shown : d->def,
                                            .help = cfg_public_help[i]};
     }

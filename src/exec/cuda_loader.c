@@ -698,7 +698,8 @@ void kvw_cuda_profile(kvw_cuda_profile_t *out, int reset)
         v[i] = reset ? atomic_exchange_explicit(&kvw_prof[i], 0, memory_order_relaxed)
                      : atomic_load_explicit(&kvw_prof[i], memory_order_relaxed);
     if (out)
-        *out = (kvw_cuda_profile_t){.steps = v[0], .bytes = v[1], .plan_ns = v[2],
+        *out = (kvw_cuda_profile_t){.field_mask = KVW_CUDA_PROFILE_FIELDS_ALL,
+                                    .steps = v[0], .bytes = v[1], .plan_ns = v[2],
                                     .launch_ns = v[3], .upload_dev_ns = v[4],
                                     .kernel_dev_ns = v[5], .wait_ns = v[6], .notify_ns = v[7],
                                     .first_start_ns = v[8], .last_done_ns = v[9]};

@@ -3,6 +3,7 @@
  * (layer component, head route) plus each side's page list for the pages the chunk
  * touches. Validation happens here, before any byte moves.
  */
+#include "core/mask.h"
 #include "plan/rank.h"
 #include "topo/topo.h"
 
@@ -158,9 +159,29 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
                                    const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
                                    kvw_plan_h *plan_p);
 
+/* The public entry: checks the field masks of the caller's structs and fills in the
+ * defaults of the fields they leave out. */
 kvw_status_t kvw_plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                              const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
                              kvw_plan_h *plan_p)
+{
+    if (!src || !dst || !chunk || !sp || !dp || !plan_p)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_create: NULL argument");
+    kvw_chunk_t c;
+    kvw_side_pages_t s, d;
+    kvw_status_t st = kvw__chunk_norm(chunk, "kvw_plan_create: chunk", &c);
+    if (st == KVW_OK)
+        st = kvw__side_pages_norm(sp, "kvw_plan_create: src_pages", &s);
+    if (st == KVW_OK)
+        st = kvw__side_pages_norm(dp, "kvw_plan_create: dst_pages", &d);
+    if (st != KVW_OK)
+        return st;
+    return kvw_plan_build(src, dst, &c, &s, &d, plan_p);
+}
+
+kvw_status_t kvw__plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                              const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
+                              kvw_plan_h *plan_p)
 {
     if (!sp || !dp)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_create: NULL argument");

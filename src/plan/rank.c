@@ -3,6 +3,7 @@
  * buffer's geometry, done once when a rank is described so that plans and handshakes
  * can trust it.
  */
+#include "core/mask.h"
 #include "plan/rank.h"
 #include "topo/topo.h"
 
@@ -338,7 +339,7 @@ static kvw_status_t kvw_rank_check_layers(struct kvw_rank *r)
     return KVW_OK;
 }
 
-kvw_status_t kvw_rank_create(const kvw_rank_params_t *params, kvw_rank_h *rank_p)
+static kvw_status_t kvw_rank_create_norm(const kvw_rank_params_t *params, kvw_rank_h *rank_p)
 {
     const uint64_t need = KVW_RANK_FIELD_MODEL | KVW_RANK_FIELD_PARALLEL | KVW_RANK_FIELD_BUFFERS;
     kvw_status_t st;
@@ -424,6 +425,149 @@ kvw_status_t kvw_rank_create(const kvw_rank_params_t *params, kvw_rank_h *rank_p
 err_free:
     free(state_count);
     kvw_rank_destroy(r);
+    return st;
+}
+
+/* Field masks: the caller's model, layers, parallel config and buffers, checked and
+ * copied with every default filled in (the copies have every bit set). */
+static kvw_status_t kvw_model_norm(const kvw_model_t *in, kvw_model_t *out)
+{
+    kvw_status_t st = kvw__mask_check(&kvw__spec_model, in->field_mask, "params->model");
+    if (st != KVW_OK)
+        return st;
+    uint64_t m = in->field_mask;
+    *out = (kvw_model_t){
+        .field_mask = KVW_MODEL_FIELDS_ALL,
+        .num_layers = in->num_layers,
+        .layers = in->layers,
+        .num_kv_heads = (m & KVW_MODEL_FIELD_NUM_KV_HEADS) ? in->num_kv_heads : 0,
+        .k_head_dim = (m & KVW_MODEL_FIELD_K_HEAD_DIM) ? in->k_head_dim : 0,
+        .v_head_dim = (m & KVW_MODEL_FIELD_V_HEAD_DIM) ? in->v_head_dim : 0,
+        .mla_dim = (m & KVW_MODEL_FIELD_MLA_DIM) ? in->mla_dim : 0,
+        .elem_size = in->elem_size,
+        .scale_block = (m & KVW_MODEL_FIELD_SCALE_BLOCK) ? in->scale_block : 0,
+        .scale_elem_size = (m & KVW_MODEL_FIELD_SCALE_ELEM_SIZE) ? in->scale_elem_size : 0};
+    return KVW_OK;
+}
+
+static kvw_status_t kvw_layer_norm(const kvw_layer_desc_t *in, uint32_t l, kvw_layer_desc_t *out)
+{
+    char where[64];
+    snprintf(where, sizeof(where), "params->model->layers[%u]", l);
+    kvw_status_t st = kvw__mask_check(&kvw__spec_layer, in->field_mask, where);
+    if (st != KVW_OK)
+        return st;
+    if (in->kind == KVW_LAYER_SWA && !(in->field_mask & KVW_LAYER_FIELD_WINDOW))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "%s: kvw_layer_desc_t: a sliding-window layer "
+                          "requires field window (bit 0x%x), not set in field_mask 0x%llx",
+                          where, KVW_LAYER_FIELD_WINDOW, (unsigned long long)in->field_mask);
+    *out = (kvw_layer_desc_t){
+        .field_mask = KVW_LAYER_FIELDS_ALL,
+        .kind = in->kind,
+        .window = (in->field_mask & KVW_LAYER_FIELD_WINDOW) ? in->window : 0};
+    return KVW_OK;
+}
+
+static kvw_status_t kvw_parallel_norm(const kvw_parallel_t *in, uint32_t num_layers,
+                                      kvw_parallel_t *out)
+{
+    kvw_status_t st = kvw__mask_check(&kvw__spec_parallel, in->field_mask, "params->parallel");
+    if (st != KVW_OK)
+        return st;
+    uint64_t m = in->field_mask;
+    *out = (kvw_parallel_t){
+        .field_mask = KVW_PARALLEL_FIELDS_ALL,
+        .tp_size = (m & KVW_PARALLEL_FIELD_TP_SIZE) ? in->tp_size : 1,
+        .tp_rank = (m & KVW_PARALLEL_FIELD_TP_RANK) ? in->tp_rank : 0,
+        .pp_size = (m & KVW_PARALLEL_FIELD_PP_SIZE) ? in->pp_size : 1,
+        .pp_rank = (m & KVW_PARALLEL_FIELD_PP_RANK) ? in->pp_rank : 0,
+        .layer_begin = (m & KVW_PARALLEL_FIELD_LAYER_BEGIN) ? in->layer_begin : 0,
+        .layer_end = (m & KVW_PARALLEL_FIELD_LAYER_END) ? in->layer_end : num_layers,
+        .dp_size = (m & KVW_PARALLEL_FIELD_DP_SIZE) ? in->dp_size : 1,
+        .dp_rank = (m & KVW_PARALLEL_FIELD_DP_RANK) ? in->dp_rank : 0};
+    return KVW_OK;
+}
+
+static kvw_status_t kvw_buffer_norm(const kvw_buffer_desc_t *in, uint32_t i,
+                                    kvw_buffer_desc_t *out)
+{
+    char where[80];
+    snprintf(where, sizeof(where), "params->buffers[%u]", i);
+    kvw_status_t st = kvw__mask_check(&kvw__spec_buffer, in->field_mask, where);
+    if (st != KVW_OK)
+        return st;
+    uint64_t m = in->field_mask;
+    kvw_buffer_desc_t b = {
+        .field_mask = KVW_BUFFER_FIELDS_ALL,
+        .pool = (m & KVW_BUFFER_FIELD_POOL) ? in->pool : KVW_POOL_FULL,
+        .layer = in->layer,
+        .role = in->role,
+        .layout = (m & KVW_BUFFER_FIELD_LAYOUT) ? in->layout : KVW_LAYOUT_NHD,
+        .page_size = (m & KVW_BUFFER_FIELD_PAGE_SIZE) ? in->page_size : 0,
+        .num_heads = (m & KVW_BUFFER_FIELD_NUM_HEADS) ? in->num_heads : 0,
+        .head_bytes = (m & KVW_BUFFER_FIELD_HEAD_BYTES) ? in->head_bytes : 0,
+        .v_head_bytes = (m & KVW_BUFFER_FIELD_V_HEAD_BYTES) ? in->v_head_bytes : 0,
+        .addr = (m & KVW_BUFFER_FIELD_ADDR) ? in->addr : NULL,
+        .length = in->length,
+        .mem_kind = (m & KVW_BUFFER_FIELD_MEM_KIND) ? in->mem_kind : KVW_MEM_HOST,
+        .device = (m & KVW_BUFFER_FIELD_DEVICE) ? in->device : 0};
+    if (m & KVW_BUFFER_FIELD_GROUPS) {
+        if (in->num_groups > KVW_MAX_STATE_GROUPS)
+            return kvw__error(KVW_ERR_INVALID_PARAM, "%s: %u state groups, at most %u", where,
+                              in->num_groups, KVW_MAX_STATE_GROUPS);
+        b.num_groups = in->num_groups;
+        for (uint32_t g = 0; g < in->num_groups; g++) {
+            char gw[112];
+            snprintf(gw, sizeof(gw), "%s.groups[%u]", where, g);
+            if ((st = kvw__mask_check(&kvw__spec_state_group, in->groups[g].field_mask, gw)) !=
+                KVW_OK)
+                return st;
+            b.groups[g] = (kvw_state_group_t){.field_mask = KVW_STATE_GROUP_FIELDS_ALL,
+                                              .total_heads = in->groups[g].total_heads,
+                                              .head_bytes = in->groups[g].head_bytes};
+        }
+    }
+    *out = b;
+    return KVW_OK;
+}
+
+kvw_status_t kvw_rank_create(const kvw_rank_params_t *params, kvw_rank_h *rank_p)
+{
+    if (params == NULL || rank_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_rank_create: NULL argument");
+    kvw_status_t st = kvw__mask_check(&kvw__spec_rank_params, params->field_mask, "params");
+    if (st != KVW_OK)
+        return st;
+    if (params->model == NULL || (params->num_buffers && params->buffers == NULL))
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "rank params need a model, a parallel config and a buffer table");
+    kvw_model_t model;
+    if ((st = kvw_model_norm(params->model, &model)) != KVW_OK)
+        return st;
+    if (model.num_layers == 0 || model.layers == NULL || model.num_layers > 100000)
+        return kvw_model_validate(&model); /* refused there, naming the count */
+    kvw_rank_params_t np = {.field_mask = KVW_RANK_FIELDS_ALL, .model = &model,
+                            .num_buffers = params->num_buffers};
+    kvw_layer_desc_t *layers = malloc(sizeof(*layers) * model.num_layers);
+    kvw_buffer_desc_t *bufs = malloc(sizeof(*bufs) * (np.num_buffers ? np.num_buffers : 1));
+    if (layers == NULL || bufs == NULL) {
+        st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory describing a rank");
+        goto out;
+    }
+    for (uint32_t l = 0; l < model.num_layers; l++)
+        if ((st = kvw_layer_norm(&params->model->layers[l], l, &layers[l])) != KVW_OK)
+            goto out;
+    model.layers = layers;
+    if ((st = kvw_parallel_norm(&params->parallel, model.num_layers, &np.parallel)) != KVW_OK)
+        goto out;
+    for (uint32_t i = 0; i < np.num_buffers; i++)
+        if ((st = kvw_buffer_norm(&params->buffers[i], i, &bufs[i])) != KVW_OK)
+            goto out;
+    np.buffers = bufs;
+    st = kvw_rank_create_norm(&np, rank_p);
+out:
+    free(layers);
+    free(bufs);
     return st;
 }
 

@@ -3,6 +3,7 @@
  * sides; each run is a box of (tokens x heads) elements of head_bytes each, copied in
  * the loop order that makes contiguous chunks longest on both sides.
  */
+#include "core/mask.h"
 #include "plan/walk.h"
 
 void kvw__box_make(const kvw_seg_t *s, uint64_t L, kvw_box_t *b)
@@ -93,8 +94,8 @@ static kvw_status_t kvw_expand_emit(void *arg, const kvw_seg_t *s, uint64_t so, 
                 return st;
         }
     }
-    *p = (kvw_run_t){.src_buf = s->src_buf, .dst_buf = s->dst_buf, .src_off = so,
-                     .dst_off = doff, .len = len};
+    *p = (kvw_run_t){.field_mask = KVW_RUN_FIELDS_ALL, .src_buf = s->src_buf,
+                     .dst_buf = s->dst_buf, .src_off = so, .dst_off = doff, .len = len};
     c->have = true;
     return KVW_OK;
 }
@@ -132,13 +133,29 @@ kvw_status_t kvw_plan_stats(kvw_plan_h plan, kvw_plan_stats_t *stats_p)
 {
     if (plan == NULL || stats_p == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_stats: NULL argument");
-    kvw_plan_stats_t st = {.bytes = plan->bytes, .num_routes = plan->num_routes,
-                           .num_segments = plan->num_segs, .plan_bytes = plan->alloc_bytes};
-    for (uint32_t i = 0; i < plan->num_segs; i++)
-        st.runs_raw += (plan->segs[i].tok_end - plan->segs[i].tok_begin) * plan->segs[i].num_heads;
-    kvw_status_t s = kvw_plan_expand_count(plan, NULL, NULL, &st.runs_coalesced);
+    const uint64_t want = stats_p->field_mask;
+    kvw_status_t s = kvw__mask_check(&kvw__spec_plan_stats, want, "kvw_plan_stats");
     if (s != KVW_OK)
         return s;
-    *stats_p = st;
+    uint64_t runs_raw = 0, runs_coalesced = 0;
+    if (want & KVW_PLAN_STATS_FIELD_RUNS_RAW)
+        for (uint32_t i = 0; i < plan->num_segs; i++)
+            runs_raw += (plan->segs[i].tok_end - plan->segs[i].tok_begin) *
+                        plan->segs[i].num_heads;
+    if ((want & KVW_PLAN_STATS_FIELD_RUNS_COALESCED) &&
+        (s = kvw_plan_expand_count(plan, NULL, NULL, &runs_coalesced)) != KVW_OK)
+        return s;
+    if (want & KVW_PLAN_STATS_FIELD_BYTES)
+        stats_p->bytes = plan->bytes;
+    if (want & KVW_PLAN_STATS_FIELD_NUM_ROUTES)
+        stats_p->num_routes = plan->num_routes;
+    if (want & KVW_PLAN_STATS_FIELD_NUM_SEGMENTS)
+        stats_p->num_segments = plan->num_segs;
+    if (want & KVW_PLAN_STATS_FIELD_RUNS_RAW)
+        stats_p->runs_raw = runs_raw;
+    if (want & KVW_PLAN_STATS_FIELD_RUNS_COALESCED)
+        stats_p->runs_coalesced = runs_coalesced;
+    if (want & KVW_PLAN_STATS_FIELD_PLAN_BYTES)
+        stats_p->plan_bytes = plan->alloc_bytes;
     return KVW_OK;
 }

@@ -553,7 +553,11 @@ kvw_status_t kvw_bootstrap_start_ex(const kvw_bootstrap_params_t *params,
     if (params == NULL || bootstrap_p == NULL || !(params->field_mask & KVW_BOOTSTRAP_FIELD_ADDR))
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_bootstrap_start: NULL argument or no "
                           "address");
-    kvw_status_t st = kvw__parse_hostport(params->addr, host, sizeof(host), &port);
+    kvw_status_t st = kvw__mask_check(&kvw__spec_bootstrap_params, params->field_mask,
+                                      "kvw_bootstrap_start_ex: params");
+    if (st != KVW_OK)
+        return st;
+    st = kvw__parse_hostport(params->addr, host, sizeof(host), &port);
     if (st != KVW_OK)
         return st;
     const char *secret = (params->field_mask & KVW_BOOTSTRAP_FIELD_SECRET) ? params->secret : NULL;

@@ -64,9 +64,11 @@ kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p)
     if (layers == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory decoding a rank");
     for (uint32_t l = 0; l < m.num_layers; l++) {
+        layers[l].field_mask = KVW_LAYER_FIELDS_ALL;
         layers[l].kind = (kvw_layer_kind_t)kvw__rb_u8(r);
         layers[l].window = kvw__rb_u32(r);
     }
+    m.field_mask = KVW_MODEL_FIELDS_ALL;
     m.layers = layers;
     m.num_kv_heads = kvw__rb_u32(r);
     m.k_head_dim = kvw__rb_u32(r);
@@ -75,6 +77,7 @@ kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p)
     m.elem_size = kvw__rb_u32(r);
     m.scale_block = kvw__rb_u32(r);
     m.scale_elem_size = kvw__rb_u32(r);
+    p.field_mask = KVW_PARALLEL_FIELDS_ALL;
     p.tp_size = kvw__rb_u32(r);
     p.tp_rank = kvw__rb_u32(r);
     p.pp_size = kvw__rb_u32(r);
@@ -95,6 +98,7 @@ kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p)
     }
     for (uint32_t i = 0; i < nb && !r->bad; i++) {
         kvw_buffer_desc_t *b = &bufs[i];
+        b->field_mask = KVW_BUFFER_FIELDS_ALL;
         b->pool = (kvw_pool_t)kvw__rb_u8(r);
         b->layer = kvw__rb_u32(r);
         b->role = (kvw_role_t)kvw__rb_u8(r);
@@ -109,6 +113,7 @@ kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p)
             break;
         }
         for (uint32_t g = 0; g < b->num_groups; g++) {
+            b->groups[g].field_mask = KVW_STATE_GROUP_FIELDS_ALL;
             b->groups[g].total_heads = kvw__rb_u32(r);
             b->groups[g].head_bytes = kvw__rb_u32(r);
         }

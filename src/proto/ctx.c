@@ -42,6 +42,9 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     kvw_status_t st;
     /* A decode context may go without a bootstrap address: its rooms then name their
      * prefill instance (kvw_receiver_create_from). */
+    if (params && (st = kvw__mask_check(&kvw__spec_ctx_params, params->field_mask,
+                                        "kvw_ctx_create: params")) != KVW_OK)
+        return st;
     bool has_bs = params && (params->field_mask & KVW_CTX_FIELD_BOOTSTRAP) &&
                   params->bootstrap_addr && params->bootstrap_addr[0];
     if (params == NULL || ctx_p == NULL || (params->field_mask & need) != need ||

@@ -30,6 +30,7 @@
 #include <kvwire/xfer.h>
 
 #include "core/hmap.h"
+#include "core/mask.h"
 #include "exec/staged.h"
 #include "plan/rank.h"
 #include "proto/ivlog.h"
@@ -50,6 +51,10 @@ kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **stor
 kvw_status_t kvw__wire_skip_pages(kvw_rbuf_t *r, kvw_pages_t *pl);
 
 /* Plan without page lists: segments and byte count only (pages are not checked). */
+/* kvw_plan_create on structs the library built itself (no field-mask checks). */
+kvw_status_t kvw__plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                              const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
+                              kvw_plan_h *plan_p);
 kvw_status_t kvw__plan_create_nopages(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                                       kvw_plan_h *plan_p);
 
@@ -321,7 +326,7 @@ struct kvw_ctx {
 
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    pthread_cond_t done_cv; /* a room turned terminal (CLOCK_MONOTONIC; kvw_*_wait) */
+    pthread_cond_t done_cv; /* a room turned terminal (CLOCK_MONOTONIC; kvw_room_wait) */
     /* Busy polling (0: off): spinners watch these counters instead of the guarded
      * fields, so that they never read what others write under mu. */
     uint64_t busy_poll_ns;
@@ -503,15 +508,18 @@ void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char
 
 /* ------------------------------------------------------------ between the files above */
 
-struct kvw_sender {
-    kvw_room_t *room;
-    struct kvw_ctx *ctx;
-};
+/* A sender or a receiver handle is its room under a typed name (struct kvw_sender and
+ * struct kvw_receiver are never defined): the public kvw_room_h is the room itself, so
+ * kvw_sender_room and kvw_receiver_room only convert. */
+static inline kvw_room_t *kvw__sender_room(kvw_sender_h s)
+{
+    return (kvw_room_t *)(void *)s;
+}
 
-struct kvw_receiver {
-    kvw_room_t *room;
-    struct kvw_ctx *ctx;
-};
+static inline kvw_room_t *kvw__receiver_room(kvw_receiver_h rv)
+{
+    return (kvw_room_t *)(void *)rv;
+}
 
 /* A dead peer's resources, detached under mu and released after it (closing a
  * transport endpoint may wait for its flush). */

@@ -12,8 +12,8 @@ kvw_status_t kvw_receiver_metadata(kvw_receiver_h rv, void *buf, size_t cap, siz
 {
     if (rv == NULL || len_p == NULL || (buf == NULL && cap))
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_receiver_metadata: NULL argument");
-    struct kvw_ctx *ctx = rv->room->ctx;
-    kvw_room_t *r = rv->room;
+    struct kvw_ctx *ctx = kvw__receiver_room(rv)->ctx;
+    kvw_room_t *r = kvw__receiver_room(rv);
     if (ctx)
         pthread_mutex_lock(&ctx->mu);
     kvw_status_t st = KVW_OK;
@@ -96,28 +96,22 @@ kvw_status_t kvw_receiver_create_from(kvw_ctx_h ctx, uint64_t room, const char *
                           (unsigned long long)room);
     if (bootstrap_addr == NULL || !bootstrap_addr[0])
         bootstrap_addr = ctx->bootstrap_addr;
-    struct kvw_receiver *rv = calloc(1, sizeof(*rv));
-    if (rv == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a receiver");
     pthread_mutex_lock(&ctx->mu);
     int inst = kvw__inst_find_or_add(ctx, bootstrap_addr);
     if (inst < 0) {
         kvw_status_t st = kvw__error(KVW_ERR_INVALID_PARAM, "%s", kvw_last_error());
         pthread_mutex_unlock(&ctx->mu);
-        free(rv);
         return st;
     }
     kvw_room_t *r = kvw__room_find(ctx, room);
     if (r) {
         pthread_mutex_unlock(&ctx->mu);
-        free(rv);
         return kvw__error(KVW_ERR_BUSY, "room %llu already has a receiver on this rank",
                           (unsigned long long)room);
     }
     r = kvw__room_new(ctx, room, false);
     if (r == NULL) {
         pthread_mutex_unlock(&ctx->mu);
-        free(rv);
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a receiver");
     }
     r->engine_owned = true;
@@ -127,18 +121,21 @@ kvw_status_t kvw_receiver_create_from(kvw_ctx_h ctx, uint64_t room, const char *
     kvw__inst_use(ctx, r->inst);
     r->inst_gen = ctx->insts[r->inst].gen;
     pthread_mutex_unlock(&ctx->mu);
-    rv->room = r;
-    rv->ctx = ctx;
-    *receiver_p = rv;
+    *receiver_p = (kvw_receiver_h)(void *)r;
     return KVW_OK;
 }
 
 kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
 {
-    if (rv == NULL || post == NULL || rv->room->ctx == NULL)
+    if (rv == NULL || post == NULL || kvw__receiver_room(rv)->ctx == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_receiver_post: NULL argument or no context");
-    struct kvw_ctx *ctx = rv->room->ctx;
-    kvw_room_t *r = rv->room;
+    struct kvw_ctx *ctx = kvw__receiver_room(rv)->ctx;
+    kvw_room_t *r = kvw__receiver_room(rv);
+    kvw_recv_post_t norm;
+    kvw_status_t nst = kvw__recv_post_norm(post, "kvw_receiver_post: post", &norm);
+    if (nst != KVW_OK)
+        return nst;
+    post = &norm;
     if (post->prefix_len > post->num_tokens)
         return kvw__error(KVW_ERR_INVALID_PARAM, "prefix %llu exceeds the request's %llu tokens",
                           (unsigned long long)post->prefix_len,

@@ -165,104 +165,139 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
     }
 }
 
-#define KVW_HANDLE_FNS(kind, T)                                                          \
-    kvw_room_state_t kvw_##kind##_poll(T h)                                              \
-    {                                                                                    \
-        if (h == NULL)                                                                   \
-            return KVW_ROOM_FAILED;                                                      \
-        if (h->room->ctx == NULL)                                                              \
-            return h->room->state;                                                       \
-        pthread_mutex_lock(&h->room->ctx->mu);                                                 \
-        kvw_room_state_t s = h->room->state;                                             \
-        pthread_mutex_unlock(&h->room->ctx->mu);                                               \
-        return s;                                                                        \
-    }                                                                                    \
-    const char *kvw_##kind##_failure(T h)                                                \
-    {                                                                                    \
-        if (h == NULL)                                                                   \
-            return "NULL handle";                                                        \
-        return kvw_##kind##_poll(h) == KVW_ROOM_FAILED ? h->room->reason : "";           \
-    }                                                                                    \
-    kvw_status_t kvw_##kind##_status(T h)                                                \
-    {                                                                                    \
-        kvw_room_state_t s = kvw_##kind##_poll(h);                                       \
-        return s == KVW_ROOM_FAILED ? (h ? h->room->status : KVW_ERR_INVALID_PARAM)      \
-               : s == KVW_ROOM_SUCCESS ? KVW_OK                                          \
-                                       : KVW_INPROGRESS;                                 \
-    }                                                                                    \
-    void kvw_##kind##_metrics(T h, kvw_room_metrics_t *m)                                \
-    {                                                                                    \
-        if (h == NULL || m == NULL)                                                      \
-            return;                                                                      \
-        if (h->room->ctx)                                                                      \
-            pthread_mutex_lock(&h->room->ctx->mu);                                             \
-        m->bytes = h->room->bytes;                                                       \
-        m->runs = h->room->runs;                                                         \
-        m->start_ns = h->room->start_ns;                                                 \
-        m->end_ns = h->room->end_ns;                                                     \
-        m->path = h->room->path ? h->room->path : "none";                                \
-        memcpy(m->hop_ns, h->room->hop_ns, sizeof(m->hop_ns));                           \
-        if (h->room->ctx)                                                                      \
-            pthread_mutex_unlock(&h->room->ctx->mu);                                           \
-    }                                                                                    \
-    kvw_room_state_t kvw_##kind##_wait(T h, uint32_t timeout_ms)                         \
-    {                                                                                    \
-        if (h == NULL)                                                                   \
-            return KVW_ROOM_FAILED;                                                      \
-        struct kvw_ctx *ctx = h->room->ctx;                                              \
-        if (ctx == NULL)                                                                 \
-            return h->room->state;                                                       \
-        struct timespec ts;                                                              \
-        clock_gettime(CLOCK_MONOTONIC, &ts);                                             \
-        ts.tv_sec += (time_t)(timeout_ms / 1000u);                                       \
-        ts.tv_nsec += (long)(timeout_ms % 1000u) * 1000000L;                             \
-        if (ts.tv_nsec >= 1000000000L) {                                                 \
-            ts.tv_sec++;                                                                 \
-            ts.tv_nsec -= 1000000000L;                                                   \
-        }                                                                                \
-        pthread_mutex_lock(&ctx->mu);                                                    \
-        if (ctx->busy_poll_ns && timeout_ms && h->room->state != KVW_ROOM_SUCCESS &&      \
-            h->room->state != KVW_ROOM_FAILED) {                                         \
-            uint32_t seen_ = atomic_load_explicit(&ctx->done_gen, memory_order_acquire); \
-            pthread_mutex_unlock(&ctx->mu);                                              \
-            kvw__busy_wait(ctx, &ctx->done_gen, seen_);                                  \
-            pthread_mutex_lock(&ctx->mu);                                                \
-        }                                                                                \
-        while (h->room->state != KVW_ROOM_SUCCESS && h->room->state != KVW_ROOM_FAILED &&  \
-               timeout_ms &&                                                             \
-               pthread_cond_timedwait(&ctx->done_cv, &ctx->mu, &ts) != ETIMEDOUT) {      \
-        }                                                                                \
-        kvw_room_state_t s = h->room->state;                                             \
-        pthread_mutex_unlock(&ctx->mu);                                                  \
-        return s;                                                                        \
-    }                                                                                    \
-    void kvw_##kind##_abort(T h)                                                         \
-    {                                                                                    \
-        if (h == NULL || h->room->ctx == NULL)                                                 \
-            return;                                                                      \
-        pthread_mutex_lock(&h->room->ctx->mu);                                                 \
-        kvw__room_fail(h->room->ctx, h->room, KVW_ERR_ABORTED, true, "aborted by the %s engine", \
-                       h->room->is_sender ? "prefill" : "decode");                       \
-        pthread_mutex_unlock(&h->room->ctx->mu);                                               \
-    }                                                                                    \
-    void kvw_##kind##_destroy(T h)                                                       \
-    {                                                                                    \
-        if (h == NULL)                                                                   \
-            return;                                                                      \
-        struct kvw_ctx *ctx = h->room->ctx;                                                    \
-        if (ctx) {                                                                       \
-            pthread_mutex_lock(&ctx->mu);                                                \
-            kvw__room_fail(ctx, h->room, KVW_ERR_ABORTED, true,                          \
-                           "the room was destroyed before it finished");                 \
-            while (h->room->inflight)                                                    \
-                pthread_cond_wait(&ctx->cv, &ctx->mu);                                   \
-            kvw_room_wait_quiet(ctx, h->room);                                           \
-            kvw__room_unlink(ctx, h->room);                                              \
-            pthread_mutex_unlock(&ctx->mu);                                              \
-        }                                                                                \
-        kvw__room_free(h->room);                                                         \
-        free(h);                                                                         \
-    }
+/* ---------------------------------------------------------------- the room handle */
 
-KVW_HANDLE_FNS(sender, kvw_sender_h)
-KVW_HANDLE_FNS(receiver, kvw_receiver_h)
+kvw_room_h kvw_sender_room(kvw_sender_h sender)
+{
+    return kvw__sender_room(sender);
+}
+
+kvw_room_h kvw_receiver_room(kvw_receiver_h receiver)
+{
+    return kvw__receiver_room(receiver);
+}
+
+uint64_t kvw_room_id(kvw_room_h h)
+{
+    return h ? h->id : 0;
+}
+
+kvw_side_t kvw_room_side(kvw_room_h h)
+{
+    return h && !h->is_sender ? KVW_SIDE_DECODE : KVW_SIDE_PREFILL;
+}
+
+kvw_room_state_t kvw_room_poll(kvw_room_h h)
+{
+    if (h == NULL)
+        return KVW_ROOM_FAILED;
+    if (h->ctx == NULL)
+        return h->state;
+    pthread_mutex_lock(&h->ctx->mu);
+    kvw_room_state_t s = h->state;
+    pthread_mutex_unlock(&h->ctx->mu);
+    return s;
+}
+
+const char *kvw_room_failure(kvw_room_h h)
+{
+    if (h == NULL)
+        return "NULL handle";
+    return kvw_room_poll(h) == KVW_ROOM_FAILED ? h->reason : "";
+}
+
+kvw_status_t kvw_room_status(kvw_room_h h)
+{
+    kvw_room_state_t s = kvw_room_poll(h);
+    return s == KVW_ROOM_FAILED ? (h ? h->status : KVW_ERR_INVALID_PARAM)
+           : s == KVW_ROOM_SUCCESS ? KVW_OK
+                                   : KVW_INPROGRESS;
+}
+
+kvw_status_t kvw_room_metrics(kvw_room_h h, kvw_room_metrics_t *m)
+{
+    if (h == NULL || m == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_room_metrics: NULL argument");
+    const uint64_t want = m->field_mask;
+    kvw_status_t st = kvw__mask_check(&kvw__spec_room_metrics, want, "kvw_room_metrics");
+    if (st != KVW_OK)
+        return st;
+    if (h->ctx)
+        pthread_mutex_lock(&h->ctx->mu);
+    if (want & KVW_ROOM_METRICS_FIELD_BYTES)
+        m->bytes = h->bytes;
+    if (want & KVW_ROOM_METRICS_FIELD_RUNS)
+        m->runs = h->runs;
+    if (want & KVW_ROOM_METRICS_FIELD_START_NS)
+        m->start_ns = h->start_ns;
+    if (want & KVW_ROOM_METRICS_FIELD_END_NS)
+        m->end_ns = h->end_ns;
+    if (want & KVW_ROOM_METRICS_FIELD_PATH)
+        m->path = h->path ? h->path : "none";
+    if (want & KVW_ROOM_METRICS_FIELD_HOP_NS)
+        memcpy(m->hop_ns, h->hop_ns, sizeof(m->hop_ns));
+    if (h->ctx)
+        pthread_mutex_unlock(&h->ctx->mu);
+    return KVW_OK;
+}
+
+kvw_room_state_t kvw_room_wait(kvw_room_h h, uint32_t timeout_ms)
+{
+    if (h == NULL)
+        return KVW_ROOM_FAILED;
+    struct kvw_ctx *ctx = h->ctx;
+    if (ctx == NULL)
+        return h->state;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += (time_t)(timeout_ms / 1000u);
+    ts.tv_nsec += (long)(timeout_ms % 1000u) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    pthread_mutex_lock(&ctx->mu);
+    if (ctx->busy_poll_ns && timeout_ms && h->state != KVW_ROOM_SUCCESS &&
+        h->state != KVW_ROOM_FAILED) {
+        uint32_t seen_ = atomic_load_explicit(&ctx->done_gen, memory_order_acquire);
+        pthread_mutex_unlock(&ctx->mu);
+        kvw__busy_wait(ctx, &ctx->done_gen, seen_);
+        pthread_mutex_lock(&ctx->mu);
+    }
+    while (h->state != KVW_ROOM_SUCCESS && h->state != KVW_ROOM_FAILED &&
+           timeout_ms &&
+           pthread_cond_timedwait(&ctx->done_cv, &ctx->mu, &ts) != ETIMEDOUT) {
+    }
+    kvw_room_state_t s = h->state;
+    pthread_mutex_unlock(&ctx->mu);
+    return s;
+}
+
+void kvw_room_abort(kvw_room_h h)
+{
+    if (h == NULL || h->ctx == NULL)
+        return;
+    pthread_mutex_lock(&h->ctx->mu);
+    kvw__room_fail(h->ctx, h, KVW_ERR_ABORTED, true, "aborted by the %s engine",
+                   h->is_sender ? "prefill" : "decode");
+    pthread_mutex_unlock(&h->ctx->mu);
+}
+
+void kvw_room_destroy(kvw_room_h h)
+{
+    if (h == NULL)
+        return;
+    struct kvw_ctx *ctx = h->ctx;
+    if (ctx) {
+        pthread_mutex_lock(&ctx->mu);
+        kvw__room_fail(ctx, h, KVW_ERR_ABORTED, true,
+                       "the room was destroyed before it finished");
+        while (h->inflight)
+            pthread_cond_wait(&ctx->cv, &ctx->mu);
+        kvw_room_wait_quiet(ctx, h);
+        kvw__room_unlink(ctx, h);
+        pthread_mutex_unlock(&ctx->mu);
+    }
+    kvw__room_free(h);
+}
+

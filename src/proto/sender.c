@@ -10,14 +10,10 @@ kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sende
 {
     if (ctx == NULL || sender_p == NULL || ctx->side != KVW_SIDE_PREFILL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "senders exist on prefill contexts only");
-    struct kvw_sender *s = calloc(1, sizeof(*s));
-    if (s == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a sender");
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, room);
     if (r && r->engine_owned) {
         pthread_mutex_unlock(&ctx->mu);
-        free(s);
         return kvw__error(KVW_ERR_BUSY, "room %llu already has a sender on this rank",
                           (unsigned long long)room);
     }
@@ -25,7 +21,6 @@ kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sende
         r = kvw__room_new(ctx, room, true);
     if (r == NULL) {
         pthread_mutex_unlock(&ctx->mu);
-        free(s);
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a sender");
     }
     r->engine_owned = true;
@@ -33,15 +28,13 @@ kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sende
     r->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
     kvw__sender_update(ctx, r);
     pthread_mutex_unlock(&ctx->mu);
-    s->room = r;
-    s->ctx = ctx;
-    *sender_p = s;
+    *sender_p = (kvw_sender_h)(void *)r;
     return KVW_OK;
 }
 
 kvw_status_t kvw_sender_set_metadata(kvw_sender_h s, const void *data, size_t len)
 {
-    if (s == NULL || s->room->ctx == NULL || (data == NULL && len))
+    if (s == NULL || kvw__sender_room(s)->ctx == NULL || (data == NULL && len))
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_sender_set_metadata: NULL argument or no "
                           "context");
     if (len > KVW_MAX_ROOM_METADATA)
@@ -52,8 +45,8 @@ kvw_status_t kvw_sender_set_metadata(kvw_sender_h s, const void *data, size_t le
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory copying room metadata");
     if (len)
         memcpy(copy, data, len);
-    struct kvw_ctx *ctx = s->room->ctx;
-    kvw_room_t *r = s->room;
+    struct kvw_ctx *ctx = kvw__sender_room(s)->ctx;
+    kvw_room_t *r = kvw__sender_room(s);
     pthread_mutex_lock(&ctx->mu);
     /* A streamed last chunk is not over before its last layer is marked: its final
      * completion (which carries the metadata's length) cannot go out before that, and
@@ -81,8 +74,15 @@ kvw_status_t kvw_sender_set_metadata(kvw_sender_h s, const void *data, size_t le
 static kvw_status_t kvw_sender_queue(kvw_sender_h s, const kvw_send_chunk_t *chunk,
                                      bool streamed, const char *fn)
 {
-    if (s == NULL || chunk == NULL || s->room->ctx == NULL)
+    if (s == NULL || chunk == NULL || kvw__sender_room(s)->ctx == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s: NULL argument or no context", fn);
+    char where[64];
+    kvw_send_chunk_t norm;
+    snprintf(where, sizeof(where), "%s: chunk", fn);
+    kvw_status_t nst = kvw__send_chunk_norm(chunk, where, &norm);
+    if (nst != KVW_OK)
+        return nst;
+    chunk = &norm;
     if (chunk->chunk_begin > chunk->chunk_end || chunk->chunk_end > chunk->num_tokens ||
         (chunk->last_chunk && chunk->chunk_end != chunk->num_tokens))
         return kvw__error(KVW_ERR_INVALID_PARAM, "chunk [%llu, %llu) of a %llu-token request%s",
@@ -90,7 +90,7 @@ static kvw_status_t kvw_sender_queue(kvw_sender_h s, const kvw_send_chunk_t *chu
                           (unsigned long long)chunk->chunk_end,
                           (unsigned long long)chunk->num_tokens,
                           chunk->last_chunk ? " cannot be the last one" : " is out of range");
-    struct kvw_ctx *ctx = s->room->ctx;
+    struct kvw_ctx *ctx = kvw__sender_room(s)->ctx;
     kvw_qchunk_t q = {.c = {.num_tokens = chunk->num_tokens, .chunk_begin = chunk->chunk_begin,
                             .chunk_end = chunk->chunk_end, .last_chunk = chunk->last_chunk}};
     q.pages = chunk->pages;
@@ -115,7 +115,7 @@ static kvw_status_t kvw_sender_queue(kvw_sender_h s, const kvw_send_chunk_t *chu
     }
 
     pthread_mutex_lock(&ctx->mu);
-    kvw_room_t *r = s->room;
+    kvw_room_t *r = kvw__sender_room(s);
     kvw_status_t st = KVW_OK;
     const kvw_qchunk_t *cur = r->have_stream ? &r->chunks[r->stream_chunk] : NULL;
     if (r->state == KVW_ROOM_FAILED)
@@ -207,11 +207,11 @@ static kvw_status_t kvw_stream_check(struct kvw_ctx *ctx, kvw_room_t *r, uint32_
 static kvw_status_t kvw_layers_ready(kvw_sender_h s, uint32_t layer_begin, uint32_t layer_end,
                                      void *cuda_event, const char *fn)
 {
-    if (s == NULL || s->room->ctx == NULL)
+    if (s == NULL || kvw__sender_room(s)->ctx == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "%s: NULL argument or no context", fn);
-    struct kvw_ctx *ctx = s->room->ctx;
+    struct kvw_ctx *ctx = kvw__sender_room(s)->ctx;
     pthread_mutex_lock(&ctx->mu);
-    kvw_room_t *r = s->room;
+    kvw_room_t *r = kvw__sender_room(s);
     kvw_status_t st = kvw_stream_check(ctx, r, layer_begin, layer_end);
     if (st == KVW_OK && cuda_event == NULL)
         kvw__sender_mark_ready(ctx, r, r->stream_chunk, layer_begin, layer_end);

@@ -338,7 +338,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         /* The decode buffers are mapped here (CUDA IPC): one fused kernel writes them
          * directly, and the notification goes out only after it completed. */
         uint64_t t0 = kvw__now_ns();
-        if ((st = kvw_plan_create(ctx->rank, peer->mapped, &c, &q->pages, &d->pages, &plan)) !=
+        if ((st = kvw__plan_create(ctx->rank, peer->mapped, &c, &q->pages, &d->pages, &plan)) !=
             KVW_OK)
             return st;
         if (take)
@@ -380,7 +380,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             kvw_gpu_reap(ctx, g, false); /* nothing in flight for it: its DONE goes in turn */
         return KVW_OK;
     }
-    st = kvw_plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
+    st = kvw__plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
     if (st != KVW_OK)
         return st;
     /* Staged or direct is decided on the whole chunk's plan, so that every step of a

@@ -76,7 +76,8 @@ static void kvw_topo_routes_into(uint32_t src_tp, uint32_t dst_tp, uint32_t num_
                 routes[*n] = cur;
             (*n)++;
         }
-        cur = (kvw_route_t){.src_rank = s, .dst_rank = d, .src_head_start = soff,
+        cur = (kvw_route_t){.field_mask = KVW_ROUTE_FIELDS_ALL, .src_rank = s, .dst_rank = d,
+                            .src_head_start = soff,
                             .dst_head_start = i, .num_heads = 1};
         open = 1;
     }

@@ -431,7 +431,7 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
                 TRY(&e, kvw_plan_create(hs[s], hd[d], &ch, &ss.S.pg[s].side, &ss.D.pg[d].side,
                                         &plans[i]),
                     "kvw_plan_create");
-                kvw_plan_stats_t st;
+                kvw_plan_stats_t st = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
                 TRY(&e, kvw_plan_stats(plans[i], &st), "kvw_plan_stats");
                 stage_off[i] = stage_total;
                 stage_total += align256(st.bytes);

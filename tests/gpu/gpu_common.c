@@ -109,9 +109,11 @@ int gc_model(const gc_case_t *c, kvt_model_t *m)
 kvw_chunk_t gc_chunk(const gc_case_t *c)
 {
     if (c->chunk_end == 0)
-        return (kvw_chunk_t){.num_tokens = c->tokens, .chunk_begin = 0, .chunk_end = c->tokens,
+        return (kvw_chunk_t){.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                             .chunk_begin = 0, .chunk_end = c->tokens,
                              .prefix_len = c->prefix, .last_chunk = 1};
-    return (kvw_chunk_t){.num_tokens = c->tokens, .chunk_begin = c->chunk_begin,
+    return (kvw_chunk_t){.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
+                         .chunk_begin = c->chunk_begin,
                          .chunk_end = c->chunk_end, .prefix_len = c->prefix,
                          .last_chunk = c->chunk_end == c->tokens};
 }
@@ -165,7 +167,8 @@ int gc_inst_build(gc_inst_t *in, const kvt_model_t *model, const gc_case_t *c, i
             kvt_rank_spec_t spec;
             memset(&spec, 0, sizeof(spec));
             spec.model = model;
-            spec.par = (kvw_parallel_t){.tp_size = sc->tp, .tp_rank = t, .pp_size = pp,
+            spec.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = sc->tp,
+                                        .tp_rank = t, .pp_size = pp,
                                         .pp_rank = p, .layer_begin = lb, .layer_end = le,
                                         .dp_size = 1, .dp_rank = 0};
             spec.layout = sc->layout;
@@ -275,7 +278,7 @@ int gc_expected(const kvt_model_t *model, const gc_case_t *c, gc_inst_t *S, gc_i
             st = kvw_plan_create(S->r[s].h, hd, &ch, &S->pg[s].side, &D->pg[d].side, &plan);
             if (st == KVW_OK) {
                 st = kvw_plan_exec_cpu(plan);
-                kvw_plan_stats_t stats;
+                kvw_plan_stats_t stats = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
                 if (kvw_plan_stats(plan, &stats) == KVW_OK)
                     bytes += stats.bytes;
                 kvw_plan_destroy(plan);

@@ -135,8 +135,9 @@ static int demo_assign(const demo_cfg_t *c, const kvt_model_t *m, const demo_ins
         memcpy(p->full, pf + uf, sizeof(uint32_t) * nf);
         memcpy(p->swa, psw + us, sizeof(uint32_t) * ns);
         uf += nf, us += ns;
-        p->side.full = (kvw_pages_t){p->full, nf, 0};
-        p->side.swa = (kvw_pages_t){p->swa, ns, swb};
+        p->side.full = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->full, nf, 0};
+        p->side.swa = (kvw_pages_t){KVW_PAGES_FIELDS_ALL, p->swa, ns, swb};
+        p->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
         p->side.state_slot = inst->slots ? (int64_t)(i % inst->slots) : -1;
     }
     (void)c;
@@ -178,7 +179,8 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
                                  .page_size = {ps, c->swa_page},
                                  .num_pages = {inst->full_pages, KVW_MAX(inst->swa_pages, 1)},
                                  .num_slots = inst->slots, .describe_only = describe_only};
-            s.par = (kvw_parallel_t){.tp_size = inst->tp, .tp_rank = t, .pp_size = inst->pp,
+            s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = inst->tp,
+                                     .tp_rank = t, .pp_size = inst->pp,
                                      .pp_rank = p, .dp_size = 1, .dp_rank = 0};
             kvt_pp_range(m->m.num_layers, inst->pp, NULL, p, &s.par.layer_begin, &s.par.layer_end);
             kvt_rank_t *r = &inst->ranks[p * inst->tp + t];
@@ -366,7 +368,8 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
                 const demo_req_t *r = &reqs[w0 + i];
                 if (ch >= r->nchunks)
                     continue;
-                kvw_send_chunk_t sc = {.num_tokens = r->n, .chunk_begin = r->bounds[ch],
+                kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = r->n,
+                                       .chunk_begin = r->bounds[ch],
                                        .chunk_end = r->bounds[ch + 1],
                                        .last_chunk = ch + 1 == r->nchunks, .pages = pg[i].side};
                 for (uint32_t k = 0; k < inst.n; k++)
@@ -377,15 +380,16 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
                     }
             }
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!cli_room_ended(kvw_sender_poll(snd[i])))
+            while (!cli_room_ended(kvw_room_poll(kvw_sender_room(snd[i]))))
                 usleep(200);
-            if (kvw_sender_poll(snd[i]) != KVW_ROOM_SUCCESS) {
-                fprintf(stderr, "demo: prefill room failed: %s\n", kvw_sender_failure(snd[i]));
+            if (kvw_room_poll(kvw_sender_room(snd[i])) != KVW_ROOM_SUCCESS) {
+                fprintf(stderr, "demo: prefill room failed: %s\n",
+                        kvw_room_failure(kvw_sender_room(snd[i])));
                 rc = 1;
             }
         }
         for (uint32_t i = 0; i < nw * inst.n; i++)
-            kvw_sender_destroy(snd[i]);
+            kvw_room_destroy(kvw_sender_room(snd[i]));
         free(snd);
         demo_pages_free(pg, nw);
         free(pg);
@@ -444,7 +448,8 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
         uint64_t t0 = kvt_now_ns();
         for (uint32_t i = 0; i < nw && rc == 0; i++)
             for (uint32_t k = 0; k < inst.n; k++) {
-                kvw_recv_post_t post = {.num_tokens = reqs[w0 + i].n,
+                kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
+                                        .num_tokens = reqs[w0 + i].n,
                                         .prefix_len = reqs[w0 + i].prefix, .pages = pg[i].side};
                 if (kvw_receiver_create(ctx[k], reqs[w0 + i].room, 0, &rcv[i * inst.n + k]) != KVW_OK ||
                     kvw_receiver_post(rcv[i * inst.n + k], &post) != KVW_OK) {
@@ -454,18 +459,18 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
                 }
             }
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!cli_room_ended(kvw_receiver_poll(rcv[i])))
+            while (!cli_room_ended(kvw_room_poll(kvw_receiver_room(rcv[i]))))
                 usleep(100);
-            kvw_room_metrics_t mt;
-            kvw_receiver_metrics(rcv[i], &mt);
+            kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
+            kvw_room_metrics(kvw_receiver_room(rcv[i]), &mt);
             res->bytes += mt.bytes;
-            if (kvw_receiver_poll(rcv[i]) == KVW_ROOM_SUCCESS) {
+            if (kvw_room_poll(kvw_receiver_room(rcv[i])) == KVW_ROOM_SUCCESS) {
                 res->rooms_ok++;
             } else {
                 res->rooms_failed++;
                 fprintf(stderr, "demo: room %llu failed on decode rank %u: %s\n",
                         (unsigned long long)reqs[w0 + i / inst.n].room, i % inst.n,
-                        kvw_receiver_failure(rcv[i]));
+                        kvw_room_failure(kvw_receiver_room(rcv[i])));
                 rc = 1;
             }
         }
@@ -486,7 +491,8 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
                 kvt_ref_side_t ds = kvt_ref_side(&inst.ranks[k], &pg[i].side, expect[k].data);
                 char msg[512];
                 for (uint32_t ch = 0; ch < r->nchunks && rc == 0; ch++) {
-                    kvw_chunk_t chunk = {.num_tokens = r->n, .chunk_begin = r->bounds[ch],
+                    kvw_chunk_t chunk = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = r->n,
+                                         .chunk_begin = r->bounds[ch],
                                          .chunk_end = r->bounds[ch + 1], .prefix_len = r->prefix,
                                          .last_chunk = ch + 1 == r->nchunks};
                     if (kvt_ref_transfer(&m->m, ss, src.n, &ds, &chunk, NULL, NULL, msg,
@@ -513,7 +519,7 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
         if (rc == 0)
             res->rooms_verified += nw;
         for (uint32_t i = 0; i < nw * inst.n; i++)
-            kvw_receiver_destroy(rcv[i]);
+            kvw_room_destroy(kvw_receiver_room(rcv[i]));
         free(rcv);
         for (uint32_t k = 0; k < inst.n; k++)
             kvt_copy_free(&expect[k]);

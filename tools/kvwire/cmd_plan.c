@@ -173,7 +173,8 @@ static int kvw_plan_side(const kvt_model_t *model, const kvw_plan_opts_t *o, uin
         kvt_rank_spec_t spec;
         memset(&spec, 0, sizeof(spec));
         spec.model = model;
-        spec.par = (kvw_parallel_t){.tp_size = tp, .tp_rank = r, .pp_size = 1, .pp_rank = 0,
+        spec.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = tp,
+                                    .tp_rank = r, .pp_size = 1, .pp_rank = 0,
                                     .layer_begin = 0, .layer_end = model->m.num_layers,
                                     .dp_size = 1, .dp_rank = 0};
         spec.layout = layout;
@@ -257,9 +258,10 @@ static int kvw_plan_run(const kvw_plan_opts_t *o)
     printf("%4s %4s %6s %14s %9s %12s %12s %10s %9s\n", "src", "dst", "routes", "bytes",
            "segments", "runs raw", "runs merged", "plan mem", "build us");
 
-    kvw_chunk_t ch = {.num_tokens = o->tokens, .chunk_begin = 0, .chunk_end = o->tokens,
+    kvw_chunk_t ch = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = o->tokens,
+                      .chunk_begin = 0, .chunk_end = o->tokens,
                       .prefix_len = o->prefix, .last_chunk = 1};
-    kvw_plan_stats_t tot;
+    kvw_plan_stats_t tot = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
     memset(&tot, 0, sizeof(tot));
     uint64_t pairs = 0;
     for (uint32_t d = 0; d < D; d++) {
@@ -275,7 +277,7 @@ static int kvw_plan_run(const kvw_plan_opts_t *o)
                 rc = KVW_PLAN_EXIT_REJECTED;
                 goto out;
             }
-            kvw_plan_stats_t ps;
+            kvw_plan_stats_t ps = {.field_mask = KVW_PLAN_STATS_FIELDS_ALL};
             st = kvw_plan_stats(plan, &ps);
             kvw_plan_destroy(plan);
             if (st != KVW_OK) {

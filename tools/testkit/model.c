@@ -31,9 +31,14 @@ const char *const *kvt_model_names(void)
     return kvt_names;
 }
 
+/* Also sets every field-mask bit: the kit fills every field of the model and its
+ * layers. */
 void kvt_model_relink(kvt_model_t *model)
 {
+    model->m.field_mask = KVW_MODEL_FIELDS_ALL;
     model->m.layers = model->layers;
+    for (uint32_t l = 0; l < model->m.num_layers && l < KVT_MAX_LAYERS; l++)
+        model->layers[l].field_mask = KVW_LAYER_FIELDS_ALL;
 }
 
 static void kvt_gpt_oss(kvt_model_t *model, uint32_t num_layers)
@@ -88,12 +93,13 @@ int kvt_model_preset(const char *name, kvt_model_t *model_p)
         model.num_state_bufs = 2;
         /* Conv state: 3 cached positions (kernel 4 - 1) x 128 dims x bf16 per head. */
         model.state[0].num_groups = 3;
-        model.state[0].groups[0] = (kvw_state_group_t){16, 128 * 3 * 2};
-        model.state[0].groups[1] = (kvw_state_group_t){16, 128 * 3 * 2};
-        model.state[0].groups[2] = (kvw_state_group_t){32, 128 * 3 * 2};
+        model.state[0].groups[0] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 16, 128 * 3 * 2};
+        model.state[0].groups[1] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 16, 128 * 3 * 2};
+        model.state[0].groups[2] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 32, 128 * 3 * 2};
         /* Temporal (SSM) state: a 128 x 128 fp32 matrix per value head. */
         model.state[1].num_groups = 1;
-        model.state[1].groups[0] = (kvw_state_group_t){32, 128 * 128 * 4};
+        model.state[1].groups[0] = (kvw_state_group_t){KVW_STATE_GROUP_FIELDS_ALL, 32,
+                                                       128 * 128 * 4};
     } else {
         return -1;
     }

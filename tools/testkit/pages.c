@@ -59,6 +59,7 @@ static int kvt_pool_pages(uint64_t begin, uint64_t end, uint32_t ps, uint32_t po
         free(pages);
         return -1;
     }
+    p->field_mask = KVW_PAGES_FIELDS_ALL;
     p->pages = pages;
     p->num_pages = (uint32_t)n;
     p->first_token = first;
@@ -101,6 +102,7 @@ int kvt_req_pages_make(const kvt_rank_t *rank, const kvt_req_spec_t *spec, kvt_r
                        spec->consecutive || nswa == UINT32_MAX / 2, spec->swa_start, rng,
                        &r.side.swa, &r.swa))
         goto err;
+    r.side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
     r.side.state_slot = spec->state_slot;
     *pages_p = r;
     return 0;

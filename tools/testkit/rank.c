@@ -94,6 +94,7 @@ static kvw_status_t kvt_add_paged(kvt_rank_t *r, uint32_t *cap, const kvt_rank_s
 {
     kvw_buffer_desc_t d;
     memset(&d, 0, sizeof(d));
+    d.field_mask = KVW_BUFFER_FIELDS_ALL;
     d.pool = pool;
     d.layer = layer;
     d.role = role;
@@ -166,6 +167,7 @@ kvw_status_t kvt_rank_describe(const kvt_rank_spec_t *spec, kvt_rank_t *rank_p)
             for (uint32_t s = 0; s < r.model.num_state_bufs && st == KVW_OK; s++) {
                 kvw_buffer_desc_t d;
                 memset(&d, 0, sizeof(d));
+                d.field_mask = KVW_BUFFER_FIELDS_ALL;
                 d.pool = KVW_POOL_STATE;
                 d.layer = l;
                 d.role = KVW_ROLE_STATE;
@@ -228,6 +230,7 @@ kvw_status_t kvt_rank_open(kvt_rank_t *rank)
     kvt_model_relink(&rank->model);
     p.model = &rank->model.m;
     p.parallel = rank->par;
+    p.parallel.field_mask = KVW_PARALLEL_FIELDS_ALL;
     p.buffers = rank->bufs;
     p.num_buffers = rank->num_bufs;
     return kvw_rank_create(&p, &rank->h);
