@@ -461,6 +461,7 @@ static void room_pages(bool prefill, int slot, uint64_t n, rpages_t *p)
     p->side.swa = (kvw_pages_t){.field_mask = KVW_PAGES_FIELDS_ALL,
                                 .pages = p->swa, .num_pages = ns, .first_token = swb};
     p->side.state_slot = -1;
+    p->side.field_mask = KVW_SIDE_PAGES_FIELDS_ALL;
 }
 
 typedef struct room {
