@@ -97,9 +97,15 @@
 
 /* ------------------------------------------------------------------ settings */
 
+/* The peer and wait timeouts are short, for a fast test, yet long enough that a process
+ * starting up or a context handshaking on a loaded two-core machine (several tests, or two
+ * make check runs, at once) does not trip them: at 500 and 2000 ms, shm cases that start a
+ * second decode process failed under such load. */
 #define HEARTBEAT_MS 50
-#define PEER_TIMEOUT_MS kvt_tmo_ms(500)
-#define WAIT_TIMEOUT_MS kvt_tmo_ms(2000)
+#define PEER_BASE_MS 1000
+#define WAIT_BASE_MS 4000
+#define PEER_TIMEOUT_MS kvt_tmo_ms(PEER_BASE_MS)
+#define WAIT_TIMEOUT_MS kvt_tmo_ms(WAIT_BASE_MS)
 #define BOOT_TIMEOUT_MS kvt_tmo_ms(5000)
 /* Scheduling slack on a loaded two-core machine, sanitizers included. */
 #define SLACK_MS kvt_tmo_ms(1500)
@@ -2441,7 +2447,7 @@ static int drv_decode(env_t *e)
         row->d_inj(&x);
     /* The victim on the decode: within the wait timeout where the row waits for it, else
      * within the peer timeout of the injection. */
-    uint64_t limit = (row->min_ms >= 2000 ? WAIT_TIMEOUT_MS : PEER_TIMEOUT_MS) + SLACK_MS;
+    uint64_t limit = (row->min_ms >= WAIT_BASE_MS ? WAIT_TIMEOUT_MS : PEER_TIMEOUT_MS) + SLACK_MS;
     if (row->vbytes == V_OK)
         drv_expect_d(&x, &v, "V", true, KVW_OK, NULL, WAIT_TIMEOUT_MS + SLACK_MS);
     else
@@ -2502,7 +2508,7 @@ static const frow_t g_rows[] = {
      "prefill rank dp0/tp0/pp0",
      V_PARTIAL, S_PEER, 0, NULL, di_wait_dying, pi_die, R_VICTIM, 1},
     {"prefill frozen (SIGSTOP)", 1, 2, NULL, W_ROOM, KVW_ERR_PEER_DEAD, ANY, "heartbeat",
-     V_UNTOUCHED, S_PEER, 500, NULL, di_wait_dying, pi_die, R_VICTIM, 2},
+     V_UNTOUCHED, S_PEER, PEER_BASE_MS, NULL, di_wait_dying, pi_die, R_VICTIM, 2},
     /* Aborts. */
     {"decode aborts before any byte", 1, 2, NULL, W_ROOM, KVW_ERR_ABORTED, KVW_ERR_ABORTED,
      "abort", V_UNTOUCHED, S_ROOM, 0, NULL, di_abort_all, pi_after_abort, 0, 0},
@@ -2573,9 +2579,9 @@ static const frow_t g_rows[] = {
      V_OK, S_ROOM, 0, NULL, di_forge, pi_after_forge, 0, 0},
     /* Timeouts. */
     {"posted, never sent", 1, 2, NULL, W_ROOM, ANYF, ANYF, "timed out",
-     V_UNTOUCHED, S_ROOM, 2000, NULL, NULL, pi_open_only, 0, 0},
-    {"posted, no sender", 1, 2, NULL, W_ROOM, ANYF, ANY, "timed out", V_UNTOUCHED, S_ROOM, 2000,
-     NULL, NULL, pi_none, 0, 0},
+     V_UNTOUCHED, S_ROOM, WAIT_BASE_MS, NULL, NULL, pi_open_only, 0, 0},
+    {"posted, no sender", 1, 2, NULL, W_ROOM, ANYF, ANY, "timed out", V_UNTOUCHED, S_ROOM,
+     WAIT_BASE_MS, NULL, NULL, pi_none, 0, 0},
     {"sent, never posted", 1, 2, NULL, W_ROOM, NOFAIL, KVW_ERR_TIMEOUT, "no decode rank posted",
      V_UNTOUCHED, S_ROOM, 0, dp_none, NULL, NULL, 0, 0},
     /* Malformed, truncated and stalled connections. */
