@@ -69,13 +69,13 @@ static kvt_rank_spec_t rank_spec(const kvt_model_t *m, uint64_t tokens)
 /* That rank, filled with `seed`'s pattern, its buffers copied to GPU `device` (the host
  * images stay, holding the initial bytes). */
 static int make_rank(const kvt_model_t *m, uint64_t tokens, uint64_t seed, int device,
-                     kvt_rank_t *r, uint8_t ****dev_p)
+                     kvt_rank_t *r, uint8_t ****dev_p, char *msg, size_t cap)
 {
     kvt_rank_spec_t s = rank_spec(m, tokens);
     if (kvt_rank_build(&s, r) != KVW_OK)
-        return -1;
+        return snprintf(msg, cap, "%s", kvw_last_error()), -1;
     kvt_rank_fill(r, seed);
-    return kvt_gpu_attach(r, 1, device, dev_p);
+    return kvt_gpu_attach(r, 1, device, dev_p, msg, cap);
 }
 
 static kvw_ctx_h make_ctx(const cfg_t *c, kvt_rank_t *r, bool prefill, const char *bs)
@@ -116,8 +116,9 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
         return 1;
     kvt_rank_t dst, src;
     uint8_t ***ddev = NULL;
-    if (make_rank(m, c->tokens, 2, device, &dst, &ddev)) {
-        fprintf(stderr, "gpu_stream: decode rank: %s\n", kvw_last_error());
+    char msg[512];
+    if (make_rank(m, c->tokens, 2, device, &dst, &ddev, msg, sizeof(msg))) {
+        fprintf(stderr, "gpu_stream: decode rank: %s\n", msg);
         return 1;
     }
     kvw_ctx_h ctx = make_ctx(c, &dst, false, bs);
@@ -155,7 +156,7 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
             kvt_rank_build(&s, &src);
             kvt_rank_fill(&src, 1);
             kvt_req_pages_t sp = pages_of(&src, c->tokens, 10);
-            int pulled = kvt_gpu_pull(&dst, 1, ddev);
+            int pulled = kvt_gpu_pull(&dst, 1, ddev, msg, sizeof(msg));
             uint8_t **sd = calloc(src.num_bufs, sizeof(uint8_t *));
             for (uint32_t b = 0; b < src.num_bufs; b++)
                 sd[b] = kvt_rank_data(&src, b);
@@ -164,7 +165,6 @@ static int decode_main(const cfg_t *c, const kvt_model_t *m, int cmd, int res, i
             kvw_chunk_t whole = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = c->tokens,
                                  .chunk_end = c->tokens,
                                  .last_chunk = 1};
-            char msg[512];
             int bad = pulled != 0 || kvt_ref_transfer(&m->m, &ss, 1, &ds, &whole, NULL, NULL, msg,
                                        sizeof(msg)) != 0 ||
                       kvt_copy_compare(&dst, &exp, "decode", msg, sizeof(msg)) != 0 ||
@@ -201,23 +201,25 @@ static uint64_t wait_event(void *ev)
 }
 
 /* Sizes the per-layer memsets from a measured rate. */
-static int sim_init(layer_sim_t *s, uint64_t layer_us)
+static int sim_init(layer_sim_t *s, uint64_t layer_us, char *msg, size_t cap)
 {
     s->layer_ns = layer_us * 1000;
+    if (s->spin && kvt_cuda_stream_create(&s->stream) != KVW_OK)
+        return snprintf(msg, cap, "%s", kvt_cuda_error()), -1;
     if (s->spin)
-        return kvw_cuda_stream_create(&s->stream) == KVW_OK ? 0 : -1;
+        return 0;
     s->chunk = 1ull << 30;
-    if (kvw_cuda_malloc(s->chunk, &s->scratch) != KVW_OK ||
-        kvw_cuda_stream_create(&s->stream) != KVW_OK)
-        return -1;
+    if (kvt_cuda_malloc(s->chunk, &s->scratch) != KVW_OK ||
+        kvt_cuda_stream_create(&s->stream) != KVW_OK)
+        return snprintf(msg, cap, "%s", kvt_cuda_error()), -1;
     void *ev;
     if (kvw__cuda_event_create(&ev) != KVW_OK)
-        return -1;
-    kvw_cuda_memset(s->scratch, 1, s->chunk, s->stream);
-    kvw_cuda_stream_sync(s->stream);
+        return snprintf(msg, cap, "%s", kvw_last_error()), -1;
+    kvt_cuda_memset(s->scratch, 1, s->chunk, s->stream);
+    kvt_cuda_stream_sync(s->stream);
     uint64_t t0 = kvt_now_ns();
     for (int i = 0; i < 4; i++)
-        kvw_cuda_memset(s->scratch, i, s->chunk, s->stream);
+        kvt_cuda_memset(s->scratch, i, s->chunk, s->stream);
     kvw__cuda_event_record(ev, s->stream);
     double ns_per_byte = (double)(wait_event(ev) - t0) / (4.0 * (double)s->chunk);
     kvw__cuda_event_destroy(ev);
@@ -234,7 +236,7 @@ static void sim_layer(layer_sim_t *s, int l)
         return;
     }
     for (uint64_t i = 0; i < s->n; i++)
-        kvw_cuda_memset(s->scratch, l & 0xff, s->chunk, s->stream);
+        kvt_cuda_memset(s->scratch, l & 0xff, s->chunk, s->stream);
 }
 
 static int cmp_u64(const void *a, const void *b)
@@ -307,8 +309,10 @@ int main(int argc, char **argv)
     layer_sim_t sim = {.spin = strcmp(c.sim, "memset") != 0};
     void **ev = calloc(c.layers, sizeof(void *));
     kvw_ctx_h ctx = NULL;
-    if (make_rank(&m, c.tokens, 1, 0, &src, &sdev) || sim_init(&sim, c.layer_us)) {
-        fprintf(stderr, "gpu_stream: prefill GPU set-up: %s\n", kvw_last_error());
+    char msg[512];
+    if (make_rank(&m, c.tokens, 1, 0, &src, &sdev, msg, sizeof(msg)) ||
+        sim_init(&sim, c.layer_us, msg, sizeof(msg))) {
+        fprintf(stderr, "gpu_stream: prefill GPU set-up: %s\n", msg);
         goto out;
     }
     for (uint32_t l = 0; l < c.layers; l++)

@@ -23,6 +23,7 @@
 #include "cuda/module.h"
 
 #include <kvwire/cuda.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 static kvt_model_t model;
@@ -46,16 +47,20 @@ static kvw_status_t grank_make(uint32_t tp, uint32_t rank, bool gpu, uint64_t se
     if (st != KVW_OK)
         return st;
     kvt_rank_fill(&g->r, seed);
-    if (gpu && kvt_gpu_attach(&g->r, 1, 0, &g->dev) != 0)
+    char msg[512];
+    if (gpu && kvt_gpu_attach(&g->r, 1, 0, &g->dev, msg, sizeof(msg)) != 0) {
+        CHECK(0, "GPU copies of rank %u of %u: %s", rank, tp, msg);
         return KVW_ERR_INTERNAL;
+    }
     return KVW_OK;
 }
 
 /* Copies the device bytes, guards included, back into the host image. */
 static void grank_pull(grank_t *g)
 {
+    char msg[512];
     if (g->dev)
-        CHECK(kvt_gpu_pull(&g->r, 1, g->dev) == 0, "%s", kvw_last_error());
+        CHECK(kvt_gpu_pull(&g->r, 1, g->dev, msg, sizeof(msg)) == 0, "%s", msg);
 }
 
 static void grank_free(grank_t *g)
@@ -372,8 +377,87 @@ static void refusals(void)
     kvt_rank_free(&m.r);
 }
 
+/*
+ * The test kit's CUDA helpers (tools/testkit/cuda_mod.c) load the module by the
+ * library's rule: a module the library refuses, they refuse with the same reason. Runs
+ * in a child that has loaded nothing yet: KVW_CUDA_MODULE `module`, and the stand-in's
+ * table claiming ABI `abi` when not NULL.
+ */
+static void kit_refusal(const char *module, const char *abi, const char *reason)
+{
+    fflush(NULL);
+    pid_t pid = fork();
+    if (pid == 0) {
+        setenv("KVW_CUDA_MODULE", module, 1);
+        if (abi)
+            setenv("KVW_CUDA_EMU_ABI", abi, 1);
+        void *p = NULL;
+        kvw_status_t st = kvt_cuda_malloc(64, &p);
+        int bad = st != KVW_ERR_UNSUPPORTED || !kvt_contains(kvt_cuda_error(), reason);
+        if (bad)
+            fprintf(stderr, "test kit: %s: %s\n", kvw_status_string(st), kvt_cuda_error());
+        st = kvw_cuda_available();
+        if (st != KVW_ERR_UNSUPPORTED || !kvt_contains(kvw_last_error(), reason)) {
+            fprintf(stderr, "library: %s: %s\n", kvw_status_string(st), kvw_last_error());
+            bad = 1;
+        }
+        _exit(bad);
+    }
+    int ws = 0;
+    CHECK(pid > 0 && waitpid(pid, &ws, 0) == pid && WIFEXITED(ws) && WEXITSTATUS(ws) == 0,
+          "module %s, ABI %s: the test kit and the library did not both refuse it with \"%s\"",
+          module, abi ? abi : "as built", reason);
+}
+
+/* The test kit's CUDA helpers on the module this test runs with: device memory set,
+ * copied both ways and compared byte for byte; refusals carry the module's reason. */
+static void kit(bool emu)
+{
+    uint8_t host[256], back[256], want[256];
+    for (int i = 0; i < 256; i++)
+        host[i] = (uint8_t)(i * 7 + 1);
+    memcpy(want, host, sizeof(want));
+    memset(want + 16, 0xa5, 32);
+    memset(back, 0, sizeof(back));
+    void *d = NULL, *stream = NULL;
+    CHECK(kvt_cuda_set_device(0) == KVW_OK, "set_device: %s", kvt_cuda_error());
+    CHECK(kvt_cuda_malloc(sizeof(host), &d) == KVW_OK, "malloc: %s", kvt_cuda_error());
+    CHECK(kvt_cuda_stream_create(&stream) == KVW_OK, "stream: %s", kvt_cuda_error());
+    if (d && stream) {
+        CHECK(kvt_cuda_memcpy(d, host, sizeof(host), NULL) == KVW_OK &&
+                  kvt_cuda_memset((uint8_t *)d + 16, 0xa5, 32, stream) == KVW_OK &&
+                  kvt_cuda_stream_sync(stream) == KVW_OK &&
+                  kvt_cuda_memcpy(back, d, sizeof(back), stream) == KVW_OK &&
+                  kvt_cuda_stream_sync(stream) == KVW_OK,
+              "copies: %s", kvt_cuda_error());
+        CHECK(memcmp(back, want, sizeof(want)) == 0, "device bytes differ from the reference");
+    }
+    kvw_status_t st = kvt_cuda_set_device(-1);
+    CHECK(st != KVW_OK && kvt_contains(kvt_cuda_error(), "set_device: "),
+          "set_device(-1): %s: %s", kvw_status_string(st), kvt_cuda_error());
+    if (emu && d) {
+        kvt_cuda_ipc_handle_t h;
+        st = kvt_cuda_ipc_export(d, &h);
+        CHECK(st == KVW_ERR_UNSUPPORTED &&
+                  strcmp(kvt_cuda_error(), "ipc_export: the emulated device has no IPC") == 0,
+              "ipc_export on the stand-in: %s: %s", kvw_status_string(st), kvt_cuda_error());
+    }
+    CHECK(kvt_cuda_set_device(0) == KVW_OK, "set_device: %s", kvt_cuda_error());
+    if (stream)
+        CHECK(kvt_cuda_stream_destroy(stream) == KVW_OK, "%s", kvt_cuda_error());
+    if (d)
+        CHECK(kvt_cuda_free(d) == KVW_OK, "%s", kvt_cuda_error());
+}
+
 int main(void)
 {
+    /* Before this process loads the module: the refusals, each in a child. */
+    const char *mod = getenv("KVW_CUDA_MODULE");
+    bool emu = mod && strstr(mod, "cuda_emu");
+    kit_refusal("/nonexistent-kvwire/libkvwire_cuda.so", NULL,
+                "/nonexistent-kvwire/libkvwire_cuda.so: cannot open shared object file");
+    if (emu)
+        kit_refusal(mod, "9999", "the CUDA module was built for ABI 9999 (table of");
     if (kvw_cuda_available() != KVW_OK) {
         printf("test_gpu_staged: skipped: no CUDA module or device: %s\n", kvw_last_error());
         return 77;
@@ -392,13 +476,13 @@ int main(void)
     run("tcp", 1, false, 1, false, 700);
     /* A created, never recorded event is pending on the CPU stand-in; CUDA counts it
      * complete, and holding one back on a GPU needs a blocked stream. */
-    const char *mod = getenv("KVW_CUDA_MODULE");
-    if (mod && strstr(mod, "cuda_emu")) {
+    if (emu) {
         events("tcp");
         events("shm");
     } else {
         printf("test_gpu_staged: event cases run on the CPU stand-in only\n");
     }
     refusals();
+    kit(emu);
     return ip_summary("test_gpu_staged");
 }

@@ -142,6 +142,13 @@ done
 # Everything exported is the public API or the version node itself.
 others=$(awk '$3 !~ /^kvw_[a-z]/ && $3 !~ /^KVWIRE_/ {print $3}' "$tmp/syms" | head -5)
 [[ -z "$others" ]] || fail "non-API symbols exported: $others"
+# ... and declared in an installed header: the library exports nothing its headers do not
+# offer (the CUDA runtime helpers of the tools and tests, for one, live in the test kit).
+undeclared=$(awk '$3 ~ /^kvw_[a-z]/ {sub(/@.*/, "", $3); print $3}' "$tmp/syms" |
+    while read -r s; do
+        grep -qE "\\b$s\\(" "$prefix"/include/kvwire/*.h || echo "$s"
+    done | head -5 | tr '\n' ' ')
+[[ -z "$undeclared" ]] || fail "exported but declared in no installed header: $undeclared"
 
 # ---------------------------------------------------------------- consumers
 mkdir -p "$tmp/app"

@@ -188,9 +188,10 @@ static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g
  * device addresses. The host copies stay for the reference and the check. */
 static int g_attach(g_inst_t *in, int device, char *err, size_t cap)
 {
-    if (kvt_gpu_attach(in->ranks, in->n, device, &in->dev) == 0)
+    char msg[384]; /* err has room for it after the prefix */
+    if (kvt_gpu_attach(in->ranks, in->n, device, &in->dev, msg, sizeof(msg)) == 0)
         return 0;
-    snprintf(err, cap, "GPU %d: %s", device, kvw_last_error());
+    snprintf(err, cap, "GPU %d: %s", device, msg);
     return -1;
 }
 
@@ -407,8 +408,9 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
 static int g_verify(const kvt_model_t *m, const g_topo_t *t, g_inst_t *in, const g_inst_t *src,
                     const kvt_copy_t *init, char *err, size_t cap)
 {
-    if (kvt_gpu_pull(in->ranks, in->n, in->dev))
-        return snprintf(err, cap, "copying GPU buffers back: %s", kvw_last_error()), -1;
+    char msg[384];
+    if (kvt_gpu_pull(in->ranks, in->n, in->dev, msg, sizeof(msg)))
+        return snprintf(err, cap, "copying GPU buffers back: %s", msg), -1;
     kvt_ref_side_t *ss = calloc(src->n, sizeof(*ss));
     uint8_t ***sd = calloc(src->n, sizeof(*sd));
     int rc = ss && sd ? 0 : -1;
@@ -565,11 +567,11 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
                 }
                 memset(bsrc, 0x3c, bcap);
                 memset(bdst, 0, bcap);
-            } else if (kvw_cuda_set_device(0) != KVW_OK || kvw_cuda_malloc(bcap, &bsrc) != KVW_OK ||
-                kvw_cuda_memset(bsrc, 0x3c, bcap, NULL) != KVW_OK ||
-                kvw_cuda_set_device(dev) != KVW_OK || kvw_cuda_malloc(bcap, &bdst) != KVW_OK ||
-                kvw_cuda_stream_create(&stream) != KVW_OK) {
-                snprintf(err, cap, "baseline buffers: %s", kvw_last_error());
+            } else if (kvt_cuda_set_device(0) != KVW_OK || kvt_cuda_malloc(bcap, &bsrc) != KVW_OK ||
+                kvt_cuda_memset(bsrc, 0x3c, bcap, NULL) != KVW_OK ||
+                kvt_cuda_set_device(dev) != KVW_OK || kvt_cuda_malloc(bcap, &bdst) != KVW_OK ||
+                kvt_cuda_stream_create(&stream) != KVW_OK) {
+                snprintf(err, cap, "baseline buffers: %s", kvt_cuda_error());
                 rc = -1;
                 break;
             }
@@ -591,9 +593,9 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
                 continue;
             }
             uint64_t b0 = kvt_now_ns();
-            if (kvw_cuda_memcpy(bdst, bsrc, bytes, stream) != KVW_OK ||
-                kvw_cuda_stream_sync(stream) != KVW_OK) {
-                snprintf(err, cap, "baseline copy: %s", kvw_last_error());
+            if (kvt_cuda_memcpy(bdst, bsrc, bytes, stream) != KVW_OK ||
+                kvt_cuda_stream_sync(stream) != KVW_OK) {
+                snprintf(err, cap, "baseline copy: %s", kvt_cuda_error());
                 rc = -1;
             }
             if (rep > 0)
@@ -615,15 +617,15 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
     if (kvt_write_full(cmd_fd, &q, sizeof(q)) == 0)
         (void)kvt_read_full(ack_fd, &a, 1);
     if (stream)
-        kvw_cuda_stream_destroy(stream);
+        kvt_cuda_stream_destroy(stream);
     if (strcmp(c->transport, "cuda_ipc") != 0) {
         free(bsrc);
         free(bdst);
     } else {
         if (bsrc)
-            kvw_cuda_free(bsrc);
+            kvt_cuda_free(bsrc);
         if (bdst)
-            kvw_cuda_free(bdst);
+            kvt_cuda_free(bdst);
     }
     free(rcv);
     g_ctx_free(ctx, in.n);

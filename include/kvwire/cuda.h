@@ -1,6 +1,16 @@
 /*
- * kvwire/cuda.h — GPU execution of plans, and the few CUDA helpers that callers and
- * tests need around it.
+ * kvwire/cuda.h — GPU execution of plans.
+ *
+ * What it holds: whether the GPU path works here (kvw_cuda_available,
+ * kvw_cuda_device_count), the device-plan executor (kvw_cuda_plan_*,
+ * kvw_plan_exec_cuda) and where the protocol's GPU time goes (kvw_cuda_profile).
+ *
+ * What it does not hold: wrappers around the CUDA runtime (device selection, memory,
+ * copies, streams, IPC handles). An engine brings its own CUDA runtime (directly, or
+ * through PyTorch) and passes kvwire device pointers and streams it made itself;
+ * libkvwire offering a second, partial runtime API would only invite mixing the two.
+ * The project's own tools and tests get such helpers from their test kit
+ * (tools/testkit), which loads the same module by the same rule.
  *
  * The core library never links CUDA. The first call of any function here loads the
  * module libkvwire_cuda.so (built from src/cuda when nvcc is present) with dlopen: from
@@ -16,7 +26,8 @@
  *
  * Streams are cudaStream_t values passed as void *; NULL is the legacy default stream.
  * Device pointers are plain pointers valid in the calling thread's current device
- * context, including peer memory opened with kvw_cuda_ipc_open.
+ * context (cudaSetDevice), including peer memory the caller opened with
+ * cudaIpcOpenMemHandle.
  */
 #ifndef KVWIRE_CUDA_H
 #define KVWIRE_CUDA_H
@@ -33,58 +44,8 @@ extern "C" {
  */
 KVW_API kvw_status_t kvw_cuda_available(void);
 
-/* ---------------------------------------------------------------- device helpers */
-
+/* The number of devices the CUDA runtime sees (cudaGetDeviceCount). */
 KVW_API kvw_status_t kvw_cuda_device_count(int *count_p);
-/* Selects the calling thread's current device. */
-KVW_API kvw_status_t kvw_cuda_set_device(int device);
-KVW_API kvw_status_t kvw_cuda_get_device(int *device_p);
-
-/* Device memory on the current device (cudaMalloc: at least 256-byte aligned). The
- * caller owns it and releases it with kvw_cuda_free. NO_MEMORY when the device is full. */
-KVW_API kvw_status_t kvw_cuda_malloc(uint64_t size, void **ptr_p);
-KVW_API kvw_status_t kvw_cuda_free(void *ptr);
-/* Page-locked host memory (cudaMallocHost), for fast host <-> device copies. */
-KVW_API kvw_status_t kvw_cuda_malloc_host(uint64_t size, void **ptr_p);
-KVW_API kvw_status_t kvw_cuda_free_host(void *ptr);
-
-/* Copies `size` bytes in whichever direction the two pointers imply (host or device,
- * local or peer). With stream NULL the call returns when the copy is done; otherwise it
- * is queued on the stream. */
-KVW_API kvw_status_t kvw_cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream);
-/* Sets device bytes; stream as for kvw_cuda_memcpy. */
-KVW_API kvw_status_t kvw_cuda_memset(void *ptr, int value, uint64_t size, void *stream);
-
-/* A non-blocking stream on the current device. */
-KVW_API kvw_status_t kvw_cuda_stream_create(void **stream_p);
-KVW_API kvw_status_t kvw_cuda_stream_destroy(void *stream);
-/* Waits for the stream's work; returns the error of a kernel that failed on it. */
-KVW_API kvw_status_t kvw_cuda_stream_sync(void *stream);
-KVW_API kvw_status_t kvw_cuda_device_sync(void);
-
-/* ---------------------------------------------------------------- CUDA IPC */
-
-#define KVW_CUDA_IPC_HANDLE_SIZE 64
-
-/* An opaque handle that another process on the same host can open; plain bytes, so it
- * can travel in any message. */
-typedef struct kvw_cuda_ipc_handle {
-    uint8_t bytes[KVW_CUDA_IPC_HANDLE_SIZE];
-} kvw_cuda_ipc_handle_t;
-
-/*
- * Exports the allocation that starts at `base` (a pointer returned by kvw_cuda_malloc or
- * cudaMalloc, not an interior pointer: offsets travel separately). The allocation must
- * stay allocated while any peer has it open.
- */
-KVW_API kvw_status_t kvw_cuda_ipc_export(void *base, kvw_cuda_ipc_handle_t *handle_p);
-/* Maps a peer's allocation into the current device's context (peer access is enabled
- * as needed). The pointer is valid until kvw_cuda_ipc_close. */
-KVW_API kvw_status_t kvw_cuda_ipc_open(const kvw_cuda_ipc_handle_t *handle, void **ptr_p);
-KVW_API kvw_status_t kvw_cuda_ipc_close(void *ptr);
-/* The start of the device allocation that holds `ptr` (export that, and send the
- * offset alongside). */
-KVW_API kvw_status_t kvw_cuda_mem_base(void *ptr, void **base_p);
 
 /* ---------------------------------------------------------------- plans on the GPU */
 
@@ -133,7 +94,7 @@ KVW_API kvw_status_t kvw_cuda_plan_scatter(kvw_cuda_plan_h cplan, const void *st
 /*
  * One-shot direct copy of a plan whose source and destination buffers are KVW_MEM_CUDA
  * device pointers valid in the current device context (local, or peer memory mapped
- * with kvw_cuda_ipc_open). Uploads the plan, launches, and releases the device copy,
+ * with cudaIpcOpenMemHandle). Uploads the plan, launches, and releases the device copy,
  * all ordered on `stream` without waiting. For a plan that runs more than once, upload
  * it with kvw_cuda_plan_upload instead.
  */

@@ -215,6 +215,17 @@ kvw_status_t kvw__cuda_event_destroy(void *event);
 kvw_status_t kvw__cuda_busy(void *stream, uint64_t ns);
 void kvw__cuda_host_unregister(void *ptr);
 
+/* The runtime calls the library itself makes (device selection for the protocol's
+ * workers, cuda_ipc's handles and puts), forwarded to the module. The public header
+ * does not offer them: engines bring their own CUDA runtime, and the project's tools
+ * and tests load the module themselves (tools/testkit/cuda_mod.c). */
+kvw_status_t kvw__cuda_set_device(int device);
+kvw_status_t kvw__cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream);
+kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p);
+kvw_status_t kvw__cuda_ipc_export(void *base, uint8_t handle[KVWC_IPC_HANDLE_SIZE]);
+kvw_status_t kvw__cuda_ipc_open(const uint8_t handle[KVWC_IPC_HANDLE_SIZE], void **ptr_p);
+kvw_status_t kvw__cuda_ipc_close(void *ptr);
+
 /* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */
 void kvw__cuda_profile_add(const struct kvw_cuda_profile *d);
 

@@ -1,17 +1,18 @@
 /*
  * The CUDA executor as the core library sees it: loads libkvwire_cuda.so on first use
- * (dlopen, so the core never links CUDA), checks its ABI, and implements
- * include/kvwire/cuda.h on top of the module's operations table. It also flattens plans
- * for the module: segments with buffer addresses resolved, plus the page lists.
+ * (dlopen, so the core never links CUDA; the rule and the ABI check are
+ * src/cuda/module_load.h's), and implements include/kvwire/cuda.h and the library's
+ * internal kvw__cuda_* calls on top of the module's operations table. It also flattens
+ * plans for the module: segments with buffer addresses resolved, plus the page lists.
  */
 #include "core/config.h"
 #include "core/core.h"
 #include "cuda/module.h"
+#include "cuda/module_load.h"
 #include "plan/plan.h"
 
 #include <kvwire/cuda.h>
 
-#include <dlfcn.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -21,73 +22,19 @@ _Static_assert((unsigned)KVW_CUDA_DIRECT == (unsigned)KVWC_USE_DIRECT &&
                    (unsigned)KVW_CUDA_GATHER == (unsigned)KVWC_USE_GATHER &&
                    (unsigned)KVW_CUDA_SCATTER == (unsigned)KVWC_USE_SCATTER,
                "public and module use flags must agree");
-_Static_assert(KVW_CUDA_IPC_HANDLE_SIZE == KVWC_IPC_HANDLE_SIZE, "IPC handle sizes must agree");
 
 static pthread_once_t kvw_cuda_once = PTHREAD_ONCE_INIT;
 static const kvwc_ops_t *kvw_cuda_ops;
 static char kvw_cuda_load_msg[1024];
 
-/* Tries one path; on failure appends "path: reason" to the load message. */
-static void *kvw_cuda_try(const char *path)
-{
-    void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (h == NULL) {
-        size_t used = strlen(kvw_cuda_load_msg);
-        const char *why = dlerror();
-        /* Appended by hand: the message may be cut, and the compiler need not warn. */
-        const char *parts[2] = {used ? "; " : "", why ? why : path};
-        for (int k = 0; k < 2; k++)
-            for (const char *c = parts[k]; *c && used + 1 < sizeof(kvw_cuda_load_msg); c++)
-                kvw_cuda_load_msg[used++] = *c;
-        kvw_cuda_load_msg[used] = '\0';
-    }
-    return h;
-}
-
 static void kvw_cuda_load(void)
 {
-    void *h = NULL;
     const char *env; /* any text; "" when unset */
     kvw__config_str("KVW_CUDA_MODULE", &env);
-    if (*env) {
-        h = kvw_cuda_try(env);
-    } else {
-        /* Next to the object that holds this code: libkvwire.so, or the executable a
-         * static libkvwire was linked into. */
-        Dl_info info;
-        if (dladdr((void *)kvw_cuda_load, &info) && info.dli_fname) {
-            char path[4096];
-            const char *slash = strrchr(info.dli_fname, '/');
-            if (slash) {
-                int n = snprintf(path, sizeof(path), "%.*s/%s", (int)(slash - info.dli_fname),
-                                 info.dli_fname, KVWC_MODULE_FILE);
-                if (n > 0 && (size_t)n < sizeof(path))
-                    h = kvw_cuda_try(path);
-            }
-        }
-        if (h == NULL)
-            h = kvw_cuda_try(KVWC_MODULE_FILE);
-    }
-    if (h == NULL)
-        return;
-    kvwc_entry_fn entry = (kvwc_entry_fn)dlsym(h, KVWC_ENTRY_NAME);
-    const kvwc_ops_t *ops = entry ? entry() : NULL;
-    if (ops == NULL) {
-        snprintf(kvw_cuda_load_msg, sizeof(kvw_cuda_load_msg),
-                 "the CUDA module has no entry point %s", KVWC_ENTRY_NAME);
-        dlclose(h);
-        return;
-    }
-    if (ops->abi != KVWC_ABI_VERSION || ops->size != sizeof(kvwc_ops_t)) {
-        snprintf(kvw_cuda_load_msg, sizeof(kvw_cuda_load_msg),
-                 "the CUDA module was built for ABI %u (table of %u bytes); this library "
-                 "needs ABI %u (%zu bytes): rebuild or reinstall them together",
-                 ops->abi, ops->size, KVWC_ABI_VERSION, sizeof(kvwc_ops_t));
-        dlclose(h);
-        return;
-    }
-    /* The module stays loaded for the life of the process. */
-    kvw_cuda_ops = ops;
+    /* Next to the object that holds this code: libkvwire.so, or the executable a static
+     * libkvwire was linked into. */
+    kvw_cuda_ops = kvwc_module_load(env, (const void *)kvw_cuda_load, kvw_cuda_load_msg,
+                                    sizeof(kvw_cuda_load_msg));
 }
 
 static kvw_status_t kvw_cuda_get(const kvwc_ops_t **ops_p)
@@ -129,96 +76,34 @@ kvw_status_t kvw_cuda_device_count(int *count_p)
     KVW_CUDA_FORWARD(device_count(count_p));
 }
 
-kvw_status_t kvw_cuda_set_device(int device)
+/* ---------------------------------------------------------------- runtime calls */
+
+kvw_status_t kvw__cuda_set_device(int device)
 {
     KVW_CUDA_FORWARD(set_device(device));
 }
 
-kvw_status_t kvw_cuda_get_device(int *device_p)
-{
-    if (device_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_get_device: NULL argument");
-    KVW_CUDA_FORWARD(get_device(device_p));
-}
-
-kvw_status_t kvw_cuda_malloc(uint64_t size, void **ptr_p)
-{
-    if (ptr_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_malloc: NULL argument");
-    KVW_CUDA_FORWARD(malloc_dev(size, ptr_p));
-}
-
-kvw_status_t kvw_cuda_free(void *ptr)
-{
-    KVW_CUDA_FORWARD(free_dev(ptr));
-}
-
-kvw_status_t kvw_cuda_malloc_host(uint64_t size, void **ptr_p)
-{
-    if (ptr_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_malloc_host: NULL argument");
-    KVW_CUDA_FORWARD(malloc_host(size, ptr_p));
-}
-
-kvw_status_t kvw_cuda_free_host(void *ptr)
-{
-    KVW_CUDA_FORWARD(free_host(ptr));
-}
-
-kvw_status_t kvw_cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream)
+kvw_status_t kvw__cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream)
 {
     KVW_CUDA_FORWARD(memcpy_any(dst, src, size, stream));
 }
 
-kvw_status_t kvw_cuda_memset(void *ptr, int value, uint64_t size, void *stream)
+kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p)
 {
-    KVW_CUDA_FORWARD(memset_dev(ptr, value, size, stream));
-}
-
-kvw_status_t kvw_cuda_stream_create(void **stream_p)
-{
-    if (stream_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_stream_create: NULL argument");
-    KVW_CUDA_FORWARD(stream_create(stream_p));
-}
-
-kvw_status_t kvw_cuda_stream_destroy(void *stream)
-{
-    KVW_CUDA_FORWARD(stream_destroy(stream));
-}
-
-kvw_status_t kvw_cuda_stream_sync(void *stream)
-{
-    KVW_CUDA_FORWARD(stream_sync(stream));
-}
-
-kvw_status_t kvw_cuda_device_sync(void)
-{
-    KVW_CUDA_FORWARD(device_sync());
-}
-
-kvw_status_t kvw_cuda_ipc_export(void *base, kvw_cuda_ipc_handle_t *handle_p)
-{
-    if (base == NULL || handle_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_ipc_export: NULL argument");
-    KVW_CUDA_FORWARD(ipc_export(base, handle_p->bytes));
-}
-
-kvw_status_t kvw_cuda_ipc_open(const kvw_cuda_ipc_handle_t *handle, void **ptr_p)
-{
-    if (handle == NULL || ptr_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_ipc_open: NULL argument");
-    KVW_CUDA_FORWARD(ipc_open(handle->bytes, ptr_p));
-}
-
-kvw_status_t kvw_cuda_mem_base(void *ptr, void **base_p)
-{
-    if (ptr == NULL || base_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_mem_base: NULL argument");
     KVW_CUDA_FORWARD(mem_base(ptr, base_p));
 }
 
-kvw_status_t kvw_cuda_ipc_close(void *ptr)
+kvw_status_t kvw__cuda_ipc_export(void *base, uint8_t handle[KVWC_IPC_HANDLE_SIZE])
+{
+    KVW_CUDA_FORWARD(ipc_export(base, handle));
+}
+
+kvw_status_t kvw__cuda_ipc_open(const uint8_t handle[KVWC_IPC_HANDLE_SIZE], void **ptr_p)
+{
+    KVW_CUDA_FORWARD(ipc_open(handle, ptr_p));
+}
+
+kvw_status_t kvw__cuda_ipc_close(void *ptr)
 {
     KVW_CUDA_FORWARD(ipc_close(ptr));
 }

@@ -470,7 +470,15 @@ static const kvwc_ops_t emu_ops = {
     .busy = emu_busy,
 };
 
+/* KVW_CUDA_EMU_ABI, for tests: the table claims that ABI number instead, so that a
+ * test sees the loaders refuse a module built for another ABI. */
 __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)
 {
-    return &emu_ops;
+    static kvwc_ops_t other;
+    const char *abi = getenv("KVW_CUDA_EMU_ABI");
+    if (abi == NULL || *abi == '\0')
+        return &emu_ops;
+    other = emu_ops;
+    other.abi = (uint32_t)strtoul(abi, NULL, 10);
+    return &other;
 }

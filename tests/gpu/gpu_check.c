@@ -48,7 +48,7 @@ typedef struct gmsg {
     uint32_t type;
     int32_t status; /* KVW_OK or the first error */
     uint64_t a, b;
-    kvw_cuda_ipc_handle_t h1, h2;
+    kvt_cuda_ipc_handle_t h1, h2;
     char text[320];
 } gmsg_t;
 
@@ -118,15 +118,18 @@ static void fail(err_t *e, kvw_status_t st, const char *fmt, ...)
     va_end(ap);
 }
 
-#define TRY(e, call, what)                                                               \
+/* Runs `call` unless an error is pending; a failure records `what`, the status and
+ * `why()`'s message. TRY for the library, TRYC for the test kit's CUDA runtime calls. */
+#define TRY_WITH(e, call, what, why)                                                     \
     do {                                                                                 \
         if ((e)->st == KVW_OK) {                                                         \
             kvw_status_t st_ = (call);                                                   \
             if (st_ != KVW_OK)                                                           \
-                fail((e), st_, "%s: %s (%s)", what, kvw_status_string(st_),              \
-                     kvw_last_error());                                                  \
+                fail((e), st_, "%s: %s (%s)", what, kvw_status_string(st_), why());      \
         }                                                                                \
     } while (0)
+#define TRY(e, call, what) TRY_WITH(e, call, what, kvw_last_error)
+#define TRYC(e, call, what) TRY_WITH(e, call, what, kvt_cuda_error)
 
 /* Both processes build the same host instances and layouts for a case. */
 typedef struct side_state {
@@ -193,8 +196,8 @@ static int run_prefill(int fd, int dev, int peer_dev)
     int rc = 0;
     void *stream = NULL;
     err_t se = {0};
-    TRY(&se, kvw_cuda_set_device(dev), "cudaSetDevice");
-    TRY(&se, kvw_cuda_stream_create(&stream), "stream");
+    TRYC(&se, kvt_cuda_set_device(dev), "cudaSetDevice");
+    TRYC(&se, kvt_cuda_stream_create(&stream), "stream");
     if (se.st != KVW_OK) {
         fprintf(stderr, "prefill: %s\n", se.text);
         return 1;
@@ -226,12 +229,12 @@ static int run_prefill(int fd, int dev, int peer_dev)
         uint8_t *img = malloc(ss.stotal ? ss.stotal : 1);
         if (e.st == KVW_OK && !img)
             fail(&e, KVW_ERR_NO_MEMORY, "out of memory");
-        TRY(&e, kvw_cuda_malloc(ss.stotal, (void **)&sarena), "source arena");
+        TRYC(&e, kvt_cuda_malloc(ss.stotal, (void **)&sarena), "source arena");
         if (e.st == KVW_OK)
             gc_arena_image(&ss.S, ss.soffs, ss.stotal, img);
-        TRY(&e, kvw_cuda_memcpy(sarena, img, ss.stotal, NULL), "source upload");
-        TRY(&e, kvw_cuda_ipc_open(&m.h1, (void **)&dmap), "kvw_cuda_ipc_open(destination)");
-        TRY(&e, kvw_cuda_ipc_open(&m.h2, (void **)&smap), "kvw_cuda_ipc_open(staging)");
+        TRYC(&e, kvt_cuda_memcpy(sarena, img, ss.stotal, NULL), "source upload");
+        TRYC(&e, kvt_cuda_ipc_open(&m.h1, (void **)&dmap), "ipc_open(destination)");
+        TRYC(&e, kvt_cuda_ipc_open(&m.h2, (void **)&smap), "ipc_open(staging)");
 
         /* Plans from descriptions whose addresses are device pointers of both GPUs. */
         npairs = ss.S.n * ss.D.n;
@@ -262,16 +265,16 @@ static int run_prefill(int fd, int dev, int peer_dev)
                 TRY(&e, kvw_cuda_plan_upload(plans[i], KVW_CUDA_DIRECT, &cp),
                     "kvw_cuda_plan_upload");
                 TRY(&e, kvw_cuda_plan_exec(cp, stream), "kvw_cuda_plan_exec");
-                TRY(&e, kvw_cuda_stream_sync(stream), "synchronise after the fused kernel");
+                TRYC(&e, kvt_cuda_stream_sync(stream), "synchronise after the fused kernel");
                 kvw_cuda_plan_destroy(cp);
             }
         }
-        TRY(&e, kvw_cuda_stream_sync(stream), "synchronise after the fused kernel");
+        TRYC(&e, kvt_cuda_stream_sync(stream), "synchronise after the fused kernel");
         if (send_msg(fd, MSG_DIRECT_DONE, e.st, e.text, &m) || recv_msg(fd, MSG_RESET_DONE, &m))
             return 1;
 
         /* Staged: gather on this GPU, one bulk peer copy, the decode side scatters. */
-        TRY(&e, kvw_cuda_malloc(stage_total ? stage_total : 256, (void **)&lstage),
+        TRYC(&e, kvt_cuda_malloc(stage_total ? stage_total : 256, (void **)&lstage),
             "local staging");
         uint64_t off = 0;
         for (uint32_t i = 0; i < npairs && e.st == KVW_OK; i++) {
@@ -281,7 +284,7 @@ static int run_prefill(int fd, int dev, int peer_dev)
             TRY(&e, kvw_cuda_plan_gather(cp, lstage + off, off <= stage_total ? stage_total - off : 0,
                                          stream),
                 "kvw_cuda_plan_gather");
-            TRY(&e, kvw_cuda_stream_sync(stream), "synchronise after gather");
+            TRYC(&e, kvt_cuda_stream_sync(stream), "synchronise after gather");
             kvw_cuda_plan_destroy(cp);
             off += align256(n);
         }
@@ -289,20 +292,21 @@ static int run_prefill(int fd, int dev, int peer_dev)
             fail(&e, KVW_ERR_INTERNAL, "staging needs %llu bytes, decode granted %llu",
                  (unsigned long long)off, (unsigned long long)stage_total);
         if (off)
-            TRY(&e, kvw_cuda_memcpy(smap, lstage, off, stream), "peer copy of the staging");
-        TRY(&e, kvw_cuda_stream_sync(stream), "synchronise after the peer copy");
+            TRYC(&e, kvt_cuda_memcpy(smap, lstage, off, stream), "peer copy of the staging");
+        TRYC(&e, kvt_cuda_stream_sync(stream), "synchronise after the peer copy");
         /* The sources must be untouched. */
         uint8_t *back = malloc(ss.stotal ? ss.stotal : 1);
-        TRY(&e, back ? kvw_cuda_memcpy(back, sarena, ss.stotal, NULL) : KVW_ERR_NO_MEMORY,
-            "source readback");
+        if (e.st == KVW_OK && back == NULL)
+            fail(&e, KVW_ERR_NO_MEMORY, "out of memory");
+        TRYC(&e, kvt_cuda_memcpy(back, sarena, ss.stotal, NULL), "source readback");
         if (e.st == KVW_OK && memcmp(back, img, ss.stotal) != 0)
             fail(&e, KVW_ERR_INTERNAL, "the source arena changed");
         free(back);
         free(img);
         if (dmap)
-            TRY(&e, kvw_cuda_ipc_close(dmap), "kvw_cuda_ipc_close");
+            TRYC(&e, kvt_cuda_ipc_close(dmap), "ipc_close");
         if (smap)
-            TRY(&e, kvw_cuda_ipc_close(smap), "kvw_cuda_ipc_close");
+            TRYC(&e, kvt_cuda_ipc_close(smap), "ipc_close");
         if (send_msg(fd, MSG_STAGED_DONE, e.st, e.text, &m) || recv_msg(fd, MSG_CASE_DONE, &m))
             return 1;
 
@@ -316,16 +320,16 @@ static int run_prefill(int fd, int dev, int peer_dev)
         free(hs);
         free(hd);
         if (sarena)
-            kvw_cuda_free(sarena);
+            kvt_cuda_free(sarena);
         if (lstage)
-            kvw_cuda_free(lstage);
+            kvt_cuda_free(lstage);
         state_free(&ss);
         if (e.st != KVW_OK) {
             fprintf(stderr, "prefill [%s]: %s\n", c->name, e.text);
             rc = 1;
         }
     }
-    kvw_cuda_stream_destroy(stream);
+    kvt_cuda_stream_destroy(stream);
     return rc;
 }
 
@@ -367,8 +371,8 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
     uint32_t nrows = 0;
     void *stream = NULL;
     err_t se = {0};
-    TRY(&se, kvw_cuda_set_device(dev), "cudaSetDevice");
-    TRY(&se, kvw_cuda_stream_create(&stream), "stream");
+    TRYC(&se, kvt_cuda_set_device(dev), "cudaSetDevice");
+    TRYC(&se, kvt_cuda_stream_create(&stream), "stream");
     if (se.st != KVW_OK) {
         fprintf(stderr, "decode: %s\n", se.text);
         return 1;
@@ -418,7 +422,7 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
         if (e.st == KVW_OK && (!plans || !hs || !hd || !stage_off || !init || !img ||
                                !direct_img))
             fail(&e, KVW_ERR_NO_MEMORY, "out of memory");
-        TRY(&e, kvw_cuda_malloc(ss.dtotal, (void **)&darena), "destination arena");
+        TRYC(&e, kvt_cuda_malloc(ss.dtotal, (void **)&darena), "destination arena");
         for (uint32_t s = 0; s < ss.S.n && e.st == KVW_OK; s++)
             TRY(&e, arena_rank(&ss.S, s, ss.soffs, NULL, KVW_MEM_CUDA, 0, &hs[s]),
                 "source description");
@@ -436,16 +440,16 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
                 stage_off[i] = stage_total;
                 stage_total += align256(st.bytes);
             }
-        TRY(&e, kvw_cuda_malloc(stage_total ? stage_total : 256, (void **)&dstage), "staging");
+        TRYC(&e, kvt_cuda_malloc(stage_total ? stage_total : 256, (void **)&dstage), "staging");
         if (e.st == KVW_OK)
             gc_arena_image(&ss.D, ss.doffs, ss.dtotal, init);
-        TRY(&e, kvw_cuda_memcpy(darena, init, ss.dtotal, NULL), "destination upload");
-        TRY(&e, kvw_cuda_memset(dstage, 0xEE, stage_total ? stage_total : 256, NULL),
+        TRYC(&e, kvt_cuda_memcpy(darena, init, ss.dtotal, NULL), "destination upload");
+        TRYC(&e, kvt_cuda_memset(dstage, 0xEE, stage_total ? stage_total : 256, NULL),
             "staging poison");
         m.a = ss.dtotal;
         m.b = stage_total;
-        TRY(&e, kvw_cuda_ipc_export(darena, &m.h1), "kvw_cuda_ipc_export(destination)");
-        TRY(&e, kvw_cuda_ipc_export(dstage, &m.h2), "kvw_cuda_ipc_export(staging)");
+        TRYC(&e, kvt_cuda_ipc_export(darena, &m.h1), "ipc_export(destination)");
+        TRYC(&e, kvt_cuda_ipc_export(dstage, &m.h2), "ipc_export(staging)");
         if (send_msg(fd, MSG_HANDLES, e.st, e.text, &m))
             return 1;
 
@@ -455,7 +459,7 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
                 return 1;
             if (m.status != KVW_OK)
                 fail(&e, m.status, "prefill: %s", m.text);
-            TRY(&e, kvw_cuda_memcpy(img, darena, ss.dtotal, NULL), "destination readback");
+            TRYC(&e, kvt_cuda_memcpy(img, darena, ss.dtotal, NULL), "destination readback");
             char cmsg[320];
             if (e.st == KVW_OK) {
                 if (check_image(&ss, img, exp, "fused kernel", cmsg, sizeof(cmsg)) == 0)
@@ -466,7 +470,7 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
             if (direct_img)
                 memcpy(direct_img, img, ss.dtotal);
             err_t e2 = {0};
-            TRY(&e2, kvw_cuda_memcpy(darena, init, ss.dtotal, NULL), "destination reset");
+            TRYC(&e2, kvt_cuda_memcpy(darena, init, ss.dtotal, NULL), "destination reset");
             if (send_msg(fd, MSG_RESET_DONE, e2.st, e2.text, &m))
                 return 1;
 
@@ -488,7 +492,7 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
                     uint8_t *got = malloc(n + 1), *want = malloc(n + 1);
                     if (es.st == KVW_OK && (!got || !want))
                         fail(&es, KVW_ERR_NO_MEMORY, "out of memory");
-                    TRY(&es, kvw_cuda_memcpy(got, dstage + stage_off[i], n, NULL),
+                    TRYC(&es, kvt_cuda_memcpy(got, dstage + stage_off[i], n, NULL),
                         "staging readback");
                     TRY(&es, gc_expand_gather(plans[i], &ss.S.r[s], want), "CPU gather");
                     if (es.st == KVW_OK && memcmp(got, want, n) != 0) {
@@ -503,10 +507,10 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
                     free(want);
                     TRY(&es, kvw_cuda_plan_scatter(cp, dstage + stage_off[i], n, stream),
                         "kvw_cuda_plan_scatter");
-                    TRY(&es, kvw_cuda_stream_sync(stream), "synchronise after scatter");
+                    TRYC(&es, kvt_cuda_stream_sync(stream), "synchronise after scatter");
                     kvw_cuda_plan_destroy(cp);
                 }
-            TRY(&es, kvw_cuda_memcpy(img, darena, ss.dtotal, NULL), "destination readback");
+            TRYC(&es, kvt_cuda_memcpy(img, darena, ss.dtotal, NULL), "destination readback");
             if (es.st == KVW_OK) {
                 if (check_image(&ss, img, exp, "gather+scatter", cmsg, sizeof(cmsg)))
                     fail(&es, KVW_ERR_INTERNAL, "%s", cmsg);
@@ -536,9 +540,9 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
         free(img);
         free(direct_img);
         if (darena)
-            kvw_cuda_free(darena);
+            kvt_cuda_free(darena);
         if (dstage)
-            kvw_cuda_free(dstage);
+            kvt_cuda_free(dstage);
         for (uint32_t d = 0; exp && d < ss.D.n; d++)
             kvt_copy_free(&exp[d]);
         free(exp);
@@ -548,7 +552,7 @@ static int run_decode(int fd, int dev, row_t *rows, uint32_t *nrows_p)
             rc = 1;
         }
     }
-    kvw_cuda_stream_destroy(stream);
+    kvt_cuda_stream_destroy(stream);
     *nrows_p = nrows;
     return rc;
 }

@@ -209,17 +209,19 @@ static int demo_build(const demo_cfg_t *c, const kvt_model_t *m, bool prefill, d
  */
 static int demo_gpu_attach(demo_inst_t *inst, int device)
 {
-    if (kvt_gpu_attach(inst->ranks, inst->n, device, &inst->dev) == 0)
+    char msg[512];
+    if (kvt_gpu_attach(inst->ranks, inst->n, device, &inst->dev, msg, sizeof(msg)) == 0)
         return 0;
-    fprintf(stderr, "demo: GPU %d: %s\n", device, kvw_last_error());
+    fprintf(stderr, "demo: GPU %d: %s\n", device, msg);
     return -1;
 }
 
 static int demo_gpu_pull(demo_inst_t *inst)
 {
-    if (kvt_gpu_pull(inst->ranks, inst->n, inst->dev) == 0)
+    char msg[512];
+    if (kvt_gpu_pull(inst->ranks, inst->n, inst->dev, msg, sizeof(msg)) == 0)
         return 0;
-    fprintf(stderr, "demo: copying GPU buffers back: %s\n", kvw_last_error());
+    fprintf(stderr, "demo: copying GPU buffers back: %s\n", msg);
     return -1;
 }
 

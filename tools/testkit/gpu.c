@@ -2,32 +2,32 @@
  * testkit.h). */
 #include "testkit.h"
 
-#include <kvwire/cuda.h>
-
+#include <stdio.h>
 #include <stdlib.h>
 
-int kvt_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p)
+int kvt_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p, char *msg,
+                   size_t cap)
 {
     *dev_p = NULL;
-    if (kvw_cuda_set_device(device) != KVW_OK)
-        return -1;
+    if (kvt_cuda_set_device(device) != KVW_OK)
+        return snprintf(msg, cap, "%s", kvt_cuda_error()), -1;
     uint8_t ***dev = calloc(n, sizeof(*dev));
     if (dev == NULL)
-        return -1;
+        return snprintf(msg, cap, "out of memory"), -1;
     *dev_p = dev;
     for (uint32_t k = 0; k < n; k++) {
         kvt_rank_t *r = &ranks[k];
         dev[k] = calloc(r->num_bufs, sizeof(uint8_t *));
         if (dev[k] == NULL)
-            return -1;
+            return snprintf(msg, cap, "out of memory"), -1;
         for (uint32_t i = 0; i < r->num_bufs; i++) {
             uint64_t total = r->alloc_len[i] + 2ull * r->guard;
             void *d;
-            if (kvw_cuda_malloc(total, &d) != KVW_OK)
-                return -1;
+            if (kvt_cuda_malloc(total, &d) != KVW_OK)
+                return snprintf(msg, cap, "%s", kvt_cuda_error()), -1;
             dev[k][i] = d;
-            if (kvw_cuda_memcpy(d, r->mem[i], total, NULL) != KVW_OK)
-                return -1;
+            if (kvt_cuda_memcpy(d, r->mem[i], total, NULL) != KVW_OK)
+                return snprintf(msg, cap, "%s", kvt_cuda_error()), -1;
             r->bufs[i].addr = (uint8_t *)d + r->guard;
             r->bufs[i].mem_kind = KVW_MEM_CUDA;
             r->bufs[i].device = device;
@@ -35,19 +35,19 @@ int kvt_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p)
         kvw_rank_destroy(r->h);
         r->h = NULL;
         if (kvt_rank_open(r) != KVW_OK)
-            return -1;
+            return snprintf(msg, cap, "%s", kvw_last_error()), -1;
     }
     return 0;
 }
 
-int kvt_gpu_pull(kvt_rank_t *ranks, uint32_t n, uint8_t ***dev)
+int kvt_gpu_pull(kvt_rank_t *ranks, uint32_t n, uint8_t ***dev, char *msg, size_t cap)
 {
     for (uint32_t k = 0; dev && k < n; k++) {
         kvt_rank_t *r = &ranks[k];
         for (uint32_t i = 0; i < r->num_bufs; i++)
-            if (kvw_cuda_memcpy(r->mem[i], dev[k][i], r->alloc_len[i] + 2ull * r->guard,
+            if (kvt_cuda_memcpy(r->mem[i], dev[k][i], r->alloc_len[i] + 2ull * r->guard,
                                 NULL) != KVW_OK)
-                return -1;
+                return snprintf(msg, cap, "%s", kvt_cuda_error()), -1;
     }
     return 0;
 }
@@ -57,7 +57,7 @@ void kvt_gpu_free(const kvt_rank_t *ranks, uint32_t n, uint8_t ***dev)
     for (uint32_t k = 0; dev && k < n; k++) {
         for (uint32_t i = 0; dev[k] && i < ranks[k].num_bufs; i++)
             if (dev[k][i])
-                kvw_cuda_free(dev[k][i]);
+                kvt_cuda_free(dev[k][i]);
         free(dev[k]);
     }
     free(dev);

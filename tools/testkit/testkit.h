@@ -283,10 +283,6 @@ int kvt_expect_failure(const char *what, kvw_status_t got, kvw_status_t want,
 /* Monotonic time in nanoseconds. */
 uint64_t kvt_now_ns(void);
 
-#ifdef __cplusplus
-}
-#endif
-
 /* ---------------------------------------------------------------- processes */
 
 /* write(2) / read(2) until `len` bytes moved (EINTR retried). Return 0, or -1 on an
@@ -302,18 +298,61 @@ int kvt_cuda_probe(void);
 
 /*
  * GPU memory: every buffer of ranks[0 .. n) (with its guard bytes) gets a device copy on
- * `device`, and each rank is described again with the device addresses; the host
- * copies stay, for the reference and for checking. *dev_p gets, per rank and per
- * buffer, the device allocation; free it with kvt_gpu_free, after a failure too.
- * Returns 0, or -1 with kvw_last_error() saying why.
+ * `device` (through kvt_cuda_*, below), and each rank is described again with the device
+ * addresses; the host copies stay, for the reference and for checking. *dev_p gets, per
+ * rank and per buffer, the device allocation; free it with kvt_gpu_free, after a
+ * failure too. Returns 0, or -1 with the reason in msg.
  */
-int kvt_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p);
+int kvt_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p, char *msg,
+                   size_t cap);
 
 /* Copies the device bytes (guards included) back into the ranks' host buffers. Returns
- * 0, or -1 with kvw_last_error() saying why. */
-int kvt_gpu_pull(kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
+ * 0, or -1 with the reason in msg. */
+int kvt_gpu_pull(kvt_rank_t *ranks, uint32_t n, uint8_t ***dev, char *msg, size_t cap);
 
 /* Frees what kvt_gpu_attach allocated (dev may be NULL or partly filled). */
 void kvt_gpu_free(const kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
+
+/* ---------------------------------------------------------------- CUDA runtime */
+
+/*
+ * The CUDA runtime calls the tools and tests make around the library: device
+ * selection, device memory, copies, streams and IPC handles. libkvwire does not export
+ * them (engines bring their own CUDA runtime; see kvwire/cuda.h), so the kit loads the
+ * library's CUDA module itself, by the library's rule (KVW_CUDA_MODULE, else the module
+ * next to libkvwire or the executable it is linked into; src/cuda/module_load.h), and
+ * calls the module's operations. With the CPU stand-in module of tests/gpu/ "device
+ * memory" is host memory, so CI without a GPU runs the same code.
+ *
+ * Each returns the module's status (KVW_ERR_UNSUPPORTED when the module cannot be
+ * loaded); on failure kvt_cuda_error() says why, for the calling thread. Streams are
+ * cudaStream_t values as void *, NULL the legacy default stream; a copy or memset with
+ * stream NULL returns when done. Device memory is allocated on the thread's current
+ * device; an IPC handle is exported from the start of an allocation.
+ */
+const char *kvt_cuda_error(void);
+kvw_status_t kvt_cuda_set_device(int device);
+kvw_status_t kvt_cuda_malloc(uint64_t size, void **ptr_p);
+kvw_status_t kvt_cuda_free(void *ptr);
+kvw_status_t kvt_cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream);
+kvw_status_t kvt_cuda_memset(void *ptr, int value, uint64_t size, void *stream);
+kvw_status_t kvt_cuda_stream_create(void **stream_p);
+kvw_status_t kvt_cuda_stream_destroy(void *stream);
+kvw_status_t kvt_cuda_stream_sync(void *stream);
+
+#define KVT_CUDA_IPC_HANDLE_SIZE 64
+/* Plain bytes, so that a handle can travel in any message. */
+typedef struct kvt_cuda_ipc_handle {
+    uint8_t bytes[KVT_CUDA_IPC_HANDLE_SIZE];
+} kvt_cuda_ipc_handle_t;
+kvw_status_t kvt_cuda_ipc_export(void *base, kvt_cuda_ipc_handle_t *handle_p);
+/* Maps a peer's allocation into the current device's context (peer access enabled as
+ * needed); valid until kvt_cuda_ipc_close. */
+kvw_status_t kvt_cuda_ipc_open(const kvt_cuda_ipc_handle_t *handle, void **ptr_p);
+kvw_status_t kvt_cuda_ipc_close(void *ptr);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -9,6 +9,7 @@
  * shm, the sending library confines them (plans only address the decode's own pages of
  * the room, inside registered regions).
  */
+#include "cuda/module.h"
 #include "transport/tl_util.h"
 
 #include <kvwire/cuda.h>
@@ -34,7 +35,7 @@ typedef struct cipc_rkey {
 } cipc_rkey_t;
 
 /* Packed key: kind u8, region u64, len u64, offset u64, handle, then tcp's key. */
-#define CIPC_HDR (1 + 8 + 8 + 8 + KVW_CUDA_IPC_HANDLE_SIZE)
+#define CIPC_HDR (1 + 8 + 8 + 8 + KVWC_IPC_HANDLE_SIZE)
 
 static kvw_status_t cipc_mem_reg(kvw_tl_h tl, void *addr, uint64_t len, kvw_mem_kind_t kind,
                                  uint64_t region_id, kvw_tl_mem_h *mem_p, void *rkey_buf,
@@ -51,15 +52,13 @@ static kvw_status_t cipc_mem_reg(kvw_tl_h tl, void *addr, uint64_t len, kvw_mem_
     kvw__le64_put(k + 9, len);
     size_t inner_len = KVW_TL_MAX_RKEY - CIPC_HDR;
     if (kind == KVW_MEM_CUDA) {
-        kvw_cuda_ipc_handle_t h;
         void *base = NULL;
-        if ((st = kvw_cuda_mem_base(addr, &base)) != KVW_OK ||
-            (st = kvw_cuda_ipc_export(base, &h)) != KVW_OK) {
+        if ((st = kvw__cuda_mem_base(addr, &base)) != KVW_OK ||
+            (st = kvw__cuda_ipc_export(base, k + 25)) != KVW_OK) {
             free(m);
             return st;
         }
         kvw__le64_put(k + 17, (uint64_t)((uint8_t *)addr - (uint8_t *)base));
-        memcpy(k + 25, h.bytes, KVW_CUDA_IPC_HANDLE_SIZE);
         inner_len = 0;
         m->kind = CIPC_CUDA;
     } else {
@@ -100,9 +99,7 @@ static kvw_status_t cipc_rkey_unpack(kvw_tl_ep_h ep, const void *rkey, size_t le
     r->len = kvw__le64_get(k + 9);
     kvw_status_t st;
     if (r->kind == CIPC_CUDA) {
-        kvw_cuda_ipc_handle_t h;
-        memcpy(h.bytes, k + 25, KVW_CUDA_IPC_HANDLE_SIZE);
-        if ((st = kvw_cuda_ipc_open(&h, &r->base)) != KVW_OK) {
+        if ((st = kvw__cuda_ipc_open(k + 25, &r->base)) != KVW_OK) {
             free(r);
             return kvw__error(st, "cuda_ipc: cannot map the peer's GPU buffer: %s",
                               kvw_last_error());
@@ -122,7 +119,7 @@ static void cipc_rkey_release(kvw_tl_rkey_h rkey)
     if (r == NULL)
         return;
     if (r->kind == CIPC_CUDA)
-        kvw_cuda_ipc_close(r->base);
+        kvw__cuda_ipc_close(r->base);
     else
         TCP->rkey_release(r->inner);
     free(r);
@@ -146,7 +143,7 @@ static kvw_status_t cipc_put(kvw_tl_ep_h ep, uint64_t room, const kvw_tl_put_t *
                               "%llu-byte region", (unsigned long long)puts[i].dst_off,
                               (unsigned long long)puts[i].len, (unsigned long long)r->len);
         if (r->kind == CIPC_CUDA) {
-            st = kvw_cuda_memcpy(r->ptr + puts[i].dst_off, puts[i].src, puts[i].len, NULL);
+            st = kvw__cuda_memcpy(r->ptr + puts[i].dst_off, puts[i].src, puts[i].len, NULL);
         } else {
             kvw_tl_put_t p = puts[i];
             p.rkey = r->inner;
