@@ -6,10 +6,19 @@
 
 #include <kvwire/kvwire.h>
 
+#include <stddef.h>
+
+/* Where a struct's field lies. */
+typedef struct kvw_mask_field {
+    size_t off, size;
+} kvw_mask_field_t;
+
 typedef struct kvw_mask_spec {
     const char *type;          /* "kvw_send_chunk_t" */
     const char *const *fields; /* field name of bit i, NULL-terminated */
     uint64_t required;         /* bits that must be set */
+    /* Where the field of bit i lies, for kvw__mask_copy (NULL: a spec that only checks). */
+    const kvw_mask_field_t *layout;
 } kvw_mask_spec_t;
 
 /* The bits a spec's table names. */
@@ -21,6 +30,20 @@ uint64_t kvw__mask_known(const kvw_mask_spec_t *spec);
  * none), the struct, and the unknown bits or the first missing field.
  */
 kvw_status_t kvw__mask_check(const kvw_mask_spec_t *spec, uint64_t mask, const char *where);
+
+/*
+ * Copies the fields whose bits `mask` sets from `src` to `dst`, two structs of the
+ * spec's type (it has a layout); dst's other fields and its field_mask stay as they
+ * are. Normalising a caller's struct: dst holds the defaults, mask is the caller's.
+ * Filling a caller's query: src holds every answer, mask is what the caller wants.
+ */
+void kvw__mask_copy(const kvw_mask_spec_t *spec, uint64_t mask, const void *src, void *dst);
+
+/* A query's checks (kvw_plan_stats, kvw_room_metrics): a handle, and an output struct
+ * whose field_mask (the first member of every public struct) names the fields wanted,
+ * with no bit unknown to `spec`. INVALID_PARAM, naming `fn`. */
+kvw_status_t kvw__mask_query_check(const kvw_mask_spec_t *spec, const void *handle,
+                                   const void *out, const char *fn);
 
 /* The specs of the public structs. */
 extern const kvw_mask_spec_t kvw__spec_layer, kvw__spec_model, kvw__spec_parallel,

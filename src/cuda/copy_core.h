@@ -439,21 +439,35 @@ typedef struct kvwc_window {
     uint32_t wcap;
 } kvwc_window_t;
 
-static inline void kvwc_window_of(const kvwc_plan_in_t *in, uint64_t lo, uint64_t hi,
-                                  kvwc_window_t *w)
+/* The bounds and the unit width cap of a window [lo, hi); its jobs still unset. */
+static inline void kvwc_window_bounds(uint64_t lo, uint64_t hi, kvwc_window_t *w)
 {
     w->lo = lo;
     w->hi = hi;
     w->wcap = kvwc_align_of(lo);
     if (hi != KVWC_WINDOW_ALL && kvwc_align_of(hi) < w->wcap)
         w->wcap = kvwc_align_of(hi);
+}
+
+/* Steps *i to the next segment the layout keeps (empty ones are dropped) and gives its
+ * bytes and jobs, *i then past it; 0 when none is left. */
+static inline int kvwc_seg_next(const kvwc_plan_in_t *in, uint32_t *i, uint64_t *bytes_p,
+                                uint64_t *jobs_p)
+{
+    while (*i < in->num_segs)
+        if (kvwc_seg_size(&in->segs[(*i)++], bytes_p, jobs_p))
+            return 1;
+    return 0;
+}
+
+static inline void kvwc_window_of(const kvwc_plan_in_t *in, uint64_t lo, uint64_t hi,
+                                  kvwc_window_t *w)
+{
+    kvwc_window_bounds(lo, hi, w);
     w->j0 = w->j1 = 0;
     int first = 1;
-    uint64_t jobs = 0, stage = 0;
-    for (uint32_t i = 0; i < in->num_segs; i++) {
-        uint64_t bytes, nj;
-        if (!kvwc_seg_size(&in->segs[i], &bytes, &nj))
-            continue;
+    uint64_t jobs = 0, stage = 0, bytes, nj;
+    for (uint32_t i = 0; kvwc_seg_next(in, &i, &bytes, &nj);) {
         if (stage < hi && stage + bytes > lo) {
             if (first)
                 w->j0 = jobs;
@@ -476,11 +490,8 @@ typedef struct kvwc_span {
 static inline uint32_t kvwc_spans_fill(const kvwc_plan_in_t *in, kvwc_span_t *sp)
 {
     uint32_t n = 0;
-    uint64_t jobs = 0, stage = 0;
-    for (uint32_t i = 0; i < in->num_segs; i++) {
-        uint64_t bytes, nj;
-        if (!kvwc_seg_size(&in->segs[i], &bytes, &nj))
-            continue;
+    uint64_t jobs = 0, stage = 0, bytes, nj;
+    for (uint32_t i = 0; kvwc_seg_next(in, &i, &bytes, &nj);) {
         sp[n].stage = stage;
         sp[n].job = jobs;
         n++;
@@ -496,11 +507,7 @@ static inline uint32_t kvwc_spans_fill(const kvwc_plan_in_t *in, kvwc_span_t *sp
 static inline void kvwc_window_at(const kvwc_span_t *sp, uint32_t n, uint64_t lo, uint64_t hi,
                                   kvwc_window_t *w)
 {
-    w->lo = lo;
-    w->hi = hi;
-    w->wcap = kvwc_align_of(lo);
-    if (hi != KVWC_WINDOW_ALL && kvwc_align_of(hi) < w->wcap)
-        w->wcap = kvwc_align_of(hi);
+    kvwc_window_bounds(lo, hi, w);
     /* Segments [a, b) overlap the window: a is the first ending past lo, b the first
      * starting at hi or later (segments are never empty, so starts increase). */
     uint32_t a = 0, e = n;

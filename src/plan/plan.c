@@ -217,6 +217,26 @@ static void kvw_geometry_map(uint32_t page_size, uint64_t tb, uint64_t te, kvw_p
     map->first_token = tb < te ? tb - tb % page_size : 0;
 }
 
+/* One side's map of pool p (not the state pool) for tokens [tb, te): the side's page
+ * list copied to *store_p, which then points past it, or with pages NULL its geometry
+ * only. The destination's list is checked for repeated pages. */
+static kvw_status_t kvw_side_map(kvw_rank_h rank, const kvw_side_pages_t *pages, int p, bool dst,
+                                 uint64_t tb, uint64_t te, uint32_t **store_p,
+                                 kvw_page_map_t *map)
+{
+    uint32_t page_size = KVW_MAX(rank->pool_page_size[p], 1);
+    if (pages == NULL) {
+        kvw_geometry_map(page_size, tb, te, map);
+        return KVW_OK;
+    }
+    kvw_status_t st = kvw_map_pages(dst ? "destination" : "source", kvw_pool_names[p],
+                                    p == KVW_POOL_FULL ? &pages->full : &pages->swa, page_size,
+                                    rank->pool_capacity[p], tb, te, dst, *store_p, map);
+    if (st == KVW_OK)
+        *store_p += map->num_pages;
+    return st;
+}
+
 /* sp or dp NULL: that side has geometry only (kvw_geometry_map). */
 static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
                                    const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
@@ -335,27 +355,9 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
     uint32_t *store = plan->page_storage;
     for (int p = 0; p < KVW_POOL_STATE; p++) {
         uint64_t b = need_b[p] < need_e[p] ? need_b[p] : 0, e = need_b[p] < need_e[p] ? need_e[p] : 0;
-        uint32_t sps = KVW_MAX(src->pool_page_size[p], 1), dps = KVW_MAX(dst->pool_page_size[p], 1);
-        if (sp) {
-            st = kvw_map_pages("source", kvw_pool_names[p],
-                               p == KVW_POOL_FULL ? &sp->full : &sp->swa, sps,
-                               src->pool_capacity[p], b, e, false, store, &plan->src_maps[p]);
-            if (st != KVW_OK)
-                goto err_free;
-            store += plan->src_maps[p].num_pages;
-        } else {
-            kvw_geometry_map(sps, b, e, &plan->src_maps[p]);
-        }
-        if (dp) {
-            st = kvw_map_pages("destination", kvw_pool_names[p],
-                               p == KVW_POOL_FULL ? &dp->full : &dp->swa, dps,
-                               dst->pool_capacity[p], b, e, true, store, &plan->dst_maps[p]);
-            if (st != KVW_OK)
-                goto err_free;
-            store += plan->dst_maps[p].num_pages;
-        } else {
-            kvw_geometry_map(dps, b, e, &plan->dst_maps[p]);
-        }
+        if ((st = kvw_side_map(src, sp, p, false, b, e, &store, &plan->src_maps[p])) != KVW_OK ||
+            (st = kvw_side_map(dst, dp, p, true, b, e, &store, &plan->dst_maps[p])) != KVW_OK)
+            goto err_free;
     }
     if (any_state) {
         if (sp)

@@ -131,12 +131,11 @@ kvw_status_t kvw_plan_expand(kvw_plan_h plan, kvw_run_cb_t cb, void *arg)
 
 kvw_status_t kvw_plan_stats(kvw_plan_h plan, kvw_plan_stats_t *stats_p)
 {
-    if (plan == NULL || stats_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_stats: NULL argument");
-    const uint64_t want = stats_p->field_mask;
-    kvw_status_t s = kvw__mask_check(&kvw__spec_plan_stats, want, "kvw_plan_stats");
+    kvw_status_t s = kvw__mask_query_check(&kvw__spec_plan_stats, plan, stats_p,
+                                           "kvw_plan_stats");
     if (s != KVW_OK)
         return s;
+    const uint64_t want = stats_p->field_mask;
     uint64_t runs_raw = 0, runs_coalesced = 0;
     if (want & KVW_PLAN_STATS_FIELD_RUNS_RAW)
         for (uint32_t i = 0; i < plan->num_segs; i++)
@@ -145,17 +144,12 @@ kvw_status_t kvw_plan_stats(kvw_plan_h plan, kvw_plan_stats_t *stats_p)
     if ((want & KVW_PLAN_STATS_FIELD_RUNS_COALESCED) &&
         (s = kvw_plan_expand_count(plan, NULL, NULL, &runs_coalesced)) != KVW_OK)
         return s;
-    if (want & KVW_PLAN_STATS_FIELD_BYTES)
-        stats_p->bytes = plan->bytes;
-    if (want & KVW_PLAN_STATS_FIELD_NUM_ROUTES)
-        stats_p->num_routes = plan->num_routes;
-    if (want & KVW_PLAN_STATS_FIELD_NUM_SEGMENTS)
-        stats_p->num_segments = plan->num_segs;
-    if (want & KVW_PLAN_STATS_FIELD_RUNS_RAW)
-        stats_p->runs_raw = runs_raw;
-    if (want & KVW_PLAN_STATS_FIELD_RUNS_COALESCED)
-        stats_p->runs_coalesced = runs_coalesced;
-    if (want & KVW_PLAN_STATS_FIELD_PLAN_BYTES)
-        stats_p->plan_bytes = plan->alloc_bytes;
+    const kvw_plan_stats_t all = {.bytes = plan->bytes,
+                                  .num_routes = plan->num_routes,
+                                  .num_segments = plan->num_segs,
+                                  .runs_raw = runs_raw,
+                                  .runs_coalesced = runs_coalesced,
+                                  .plan_bytes = plan->alloc_bytes};
+    kvw__mask_copy(&kvw__spec_plan_stats, want, &all, stats_p);
     return KVW_OK;
 }

@@ -34,6 +34,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
@@ -102,15 +103,16 @@ void kvw__bootstrap_entry_mac(const char *secret, const kvw_bs_entry_t *e, uint8
     kvw__hmac_final(&h, out);
 }
 
+/* An entry's rank fields, in wire order. */
+static const size_t kvw_bs_entry_u32[] = {
+    offsetof(kvw_bs_entry_t, dp),      offsetof(kvw_bs_entry_t, tp),
+    offsetof(kvw_bs_entry_t, pp),      offsetof(kvw_bs_entry_t, dp_size),
+    offsetof(kvw_bs_entry_t, tp_size), offsetof(kvw_bs_entry_t, pp_size)};
+
 /* Fields, address, then a flag and (when set) nonce and MAC. */
 void kvw__bootstrap_put_entry(kvw_wbuf_t *w, const kvw_bs_entry_t *e)
 {
-    kvw__wb_u32(w, e->dp);
-    kvw__wb_u32(w, e->tp);
-    kvw__wb_u32(w, e->pp);
-    kvw__wb_u32(w, e->dp_size);
-    kvw__wb_u32(w, e->tp_size);
-    kvw__wb_u32(w, e->pp_size);
+    kvw__wb_u32_fields(w, e, kvw_bs_entry_u32, KVW_ARRAY_SIZE(kvw_bs_entry_u32));
     kvw__wb_str(w, e->addr);
     kvw__wb_u8(w, e->has_mac);
     for (size_t i = 0; e->has_mac && i < sizeof(e->nonce); i++)
@@ -122,12 +124,7 @@ void kvw__bootstrap_put_entry(kvw_wbuf_t *w, const kvw_bs_entry_t *e)
 static void kvw_bs_get_entry(kvw_rbuf_t *r, kvw_bs_entry_t *e)
 {
     *e = (kvw_bs_entry_t){0};
-    e->dp = kvw__rb_u32(r);
-    e->tp = kvw__rb_u32(r);
-    e->pp = kvw__rb_u32(r);
-    e->dp_size = kvw__rb_u32(r);
-    e->tp_size = kvw__rb_u32(r);
-    e->pp_size = kvw__rb_u32(r);
+    kvw__rb_u32_fields(r, e, kvw_bs_entry_u32, KVW_ARRAY_SIZE(kvw_bs_entry_u32));
     kvw__rb_str(r, e->addr, sizeof(e->addr));
     uint8_t flag = kvw__rb_u8(r);
     if (flag > 1)

@@ -1,7 +1,20 @@
 /* Encoding of rank descriptions (model, parallel config, buffers) in control frames. */
 #include "proto/proto.h"
 
+#include <stddef.h>
 #include <string.h>
+
+/* The uint32_t fields of a model and of a parallel config, in wire order. */
+static const size_t kvw_model_u32[] = {
+    offsetof(kvw_model_t, num_kv_heads), offsetof(kvw_model_t, k_head_dim),
+    offsetof(kvw_model_t, v_head_dim),   offsetof(kvw_model_t, mla_dim),
+    offsetof(kvw_model_t, elem_size),    offsetof(kvw_model_t, scale_block),
+    offsetof(kvw_model_t, scale_elem_size)};
+static const size_t kvw_parallel_u32[] = {
+    offsetof(kvw_parallel_t, tp_size),     offsetof(kvw_parallel_t, tp_rank),
+    offsetof(kvw_parallel_t, pp_size),     offsetof(kvw_parallel_t, pp_rank),
+    offsetof(kvw_parallel_t, layer_begin), offsetof(kvw_parallel_t, layer_end),
+    offsetof(kvw_parallel_t, dp_size),     offsetof(kvw_parallel_t, dp_rank)};
 
 void kvw__wire_put_rank(kvw_wbuf_t *w, kvw_rank_h rank)
 {
@@ -12,17 +25,8 @@ void kvw__wire_put_rank(kvw_wbuf_t *w, kvw_rank_h rank)
         kvw__wb_u8(w, (uint8_t)m->layers[l].kind);
         kvw__wb_u32(w, m->layers[l].window);
     }
-    kvw__wb_u32(w, m->num_kv_heads);
-    kvw__wb_u32(w, m->k_head_dim);
-    kvw__wb_u32(w, m->v_head_dim);
-    kvw__wb_u32(w, m->mla_dim);
-    kvw__wb_u32(w, m->elem_size);
-    kvw__wb_u32(w, m->scale_block);
-    kvw__wb_u32(w, m->scale_elem_size);
-    const uint32_t par[8] = {p->tp_size, p->tp_rank, p->pp_size, p->pp_rank,
-                             p->layer_begin, p->layer_end, p->dp_size, p->dp_rank};
-    for (int i = 0; i < 8; i++)
-        kvw__wb_u32(w, par[i]);
+    kvw__wb_u32_fields(w, m, kvw_model_u32, KVW_ARRAY_SIZE(kvw_model_u32));
+    kvw__wb_u32_fields(w, p, kvw_parallel_u32, KVW_ARRAY_SIZE(kvw_parallel_u32));
     uint32_t nb = kvw_rank_num_buffers(rank);
     kvw__wb_u32(w, nb);
     for (uint32_t i = 0; i < nb; i++) {
@@ -70,22 +74,9 @@ kvw_status_t kvw__wire_get_rank(kvw_rbuf_t *r, kvw_rank_h *rank_p)
     }
     m.field_mask = KVW_MODEL_FIELDS_ALL;
     m.layers = layers;
-    m.num_kv_heads = kvw__rb_u32(r);
-    m.k_head_dim = kvw__rb_u32(r);
-    m.v_head_dim = kvw__rb_u32(r);
-    m.mla_dim = kvw__rb_u32(r);
-    m.elem_size = kvw__rb_u32(r);
-    m.scale_block = kvw__rb_u32(r);
-    m.scale_elem_size = kvw__rb_u32(r);
+    kvw__rb_u32_fields(r, &m, kvw_model_u32, KVW_ARRAY_SIZE(kvw_model_u32));
     p.field_mask = KVW_PARALLEL_FIELDS_ALL;
-    p.tp_size = kvw__rb_u32(r);
-    p.tp_rank = kvw__rb_u32(r);
-    p.pp_size = kvw__rb_u32(r);
-    p.pp_rank = kvw__rb_u32(r);
-    p.layer_begin = kvw__rb_u32(r);
-    p.layer_end = kvw__rb_u32(r);
-    p.dp_size = kvw__rb_u32(r);
-    p.dp_rank = kvw__rb_u32(r);
+    kvw__rb_u32_fields(r, &p, kvw_parallel_u32, KVW_ARRAY_SIZE(kvw_parallel_u32));
     uint32_t nb = kvw__rb_u32(r);
     if (r->bad || nb > KVW_WIRE_MAX_BUFFERS || nb > (r->len - r->pos) / 40) {
         st = kvw__error(KVW_ERR_MALFORMED, "rank description: bad buffer count %u", nb);

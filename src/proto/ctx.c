@@ -5,6 +5,7 @@
  * room tables; no socket I/O happens while it is held except non-blocking reads on the
  * control thread and the first non-blocking write of a frame (kvw__peer_send).
  */
+#include "core/cond.h"
 #include "core/config.h"
 #include "proto/proto.h"
 
@@ -91,13 +92,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                                                        : KVW_PATH_AUTO;
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
-    {
-        pthread_condattr_t ca;
-        pthread_condattr_init(&ca);
-        pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-        pthread_cond_init(&ctx->done_cv, &ca);
-        pthread_condattr_destroy(&ca);
-    }
+    kvw__cond_init_monotonic(&ctx->done_cv);
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
 
     const char *tl_name = (fm & KVW_CTX_FIELD_TRANSPORT) && params->transport ? params->transport

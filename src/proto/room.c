@@ -216,28 +216,21 @@ kvw_status_t kvw_room_status(kvw_room_h h)
 
 kvw_status_t kvw_room_metrics(kvw_room_h h, kvw_room_metrics_t *m)
 {
-    if (h == NULL || m == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_room_metrics: NULL argument");
-    const uint64_t want = m->field_mask;
-    kvw_status_t st = kvw__mask_check(&kvw__spec_room_metrics, want, "kvw_room_metrics");
+    kvw_status_t st = kvw__mask_query_check(&kvw__spec_room_metrics, h, m, "kvw_room_metrics");
     if (st != KVW_OK)
         return st;
+    kvw_room_metrics_t all = {0};
     if (h->ctx)
         pthread_mutex_lock(&h->ctx->mu);
-    if (want & KVW_ROOM_METRICS_FIELD_BYTES)
-        m->bytes = h->bytes;
-    if (want & KVW_ROOM_METRICS_FIELD_RUNS)
-        m->runs = h->runs;
-    if (want & KVW_ROOM_METRICS_FIELD_START_NS)
-        m->start_ns = h->start_ns;
-    if (want & KVW_ROOM_METRICS_FIELD_END_NS)
-        m->end_ns = h->end_ns;
-    if (want & KVW_ROOM_METRICS_FIELD_PATH)
-        m->path = h->path ? h->path : "none";
-    if (want & KVW_ROOM_METRICS_FIELD_HOP_NS)
-        memcpy(m->hop_ns, h->hop_ns, sizeof(m->hop_ns));
+    all.bytes = h->bytes;
+    all.runs = h->runs;
+    all.start_ns = h->start_ns;
+    all.end_ns = h->end_ns;
+    all.path = h->path ? h->path : "none";
+    memcpy(all.hop_ns, h->hop_ns, sizeof(all.hop_ns));
     if (h->ctx)
         pthread_mutex_unlock(&h->ctx->mu);
+    kvw__mask_copy(&kvw__spec_room_metrics, m->field_mask, &all, m);
     return KVW_OK;
 }
 

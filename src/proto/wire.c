@@ -53,6 +53,14 @@ void kvw__wb_u64(kvw_wbuf_t *w, uint64_t v)
     kvw__le64_put(b, v);
     kvw_wb_put(w, b, 8);
 }
+void kvw__wb_u32_fields(kvw_wbuf_t *w, const void *s, const size_t *offs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v;
+        memcpy(&v, (const char *)s + offs[i], sizeof(v));
+        kvw__wb_u32(w, v);
+    }
+}
 void kvw__wb_bytes(kvw_wbuf_t *w, const void *p, size_t n)
 {
     kvw__wb_u32(w, (uint32_t)n);
@@ -146,6 +154,13 @@ uint64_t kvw__rb_u64(kvw_rbuf_t *r)
 {
     const uint8_t *b = kvw_rb_take(r, 8);
     return b ? kvw__le64_get(b) : 0;
+}
+void kvw__rb_u32_fields(kvw_rbuf_t *r, void *s, const size_t *offs, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t v = kvw__rb_u32(r);
+        memcpy((char *)s + offs[i], &v, sizeof(v));
+    }
 }
 const void *kvw__rb_bytes(kvw_rbuf_t *r, size_t max, size_t *len_p)
 {

@@ -68,6 +68,9 @@ void kvw__wb_u64(kvw_wbuf_t *w, uint64_t v);
 void kvw__wb_bytes(kvw_wbuf_t *w, const void *p, size_t n); /* u32 length + bytes */
 void kvw__wb_str(kvw_wbuf_t *w, const char *s);
 kvw_status_t kvw__wb_finish(kvw_wbuf_t *w); /* NO_MEMORY if any append failed */
+/* The uint32_t fields of struct `s` at the byte offsets offs[0..n), in that order: one
+ * table of offsets serves the writer and the reader, so both keep the same order. */
+void kvw__wb_u32_fields(kvw_wbuf_t *w, const void *s, const size_t *offs, size_t n);
 void kvw__wb_free(kvw_wbuf_t *w);
 
 /* Header parse: OK, or MALFORMED with a message (bad magic, version, type, length). */
@@ -78,6 +81,7 @@ uint8_t kvw__rb_u8(kvw_rbuf_t *r);
 uint16_t kvw__rb_u16(kvw_rbuf_t *r);
 uint32_t kvw__rb_u32(kvw_rbuf_t *r);
 uint64_t kvw__rb_u64(kvw_rbuf_t *r);
+void kvw__rb_u32_fields(kvw_rbuf_t *r, void *s, const size_t *offs, size_t n);
 /* Returns a pointer into the frame and its length (<= max), or NULL and marks bad. */
 const void *kvw__rb_bytes(kvw_rbuf_t *r, size_t max, size_t *len_p);
 /* Copies a string of at most cap-1 bytes into out (NUL-terminated). */

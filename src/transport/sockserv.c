@@ -1,4 +1,5 @@
 /* The socket server under the tcp and shm transports; see sockserv.h. */
+#include "core/dlist.h"
 #include "transport/sockserv.h"
 #include "transport/tl_util.h"
 
@@ -91,11 +92,7 @@ void kvw__sock_ep_init(kvw__sock_ep_t *ep, kvw__sockserv_t *srv, int fd, bool ac
 /* srv->mu held. */
 static void ep_link(kvw__sockserv_t *srv, kvw__sock_ep_t *ep)
 {
-    ep->prev = NULL;
-    ep->next = srv->eps;
-    if (srv->eps)
-        srv->eps->prev = ep;
-    srv->eps = ep;
+    KVW_DLIST_PUSH(srv->eps, ep);
     if (ep->hd.accepted)
         srv->num_accepted++;
     struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP, .data.ptr = ep};
@@ -107,12 +104,7 @@ static void ep_link(kvw__sockserv_t *srv, kvw__sock_ep_t *ep)
 /* srv->mu held. */
 static void ep_unlink(kvw__sockserv_t *srv, kvw__sock_ep_t *ep)
 {
-    if (ep->prev)
-        ep->prev->next = ep->next;
-    else
-        srv->eps = ep->next;
-    if (ep->next)
-        ep->next->prev = ep->prev;
+    KVW_DLIST_REMOVE(srv->eps, ep);
     if (ep->hd.accepted)
         srv->num_accepted--;
 }

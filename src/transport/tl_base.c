@@ -1,6 +1,7 @@
 /* What every transport does the same way; see tl_base.h. */
 #include "transport/tl_base.h"
 
+#include "core/dlist.h"
 #include "core/le.h"
 
 #include <stdio.h>
@@ -131,23 +132,14 @@ void kvw__tl_format_reason(const kvw__tl_ep_t *ep, char *buf, size_t cap, const 
 void kvw__tl_rkey_link(pthread_mutex_t *mu, kvw__tl_rkey_t **head, kvw__tl_rkey_t *rk)
 {
     pthread_mutex_lock(mu);
-    rk->prev = NULL;
-    rk->next = *head;
-    if (rk->next)
-        rk->next->prev = rk;
-    *head = rk;
+    KVW_DLIST_PUSH(*head, rk);
     pthread_mutex_unlock(mu);
 }
 
 void kvw__tl_rkey_unlink(pthread_mutex_t *mu, kvw__tl_rkey_t **head, kvw__tl_rkey_t *rk)
 {
     pthread_mutex_lock(mu);
-    if (rk->prev)
-        rk->prev->next = rk->next;
-    else
-        *head = rk->next;
-    if (rk->next)
-        rk->next->prev = rk->prev;
+    KVW_DLIST_REMOVE(*head, rk);
     pthread_mutex_unlock(mu);
 }
 

@@ -2,6 +2,7 @@
  * The ucx transport: endpoints, control messages (sending them, tracking their
  * requests, the active-message handler), connect and endpoint close. See ucx_int.h.
  */
+#include "core/dlist.h"
 #include "transport/ucx/ucx_int.h"
 
 static void *uep_close_post(ucx_iface_t *tl, ucp_ep_h uep, bool force)
@@ -42,23 +43,14 @@ static ucx_ep_t *ep_new(ucx_iface_t *tl, bool accepted)
 /* tl->mu held. */
 static void ep_link(ucx_iface_t *tl, ucx_ep_t *ep)
 {
-    ep->prev = NULL;
-    ep->next = tl->eps;
-    if (tl->eps)
-        tl->eps->prev = ep;
-    tl->eps = ep;
+    KVW_DLIST_PUSH(tl->eps, ep);
     if (ep->hd.accepted)
         tl->num_accepted++;
 }
 
 void ucx_ep_unlink(ucx_iface_t *tl, ucx_ep_t *ep)
 {
-    if (ep->prev)
-        ep->prev->next = ep->next;
-    else
-        tl->eps = ep->next;
-    if (ep->next)
-        ep->next->prev = ep->prev;
+    KVW_DLIST_REMOVE(tl->eps, ep);
     ep->prev = ep->next = NULL;
     if (ep->hd.accepted)
         tl->num_accepted--;

@@ -2,7 +2,16 @@
  * The ucx transport: context and worker, the progress thread (events, failures,
  * heartbeats, closing endpoints), init and teardown, and the ops table. See ucx_int.h.
  */
+#include "core/cond.h"
 #include "transport/ucx/ucx_int.h"
+
+#include <stddef.h>
+
+/* The header's u64 words, in wire order from byte 8: one table for writer and reader. */
+static const size_t ucx_hdr_words[] = {
+    offsetof(msg_hdr_t, to), offsetof(msg_hdr_t, from), offsetof(msg_hdr_t, a),
+    offsetof(msg_hdr_t, b),  offsetof(msg_hdr_t, c),    offsetof(msg_hdr_t, d),
+    offsetof(msg_hdr_t, e),  offsetof(msg_hdr_t, f)};
 
 void ucx_hdr_put(uint8_t *p, const msg_hdr_t *h)
 {
@@ -10,14 +19,11 @@ void ucx_hdr_put(uint8_t *p, const msg_hdr_t *h)
     p[4] = UCX_VERSION;
     p[5] = h->type;
     kvw__le16_put(p + 6, 0);
-    kvw__le64_put(p + 8, h->to);
-    kvw__le64_put(p + 16, h->from);
-    kvw__le64_put(p + 24, h->a);
-    kvw__le64_put(p + 32, h->b);
-    kvw__le64_put(p + 40, h->c);
-    kvw__le64_put(p + 48, h->d);
-    kvw__le64_put(p + 56, h->e);
-    kvw__le64_put(p + 64, h->f);
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(ucx_hdr_words); i++) {
+        uint64_t v;
+        memcpy(&v, (const char *)h + ucx_hdr_words[i], sizeof(v));
+        kvw__le64_put(p + 8 + 8 * i, v);
+    }
 }
 
 bool ucx_hdr_get(const void *buf, size_t len, msg_hdr_t *h)
@@ -27,14 +33,10 @@ bool ucx_hdr_get(const void *buf, size_t len, msg_hdr_t *h)
         p[4] != UCX_VERSION || kvw__le16_get(p + 6) != 0)
         return false;
     h->type = p[5];
-    h->to = kvw__le64_get(p + 8);
-    h->from = kvw__le64_get(p + 16);
-    h->a = kvw__le64_get(p + 24);
-    h->b = kvw__le64_get(p + 32);
-    h->c = kvw__le64_get(p + 40);
-    h->d = kvw__le64_get(p + 48);
-    h->e = kvw__le64_get(p + 56);
-    h->f = kvw__le64_get(p + 64);
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(ucx_hdr_words); i++) {
+        uint64_t v = kvw__le64_get(p + 8 + 8 * i);
+        memcpy((char *)h + ucx_hdr_words[i], &v, sizeof(v));
+    }
     return true;
 }
 
@@ -499,11 +501,7 @@ static kvw_status_t ucx_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
     atomic_init(&tl->waiters, 0);
     pthread_mutex_init(&tl->mu, NULL);
     pthread_mutex_init(&tl->reg_mu, NULL);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&tl->cv, &ca);
-    pthread_condattr_destroy(&ca);
+    kvw__cond_init_monotonic(&tl->cv);
     do {
         if ((st = kvw__random_bytes(&tl->token, sizeof(tl->token))) != KVW_OK)
             goto err_free;
