@@ -922,8 +922,8 @@ int kvw_bench_gpu(int argc, char **argv)
                mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn),
                r->verified ? "yes: every byte and guard" : "no");
     }
-    printf("reproduce: kvwire bench --gpu --transport %s --reps %u (JSON: %s)\n", c.transport,
-           c.reps, c.json);
+    printf("reproduce: kvwire bench --gpu --transport %s --reps %u (JSON: %s; chart: "
+           "scripts/gpu-chart.sh %s)\n", c.transport, c.reps, c.json, c.json);
     free(res);
     return fail;
 }
