@@ -904,48 +904,18 @@ static int raw_connect(const char *addr, int timeout_ms)
     return fd;
 }
 
-static int write_full(int fd, const void *p, size_t n)
-{
-    const uint8_t *b = p;
-    while (n) {
-        ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
-static int read_full(int fd, void *p, size_t n)
-{
-    uint8_t *b = p;
-    while (n) {
-        ssize_t k = recv(fd, b, n, 0);
-        if (k < 0 && errno == EINTR)
-            continue;
-        if (k <= 0)
-            return -1;
-        b += k;
-        n -= (size_t)k;
-    }
-    return 0;
-}
-
 /* Reads one frame (the magic and version checked). 0, or -1. */
 static int read_frame(int fd, uint8_t *type, uint8_t **payload, uint32_t *len)
 {
     uint8_t h[12];
-    if (read_full(fd, h, 12) || get_le32(h) != WIRE_MAGIC || h[4] != 1)
+    if (kvt_read_full(fd, h, 12) || get_le32(h) != WIRE_MAGIC || h[4] != 1)
         return -1;
     *type = h[5];
     *len = get_le32(h + 8);
     if (*len > (1u << 20))
         return -1;
     *payload = malloc(*len ? *len : 1);
-    if (read_full(fd, *payload, *len)) {
+    if (kvt_read_full(fd, *payload, *len)) {
         free(*payload);
         return -1;
     }
@@ -1009,7 +979,7 @@ static int bs_lookup(const char *bs, char *ctl_addr, size_t cap)
     uint32_t len;
     put_hdr(h, WIRE_MAGIC, 1, T_BS_LOOKUP, 0);
     int n = -1;
-    if (write_full(fd, h, 12) == 0 && read_frame(fd, &type, &p, &len) == 0) {
+    if (kvt_write_full(fd, h, 12) == 0 && read_frame(fd, &type, &p, &len) == 0) {
         if (type == T_BS_TABLE && len >= 4) {
             n = (int)get_le32(p);
             if (n >= 1 && len >= 4 + 28) {
@@ -1173,7 +1143,7 @@ static void hello_probe(const char *addr, uint32_t layers)
         put_le32(b + o, 0), o += 4;       /* empty transport address */
         put_le32(b + o, layers), o += 4;  /* the rank description starts: layer count */
         put_hdr(b, WIRE_MAGIC, 1, T_HELLO, (uint32_t)(o - 12));
-        write_full(fd, b, o);
+        kvt_write_full(fd, b, o);
         bool closed = expect_dropped(fd, kvt_tmo_ms(3000), last, sizeof(last));
         close(fd);
         CHECK(closed, "control port: a registration with %u layers left the connection open",
@@ -1206,7 +1176,7 @@ static void run_attacks(const char *addr, bool control, const char *bs)
             continue;
         uint64_t t0 = now_ms();
         if (at[i].len)
-            write_full(fd, at[i].bytes, at[i].len);
+            kvt_write_full(fd, at[i].bytes, at[i].len);
         if (at[i].expect_close) {
             char out[600];
             bool closed = expect_dropped(fd, kvt_tmo_ms(3000), out, sizeof(out));
@@ -1282,7 +1252,7 @@ static int px_pump(pxdir_t *d, bool d2p)
         uint32_t len = get_le32(d->buf + 8);
         if (get_le32(d->buf) != WIRE_MAGIC || len > (1u << 24)) {
             /* Not our framing (cannot happen between two kvwire peers): pass it on. */
-            int r = write_full(d->to, d->buf, d->got);
+            int r = kvt_write_full(d->to, d->buf, d->got);
             d->got = 0;
             return r;
         }
@@ -1300,9 +1270,9 @@ static int px_pump(pxdir_t *d, bool d2p)
             drop = true;
             g_px_dropped++;
         }
-        if (!drop && write_full(d->to, d->buf, 12 + (size_t)len))
+        if (!drop && kvt_write_full(d->to, d->buf, 12 + (size_t)len))
             return -1;
-        if (d->ninj && write_full(d->to, d->inj, d->ninj))
+        if (d->ninj && kvt_write_full(d->to, d->inj, d->ninj))
             return -1;
         d->ninj = 0;
         memmove(d->buf, d->buf + 12 + len, d->got - 12 - len);
@@ -1394,7 +1364,7 @@ static int proxy_main(env_t *e)
                     /* Complete frames are forwarded as they arrive, so an empty buffer
                      * is a frame boundary; otherwise inject after the partial frame. */
                     if (d->got == 0) {
-                        write_full(d->to, raw, n);
+                        kvt_write_full(d->to, raw, n);
                     } else {
                         memcpy(d->inj, raw, n);
                         d->ninj = n;
@@ -1428,7 +1398,7 @@ static int proxy_main(env_t *e)
                         memcpy(out + o, fake_ctl, sl), o += sl;
                         out[o++] = 0; /* no MAC (no secret in these cases) */
                         put_hdr(out, WIRE_MAGIC, 1, T_BS_TABLE, (uint32_t)(o - 12));
-                        write_full(c, out, o);
+                        kvt_write_full(c, out, o);
                     }
                 }
                 close(c);
@@ -2294,10 +2264,10 @@ static void stall_connections(drv_t *x)
     uint8_t h[12];
     put_hdr(h, WIRE_MAGIC, 1, T_HELLO, 100);
     if (s2 >= 0)
-        write_full(s2, h, 6);
+        kvt_write_full(s2, h, 6);
     int s3 = raw_connect(x->d->bs, kvt_tmo_ms(3000));
     if (s3 >= 0)
-        write_full(s3, h, 6);
+        kvt_write_full(s3, h, 6);
     sleep_ms(50);
     uint64_t l0 = now_ms();
     char ctl2[160] = "";
