@@ -40,15 +40,22 @@ decode's aux buffers at its own ``aux_index`` when the room reaches Success (bef
 """
 import ctypes
 import enum
+import hashlib
+import os
+import socket
 import struct
-import zlib
+import sys
 
 from .connector import KVPoll, kvpoll, _side
-from .core import (Buffer, Context, KvwireError, LayerKind, Model, Parallel, Pool, Rank, Role,
-                   RoomState, Side, BootstrapServer, topo_heads)
+from .core import (Buffer, Context, KvwireError, LayerKind, MemKind, Model, Parallel, Pool, Rank,
+                   Role, RoomState, Side, BootstrapServer, topo_heads)
+try:
+    from .memkind import pointer_mem_kind
+except ImportError:
+    pointer_mem_kind = None
 
 __all__ = ["KVArgs", "KVPoll", "StateType", "KVTransferMetric", "KVTransferError",
-           "KVManager", "KVSender", "KVReceiver", "KVBootstrapServer", "model_layers",
+           "KVManager", "KVSender", "KVReceiver", "KVBootstrapServer", "model_layers", "register",
            "MAX_AUX_BYTES"]
 
 # KVW_MAX_ROOM_METADATA (include/kvwire/xfer.h): the largest per-room metadata payload.
@@ -222,27 +229,245 @@ def _ints(indices, what):
             from None
 
 
+def _env_num(name, default, kind=float):
+    """An SGLang environment variable (environ.py), SGLang's default when unset."""
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return default
+    try:
+        return kind(v)
+    except ValueError:
+        raise ValueError("%s=%r is not a number" % (name, v)) from None
+
+
+def _sglang_timeouts():
+    """kvwire Context timeouts (ms) from SGLang's disaggregation environment variables,
+    with SGLang's defaults (environ.py): SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT (300 s)
+    bounds the wait for the peer's half of a room before its transfer starts (kvwire's
+    bootstrap and wait timeouts), SGLANG_DISAGGREGATION_WAITING_TIMEOUT (300 s) the wait
+    of a decode for its transfer; a peer silent for SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL
+    (5 s) x SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE (2) is dead."""
+    boot = _env_num("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", 300, float)
+    wait = _env_num("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", 300, float)
+    hb = _env_num("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", 5.0, float)
+    fails = _env_num("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 2, int)
+    ms = lambda s: max(1, min(int(s * 1000), 0xFFFFFFFF))
+    # kvwire sends heartbeats more often than it declares a peer dead.
+    return dict(bootstrap_timeout_ms=ms(boot), wait_timeout_ms=ms(max(boot, wait)),
+                peer_timeout_ms=ms(hb * max(1, fails)),
+                heartbeat_ms=ms(min(hb / 4.0, 1.0)))
+
+
+def _is_local_any(host):
+    return host in (None, "", "0.0.0.0", "::", "[::]")
+
+
+def _strip_brackets(host):
+    if host and host.startswith("[") and host.endswith("]"):
+        return host[1:-1]
+    return host
+
+
+def _local_ip():
+    """This host's outward IP address, as SGLang's get_local_ip_auto picks it: the
+    SGLANG_HOST_IP / HOST_IP environment variable, else the source address of a route to
+    a public address (no packet is sent), else 127.0.0.1."""
+    for name in ("SGLANG_HOST_IP", "HOST_IP"):
+        v = os.environ.get(name)
+        if v:
+            return _strip_brackets(v)
+    for fam, probe in ((socket.AF_INET, ("10.255.255.255", 1)),
+                       (socket.AF_INET6, ("2001:db8::1", 1))):
+        try:
+            with socket.socket(fam, socket.SOCK_DGRAM) as s:
+                s.connect(probe)
+                ip = s.getsockname()[0]
+                if ip and not ip.startswith("127.") and ip != "::1":
+                    return ip
+        except OSError:
+            pass
+    return "127.0.0.1"
+
+
+def _join_host_port(host, port):
+    host = _strip_brackets(str(host))
+    return "[%s]:%d" % (host, int(port)) if ":" in host else "%s:%d" % (host, int(port))
+
+
+def _kvwire_addr(addr):
+    """A "host:port" SGLang spells (NetworkAddress.to_host_port_str: IPv6 in brackets)
+    in the form kvwire's address parser takes (it splits at the last colon)."""
+    if addr is None:
+        return None
+    addr = str(addr)
+    if addr.startswith("["):
+        host, _, port = addr[1:].partition("]:")
+        return "%s:%s" % (host, port)
+    return addr
+
+
+def _memory_kind(args):
+    """(MemKind, device) of the KV and state pools (the aux buffers are host memory).
+
+    KVWIRE_SGLANG_KV_MEMORY=host|cuda overrides. Otherwise the first KV pointer is asked
+    (memkind.pointer_mem_kind, a cudaPointerGetAttributes query, where the library has
+    it); otherwise SGLang's convention: its pools live on KVArgs.gpu_id whenever CUDA is
+    in use (torch is loaded and sees a GPU), else in host memory."""
+    gpu = int(getattr(args, "gpu_id", 0) or 0)
+    env = os.environ.get("KVWIRE_SGLANG_KV_MEMORY", "").strip().lower()
+    if env:
+        if env not in ("host", "cuda"):
+            raise ValueError("KVWIRE_SGLANG_KV_MEMORY=%r: use host or cuda" % env)
+        return (MemKind.CUDA, gpu) if env == "cuda" else (MemKind.HOST, 0)
+    ptrs = list(getattr(args, "kv_data_ptrs", None) or [])
+    if pointer_mem_kind is not None and ptrs:
+        kind, dev = pointer_mem_kind(int(ptrs[0]))
+        return MemKind(kind), int(dev or 0)
+    torch = sys.modules.get("torch")
+    try:
+        if torch is not None and torch.cuda.is_available():
+            return MemKind.CUDA, gpu
+    except Exception:
+        pass
+    return MemKind.HOST, 0
+
+
+def _transport(mem_kind):
+    """KVWIRE_TRANSPORT (tcp, shm, ucx, cuda_ipc) wins; else tcp, which stages device
+    memory through the host and works between hosts. One decode rank serves every
+    prefill instance through one context, so it cannot pick cuda_ipc per peer: a
+    deployment whose prefill and decode share one host sets KVWIRE_TRANSPORT=cuda_ipc on
+    both."""
+    t = os.environ.get("KVWIRE_TRANSPORT", "").strip()
+    return t or None
+
+
+def _instance_id(server_args):
+    """One decode instance, one id, the same on every rank of it.
+
+    KVWIRE_SGLANG_INSTANCE_ID (an integer) wins. Otherwise SGLang has no instance
+    identifier to reuse (its mooncake backend keys decode peers by each rank's own
+    ip:port and session); the ranks of one instance are launched together, so the id is
+    a 64-bit hash of what they share and two launches do not: the launching process
+    (every scheduler process of a node is a child of the same launcher), this host's
+    address, the instance's HTTP host:port and dist_init_addr. A multi-node instance
+    (nnodes > 1) hashes dist_init_addr and the port only, which its nodes share."""
+    env = os.environ.get("KVWIRE_SGLANG_INSTANCE_ID")
+    if env:
+        return int(env, 0) & 0xFFFFFFFFFFFFFFFF
+    nnodes = int(getattr(server_args, "nnodes", 1) or 1)
+    parts = [str(getattr(server_args, "dist_init_addr", "") or ""),
+             str(getattr(server_args, "port", "") or "")]
+    if nnodes <= 1:
+        parts += [str(os.getppid()), _local_ip(), str(getattr(server_args, "host", "") or "")]
+    digest = hashlib.sha256("\0".join(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") or 1
+
+
+class PrefillInfo:
+    """What the decode scheduler reads of a prefill instance
+    (kv_manager.prefill_info_table[addr]): dp_size and follow_bootstrap_room."""
+
+    def __init__(self, dp_size=1, follow_bootstrap_room=True):
+        self.dp_size = int(dp_size)
+        self.follow_bootstrap_room = bool(follow_bootstrap_room)
+
+    def __repr__(self):
+        return "PrefillInfo(dp_size=%d, follow_bootstrap_room=%s)" % (
+            self.dp_size, self.follow_bootstrap_room)
+
+
+def _prefill_dp_size(addr):
+    """The DP size of the prefill instance at addr, for the decode's DP-rank routing.
+
+    kvwire's bootstrap table carries each prefill rank's DP rank, but the C API does not
+    expose an instance's geometry before a room connects, so the decode takes it from
+    KVWIRE_SGLANG_PREFILL_DP_SIZE: a number for every instance, or
+    "host:port=N,host:port=M" per instance (default 1). Requests that carry
+    disagg_prefill_dp_rank (set by a router) need none of it."""
+    v = os.environ.get("KVWIRE_SGLANG_PREFILL_DP_SIZE", "").strip()
+    if not v:
+        return 1
+    if "=" not in v:
+        return int(v)
+    for item in v.split(","):
+        a, _, n = item.strip().rpartition("=")
+        if _kvwire_addr(a) == _kvwire_addr(addr):
+            return int(n)
+    return 1
+
+
+def _parallel_of(args, server_args, mode):
+    """(attention TP size, attention TP rank, DP size, DP rank) as SGLang sets them.
+
+    engine_rank is the global TP rank on prefill (prefill.py: tp_rank) and the
+    attention-TP rank on decode (decode.py: tp_rank % attn_tp_size); both reduce to the
+    attention-TP rank modulo attn_tp_size = tp_size / dp_size (DP attention) / attn_cp
+    (layers/dp_attention.py). The DP rank is KVArgs.system_dp_rank: the attention-DP
+    rank with DP attention, the replica index with plain DP (each replica's schedulers
+    have their own TP ranks 0..tp-1, so the replicas are kvwire DP groups of one
+    instance)."""
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    dp = int(getattr(server_args, "dp_size", 1) or 1)
+    dp_attn = bool(getattr(server_args, "enable_dp_attention", False))
+    cp = int(getattr(server_args, "attn_cp_size", 1) or 1)
+    if cp > 1:
+        raise ValueError("attention context parallelism (attn_cp_size=%d) is not supported by "
+                         "the kvwire SGLang backend: kvwire splits a request by heads, not by "
+                         "token ranges across CP ranks" % cp)
+    for name in ("dcp_size",):
+        v = int(getattr(args, name, 1) or 1)
+        if v > 1:
+            raise ValueError("decode context parallelism (KVArgs.dcp_size=%d) is not supported "
+                             "by the kvwire SGLang backend" % v)
+    if dp_attn:
+        if tp % dp:
+            raise ValueError("tp_size %d is not a multiple of dp_size %d" % (tp, dp))
+        attn_tp = tp // dp
+    else:
+        attn_tp = tp
+    rank = int(args.engine_rank or 0) % attn_tp
+    dp_rank = getattr(args, "system_dp_rank", None)
+    if dp_rank is None:
+        dp_rank = int(args.engine_rank or 0) // attn_tp if dp_attn else 0
+    dp_rank = int(dp_rank)
+    if dp > 1 and not 0 <= dp_rank < dp:
+        raise ValueError("KVArgs.system_dp_rank %d is outside dp_size %d" % (dp_rank, dp))
+    return attn_tp, rank, (dp if dp > 1 else 1), (dp_rank if dp > 1 else 0)
+
+
+def _model_config(args, server_args, model_config):
+    cfg = model_config if model_config is not None else getattr(args, "model_config", None)
+    if cfg is None:
+        cfg = getattr(server_args, "model_config", None)
+    if cfg is None and callable(getattr(server_args, "get_model_config", None)):
+        try:
+            cfg = server_args.get_model_config()
+        except Exception:
+            cfg = None
+    return cfg
+
+
 class KVManager:
     """One rank's kvwire state, built from SGLang's KVArgs.
 
-    args: KVArgs (flat host pointer lists, see KVArgs). disaggregation_mode:
-    "prefill"/"decode" or SGLang's DisaggregationMode. server_args: read for
-    tp_size, dp_size, enable_dp_attention, pp_size, host and
-    disaggregation_bootstrap_port (prefill: where the instance's
-    KVBootstrapServer listens; a ``disaggregation_bootstrap_addr`` "host:port"
-    attribute wins). is_mla_backend: every layer is MLA (one latent buffer per
-    layer).
+    args: KVArgs (SGLang's flat pointer lists). disaggregation_mode: "prefill"/"decode"
+    or SGLang's DisaggregationMode. server_args: SGLang's ServerArgs (tp_size, dp_size,
+    enable_dp_attention, attn_cp_size, pp_size, host, port, dist_init_addr, nnodes,
+    disaggregation_bootstrap_port, load_balance_method). is_mla_backend: one latent
+    buffer per layer.
 
-    Keyword-only extensions: model_config (else args.model_config, else
-    server_args.model_config) gives the layer kinds and windows, see
-    model_layers(); instance_id (decode: the same on every rank of one decode
-    instance; default: a hash of server_args host:port); the remaining keywords go
-    to kvwire.Context (transport, timeouts in ms, secret, busy_poll_us).
+    The model's layer count and, for hybrid sliding-window models, which layers slide
+    and the window come from the model config (server_args.get_model_config(), SGLang's
+    own accessor; model_config= or KVArgs.model_config override it); without a config
+    every layer of the buffers is full attention. Buffers beyond the target model's
+    layers (SGLang appends the draft model's KV for speculative decoding) are extra
+    layers after the target's. Keyword-only extensions: model_config, instance_id, and
+    kvwire.Context arguments (transport, timeouts in ms, secret, listen_host,
+    busy_poll_us); SGLang passes none of them.
 
-    Prefill managers register with the bootstrap endpoint when built
-    (register_to_bootstrap() is a no-op kept for the interface). Decode managers
-    name no prefill instance: every KVReceiver names its own, and one decode
-    manager serves any number of prefill instances."""
+    Prefill managers register with the bootstrap endpoint when built. Decode managers
+    name no prefill instance: every KVReceiver names its own."""
 
     def __init__(self, args, disaggregation_mode, server_args, is_mla_backend=False, *,
                  model_config=None, instance_id=None, **context_kwargs):
@@ -250,126 +475,188 @@ class KVManager:
         self.server_args = server_args
         self.mode = _side(disaggregation_mode)
         self.is_mla_backend = bool(is_mla_backend)
-        cfg = model_config or getattr(args, "model_config", None) or \
-            getattr(server_args, "model_config", None)
-        layers = model_layers(cfg, self.is_mla_backend)
+        self.prefill_info_table = {}
+        self._recompute_refused = 0
+        cfg = _model_config(args, server_args, model_config)
         self.page_size = int(args.page_size)
         if self.page_size <= 0:
             raise ValueError("KVArgs.page_size must be positive")
         self.swa_page_size = int(getattr(args, "swa_page_size", None) or self.page_size)
+        off = int(getattr(args, "token_position_offset", 0) or 0)
+        if off:
+            raise ValueError("KVArgs.token_position_offset=%d is not supported" % off)
 
         state_types = [StateType(getattr(t, "value", t)) for t in (args.state_types or [])]
         self.state_types = state_types
+        supported = (StateType.SWA, StateType.MAMBA)
         for t in state_types:
-            if t != StateType.SWA:
-                raise ValueError("state type %r is not supported by the kvwire SGLang backend "
-                                 "(supported: swa)" % t.value)
+            if t not in supported:
+                raise ValueError(
+                    "state type %r is not supported by the kvwire SGLang backend (supported: "
+                    "swa, mamba): %s" % (t.value, {
+                        StateType.DSA: "DSA indexer pages need per-token index rows kvwire "
+                                       "does not describe",
+                        StateType.NSA: "NSA indexer pages need per-token index rows kvwire "
+                                       "does not describe",
+                        StateType.MINIMAX_INDEX_K: "MiniMax index-K rows are not described",
+                        StateType.SWA_RING: "ring-addressed SWA rows have no page table",
+                        StateType.C128_STATE: "DeepSeek-V4 C128 compressed state is not "
+                                              "described"}.get(t, "unknown")))
+        if StateType.MAMBA in state_types and self.is_mla_backend:
+            raise ValueError("Mamba state with an MLA KV pool is not supported")
         has_swa_pool = StateType.SWA in state_types
-        # Without a separate SWA pool the sliding-window layers keep every token in
-        # the full pool: they are moved like full-attention layers.
+        self.mem_kind, self.device = _memory_kind(args)
+
+        attn_tp, tp_rank, dp, dp_rank = _parallel_of(args, server_args, self.mode)
+        pp = int(getattr(server_args, "pp_size", 1) or 1)
+        pp_rank = int(getattr(args, "pp_rank", 0) or 0)
+        ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), \
+            list(args.kv_item_lens)
+        if not (len(ptrs) == len(lens) == len(items)):
+            raise ValueError("kv_data_ptrs/lens/item_lens have different lengths")
+        per_layer = 1 if self.is_mla_backend else 2
+        if len(ptrs) % per_layer:
+            raise ValueError("%d KV buffers: K then V buffers per layer expected" % len(ptrs))
+
+        # Layer kinds of the target model.
+        if cfg is not None and (has_swa_pool or pp > 1 or
+                                _get(cfg, "num_hidden_layers") or _get(_hf(cfg), "num_hidden_layers")):
+            layers = model_layers(cfg, self.is_mla_backend)
+        else:
+            layers = None
+        begin = getattr(args, "prefill_start_layer", None) if self.mode == Side.PREFILL else None
+        begin = int(begin or 0)
+        end = getattr(args, "prefill_end_layer", None) if self.mode == Side.PREFILL else None
+        if layers is None:
+            if has_swa_pool:
+                raise ValueError("a separate SWA pool needs the model config (which layers "
+                                 "slide, and the window): server_args.get_model_config()")
+            if pp > 1:
+                raise ValueError("PP: the model's layer count needs the model config "
+                                 "(server_args.get_model_config())")
+            n = int(end) - begin if end is not None else len(ptrs) // per_layer
+            layers = Model(["mla" if self.is_mla_backend else "full"] * (begin + n)).layers
+        n_target = len(layers)
+        if end is None:
+            end = n_target if (pp == 1 or pp_rank == pp - 1) else None
+        if end is None:
+            # A middle PP stage without prefill_end_layer: its buffers tell.
+            n_full = sum(1 for l in layers[begin:] if l.kind != LayerKind.SWA or not has_swa_pool)
+            end = begin
+            cnt = 0
+            while end < n_target and cnt < len(ptrs) // per_layer:
+                if not (layers[end].kind == LayerKind.SWA and has_swa_pool):
+                    cnt += 1
+                end += 1
+            del n_full
+        end = int(end)
+        if not 0 <= begin < end <= n_target:
+            raise ValueError("layers [%d, %d) outside the model's %d layers"
+                             % (begin, end, n_target))
+
+        self.swa_window_cfg = 0
         kinds = []
         for l in layers:
             if l.kind == LayerKind.SWA and not has_swa_pool:
                 kinds.append(("full", 0))
             else:
                 kinds.append((l.kind, l.window))
-
-        tp = int(getattr(server_args, "tp_size", 1) or 1)
-        dp = int(getattr(server_args, "dp_size", 1) or 1)
-        dp_attn = bool(getattr(server_args, "enable_dp_attention", False))
-        attn_tp = tp // dp if dp_attn else tp
-        pp = int(getattr(server_args, "pp_size", 1) or 1)
-        dp_rank = int(getattr(args, "system_dp_rank", 0) or 0) if dp_attn else 0
-        begin = getattr(args, "prefill_start_layer", None)
-        if begin is None:
-            if pp > 1 and int(args.pp_rank or 0) > 0:
-                raise ValueError("PP stage %d: KVArgs.prefill_start_layer (the stage's first "
-                                 "layer) is required" % args.pp_rank)
-            begin = 0
-        begin = int(begin)
-        end = getattr(args, "prefill_end_layer", None)
-        if end is not None:
-            end = int(end)
-        elif pp == 1:
-            end = len(layers)
-        else:
-            # The stage's layers are those its buffers hold, from its first layer on.
-            n_full = len(args.kv_data_ptrs) // (1 if self.is_mla_backend else 2)
-            n_swa = len(args.state_data_ptrs[state_types.index(StateType.SWA)]) // 2 \
-                if has_swa_pool else 0
-            end = begin
-            while end < len(layers) and (n_full or n_swa):
-                if kinds[end][0] == LayerKind.SWA:
-                    n_swa -= 1
-                else:
-                    n_full -= 1
-                if n_full < 0 or n_swa < 0:
-                    break
-                end += 1
-        self.parallel = Parallel(attn_tp, int(args.engine_rank), pp, int(args.pp_rank or 0),
-                                 begin, end, dp if dp_attn else 1, dp_rank)
-
         stage = range(begin, end)
         full_ids = [i for i in stage if kinds[i][0] in (LayerKind.FULL, LayerKind.MLA)]
         swa_ids = [i for i in stage if kinds[i][0] == LayerKind.SWA]
-        self.swa_window = max([kinds[i][1] for i in swa_ids] or [0])
-        self.exact_tokens_required = bool(swa_ids)
+        # Speculative decoding: SGLang appends the draft model's KV buffers (on prefill only
+        # on the last PP stage); kvwire sees them as extra layers after the target's.
+        n_draft = len(ptrs) // per_layer - len(full_ids)
+        if n_draft < 0:
+            raise ValueError("%d KV buffers, but layers [%d, %d) of the model have %d "
+                             "full-attention layers (%s)"
+                             % (len(ptrs), begin, end, len(full_ids),
+                                "one latent buffer each" if self.is_mla_backend
+                                else "K then V buffers"))
+        if n_draft and pp > 1 and end != n_target:
+            raise ValueError("%d KV buffers beyond PP stage %d's layers" % (len(ptrs), pp_rank))
+        draft_ids = list(range(n_target, n_target + n_draft))
+        self.num_draft_layers = n_draft
+        self.decode_wants_draft = None
+        if self.mode == Side.DECODE:
+            layer_end = n_target + n_draft
+        else:
+            layer_end = end if end < n_target else n_target + n_draft
+        kinds = kinds + [("mla" if self.is_mla_backend else "full", 0)] * n_draft
+
+        # SWA: SGLang hands over the pages of [floor_page(L - W), L) without the token
+        # count L (W: the scheduler's window, model.get_attention_sliding_window_size(),
+        # at most the config's). kvwire moves whole pages: a request of N = pages *
+        # page_size tokens (full pool) with the SWA layers' kvwire window rounded up so
+        # that the window's pages are always covered (see _swa_side).
+        swa_w = 0
+        if swa_ids:
+            env_w = os.environ.get("KVWIRE_SGLANG_SWA_WINDOW")
+            cfg_w = max(kinds[i][1] for i in swa_ids)
+            w = int(env_w) if env_w else cfg_w
+            ps = self.swa_page_size
+            swa_w = ps * _ceil_div(w + self.page_size - 1, ps)
+            kinds = [(LayerKind.SWA, swa_w) if k == LayerKind.SWA else (k, wn)
+                     for k, wn in kinds]
+        self.swa_window = swa_w
+        self.parallel = Parallel(attn_tp, tp_rank, pp, pp_rank, begin, layer_end, dp, dp_rank)
 
         total_heads = int(getattr(args, "total_kv_head_num", 0) or 0) or \
-            int(_get(cfg, "num_key_value_heads") or _get(_hf(cfg), "num_key_value_heads") or 0)
+            int(_get(cfg, "num_key_value_heads") or _get(_hf(cfg), "num_key_value_heads") or 0) \
+            if cfg is not None else int(getattr(args, "total_kv_head_num", 0) or 0)
+        given = int(getattr(args, "kv_head_num", 0) or 0)
         if self.is_mla_backend:
             heads = total_heads = 1
         else:
+            if not total_heads and given and attn_tp == 1:
+                total_heads = given
             if not total_heads:
                 raise ValueError("the number of KV heads is unknown: set "
                                  "KVArgs.total_kv_head_num or num_key_value_heads in the "
                                  "model config")
-            _, heads = topo_heads(attn_tp, int(args.engine_rank), total_heads)
-            given = int(getattr(args, "kv_head_num", 0) or 0)
+            _, heads = topo_heads(attn_tp, tp_rank, total_heads)
             if given and given != heads:
                 raise ValueError("KVArgs.kv_head_num is %d but attention-TP rank %d of %d owns "
-                                 "%d of %d KV heads" % (given, args.engine_rank, attn_tp,
-                                                        heads, total_heads))
+                                 "%d of %d KV heads" % (given, tp_rank, attn_tp, heads,
+                                                        total_heads))
         self.num_local_heads = heads
 
-        ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), \
-            list(args.kv_item_lens)
-        if not (len(ptrs) == len(lens) == len(items)):
-            raise ValueError("kv_data_ptrs/lens/item_lens have different lengths")
         buffers = []
         head_bytes = {}
+        mk, dev = self.mem_kind, self.device
 
-        def add(layer, role, ptr, length, item, ps, pool):
+        def add(layer, role, ptr, length, item, ps, pool, nheads=heads, key=None):
             if item % ps:
                 raise ValueError("layer %d %s: item length %d is not a multiple of the page "
                                  "size %d" % (layer, role.name, item, ps))
             row = item // ps
-            if row % heads:
+            if row % nheads:
                 raise ValueError("layer %d %s: %d bytes per token do not split into %d heads"
-                                 % (layer, role.name, row, heads))
-            hb = row // heads
-            if head_bytes.setdefault(role, hb) != hb:
+                                 % (layer, role.name, row, nheads))
+            hb = row // nheads
+            k = key or role
+            if head_bytes.setdefault(k, hb) != hb:
                 raise ValueError("layer %d %s: %d bytes per head, other layers have %d"
-                                 % (layer, role.name, hb, head_bytes[role]))
+                                 % (layer, role.name, hb, head_bytes[k]))
             buffers.append(Buffer(layer, role, addr=int(ptr), length=int(length), pool=pool,
-                                  page_size=ps, num_heads=heads, head_bytes=hb))
+                                  page_size=ps, num_heads=nheads, head_bytes=hb,
+                                  mem_kind=mk, device=dev))
 
+        ids = full_ids + draft_ids
+        n = len(ids)
         if self.is_mla_backend:
-            if len(ptrs) != len(full_ids):
-                raise ValueError("MLA: %d KV buffers for the %d layers [%d, %d)"
-                                 % (len(ptrs), len(full_ids), begin, end))
-            for i, layer in enumerate(full_ids):
+            for i, layer in enumerate(ids):
                 add(layer, Role.LATENT, ptrs[i], lens[i], items[i], self.page_size, Pool.FULL)
         else:
-            if len(ptrs) != 2 * len(full_ids):
-                raise ValueError("%d KV buffers, but layers [%d, %d) of the model config have "
-                                 "%d full-attention layers (K then V buffers: %d expected)"
-                                 % (len(ptrs), begin, end, len(full_ids), 2 * len(full_ids)))
-            n = len(full_ids)
-            for i, layer in enumerate(full_ids):
-                add(layer, Role.K, ptrs[i], lens[i], items[i], self.page_size, Pool.FULL)
-                add(layer, Role.V, ptrs[n + i], lens[n + i], items[n + i], self.page_size,
-                    Pool.FULL)
+            # SGLang's layout: the target's K buffers, its V buffers, then the draft's K
+            # and V buffers.
+            nt = len(full_ids)
+            order = [(full_ids[i], i, nt + i) for i in range(nt)]
+            base = 2 * nt
+            order += [(draft_ids[j], base + j, base + n_draft + j) for j in range(n_draft)]
+            for layer, ki, vi in order:
+                add(layer, Role.K, ptrs[ki], lens[ki], items[ki], self.page_size, Pool.FULL)
+                add(layer, Role.V, ptrs[vi], lens[vi], items[vi], self.page_size, Pool.FULL)
         if has_swa_pool:
             k = state_types.index(StateType.SWA)
             sp, sl, si = (list(args.state_data_ptrs[k]), list(args.state_data_lens[k]),
@@ -378,20 +665,31 @@ class KVManager:
                 raise ValueError("%d SWA state buffers, but layers [%d, %d) of the model config "
                                  "have %d sliding-window layers (%d expected)"
                                  % (len(sp), begin, end, len(swa_ids), 2 * len(swa_ids)))
-            n = len(swa_ids)
+            m = len(swa_ids)
             for i, layer in enumerate(swa_ids):
                 add(layer, Role.K, sp[i], sl[i], si[i], self.swa_page_size, Pool.SWA)
-                add(layer, Role.V, sp[n + i], sl[n + i], si[n + i], self.swa_page_size,
+                add(layer, Role.V, sp[m + i], sl[m + i], si[m + i], self.swa_page_size,
                     Pool.SWA)
+        state_layers = []
+        if StateType.MAMBA in state_types:
+            state_layers = self._mamba_buffers(args, state_types.index(StateType.MAMBA),
+                                               buffers, n_target + n_draft, attn_tp, tp_rank)
 
         if self.is_mla_backend:
             lat = head_bytes.get(Role.LATENT, 0)
-            self.model = Model(["mla"] * len(kinds), num_kv_heads=1, head_dim=0, mla_dim=lat,
+            model_kinds = kinds + [("state", 0)] * len(state_layers)
+            self.model = Model(model_kinds, num_kv_heads=1, head_dim=0, mla_dim=lat,
                                elem_size=1)
         else:
             kb, vb = head_bytes.get(Role.K, 0), head_bytes.get(Role.V, 0)
-            self.model = Model(kinds, num_kv_heads=total_heads, k_head_dim=kb, v_head_dim=vb,
-                               elem_size=1)
+            model_kinds = kinds + [("state", 0)] * len(state_layers)
+            self.model = Model(model_kinds, num_kv_heads=total_heads, k_head_dim=kb,
+                               v_head_dim=vb, elem_size=1)
+        if state_layers:
+            # State layers follow every KV layer; every stage holding the last layer
+            # moves them.
+            if self.parallel.layer_end == n_target + n_draft:
+                self.parallel.layer_end = len(model_kinds)
 
         self.aux = list(zip(_ints(args.aux_data_ptrs, "aux_data_ptrs"),
                             _ints(args.aux_data_lens, "aux_data_lens"),
@@ -406,23 +704,74 @@ class KVManager:
                              "per room" % (len(self._aux_header) + self.aux_bytes,
                                            MAX_AUX_BYTES))
 
+        kw = dict(_sglang_timeouts())
+        t = _transport(self.mem_kind)
+        if t:
+            kw["transport"] = t
+        lh = os.environ.get("KVWIRE_SGLANG_LISTEN_HOST")
+        kw["listen_host"] = _strip_brackets(lh) if lh else _local_ip()
+        kw.update(context_kwargs)
         self.rank = Rank(self.model, self.parallel, buffers)
         try:
             if self.mode == Side.PREFILL:
                 self.bootstrap_addr = _bootstrap_addr_of(server_args)
-                self.context = Context(self.rank, Side.PREFILL, self.bootstrap_addr,
-                                       **context_kwargs)
+                self._check_dp_routing(server_args, dp)
+                self.context = Context(self.rank, Side.PREFILL, _kvwire_addr(self.bootstrap_addr),
+                                       **kw)
             else:
                 self.bootstrap_addr = None
                 if instance_id is None:
-                    key = "%s:%s" % (getattr(server_args, "host", ""),
-                                     getattr(server_args, "port", ""))
-                    instance_id = zlib.crc32(key.encode())
+                    instance_id = _instance_id(server_args)
+                self.instance_id = int(instance_id)
                 self.context = Context(self.rank, Side.DECODE, None, instance_id=instance_id,
-                                       **context_kwargs)
+                                       **kw)
         except BaseException:
             self.rank.close()
             raise
+
+    def _check_dp_routing(self, server_args, dp):
+        self.follow_bootstrap_room = True
+        if dp > 1:
+            lbm = getattr(server_args, "load_balance_method", None) or "follow_bootstrap_room"
+            self.follow_bootstrap_room = lbm == "follow_bootstrap_room"
+
+    def _mamba_buffers(self, args, k, buffers, first_layer, attn_tp, tp_rank):
+        """Mamba / GDN state buffers (one slot per request: req_to_token_pool's mamba
+        index). SGLang lists one buffer per (layer, state tensor): conv states then
+        temporal (SSM) states; state_dim_per_tensor gives each tensor's sharded head
+        count on this rank, state_conv_shard_groups the [q|k|v] sub-groups of a conv
+        state. Each buffer becomes a kvwire state layer."""
+        sp, sl, si = (list(args.state_data_ptrs[k]), list(args.state_data_lens[k]),
+                      list(args.state_item_lens[k]))
+        dims = list((getattr(args, "state_dim_per_tensor", None) or [None])[k] or []) \
+            if getattr(args, "state_dim_per_tensor", None) else []
+        groups = list((getattr(args, "state_conv_shard_groups", None) or [None])[k] or []) \
+            if getattr(args, "state_conv_shard_groups", None) else []
+        out = []
+        for i, (p, ln, it) in enumerate(zip(sp, sl, si)):
+            layer = first_layer + i
+            g = groups[i] if i < len(groups) else None
+            d = dims[i] if i < len(dims) else None
+            if g:
+                # [(local heads, bytes per head), ...] per sharded group.
+                grp = [(int(h) * attn_tp, int(b)) for h, b in g]
+                nheads = sum(int(h) for h, _ in g)
+                buffers.append(Buffer(layer, Role.STATE, addr=int(p), length=int(ln),
+                                      pool=Pool.STATE, page_size=1, num_heads=nheads,
+                                      head_bytes=0, groups=grp, mem_kind=self.mem_kind,
+                                      device=self.device))
+            else:
+                local = int(d) if d else 1
+                if it % local:
+                    raise ValueError("state buffer %d: %d bytes per slot do not split into %d "
+                                     "heads" % (i, it, local))
+                buffers.append(Buffer(layer, Role.STATE, addr=int(p), length=int(ln),
+                                      pool=Pool.STATE, page_size=1, num_heads=local,
+                                      head_bytes=it // local,
+                                      groups=[(local * attn_tp, it // local)],
+                                      mem_kind=self.mem_kind, device=self.device))
+            out.append(layer)
+        return out
 
     @property
     def is_prefill(self):
@@ -431,29 +780,65 @@ class KVManager:
     def register_to_bootstrap(self):
         """Prefill ranks register when the manager is built; kept for the interface."""
 
-    def swa_first_token(self, num_tokens):
-        """First token of a request's SWA page list (SGLang's rule: the window start,
-        floored to the page size)."""
-        t = max(0, num_tokens - self.swa_window)
-        return t // self.page_size * self.page_size
+    def try_ensure_parallel_info(self, bootstrap_addr):
+        """SGLang's decode asks before routing requests of a prefill instance
+        (decode.py _ensure_prefill_info); fills prefill_info_table[bootstrap_addr] and
+        returns True. kvwire connects to the instance when its first room opens and
+        checks its geometry then; the DP size for routing comes from _prefill_dp_size."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        # One short connection attempt: SGLang retries (once a second, 15 times) while
+        # the prefill's bootstrap server is not up yet, and aborts the requests after.
+        host, _, port = _kvwire_addr(bootstrap_addr).rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=0.5).close()
+        except (OSError, ValueError):
+            return False
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(_prefill_dp_size(bootstrap_addr),
+                                                              True)
+        return True
 
-    def tokens_for(self, num_pages, num_tokens, first_token, what):
-        """The exact token count of a request whose pages from token first_token
-        number num_pages; validates the num_tokens hint, or uses whole pages when the
-        model allows it (see the module docstring)."""
-        if num_tokens is None:
-            if self.exact_tokens_required:
-                raise ValueError(
-                    "%s: this model has sliding-window layers in a separate SWA pool, which "
-                    "need the exact token count; page counts cannot give it. Pass "
-                    "num_tokens=len(req.origin_input_ids)" % what)
-            return first_token + num_pages * self.page_size
-        num_tokens = int(num_tokens)
-        if num_tokens <= first_token or \
-                _ceil_div(num_tokens - first_token, self.page_size) != num_pages:
-            raise ValueError("%s: num_tokens=%d does not fit %d pages of %d tokens from token %d"
-                             % (what, num_tokens, num_pages, self.page_size, first_token))
-        return num_tokens
+    def submit_prefill_recompute(self, kv_receiver, payload=None):
+        """SGLang's PD retraction re-bootstrap asks the prefill to recompute a request's
+        prefix (decode.py pop_preallocated). kvwire has no request channel to the prefill
+        scheduler: the room fails with that reason, so the request is aborted instead of
+        waiting."""
+        self._recompute_refused += 1
+        kv_receiver._fail("re-bootstrap (submit_prefill_recompute) is not supported by the "
+                          "kvwire SGLang backend")
+        if kv_receiver._room is not None:
+            kv_receiver._room.abort()
+
+    def tokens_of(self, num_pages, first_token=0):
+        """A request's token count as kvwire moves it: whole pages (SGLang passes page
+        lists, never the token count; both sides own the tail of the last page)."""
+        return first_token + int(num_pages) * self.page_size
+
+    def swa_side(self, num_tokens, swa_pages, what):
+        """(pages, first token) of the SWA pool for kvwire, from SGLang's SWA pages of a
+        request of num_tokens (whole pages) tokens.
+
+        SGLang lists the pages of [floor_page(L - W), L); kvwire moves tokens
+        [N - window, N) of its (rounded-up) window, which always covers those pages. When
+        that range starts one page earlier, the list is prefixed with page 0, which
+        SGLang's pools reserve as the dummy page padded tokens write to (no request owns
+        it), so the extra tokens land there on decode and are read from there on prefill."""
+        ps = self.swa_page_size
+        pages = list(swa_pages)
+        first = num_tokens - len(pages) * ps
+        if first < 0 or first % ps:
+            raise ValueError("%s: %d SWA pages do not end a request of %d tokens (pages of %d)"
+                             % (what, len(pages), num_tokens, ps))
+        need = max(0, num_tokens - self.swa_window)
+        if need < first:
+            if first - need > ps:
+                raise ValueError("%s: %d SWA pages are fewer than kvwire's window of %d tokens "
+                                 "needs (more than one page short: is "
+                                 "KVWIRE_SGLANG_SWA_WINDOW larger than the scheduler's "
+                                 "window?)" % (what, len(pages), self.swa_window))
+            pages = [0] + pages
+            first -= ps
+        return pages, first
 
     def read_aux(self, aux_index):
         """The request's aux payload: a header (the number of aux buffers and each
@@ -499,14 +884,24 @@ class KVManager:
 
 
 def _bootstrap_addr_of(server_args):
+    """The prefill instance's bootstrap endpoint as SGLang's ranks reach it: a
+    disaggregation_bootstrap_addr attribute wins; a multi-node instance (nnodes > 1)
+    uses dist_init_addr's host (where node 0 runs the bootstrap server); a wildcard
+    host (0.0.0.0, ::) becomes this host's address."""
     addr = getattr(server_args, "disaggregation_bootstrap_addr", None)
     if addr:
         return str(addr)
-    host = getattr(server_args, "host", None) or "127.0.0.1"
     port = getattr(server_args, "disaggregation_bootstrap_port", None)
     if port is None:
         raise ValueError("server_args has no disaggregation_bootstrap_port")
-    return "%s:%d" % (host, int(port))
+    host = getattr(server_args, "host", None)
+    dia = getattr(server_args, "dist_init_addr", None)
+    if int(getattr(server_args, "nnodes", 1) or 1) > 1 and dia:
+        dia = str(dia)
+        host = dia[1:].split("]")[0] if dia.startswith("[") else dia.rsplit(":", 1)[0]
+    if _is_local_any(host):
+        host = "127.0.0.1" if host in (None, "", "0.0.0.0") else "::1"
+    return _join_host_port(host, int(port))
 
 
 # ---------------------------------------------------------------- requests
@@ -582,6 +977,16 @@ class KVSender(_Request):
         if not mgr.is_prefill:
             raise ValueError("KVSender needs a prefill KVManager")
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
+        par = mgr.parallel
+        if par.dp_size > 1 and not req_has_disagg_prefill_dp_rank and \
+                mgr.follow_bootstrap_room and self.bootstrap_room % par.dp_size != par.dp_rank:
+            # As SGLang's common backend: a request routed by room must land on DP rank
+            # room % dp_size, where the decode looks for it.
+            self._fail("follow_bootstrap_room conflict: dispatched to DP rank %d, but room %d "
+                       "routes to DP rank %d of %d" % (par.dp_rank, self.bootstrap_room,
+                                                       self.bootstrap_room % par.dp_size,
+                                                       par.dp_size))
+            return
         try:
             self._room = mgr.context.sender(self.bootstrap_room)
         except KvwireError as e:        # e.g. the room is already open on this rank
@@ -595,17 +1000,15 @@ class KVSender(_Request):
     def _instance(self):
         return self.kv_mgr.bootstrap_addr
 
-    def init(self, num_kv_indices, aux_index=None, *, num_tokens=None):
+    def init(self, num_kv_indices, aux_index=None):
         """Starts the request: num_kv_indices pages in all (a page count, as SGLang
         computes it: ceil(len(req.origin_input_ids) / page_size)), its aux slot
-        aux_index. num_tokens (keyword-only): the exact token count, required when
-        the model has a separate SWA pool, otherwise whole pages are moved."""
+        aux_index. kvwire moves whole pages (see KVManager.tokens_of)."""
         num_kv_indices = int(num_kv_indices)
         if num_kv_indices <= 0:
             raise ValueError("num_kv_indices must be a positive page count, got %d"
                              % num_kv_indices)
-        self.num_tokens = self.kv_mgr.tokens_for(num_kv_indices, num_tokens, 0,
-                                                 "KVSender.init (room %d)" % self.bootstrap_room)
+        self.num_tokens = self.kv_mgr.tokens_of(num_kv_indices)
         self.num_kv_indices = num_kv_indices
         self.aux_index = None if aux_index is None else int(aux_index)
         self._pages_sent = 0
@@ -632,7 +1035,8 @@ class KVSender(_Request):
             raise RuntimeError("KVSender.init() must come before send() (room %d)"
                                % self.bootstrap_room)
         if token_position_offset:
-            raise ValueError("token_position_offset=%r is not supported" % token_position_offset)
+            raise ValueError("room %d: token_position_offset=%r is not supported by the kvwire "
+                             "SGLang backend" % (self.bootstrap_room, token_position_offset))
         if self._last_sent:
             raise RuntimeError("room %d: the last chunk was already sent" % self.bootstrap_room)
         if self._stream:
@@ -647,9 +1051,10 @@ class KVSender(_Request):
                              % (self.bootstrap_room, end_page, self.num_kv_indices))
         last = end_page == self.num_kv_indices
         swa, swa_first = (), 0
+        slot = -1
         if last:
-            swa, swa_first = _state_pages(self.kv_mgr, state_indices, self.num_tokens,
-                                          "KVSender.send")
+            swa, swa_first, slot = _state_pages(self.kv_mgr, state_indices, self.num_tokens,
+                                                "KVSender.send (room %d)" % self.bootstrap_room)
         elif state_indices is not None and any(s is not None for s in state_indices):
             raise ValueError("room %d: state indices come with the last chunk only"
                              % self.bootstrap_room)
@@ -667,10 +1072,10 @@ class KVSender(_Request):
             if streamed:
                 # A streamed chunk is queued even without pages: its marks name it.
                 self._room.send_streamed(self.num_tokens, first * ps, end_tok, last, pages,
-                                         first * ps, swa, swa_first, -1)
+                                         first * ps, swa, swa_first, slot)
             elif pages or last:
                 self._room.send(self.num_tokens, first * ps, end_tok, last, pages, first * ps,
-                                swa, swa_first, -1)
+                                swa, swa_first, slot)
         except KvwireError as e:
             self._fail(e.message or str(e), e.status)
         self._pages_sent = end_page
@@ -722,7 +1127,7 @@ class KVSender(_Request):
 
 
 def _state_pages(mgr, state_indices, num_tokens, what):
-    """(swa pages, their first token) from SGLang's per-state-type list."""
+    """(swa pages, their first token, state slot) from SGLang's per-state-type list."""
     types = mgr.state_types
     if state_indices is None:
         state_indices = [None] * len(types)
@@ -730,18 +1135,23 @@ def _state_pages(mgr, state_indices, num_tokens, what):
     if len(state_indices) != len(types):
         raise ValueError("%s: %d state index entries for the %d state types %s"
                          % (what, len(state_indices), len(types), [t.value for t in types]))
-    swa, swa_first = (), 0
+    swa, swa_first, slot = (), 0, -1
     for t, idx in zip(types, state_indices):
         if t == StateType.SWA:
             if idx is None:
                 raise ValueError("%s: the SWA pages of the request are missing" % what)
-            swa = _ints(idx, "SWA state indices")
-            swa_first = mgr.swa_first_token(num_tokens)
-            need = _ceil_div(num_tokens - swa_first, mgr.swa_page_size)
-            if len(swa) != need:
-                raise ValueError("%s: %d SWA pages, tokens [%d, %d) need %d"
-                                 % (what, len(swa), swa_first, num_tokens, need))
-    return swa, swa_first
+            swa, swa_first = mgr.swa_side(num_tokens, _ints(idx, "SWA state indices"), what)
+        elif t == StateType.MAMBA:
+            if idx is None:
+                raise ValueError("%s: the Mamba state slot of the request is missing" % what)
+            flat = []
+            for v in (idx if isinstance(idx, (list, tuple)) else [idx]):
+                flat += _ints(v, "Mamba state index") if hasattr(v, "__len__") or \
+                    hasattr(v, "tolist") else [int(v)]
+            if len(flat) != 1:
+                raise ValueError("%s: %d Mamba state slots, one expected" % (what, len(flat)))
+            slot = flat[0]
+    return swa, swa_first, slot
 
 
 class KVReceiver(_Request):
@@ -772,17 +1182,16 @@ class KVReceiver(_Request):
         self.prefill_dp_rank = int(prefill_dp_rank)
         try:
             self._room = self.kv_mgr.context.receiver(self.bootstrap_room, self.prefill_dp_rank,
-                                                      self.bootstrap_addr)
+                                                      _kvwire_addr(self.bootstrap_addr))
         except KvwireError as e:
             self._fail("prefill instance %s: %s" % (self.bootstrap_addr, e.message or e), e.status)
 
     def send_metadata(self, kv_indices, aux_index=None, state_indices=None,
-                      decode_prefix_len=None, *, num_tokens=None):
+                      decode_prefix_len=None):
         """Tells the prefill ranks where to write: kv_indices are this rank's pages of
         tokens [decode_prefix_len, tokens) (decode_prefix_len: tokens already cached
         here, a whole number of pages), aux_index this request's aux slot,
-        state_indices one entry per state type. num_tokens (keyword-only): the exact
-        token count, see KVSender.init."""
+        state_indices one entry per state type."""
         if self._room is None and self._error is None:
             raise RuntimeError("KVReceiver.init() must come before send_metadata() (room %d)"
                                % self.bootstrap_room)
@@ -794,10 +1203,12 @@ class KVReceiver(_Request):
             raise ValueError("decode_prefix_len=%d is not a whole number of %d-token pages"
                              % (prefix, ps))
         pages = _ints(kv_indices, "kv_indices")
-        n = self.kv_mgr.tokens_for(len(pages), num_tokens, prefix,
-                                   "KVReceiver.send_metadata (room %d)" % self.bootstrap_room)
-        swa, swa_first = _state_pages(self.kv_mgr, state_indices, n,
-                                      "KVReceiver.send_metadata")
+        if not pages:
+            raise ValueError("room %d: no pages to receive into" % self.bootstrap_room)
+        n = self.kv_mgr.tokens_of(len(pages), prefix)
+        swa, swa_first, slot = _state_pages(self.kv_mgr, state_indices, n,
+                                            "KVReceiver.send_metadata (room %d)"
+                                            % self.bootstrap_room)
         self.num_tokens = n
         self.aux_index = None if aux_index is None else int(aux_index)
         if self.kv_mgr.aux and self.aux_index is None:
@@ -812,9 +1223,25 @@ class KVReceiver(_Request):
         if self._room is None:
             return
         try:
-            self._room.post(n, prefix, pages, prefix, swa, swa_first, -1)
+            self._room.post(n, prefix, pages, prefix, swa, swa_first, slot)
         except KvwireError as e:
             self._fail(e.message or str(e), e.status)
+
+    @property
+    def conclude_state(self):
+        """The final KVPoll once the request is over (Success or Failed), else None:
+        SGLang's decode polls a queue whose receivers all wait for input only while
+        none of them has concluded Failed (decode.py _update_handshake_waiters)."""
+        if self._error is not None:
+            return KVPoll.Failed
+        if self._room is None:
+            return self._final if self._final in (KVPoll.Success, KVPoll.Failed) else None
+        st = self._room.poll()
+        if st == RoomState.FAILED:
+            return KVPoll.Failed
+        if st == RoomState.SUCCESS and self._aux_done:
+            return KVPoll.Success
+        return None
 
     def poll(self):
         """KVPoll: Bootstrapping before init(); WaitingForInput until the transfer
@@ -876,3 +1303,108 @@ class KVBootstrapServer:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ---------------------------------------------------------------- registration
+
+_UTILS = "sglang.srt.disaggregation.utils"
+_SERVER_ARGS = "sglang.srt.server_args"
+_CLASSES = None
+
+
+def _kv_classes():
+    return {"kvargs": KVArgs, "manager": KVManager, "sender": KVSender,
+            "receiver": KVReceiver, "bootstrap_server": KVBootstrapServer}
+
+
+def _patch_utils(mod):
+    """Adds TransferBackend.KVWIRE ("kvwire") to SGLang's enum and wraps get_kv_class
+    so that it returns this module's classes for it (utils.py at 8905cbd: a closed Enum
+    and an if-chain raising for anything else)."""
+    tb = mod.TransferBackend
+    if "KVWIRE" not in tb._member_map_:
+        member = object.__new__(tb)
+        member._name_, member._value_ = "KVWIRE", "kvwire"
+        try:
+            member.__objclass__ = tb
+        except AttributeError:
+            pass
+        if hasattr(member, "_sort_order_"):
+            member._sort_order_ = len(tb._member_names_)
+        type.__setattr__(tb, "KVWIRE", member)
+        tb._member_map_["KVWIRE"] = member
+        tb._value2member_map_["kvwire"] = member
+        tb._member_names_.append("KVWIRE")
+    orig = mod.get_kv_class
+    if getattr(orig, "_kvwire", False):
+        return
+    member = tb._member_map_["KVWIRE"]
+
+    def get_kv_class(transfer_backend, class_type):
+        if transfer_backend == member or getattr(transfer_backend, "value", None) == "kvwire":
+            return _kv_classes().get(getattr(class_type, "value", class_type))
+        return orig(transfer_backend, class_type)
+    get_kv_class._kvwire = True
+    get_kv_class.__wrapped__ = orig
+    get_kv_class.__doc__ = orig.__doc__
+    mod.get_kv_class = get_kv_class
+    # Modules that bound the name before registration (from ... import get_kv_class).
+    for name, m in list(sys.modules.items()):
+        if name.startswith("sglang.") and m is not None and \
+                getattr(m, "get_kv_class", None) is orig:
+            m.get_kv_class = get_kv_class
+
+
+def _patch_server_args(mod):
+    choices = getattr(mod, "DISAGG_TRANSFER_BACKEND_CHOICES", None)
+    if isinstance(choices, list) and "kvwire" not in choices:
+        add = getattr(mod, "add_disagg_transfer_backend_choices", None)
+        if add is not None:
+            add(["kvwire"])
+        else:
+            choices.append("kvwire")
+
+
+class _Hook:
+    """A meta-path finder that patches SGLang's modules as they are first imported."""
+    _targets = {_UTILS: _patch_utils, _SERVER_ARGS: _patch_server_args}
+
+    def find_spec(self, name, path=None, target=None):
+        if name not in self._targets:
+            return None
+        import importlib.machinery
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None and spec.loader is not None:
+                loader, patch = spec.loader, self._targets[name]
+                orig_exec = loader.exec_module
+
+                class _Loader(importlib.abc.Loader):
+                    def create_module(self, spec):
+                        return loader.create_module(spec)
+
+                    def exec_module(self, module):
+                        orig_exec(module)
+                        patch(module)
+                spec.loader = _Loader()
+                return spec
+        return None
+
+
+def register():
+    """Makes ``--disaggregation-transfer-backend kvwire`` work in an unmodified SGLang.
+
+    Call it in every SGLang process before the scheduler starts, e.g. from a
+    sitecustomize.py on PYTHONPATH (see python/README.md). It extends SGLang's
+    DISAGG_TRANSFER_BACKEND_CHOICES (the CLI), TransferBackend (a member KVWIRE =
+    "kvwire") and get_kv_class (returning this module's classes for it); modules
+    imported later are patched as they load. Idempotent."""
+    import importlib.abc  # noqa: F401  (used by _Hook)
+    for name, patch in _Hook._targets.items():
+        m = sys.modules.get(name)
+        if m is not None:
+            patch(m)
+    if not any(isinstance(f, _Hook) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Hook())

@@ -1,0 +1,555 @@
+"""SGLang's own disaggregation scheduler code driving kvwire.sglang.
+
+Usage: run.py SGLANG_SRC [scenario ...]   (SGLANG_SRC: an SGLang checkout's python/ dir)
+
+Each scenario starts a bootstrap server process (as SGLang's tokenizer manager does),
+one process per prefill rank running SGLang's PrefillBootstrapQueue, send_kv_chunk and
+process_disagg_prefill_inflight_queue, and one process per decode rank running SGLang's
+DecodePreallocQueue.add / pop_preallocated and DecodeTransferQueue.pop_transferred, all
+loaded from SGLANG_SRC unmodified. Each prefill rank fills its KV pools with a pattern
+that is a function of (room, layer, role, global head, token position, byte); each decode
+rank starts from sentinel bytes and, once SGLang reports the requests transferred,
+checks every byte of its pools: the tokens of each request (full pages, SWA window
+pages) against the pattern, the tail of each last page against the prefill's unused
+bytes, everything else still sentinel (SWA page 0 excepted: SGLang's padding page, see
+kvwire.sglang.KVManager.swa_side), plus the aux data SGLang committed to each request.
+KVW_SGLANG_DEVICE=cuda (with real torch and a GPU) allocates the pools as CUDA tensors
+on GPU 0."""
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+import types
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", ".."))
+
+import numpy as np  # noqa: E402
+
+DEVICE = os.environ.get("KVW_SGLANG_DEVICE", "cpu")
+DEADLINE = float(os.environ.get("KVW_SGLANG_DEADLINE", "60"))
+S = None  # the loaded SGLang modules
+
+
+def load(src):
+    global S
+    import stubs
+    import fakes
+    stubs.install(src, fakes.misc_modules(src))
+    import kvwire.sglang as ks
+    ks.register()
+    import sglang.srt.disaggregation.utils as U
+    import sglang.srt.disaggregation.prefill as P
+    import sglang.srt.disaggregation.decode as D
+    import sglang.srt.disaggregation.base.conn as B
+    S = types.SimpleNamespace(U=U, P=P, D=D, B=B, ks=ks, fakes=fakes)
+    return S
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- reference
+
+def owned_heads(tp, rank, heads):
+    """SGLang's KV head ownership: heads split evenly, replicated when tp > heads."""
+    if tp <= heads:
+        return rank * heads // tp, heads // tp
+    return rank // (tp // heads), 1
+
+
+def pattern(room, layer, role, ghead0, nheads, tokens, hb):
+    """Reference bytes [len(tokens), nheads, hb] of a request's KV."""
+    t = np.asarray(tokens, dtype=np.int64)[:, None, None]
+    h = (ghead0 + np.arange(nheads, dtype=np.int64))[None, :, None]
+    b = np.arange(hb, dtype=np.int64)[None, None, :]
+    v = (room % 1009) * 11 + layer * 31 + role * 17 + h * 13 + t * 5 + b * 3
+    return (v % 200).astype(np.uint8)
+
+
+def as_np(t):
+    if hasattr(t, "detach"):
+        return t.detach().cpu().numpy()
+    return np.asarray(t)
+
+
+# ---------------------------------------------------------------- configuration
+
+class Cfg(types.SimpleNamespace):
+    """A scenario: model, topologies and requests."""
+
+
+def server_args(cfg, side, port, tp, dp=1, dp_attn=False, pp=1):
+    return types.SimpleNamespace(
+        tp_size=tp, dp_size=dp, enable_dp_attention=dp_attn, pp_size=pp, attn_cp_size=1,
+        host="127.0.0.1", port=port, nnodes=1, dist_init_addr=None,
+        disaggregation_bootstrap_port=getattr(cfg, "boot_port", 0), disaggregation_ib_device=None,
+        disaggregation_transfer_backend="kvwire", disaggregation_mode=side,
+        disaggregation_decode_enable_radix_cache=False, optimistic_prefill_attempts=cfg.optimistic,
+        load_balance_method="follow_bootstrap_room", kv_cache_dtype="auto",
+        get_model_config=lambda: cfg.model_config)
+
+
+def model_config(cfg):
+    hf = types.SimpleNamespace(num_hidden_layers=cfg.layers, num_key_value_heads=cfg.heads)
+    if cfg.swa:
+        hf.layer_types = ["sliding_attention" if i in cfg.swa else "full_attention"
+                          for i in range(cfg.layers)]
+        hf.sliding_window = cfg.hf_window
+    return types.SimpleNamespace(hf_text_config=hf, num_hidden_layers=cfg.layers,
+                                 get_total_num_kv_heads=lambda: cfg.heads)
+
+
+def make_pools(cfg, tp, rank, fill, pp_range=None):
+    import torch
+    MHAPool, MLAPool, SWAPool = S.fakes.mem_classes()
+    first, nh = owned_heads(tp, rank, cfg.heads) if not cfg.mla else (0, 1)
+    lo, hi = pp_range or (0, cfg.layers)
+    full_layers = [i for i in range(lo, hi) if i not in cfg.swa]
+    swa_layers = [i for i in range(lo, hi) if i in cfg.swa]
+    if cfg.mla:
+        pool = MLAPool(torch, cfg.ps, cfg.pages, len(full_layers), cfg.hb, fill, DEVICE, lo, hi)
+    else:
+        pool = MHAPool(torch, cfg.ps, cfg.pages, len(full_layers), nh, cfg.hb, fill, DEVICE,
+                       lo, hi)
+        if swa_layers:
+            swa = MHAPool(torch, cfg.ps, cfg.pages, len(swa_layers), nh, cfg.hb, fill, DEVICE,
+                          lo, hi)
+            pool = SWAPool(pool, swa)
+    draft = None
+    if cfg.draft and hi == cfg.layers:
+        draft = (MLAPool(torch, cfg.ps, cfg.pages, cfg.draft, cfg.hb, fill, DEVICE) if cfg.mla
+                 else MHAPool(torch, cfg.ps, cfg.pages, cfg.draft, nh, cfg.hb, fill, DEVICE))
+    # (layer id for the pattern, role, tensor list index, pool object, is_swa)
+    views = []
+    full_pool = pool.full_kv_pool if swa_layers else pool
+    for j, l in enumerate(full_layers):
+        for role, name in ((0, "k"), (1, "v")) if not cfg.mla else ((2, "kv"),):
+            views.append((l, role, full_pool.layers.bufs[name][j], False))
+    for j, l in enumerate(swa_layers):
+        for role, name in ((0, "k"), (1, "v")):
+            views.append((l, role, pool.swa_kv_pool.layers.bufs[name][j], True))
+    if draft is not None:
+        for j in range(cfg.draft):
+            for role, name in ((0, "k"), (1, "v")) if not cfg.mla else ((2, "kv"),):
+                views.append((100 + j, role, draft.layers.bufs[name][j], False))
+    return pool, draft, views, first, nh
+
+
+def scheduler_common(cfg, sa, tp_rank, dp_rank):
+    import torch
+    sch = types.SimpleNamespace()
+    sch.server_args = sa
+    sch.model_config = cfg.model_config
+    sch.ps = types.SimpleNamespace(dp_rank=dp_rank, gpu_id=0, tp_rank=tp_rank, pp_rank=0)
+    sch.attn_cp_cpu_group = sch.attn_tp_cpu_group = None
+    sch.output_streamer = types.SimpleNamespace(stream_output=lambda *a, **k: None)
+    sch.metrics_reporter = types.SimpleNamespace(enable_metrics=False)
+    sch.enable_hicache_storage = False
+    sch.tree_cache = None
+    sch.sliding_window_size = cfg.sched_window
+    sch.enable_overlap = False
+    sch.enable_staging = False
+    del torch
+    return sch
+
+
+# ---------------------------------------------------------------- prefill rank
+
+def prefill_rank(cfg, inst, tp_rank, dp_rank, out):
+    try:
+        out.put(("prefill %d.%d.%d" % (inst, dp_rank, tp_rank),) + run_prefill(cfg, inst, tp_rank, dp_rank))
+    except BaseException:
+        out.put(("prefill %d.%d.%d" % (inst, dp_rank, tp_rank), False, traceback.format_exc()))
+
+
+def run_prefill(cfg, inst, tp_rank, dp_rank):
+    import torch
+    U, P, fk = S.U, S.P, S.fakes
+    tp = cfg.ptp
+    gtp = tp * cfg.pdp if cfg.pdp_attn else tp
+    sa = server_args(cfg, "prefill", 30000 + inst, gtp, cfg.pdp, cfg.pdp_attn)
+    if cfg.pdp > 1 and not cfg.pdp_attn:
+        sa.tp_size = tp
+    pool, draft, views, first, nh = make_pools(cfg, tp, tp_rank, fk.JUNK)
+    alloc = fk.Allocator(pool, cfg.ps, cfg.pages, seed=1000 + inst * 10 + tp_rank,
+                         swa_pages=cfg.pages if cfg.swa else 0)
+    rtp = fk.ReqToTokenPool(torch, 64, cfg.max_len + cfg.ps)
+    md = U.MetadataBuffers(16, hidden_size=8, hidden_states_dtype=torch.float32)
+    mda = U.ReqToMetadataIdxAllocator(16)
+
+    class Sched(P.SchedulerDisaggregationPrefillMixin):
+        pass
+    sch = Sched()
+    sch.__dict__.update(vars(scheduler_common(cfg, sa, tp_rank + (dp_rank * tp if cfg.pdp_attn else 0), dp_rank)))
+    sch.token_to_kv_pool_allocator = alloc
+    sch.req_to_token_pool = rtp
+    sch.disagg_metadata_buffers = md
+    sch.req_to_metadata_buffer_idx_allocator = mda
+    sch.disagg_prefill_inflight_queue = []
+    sch.waiting_queue = []
+    sch.tp_worker = types.SimpleNamespace(model_runner=types.SimpleNamespace(
+        effective_max_total_num_tokens=cfg.pages * cfg.ps))
+    engine_rank = tp_rank + (dp_rank * tp if cfg.pdp_attn else 0)
+    q = P.PrefillBootstrapQueue(pool, draft, mda, md, engine_rank, gtp, 0, cfg.boot_port, None,
+                                cfg.pages * cfg.ps, sch, 0, 1, U.TransferBackend.KVWIRE)
+    sch.disagg_prefill_bootstrap_queue = q
+    mine = [r for r in cfg.requests if r["prefill"] == inst and
+            (cfg.pdp == 1 or r["room"] % cfg.pdp == dp_rank)]
+    reqs = {}
+    for r in mine:
+        req = fk.Req(r["rid"], range(r["len"]), r["room"], "127.0.0.1", None)
+        reqs[r["rid"]] = req
+        q.add(req, nh)
+    final = {}
+    waiting = []
+    deadline = time.monotonic() + DEADLINE
+    aborted = set()
+    while len(final) < len(mine) and time.monotonic() < deadline:
+        for req in q.pop_bootstrapped():
+            waiting.append(req)
+        for req in list(waiting):
+            spec = next(r for r in mine if r["rid"] == req.rid)
+            if spec.get("abort") == "prefill-before-send" and req.rid not in aborted:
+                req.disagg_kv_sender.abort()
+                aborted.add(req.rid)
+            forward(cfg, sch, req, views, first, nh, alloc, rtp, spec)
+            waiting.remove(req)
+            sch.disagg_prefill_inflight_queue.append(req)
+        for req in sch.process_disagg_prefill_inflight_queue():
+            ok = not isinstance(req.finished_reason, fk.FINISH_ABORT)
+            final[req.rid] = "ok" if ok else "failed"
+        for req in list(reqs.values()):
+            if req.rid not in final and isinstance(req.finished_reason, fk.FINISH_ABORT) and \
+                    req not in sch.disagg_prefill_inflight_queue and req not in waiting and \
+                    req not in q.queue:
+                final[req.rid] = "failed"
+        time.sleep(0.002)
+    errs = []
+    for r in mine:
+        want = r["expect"]
+        got = final.get(r["rid"], "pending")
+        if want != got and not (want == "failed-any" and got == "failed"):
+            errs.append("room %d (%d tokens): prefill ended %s, expected %s"
+                        % (r["room"], r["len"], got, want))
+    q.kv_manager.close()
+    return (not errs, "\n".join(errs) or "%d requests" % len(mine))
+
+
+def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
+    """The prefill forward pass: allocates the request's KV, writes its pattern, and
+    sends it chunk by chunk through SGLang's send_kv_chunk."""
+    import torch
+    L = len(req.origin_input_ids)
+    if req.req_pool_idx is None:
+        rtp.alloc([req])
+        locs = alloc.alloc_tokens(L)
+        rtp.req_to_token[req.req_pool_idx, :L] = locs
+        for layer, role, buf, is_swa in views:
+            lc = locs if not is_swa else np.asarray(alloc.translate_loc_from_full_to_swa(locs))
+            val = pattern(req.bootstrap_room, layer, role, first, nh, range(L), cfg.hb)
+            if DEVICE == "cuda":
+                buf[torch.tensor(lc, dtype=torch.int64, device="cuda")] = \
+                    torch.tensor(val, device="cuda")
+            else:
+                buf[lc] = val
+    req.output_ids = [1000 + req.bootstrap_room % 1000]
+    req.cached_tokens = req.bootstrap_room % 7
+    if cfg.draft:
+        req.hidden_states_tensor = torch.tensor(np.arange(8, dtype=np.float32) + req.bootstrap_room % 5)
+        req.output_topk_p = torch.tensor(np.ones(2, dtype=np.float32))
+        req.output_topk_index = torch.tensor(np.arange(2, dtype=np.int64))
+    chunk = spec.get("chunk") or L
+    pos = 0
+    while pos + chunk < L:
+        pos += chunk
+        req.set_extend_range(pos - chunk, pos)
+        if not req.pending_bootstrap:
+            sch.send_kv_chunk(req)
+    req.set_extend_range(pos, L)
+    if not req.pending_bootstrap:
+        sch.send_kv_chunk(req, last_chunk=True)
+
+
+# ---------------------------------------------------------------- decode rank
+
+def decode_rank(cfg, inst, tp_rank, out):
+    try:
+        out.put(("decode %d.%d" % (inst, tp_rank),) + run_decode(cfg, inst, tp_rank))
+    except BaseException:
+        out.put(("decode %d.%d" % (inst, tp_rank), False, traceback.format_exc()))
+
+
+def decode_launcher(cfg, inst, out):
+    ctx = mp.get_context("fork")
+    ranks = [ctx.Process(target=decode_rank, args=(cfg, inst, r, out)) for r in range(cfg.dtp)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join()
+
+
+def run_decode(cfg, inst, tp_rank):
+    import torch
+    U, D, fk = S.U, S.D, S.fakes
+    tp = cfg.dtp
+    fk.PARALLEL.attn_tp_size = tp
+    sa = server_args(cfg, "decode", 40000 + (inst if not cfg.alike else 0), tp)
+    pool, draft, views, first, nh = make_pools(cfg, tp, tp_rank, fk.SENTINEL)
+    alloc = fk.Allocator(pool, cfg.ps, cfg.pages, seed=2000 + inst * 10 + tp_rank,
+                         swa_pages=cfg.pages if cfg.swa else 0)
+    md = U.MetadataBuffers(16, hidden_size=8, hidden_states_dtype=torch.float32)
+    mda = U.ReqToMetadataIdxAllocator(16)
+    rtp = D.DecodeReqToTokenPool(size=32, max_context_len=cfg.max_len + cfg.ps, device="cpu",
+                                 enable_memory_saver=False, pre_alloc_size=32)
+    sch = types.SimpleNamespace(**vars(scheduler_common(cfg, sa, tp_rank, None)))
+    sch.spec_algorithm = types.SimpleNamespace(is_none=lambda: not cfg.draft)
+    sch.enable_decode_hicache = sch.enable_hisparse = False
+    sch.enable_priority_scheduling = False
+    sch.running_batch = types.SimpleNamespace(reqs=[])
+    sch.waiting_queue = []
+    sch.last_batch = None
+    sch.tp_worker = types.SimpleNamespace(is_hybrid_swa=bool(cfg.swa), model_runner=types.SimpleNamespace(
+        swa_max_total_num_tokens=cfg.pages * cfg.ps))
+    tq = D.DecodeTransferQueue(None, mda, tp_rank, md, sch, None)
+    pq = D.DecodePreallocQueue(rtp, alloc, draft, mda, md, sch, tq, None, None, tp_rank, tp, 1, 0,
+                               None, cfg.pages * cfg.ps, 0, 0, U.TransferBackend.KVWIRE)
+    mine = [r for r in cfg.requests if r["decode"] == inst]
+    reqs = {}
+    for r in mine:
+        req = fk.Req(r["rid"], range(r["len"]), r["room"], "127.0.0.1",
+                     cfg.boot_ports[r["prefill"]], dp_rank=r.get("dp_rank"))
+        reqs[r["rid"]] = req
+        pq.add(req)
+        if r.get("abort") == "decode-after-add":
+            dr = pq.queue[-1]
+            dr.kv_receiver.abort()
+    done, failed = {}, {}
+    deadline = time.monotonic() + DEADLINE
+    while len(done) + len(failed) < len(mine) and time.monotonic() < deadline:
+        pre, fl = pq.pop_preallocated()
+        for dr in fl:
+            failed[dr.req.rid] = dr.req
+        for dr in pre:
+            spec = next(r for r in mine if r["rid"] == dr.req.rid)
+            if spec.get("abort") == "decode-after-post":
+                dr.kv_receiver.abort()
+        tq.extend(pre)
+        for req in tq.pop_transferred():
+            done[req.rid] = req
+        for dr in list(tq.queue) + list(pq.queue):
+            pass
+        for rid, req in reqs.items():
+            if rid not in done and rid not in failed and \
+                    isinstance(req.finished_reason, fk.FINISH_ABORT) and \
+                    all(d.req is not req for d in tq.queue):
+                in_pq = any(d.req is req for d in pq.queue)
+                if not in_pq:
+                    failed[rid] = req
+        time.sleep(0.002)
+    errs = []
+    for r in mine:
+        got = "ok" if r["rid"] in done else "failed" if r["rid"] in failed else "pending"
+        want = r["expect"]
+        if want != got and not (want == "failed-any" and got == "failed"):
+            errs.append("room %d (%d tokens): decode ended %s, expected %s"
+                        % (r["room"], r["len"], got, want))
+    errs += check_bytes(cfg, [reqs[rid] for rid in done], views, first, nh, alloc, rtp, md)
+    iid = pq.kv_manager.instance_id
+    pq.kv_manager.close()
+    return (not errs, "\n".join(errs[:20]) or "%d requests, every byte checked" % len(mine),
+            iid)
+
+
+def check_bytes(cfg, done, views, first, nh, alloc, rtp, md):
+    errs = []
+    ps = cfg.ps
+    for layer, role, buf, is_swa in views:
+        arr = as_np(buf)
+        expect = np.full(arr.shape, S.fakes.SENTINEL, dtype=np.uint8)
+        free = np.ones(arr.shape[0], dtype=bool)
+        if is_swa:
+            free[:ps] = False  # the padding page may take the window's spill-over
+        for req in done:
+            L = len(req.origin_input_ids)
+            N = -(-L // ps) * ps
+            locs = np.asarray(rtp.req_to_token[req.req_pool_idx, :L]).astype(np.int64)
+            page_locs = np.array([p * ps + i for p in sorted(set((locs // ps).tolist()), key=list(locs // ps).index)
+                                  for i in range(ps)], dtype=np.int64)[:N]
+            toks = np.arange(N)
+            if is_swa:
+                w0 = max(0, L - cfg.sched_window) // ps * ps
+                sel = toks >= w0
+                page_locs = np.asarray(alloc.translate_loc_from_full_to_swa(page_locs)).astype(np.int64)
+                page_locs, toks = page_locs[sel], toks[sel]
+            ref = pattern(req.bootstrap_room, layer, role, first, nh, toks, cfg.hb)
+            ref[toks >= L] = S.fakes.JUNK
+            expect[page_locs] = ref
+            free[page_locs] = True
+        bad = np.nonzero((arr != expect).any(axis=(1, 2)) & free)[0]
+        if len(bad):
+            errs.append("layer %d role %d%s: %d slots differ from the reference, first slot %d: "
+                        "%s, expected %s" % (layer, role, " (SWA pool)" if is_swa else "",
+                                             len(bad), bad[0], arr[bad[0]].ravel()[:8].tolist(),
+                                             expect[bad[0]].ravel()[:8].tolist()))
+    for req in done:
+        want = 1000 + req.bootstrap_room % 1000
+        if not req.output_ids or req.output_ids[-1] != want:
+            errs.append("room %d: output id %r, expected %d" % (req.bootstrap_room,
+                                                                req.output_ids[-1:], want))
+        if req.cached_tokens != req.bootstrap_room % 7:
+            errs.append("room %d: cached_tokens %r" % (req.bootstrap_room, req.cached_tokens))
+        if cfg.draft:
+            hs = as_np(req.hidden_states_tensor)
+            if not np.array_equal(hs, np.arange(8, dtype=np.float32) + req.bootstrap_room % 5):
+                errs.append("room %d: hidden states %r" % (req.bootstrap_room, hs.tolist()))
+    return errs
+
+
+def bootstrap_proc(cfg, port, delay, stop):
+    time.sleep(delay)
+    cls = S.U.get_kv_class(S.U.TransferBackend.KVWIRE, S.U.KVClassType.BOOTSTRAP_SERVER)
+    srv = cls(host="127.0.0.1", port=port)
+    stop.wait(DEADLINE + 30)
+    srv.close()
+
+
+# ---------------------------------------------------------------- scenarios
+
+def requests(n_prefill=1, n_decode=1, lens=(1, 7, 16, 17, 45, 130), seed=0, **extra):
+    rng = np.random.default_rng(seed)
+    out = []
+    i = 0
+    for p in range(n_prefill):
+        for d in range(n_decode):
+            for L in lens:
+                out.append(dict(rid="r%d" % i, room=int(rng.integers(1, 2 ** 62)), len=L,
+                                prefill=p, decode=d, expect="ok", **extra))
+                i += 1
+    return out
+
+
+def scenario(name, **kw):
+    base = dict(layers=3, heads=4, hb=8, ps=1, pages=600, ptp=1, dtp=1, pdp=1, pdp_attn=False,
+                mla=False, swa=(), hf_window=0, sched_window=None, draft=0, optimistic=0,
+                n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260)
+    base.update(kw)
+    cfg = Cfg(name=name, **base)
+    if cfg.mla:
+        cfg.heads = 1
+    if "requests" not in kw:
+        cfg.requests = requests(cfg.n_prefill, cfg.n_decode)
+    return cfg
+
+
+SCENARIOS = [
+    scenario("mha_tp1_tp2", ptp=1, dtp=2),
+    scenario("mha_tp2_tp1_ps16", ptp=2, dtp=1, ps=16, pages=80),
+    scenario("gqa_replicated_tp1_tp4", heads=2, ptp=1, dtp=4),
+    scenario("mla_tp1_tp2", mla=True, ptp=1, dtp=2, hb=16),
+    scenario("mla_tp2_tp1", mla=True, ptp=2, dtp=1, hb=16, ps=16, pages=80),
+    scenario("gptoss_swa_ps1", layers=4, swa=(0, 2), hf_window=128, sched_window=127),
+    scenario("gptoss_swa_ps16_tp1_tp2", layers=4, swa=(0, 2), hf_window=128, sched_window=127,
+             ps=16, pages=80, dtp=2),
+    scenario("chunked_ps16", ps=16, pages=80, requests=requests(chunk=20)),
+    scenario("two_prefill_instances", n_prefill=2, ptp=2, dtp=1),
+    scenario("two_decode_instances_alike", n_decode=2, alike=True),
+    scenario("speculative_draft_kv", draft=1),
+    scenario("bootstrap_server_late", late=2.0),
+]
+
+
+def run(cfg):
+    ctx = mp.get_context("fork")
+    out = ctx.Queue()
+    cfg.boot_ports = [free_port() for _ in range(cfg.n_prefill)]
+    cfg.model_config = model_config(cfg)
+    stop = ctx.Event()
+    procs = []
+    for p in range(cfg.n_prefill):
+        procs.append(ctx.Process(target=bootstrap_proc, args=(cfg, cfg.boot_ports[p], cfg.late, stop)))
+    n = 0
+    for p in range(cfg.n_prefill):
+        c = Cfg(**vars(cfg))
+        c.boot_port = cfg.boot_ports[p]
+        for dpr in range(cfg.pdp):
+            for r in range(cfg.ptp):
+                procs.append(ctx.Process(target=prefill_rank, args=(c, p, r, dpr, out)))
+                n += 1
+    for d in range(cfg.n_decode):
+        # One launcher per decode instance, as SGLang's engine process spawns its
+        # schedulers: the ranks of one instance share it, two instances do not.
+        procs.append(ctx.Process(target=decode_launcher, args=(cfg, d, out)))
+        n += cfg.dtp
+    t0 = time.monotonic()
+    for pr in procs:
+        pr.start()
+    results = []
+    for _ in range(n):
+        try:
+            results.append(out.get(timeout=DEADLINE + 30))
+        except Exception:
+            results.append(("?", False, "no result (a rank hung or died)"))
+    stop.set()
+    for pr in procs:
+        pr.join(10)
+        if pr.is_alive():
+            pr.kill()
+    ok = all(r[1] for r in results)
+    ids = {}
+    for r in results:
+        if r[0].startswith("decode") and len(r) > 3:
+            ids.setdefault(r[0].split()[1].split(".")[0], set()).add(r[3])
+    if any(len(v) != 1 for v in ids.values()) or \
+            len(set().union(*ids.values()) if ids else ()) != len(ids):
+        ok = False
+        results.append(("instance ids", False, "decode instance ids %r: one per instance, "
+                        "distinct between instances, expected" % ids))
+    print("%s %s (%.1f s)" % ("PASS" if ok else "FAIL", cfg.name, time.monotonic() - t0))
+    for r in results:
+        if not r[1]:
+            print("   %s: %s" % (r[0], r[2].replace("\n", "\n      ")))
+    return ok
+
+
+def check_register():
+    """get_kv_class of SGLang's real utils.py returns kvwire's classes after register()."""
+    U, ks = S.U, S.ks
+    tb = U.TransferBackend("kvwire")
+    want = {U.KVClassType.KVARGS: ks.KVArgs, U.KVClassType.MANAGER: ks.KVManager,
+            U.KVClassType.SENDER: ks.KVSender, U.KVClassType.RECEIVER: ks.KVReceiver,
+            U.KVClassType.BOOTSTRAP_SERVER: ks.KVBootstrapServer}
+    bad = [k for k, v in want.items() if U.get_kv_class(tb, k) is not v]
+    bad += [k for k, v in want.items() if S.P.get_kv_class(tb, k) is not v]
+    try:
+        U.get_kv_class(U.TransferBackend.MOONCAKE, U.KVClassType.KVARGS)
+    except Exception:
+        pass
+    ok = not bad and tb is U.TransferBackend.KVWIRE
+    print("%s register (TransferBackend('kvwire') and get_kv_class of SGLang's utils.py)"
+          % ("PASS" if ok else "FAIL"))
+    return ok
+
+
+def main():
+    if len(sys.argv) < 2:
+        print(__doc__)
+        return 2
+    load(sys.argv[1])
+    names = sys.argv[2:]
+    ok = check_register()
+    for cfg in SCENARIOS:
+        if names and cfg.name not in names:
+            continue
+        ok = run(cfg) and ok
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
