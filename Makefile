@@ -12,7 +12,7 @@ DEV_FLAGS := -DKVW_DEVELOPER=ON
 # ASan/UBSan builds.
 TSAN_TESTS ?= test_api_masks|test_auth|test_gpu_staged|test_log_hook|test_bootstrap|test_metadata|test_multi_instance|test_peer_reap|test_proto_fail|test_streaming|test_transport
 
-.PHONY: all deps build demo check check-fast check-asan check-tsan bench gpu-check gpu-bench clean
+.PHONY: all deps build demo check check-fast check-asan check-tsan bench gpu-check gpu-bench clean sglang-check
 
 all: build
 
@@ -103,3 +103,18 @@ SWEEP_ARGS ?=
 .PHONY: sweep
 sweep: build
 	BUILD=$(BUILD) scripts/sweep.sh --runs $(SWEEP_RUNS) $(if $(SWEEP_SEED),--seed $(SWEEP_SEED)) $(SWEEP_ARGS)
+
+# SGLang's own disaggregation scheduler code (prefill.py, decode.py, ... loaded unmodified
+# from SGLANG_SRC, an SGLang checkout's python/ directory) driving kvwire.sglang, every
+# byte checked (python/tests/sglang_real/run.py). Without SGLANG_SRC it says so and passes.
+SGLANG_SRC ?=
+sglang-check:
+	@if [ -z "$(SGLANG_SRC)" ]; then \
+		echo "sglang-check: skipped: SGLANG_SRC is not set (an SGLang source tree's python/ directory)"; \
+	elif [ ! -f "$(SGLANG_SRC)/sglang/srt/disaggregation/prefill.py" ]; then \
+		echo "sglang-check: skipped: no SGLang source at $(SGLANG_SRC) (sglang/srt/disaggregation/prefill.py missing)"; \
+	else \
+		$(MAKE) build && \
+		py=python3; $$py -c 'import numpy' 2>/dev/null || py=/usr/bin/python3; \
+		KVW_BUILD_DIR=$(abspath $(BUILD)) $$py python/tests/sglang_real/run.py "$(SGLANG_SRC)"; \
+	fi
