@@ -1165,6 +1165,7 @@ class KVReceiver(_Request):
             raise ValueError("KVReceiver needs a decode KVManager")
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self.prefill_dp_rank = prefill_dp_rank
+        self._initialized = False
         self.aux_index = None
         self._posted = False
         self._aux_done = False
@@ -1173,8 +1174,11 @@ class KVReceiver(_Request):
         """Opens the room, fed by DP group prefill_dp_rank of the prefill instance at
         bootstrap_addr; the first room for an instance connects in the background.
         A malformed or unreachable address fails the room at once (see poll())."""
-        if self._room is not None or self._error is not None:
+        if self._room is not None or self._initialized:
             raise RuntimeError("KVReceiver.init called twice (room %d)" % self.bootstrap_room)
+        self._initialized = True
+        if self._error is not None:     # aborted (or failed) before init: stays Failed
+            return
         if prefill_dp_rank is None:
             prefill_dp_rank = self.prefill_dp_rank
         if prefill_dp_rank is None:

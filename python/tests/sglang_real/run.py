@@ -171,6 +171,7 @@ def prefill_rank(cfg, inst, tp_rank, dp_rank, out):
 
 def run_prefill(cfg, inst, tp_rank, dp_rank):
     import torch
+    os.environ.update(cfg.env)
     U, P, fk = S.U, S.P, S.fakes
     tp = cfg.ptp
     gtp = tp * cfg.pdp if cfg.pdp_attn else tp
@@ -297,6 +298,7 @@ def decode_launcher(cfg, inst, out):
 
 def run_decode(cfg, inst, tp_rank):
     import torch
+    os.environ.update(cfg.env)
     U, D, fk = S.U, S.D, S.fakes
     tp = cfg.dtp
     fk.PARALLEL.attn_tp_size = tp
@@ -438,7 +440,7 @@ def requests(n_prefill=1, n_decode=1, lens=(1, 7, 16, 17, 45, 130), seed=0, **ex
 def scenario(name, **kw):
     base = dict(layers=3, heads=4, hb=8, ps=1, pages=600, ptp=1, dtp=1, pdp=1, pdp_attn=False,
                 mla=False, swa=(), hf_window=0, sched_window=None, draft=0, optimistic=0,
-                n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260)
+                n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260, env={})
     base.update(kw)
     cfg = Cfg(name=name, **base)
     if cfg.mla:
@@ -462,6 +464,18 @@ SCENARIOS = [
     scenario("two_decode_instances_alike", n_decode=2, alike=True),
     scenario("speculative_draft_kv", draft=1),
     scenario("bootstrap_server_late", late=2.0),
+    scenario("dp_attention_prefill", ptp=1, pdp=2, pdp_attn=True, dtp=1,
+             env={"KVWIRE_SGLANG_PREFILL_DP_SIZE": "2"}),
+    scenario("plain_dp_prefill", ptp=2, pdp=2, pdp_attn=False, dtp=1,
+             env={"KVWIRE_SGLANG_PREFILL_DP_SIZE": "2"}),
+    scenario("optimistic_prefill", optimistic=2, ps=16, pages=80, requests=requests(chunk=20)),
+    scenario("aborts", ps=16, pages=80, env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "4",
+                                             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "4"},
+             requests=[dict(r, **a) for r, a in zip(
+                 requests(lens=(17, 40, 33, 50, 64, 9)),
+                 [{}, dict(abort="decode-after-add", expect="failed"),
+                  dict(abort="decode-after-post", expect="failed-any"),
+                  dict(abort="prefill-before-send", expect="failed"), {}, {}])]),
 ]
 
 
