@@ -123,6 +123,41 @@ def get_num_new_pages(seq_lens, prefix_lens, page_size):
 
 PARALLEL = types.SimpleNamespace(attn_tp_size=1, attn_cp_size=1, attn_dp_size=1)
 
+# Decode radix cache: {rid: device locs of the request's cached prefix}, set by the check.
+RADIX = {}
+
+
+def match_prefix_for_req(tree_cache, req, ids, cow_mamba=False, include_req=False):
+    import torch
+    locs = RADIX.get(req.rid)
+    if locs is None:
+        locs = np.zeros(0, dtype=np.int64)
+    return types.SimpleNamespace(device_indices=torch.tensor(locs, dtype=torch.int64),
+                                 host_hit_length=0, last_device_node=None,
+                                 last_host_node=None)
+
+
+class TreeCache:
+    """A decode radix cache holding fixed prefixes (RADIX) that nothing evicts."""
+
+    def supports_mamba(self):
+        return False
+
+    def inc_lock_ref(self, node):
+        return 0
+
+    def dec_lock_ref(self, node):
+        return 0
+
+    def evictable_size(self):
+        return 0
+
+    def protected_size(self):
+        return 0
+
+    def evict(self, params):
+        return types.SimpleNamespace(num_tokens_evicted=0)
+
 
 def misc_modules(src):
     utils_dir = os.path.join(src, "sglang", "srt", "utils")
@@ -136,8 +171,10 @@ def misc_modules(src):
                 get_server_args=lambda: None, get_flags=lambda: _Anything())
     msa = module("sglang.srt.utils.torch_memory_saver_adapter",
                  TorchMemorySaverAdapter=_Anything)
+    sp = module("sglang.srt.managers.schedule_policy", match_prefix_for_req=match_prefix_for_req)
     return {"sglang.srt.utils": u, "sglang.srt.runtime_context": rc,
             "sglang.srt.utils.torch_memory_saver_adapter": msa,
+            "sglang.srt.managers.schedule_policy": sp,
             "sglang.srt.managers.schedule_batch": schedule_batch_module(),
             "sglang.srt.mem_cache.common": mem_cache_common_module()}
 

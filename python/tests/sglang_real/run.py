@@ -162,23 +162,26 @@ def scheduler_common(cfg, sa, tp_rank, dp_rank):
 
 # ---------------------------------------------------------------- prefill rank
 
-def prefill_rank(cfg, inst, tp_rank, dp_rank, out):
+def prefill_rank(cfg, inst, tp_rank, dp_rank, pp_rank, out):
+    name = "prefill %d.%d.%d.%d" % (inst, dp_rank, pp_rank, tp_rank)
     try:
-        out.put(("prefill %d.%d.%d" % (inst, dp_rank, tp_rank),) + run_prefill(cfg, inst, tp_rank, dp_rank))
+        out.put((name,) + run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank))
     except BaseException:
-        out.put(("prefill %d.%d.%d" % (inst, dp_rank, tp_rank), False, traceback.format_exc()))
+        out.put((name, False, traceback.format_exc()))
 
 
-def run_prefill(cfg, inst, tp_rank, dp_rank):
+def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
     import torch
     os.environ.update(cfg.env)
     U, P, fk = S.U, S.P, S.fakes
     tp = cfg.ptp
     gtp = tp * cfg.pdp if cfg.pdp_attn else tp
-    sa = server_args(cfg, "prefill", 30000 + inst, gtp, cfg.pdp, cfg.pdp_attn)
+    sa = server_args(cfg, "prefill", 30000 + inst, gtp, cfg.pdp, cfg.pdp_attn, cfg.ppp)
+    cut = cfg.layers // 2 + 1
+    pp_range = None if cfg.ppp == 1 else ((0, cut), (cut, cfg.layers))[pp_rank]
     if cfg.pdp > 1 and not cfg.pdp_attn:
         sa.tp_size = tp
-    pool, draft, views, first, nh = make_pools(cfg, tp, tp_rank, fk.JUNK)
+    pool, draft, views, first, nh = make_pools(cfg, tp, tp_rank, fk.JUNK, pp_range)
     alloc = fk.Allocator(pool, cfg.ps, cfg.pages, seed=1000 + inst * 10 + tp_rank,
                          swa_pages=cfg.pages if cfg.swa else 0)
     rtp = fk.ReqToTokenPool(torch, 64, cfg.max_len + cfg.ps)
@@ -199,7 +202,8 @@ def run_prefill(cfg, inst, tp_rank, dp_rank):
         effective_max_total_num_tokens=cfg.pages * cfg.ps))
     engine_rank = tp_rank + (dp_rank * tp if cfg.pdp_attn else 0)
     q = P.PrefillBootstrapQueue(pool, draft, mda, md, engine_rank, gtp, 0, cfg.boot_port, None,
-                                cfg.pages * cfg.ps, sch, 0, 1, U.TransferBackend.KVWIRE)
+                                cfg.pages * cfg.ps, sch, pp_rank, cfg.ppp,
+                                U.TransferBackend.KVWIRE)
     sch.disagg_prefill_bootstrap_queue = q
     mine = [r for r in cfg.requests if r["prefill"] == inst and
             (cfg.pdp == 1 or r["room"] % cfg.pdp == dp_rank)]
@@ -319,10 +323,23 @@ def run_decode(cfg, inst, tp_rank):
     sch.last_batch = None
     sch.tp_worker = types.SimpleNamespace(is_hybrid_swa=bool(cfg.swa), model_runner=types.SimpleNamespace(
         swa_max_total_num_tokens=cfg.pages * cfg.ps))
-    tq = D.DecodeTransferQueue(None, mda, tp_rank, md, sch, None)
-    pq = D.DecodePreallocQueue(rtp, alloc, draft, mda, md, sch, tq, None, None, tp_rank, tp, 1, 0,
+    tree = fk.TreeCache()
+    sa.disaggregation_decode_enable_radix_cache = cfg.radix
+    tq = D.DecodeTransferQueue(None, mda, tp_rank, md, sch, tree)
+    pq = D.DecodePreallocQueue(rtp, alloc, draft, mda, md, sch, tq, tree, None, tp_rank, tp, 1, 0,
                                None, cfg.pages * cfg.ps, 0, 0, U.TransferBackend.KVWIRE)
     mine = [r for r in cfg.requests if r["decode"] == inst]
+    cached = {}
+    for r in mine:
+        if r.get("prefix"):
+            # A prefix this decode already holds (an earlier request's pages): its
+            # bytes are a marker pattern kvwire must leave alone.
+            locs = alloc.alloc_tokens(r["prefix"])
+            fk.RADIX[r["rid"]] = locs
+            cached[r["rid"]] = locs
+            for layer, role, buf, is_swa in views:
+                val = pattern(r["room"] + 1, layer, role, first, nh, range(r["prefix"]), cfg.hb)
+                put(buf, locs, val)
     reqs = {}
     for r in mine:
         req = fk.Req(r["rid"], range(r["len"]), r["room"], "127.0.0.1",
@@ -362,14 +379,25 @@ def run_decode(cfg, inst, tp_rank):
         if want != got and not (want == "failed-any" and got == "failed"):
             errs.append("room %d (%d tokens): decode ended %s, expected %s"
                         % (r["room"], r["len"], got, want))
-    errs += check_bytes(cfg, [reqs[rid] for rid in done], views, first, nh, alloc, rtp, md)
+    errs += check_bytes(cfg, [reqs[rid] for rid in done], views, first, nh, alloc, rtp, md,
+                        cached)
     iid = pq.kv_manager.instance_id
     pq.kv_manager.close()
     return (not errs, "\n".join(errs[:20]) or "%d requests, every byte checked" % len(mine),
             iid)
 
 
-def check_bytes(cfg, done, views, first, nh, alloc, rtp, md):
+def put(buf, locs, val):
+    import torch
+    if DEVICE == "cuda":
+        buf[torch.tensor(np.asarray(locs), dtype=torch.int64, device="cuda")] = \
+            torch.tensor(val, device="cuda")
+    else:
+        buf[np.asarray(locs)] = val
+
+
+def check_bytes(cfg, done, views, first, nh, alloc, rtp, md, cached=None):
+    cached = cached or {}
     errs = []
     ps = cfg.ps
     for layer, role, buf, is_swa in views:
@@ -392,6 +420,10 @@ def check_bytes(cfg, done, views, first, nh, alloc, rtp, md):
                 page_locs, toks = page_locs[sel], toks[sel]
             ref = pattern(req.bootstrap_room, layer, role, first, nh, toks, cfg.hb)
             ref[toks >= L] = S.fakes.JUNK
+            pre = len(cached.get(req.rid, ()))
+            if pre and not is_swa:
+                ref[toks < pre] = pattern(req.bootstrap_room + 1, layer, role, first, nh,
+                                          toks[toks < pre], cfg.hb)
             expect[page_locs] = ref
             free[page_locs] = True
         bad = np.nonzero((arr != expect).any(axis=(1, 2)) & free)[0]
@@ -440,7 +472,8 @@ def requests(n_prefill=1, n_decode=1, lens=(1, 7, 16, 17, 45, 130), seed=0, **ex
 def scenario(name, **kw):
     base = dict(layers=3, heads=4, hb=8, ps=1, pages=600, ptp=1, dtp=1, pdp=1, pdp_attn=False,
                 mla=False, swa=(), hf_window=0, sched_window=None, draft=0, optimistic=0,
-                n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260, env={})
+                n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260, env={}, ppp=1,
+                radix=False)
     base.update(kw)
     cfg = Cfg(name=name, **base)
     if cfg.mla:
@@ -469,6 +502,12 @@ SCENARIOS = [
     scenario("plain_dp_prefill", ptp=2, pdp=2, pdp_attn=False, dtp=1,
              env={"KVWIRE_SGLANG_PREFILL_DP_SIZE": "2"}),
     scenario("optimistic_prefill", optimistic=2, ps=16, pages=80, requests=requests(chunk=20)),
+    scenario("pp2_prefill", layers=5, ppp=2, ptp=2, dtp=1, ps=16, pages=80),
+    scenario("pp2_prefill_swa", layers=5, swa=(1, 3), hf_window=128, sched_window=127, ppp=2,
+             dtp=2),
+    scenario("decode_radix_prefix", ps=16, pages=80, radix=True,
+             requests=[dict(r, prefix=p) for r, p in zip(
+                 requests(lens=(40, 64, 33, 17, 100, 9)), (16, 32, 0, 16, 48, 0))]),
     scenario("aborts", ps=16, pages=80, env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "4",
                                              "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "4"},
              requests=[dict(r, **a) for r, a in zip(
@@ -493,9 +532,10 @@ def run(cfg):
         c = Cfg(**vars(cfg))
         c.boot_port = cfg.boot_ports[p]
         for dpr in range(cfg.pdp):
-            for r in range(cfg.ptp):
-                procs.append(ctx.Process(target=prefill_rank, args=(c, p, r, dpr, out)))
-                n += 1
+            for ppr in range(cfg.ppp):
+                for r in range(cfg.ptp):
+                    procs.append(ctx.Process(target=prefill_rank, args=(c, p, r, dpr, ppr, out)))
+                    n += 1
     for d in range(cfg.n_decode):
         # One launcher per decode instance, as SGLang's engine process spawns its
         # schedulers: the ranks of one instance share it, two instances do not.
