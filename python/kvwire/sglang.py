@@ -519,10 +519,19 @@ class KVManager:
             raise ValueError("%d KV buffers: K then V buffers per layer expected" % len(ptrs))
 
         # Layer kinds of the target model.
-        if cfg is not None and (has_swa_pool or pp > 1 or
-                                _get(cfg, "num_hidden_layers") or _get(_hf(cfg), "num_hidden_layers")):
+        has_mamba = StateType.MAMBA in state_types
+        if has_mamba and pp > 1:
+            raise ValueError("Mamba/GDN state with pipeline parallelism is not supported by the "
+                             "kvwire SGLang backend")
+        if has_mamba and has_swa_pool:
+            raise ValueError("Mamba state together with an SWA pool is not supported")
+        if cfg is not None and not has_mamba and (
+                has_swa_pool or pp > 1 or _get(cfg, "num_hidden_layers") or
+                _get(_hf(cfg), "num_hidden_layers")):
             layers = model_layers(cfg, self.is_mla_backend)
         else:
+            # Hybrid linear-attention models: KVArgs lists the full-attention layers'
+            # buffers only; kvwire numbers them 0.. in order (both sides alike).
             layers = None
         begin = getattr(args, "prefill_start_layer", None) if self.mode == Side.PREFILL else None
         begin = int(begin or 0)
@@ -534,7 +543,10 @@ class KVManager:
             if pp > 1:
                 raise ValueError("PP: the model's layer count needs the model config "
                                  "(server_args.get_model_config())")
-            n = int(end) - begin if end is not None else len(ptrs) // per_layer
+            n = int(end) - begin if end is not None and not has_mamba else \
+                len(ptrs) // per_layer
+            if has_mamba:
+                begin, end = 0, None
             layers = Model(["mla" if self.is_mla_backend else "full"] * (begin + n)).layers
         n_target = len(layers)
         if end is None:
@@ -736,40 +748,44 @@ class KVManager:
             self.follow_bootstrap_room = lbm == "follow_bootstrap_room"
 
     def _mamba_buffers(self, args, k, buffers, first_layer, attn_tp, tp_rank):
-        """Mamba / GDN state buffers (one slot per request: req_to_token_pool's mamba
-        index). SGLang lists one buffer per (layer, state tensor): conv states then
-        temporal (SSM) states; state_dim_per_tensor gives each tensor's sharded head
-        count on this rank, state_conv_shard_groups the [q|k|v] sub-groups of a conv
-        state. Each buffer becomes a kvwire state layer."""
+        """Mamba / GDN state buffers (one slot per request, the request's mamba index).
+
+        SGLang lists one buffer per (state tensor, layer): the conv states of every
+        Mamba layer, then the temporal (SSM) states (memory_pool.py MambaPool). A slot
+        row is [units][bytes per unit] with units sharded over attention TP:
+        state_dim_per_tensor gives this rank's unit count per buffer, and
+        state_conv_shard_groups the full sizes of a conv state's [q | k | v] sub-blocks,
+        each sharded on its own. Each buffer becomes one kvwire state layer after the KV
+        layers, with its groups."""
         sp, sl, si = (list(args.state_data_ptrs[k]), list(args.state_data_lens[k]),
                       list(args.state_item_lens[k]))
-        dims = list((getattr(args, "state_dim_per_tensor", None) or [None])[k] or []) \
-            if getattr(args, "state_dim_per_tensor", None) else []
-        groups = list((getattr(args, "state_conv_shard_groups", None) or [None])[k] or []) \
-            if getattr(args, "state_conv_shard_groups", None) else []
+        all_dims = getattr(args, "state_dim_per_tensor", None) or []
+        all_groups = getattr(args, "state_conv_shard_groups", None) or []
+        dims = list(all_dims[k] or []) if k < len(all_dims) else []
+        groups = list(all_groups[k] or []) if k < len(all_groups) else []
+        if len(dims) != len(sp):
+            raise ValueError("Mamba state: %d buffers but %d state_dim_per_tensor entries (the "
+                             "sharded unit count of each is needed)" % (len(sp), len(dims)))
         out = []
         for i, (p, ln, it) in enumerate(zip(sp, sl, si)):
             layer = first_layer + i
-            g = groups[i] if i < len(groups) else None
-            d = dims[i] if i < len(dims) else None
-            if g:
-                # [(local heads, bytes per head), ...] per sharded group.
-                grp = [(int(h) * attn_tp, int(b)) for h, b in g]
-                nheads = sum(int(h) for h, _ in g)
-                buffers.append(Buffer(layer, Role.STATE, addr=int(p), length=int(ln),
-                                      pool=Pool.STATE, page_size=1, num_heads=nheads,
-                                      head_bytes=0, groups=grp, mem_kind=self.mem_kind,
-                                      device=self.device))
+            local = int(dims[i])
+            if local <= 0 or it % local:
+                raise ValueError("Mamba state buffer %d: %d bytes per slot do not split into %d "
+                                 "units" % (i, it, local))
+            unit = it // local
+            sub = groups[i] if i < len(groups) else None
+            if sub:
+                grp = [(int(full), unit) for full in sub]
+                if sum(int(f) for f in sub) != local * attn_tp:
+                    raise ValueError("Mamba conv state buffer %d: sub-blocks %s do not add up "
+                                     "to %d units x TP %d" % (i, list(sub), local, attn_tp))
             else:
-                local = int(d) if d else 1
-                if it % local:
-                    raise ValueError("state buffer %d: %d bytes per slot do not split into %d "
-                                     "heads" % (i, it, local))
-                buffers.append(Buffer(layer, Role.STATE, addr=int(p), length=int(ln),
-                                      pool=Pool.STATE, page_size=1, num_heads=local,
-                                      head_bytes=it // local,
-                                      groups=[(local * attn_tp, it // local)],
-                                      mem_kind=self.mem_kind, device=self.device))
+                grp = [(local * attn_tp, unit)]
+            buffers.append(Buffer(layer, Role.STATE, addr=int(p), length=int(ln),
+                                  pool=Pool.STATE, page_size=1, num_heads=local,
+                                  head_bytes=unit, groups=grp, mem_kind=self.mem_kind,
+                                  device=self.device))
             out.append(layer)
         return out
 
@@ -1146,8 +1162,8 @@ def _state_pages(mgr, state_indices, num_tokens, what):
                 raise ValueError("%s: the Mamba state slot of the request is missing" % what)
             flat = []
             for v in (idx if isinstance(idx, (list, tuple)) else [idx]):
-                flat += _ints(v, "Mamba state index") if hasattr(v, "__len__") or \
-                    hasattr(v, "tolist") else [int(v)]
+                v = v.tolist() if hasattr(v, "tolist") else v
+                flat += [int(x) for x in v] if isinstance(v, (list, tuple)) else [int(v)]
             if len(flat) != 1:
                 raise ValueError("%s: %d Mamba state slots, one expected" % (what, len(flat)))
             slot = flat[0]

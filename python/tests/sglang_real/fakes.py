@@ -259,7 +259,34 @@ def mem_classes():
         def get_state_buf_infos(self):
             return self.swa_kv_pool.get_contiguous_buf_infos()
 
-    return MHAPool, MLAPool, SWAPool
+    class HybridPool(mp.HybridLinearKVPool):
+        """SGLang's hybrid linear-attention pool: a full-attention pool plus Mamba state
+        tensors [layers, slots, units, bytes per unit] (conv states, then temporal)."""
+        _unified_kv = False
+
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+        def __init__(self, full, states, dims, groups):
+            self.full_kv_pool = full
+            self.page_size, self.head_num = full.page_size, full.head_num
+            self.start_layer, self.end_layer = full.start_layer, full.end_layer
+            self.states, self.dims, self.groups = states, dims, groups
+
+        def get_contiguous_buf_infos(self):
+            return self.full_kv_pool.get_contiguous_buf_infos()
+
+        def get_state_buf_infos(self):
+            ts = [t[i] for t in self.states for i in range(t.shape[0])]
+            return ([t.data_ptr() for t in ts], [t.nbytes for t in ts], [t[0].nbytes for t in ts])
+
+        def get_state_dim_per_tensor(self):
+            return [d for t, d in zip(self.states, self.dims) for _ in range(t.shape[0])]
+
+        def get_state_conv_shard_groups(self):
+            return [g for t, g in zip(self.states, self.groups) for _ in range(t.shape[0])]
+
+    return MHAPool, MLAPool, SWAPool, HybridPool
 
 
 class Allocator:

@@ -32,6 +32,11 @@ class Tensor(np.ndarray):
     def __new__(cls, a):
         return np.asarray(a).view(cls)
 
+    def __getitem__(self, key):
+        r = super().__getitem__(key)
+        # torch returns a 0-d tensor where NumPy returns a scalar.
+        return r if isinstance(r, np.ndarray) else np.asarray(r).view(Tensor)
+
     def data_ptr(self):
         return self.__array_interface__["data"][0]
 
