@@ -45,6 +45,7 @@ import os
 import socket
 import struct
 import sys
+import time
 
 from .connector import KVPoll, kvpoll, _side
 from .core import (Buffer, Context, KvwireError, LayerKind, MemKind, Model, Parallel, Pool, Rank,
@@ -276,16 +277,15 @@ def _local_ip():
         v = os.environ.get(name)
         if v:
             return _strip_brackets(v)
-    for fam, probe in ((socket.AF_INET, ("10.255.255.255", 1)),
-                       (socket.AF_INET6, ("2001:db8::1", 1))):
-        try:
-            with socket.socket(fam, socket.SOCK_DGRAM) as s:
-                s.connect(probe)
-                ip = s.getsockname()[0]
-                if ip and not ip.startswith("127.") and ip != "::1":
-                    return ip
-        except OSError:
-            pass
+    # IPv4 only: kvwire's control protocol resolves and listens on IPv4 addresses.
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))
+            ip = s.getsockname()[0]
+            if ip and not ip.startswith("127."):
+                return ip
+    except OSError:
+        pass
     return "127.0.0.1"
 
 
@@ -476,6 +476,7 @@ class KVManager:
         self.mode = _side(disaggregation_mode)
         self.is_mla_backend = bool(is_mla_backend)
         self.prefill_info_table = {}
+        self._deferred = []
         self._recompute_refused = 0
         cfg = _model_config(args, server_args, model_config)
         self.page_size = int(args.page_size)
@@ -813,6 +814,29 @@ class KVManager:
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(_prefill_dp_size(bootstrap_addr),
                                                               True)
         return True
+
+    def _defer_abort(self, room):
+        self._deferred.append((room, time.monotonic() +
+                               _sglang_timeouts()["bootstrap_timeout_ms"] / 1000.0))
+
+    def reap(self):
+        """Aborts the deferred rooms whose connection came up (see KVReceiver.abort); the
+        decode's receivers call it on every poll."""
+        if not self._deferred:
+            return
+        keep = []
+        now = time.monotonic()
+        for room, deadline in self._deferred:
+            try:
+                st = room.poll()
+            except (KvwireError, ValueError):
+                continue
+            if st != RoomState.BOOTSTRAPPING or now >= deadline:
+                room.abort()
+                room.close()
+            else:
+                keep.append((room, deadline))
+        self._deferred = keep
 
     def submit_prefill_recompute(self, kv_receiver, payload=None):
         """SGLang's PD retraction re-bootstrap asks the prefill to recompute a request's
@@ -1190,11 +1214,12 @@ class KVReceiver(_Request):
         """Opens the room, fed by DP group prefill_dp_rank of the prefill instance at
         bootstrap_addr; the first room for an instance connects in the background.
         A malformed or unreachable address fails the room at once (see poll())."""
+        if self._error is not None:     # aborted (or failed) before init: stays Failed
+            self._initialized = True
+            return
         if self._room is not None or self._initialized:
             raise RuntimeError("KVReceiver.init called twice (room %d)" % self.bootstrap_room)
         self._initialized = True
-        if self._error is not None:     # aborted (or failed) before init: stays Failed
-            return
         if prefill_dp_rank is None:
             prefill_dp_rank = self.prefill_dp_rank
         if prefill_dp_rank is None:
@@ -1263,11 +1288,54 @@ class KVReceiver(_Request):
             return KVPoll.Success
         return None
 
+    def abort(self):
+        """Aborts the request and tells the prefill ranks at once.
+
+        kvwire tells the prefill of an abort through the room's connection, which a
+        receiver opens when it posts its pages; before send_metadata there is none, and
+        the prefill would only give up after its bootstrap timeout. So a receiver that
+        has not posted yet first posts a one-page request into page 0 (SGLang's padding
+        page of every pool, which no request owns; state slot 0 likewise), then aborts:
+        the prefill's sender fails at once, and nothing it might write lands in a page a
+        request owns."""
+        mgr = self.kv_mgr
+        if self._room is None and self._error is None and not self._initialized:
+            # Not routed yet (SGLang inits once the prefill's DP rank is known): route it
+            # as SGLang would (follow_bootstrap_room) to tell that prefill rank.
+            dp = self.prefill_dp_rank
+            if dp is None:
+                info = mgr.prefill_info_table.get(self.bootstrap_addr)
+                n = info.dp_size if info is not None else _prefill_dp_size(self.bootstrap_addr)
+                dp = self.bootstrap_room % n if n > 1 else 0
+            try:
+                self._room = mgr.context.receiver(self.bootstrap_room, int(dp),
+                                                  _kvwire_addr(self.bootstrap_addr))
+            except KvwireError:
+                self._room = None
+        if self._room is not None and not self._posted and self._error is None:
+            ps = mgr.page_size
+            swa = [0] * _ceil_div(ps, mgr.swa_page_size) if mgr.swa_window else ()
+            slot = 0 if StateType.MAMBA in mgr.state_types else -1
+            try:
+                self._room.post(ps, 0, [0], 0, swa, 0, slot)
+                self._posted = True
+            except KvwireError:
+                pass
+            if self._room.poll() == RoomState.BOOTSTRAPPING:
+                # Not connected yet: an abort now would stay local. The manager keeps the
+                # room and aborts it once connected (or after the bootstrap timeout).
+                mgr._defer_abort(self._room)
+                self._room = None
+                self._fail("aborted locally")
+                return
+        super().abort()
+
     def poll(self):
         """KVPoll: Bootstrapping before init(); WaitingForInput until the transfer
         starts (send_metadata may be called then; kvwire keeps the pages until the
         instance is connected); Transferring; Success once every byte and the aux
         data landed (the aux data is then in this rank's aux buffers); Failed."""
+        self.kv_mgr.reap()
         if self._error is not None:
             return KVPoll.Failed
         if self._room is None:

@@ -260,8 +260,10 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
         reqs[r["rid"]] = req
         q.add(req, nh)
     final = {}
+    when = {}
     waiting = []
-    deadline = time.monotonic() + DEADLINE
+    t0 = time.monotonic()
+    deadline = t0 + DEADLINE
     aborted = set()
     while len(final) < len(mine) and time.monotonic() < deadline:
         for req in q.pop_bootstrapped():
@@ -277,11 +279,13 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
         for req in sch.process_disagg_prefill_inflight_queue():
             ok = not isinstance(req.finished_reason, fk.FINISH_ABORT)
             final[req.rid] = "ok" if ok else "failed"
+            when[req.rid] = time.monotonic() - t0
         for req in list(reqs.values()):
             if req.rid not in final and isinstance(req.finished_reason, fk.FINISH_ABORT) and \
                     req not in sch.disagg_prefill_inflight_queue and req not in waiting and \
                     req not in q.queue:
                 final[req.rid] = "failed"
+                when[req.rid] = time.monotonic() - t0
         time.sleep(0.002)
     errs = []
     for r in mine:
@@ -291,6 +295,11 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
             errs.append("room %d (%d tokens): prefill ended %s, expected %s"
                         % (r["room"], r["len"], got, want))
     q.kv_manager.close()
+    if os.environ.get("KVW_SGLANG_VERBOSE"):
+        for r in mine:
+            print("  prefill saw room %d (%s) end %s after %.2f s"
+                  % (r["room"], r.get("abort", "-"), final.get(r["rid"]),
+                     when.get(r["rid"], -1)), flush=True)
     return (not errs, "\n".join(errs) or "%d requests" % len(mine))
 
 
@@ -404,9 +413,17 @@ def run_decode(cfg, inst, tp_rank):
                      cfg.boot_ports[r["prefill"]], dp_rank=r.get("dp_rank"))
         reqs[r["rid"]] = req
         pq.add(req)
+        dr = pq.queue[-1]
         if r.get("abort") == "decode-after-add":
-            dr = pq.queue[-1]
             dr.kv_receiver.abort()
+        elif r.get("abort") == "decode-after-init":
+            rv = dr.kv_receiver
+            orig_init = rv.init
+
+            def init_then_abort(*a, _rv=rv, _init=orig_init, **k):
+                _init(*a, **k)
+                _rv.abort()
+            rv.init = init_then_abort
     done, failed = {}, {}
     deadline = time.monotonic() + DEADLINE
     while len(done) + len(failed) < len(mine) and time.monotonic() < deadline:
@@ -480,8 +497,10 @@ def check_bytes(cfg, done, views, first, nh, alloc, rtp, md, cached=None, partia
         arr = as_np(buf)
         expect = np.full(arr.shape, S.fakes.SENTINEL, dtype=np.uint8)
         free = np.ones(arr.shape[0], dtype=bool)
-        if is_swa:
-            free[:ps] = False  # the padding page may take the window's spill-over
+        if is_swa or any(r.get("abort", "").startswith("decode-after-") for r in cfg.requests):
+            # SGLang's padding page: it takes the SWA window's spill-over, and an aborting
+            # receiver's one-page post (kvwire.sglang.KVReceiver.abort).
+            free[:ps] = False
         alt = None
         for req in list(done) + [None] + list(partial):
             if req is None:     # the rest may also hold the reference
@@ -594,13 +613,15 @@ SCENARIOS = [
     scenario("decode_radix_prefix", ps=16, pages=80, radix=True,
              requests=[dict(r, prefix=p) for r, p in zip(
                  requests(lens=(40, 64, 33, 17, 100, 9)), (16, 32, 0, 16, 48, 0))]),
-    scenario("aborts", ps=16, pages=80, env={"SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT": "4",
-                                             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "4"},
+    # SGLang's own timeouts (300 s): an abort that did not reach the other side at once
+    # would leave its request pending past the check's deadline.
+    scenario("aborts", ps=16, pages=80,
              requests=[dict(r, **a) for r, a in zip(
-                 requests(lens=(17, 40, 33, 50, 64, 9)),
+                 requests(lens=(17, 40, 33, 50, 64, 9, 20)),
                  [{}, dict(abort="decode-after-add", expect="failed"),
                   dict(abort="decode-after-post", expect="failed", prefill_expect="any"),
-                  dict(abort="prefill-before-send", expect="failed"), {}, {}])]),
+                  dict(abort="prefill-before-send", expect="failed"), {}, {},
+                  dict(abort="decode-after-init", expect="failed")])]),
 ]
 
 
