@@ -23,6 +23,11 @@
 #include <unistd.h>
 
 static kvt_model_t model;
+static bool emu;   /* the CPU stand-in, not a GPU */
+static int ndev;   /* devices the module reports */
+/* "Another device": with two devices, memory of device 1 declared on device 0; with
+ * one, memory of device 0 declared on device 1. */
+static int other_dev, declared_dev;
 
 static kvw_status_t describe(uint32_t num_pages, kvt_rank_t *r)
 {
@@ -141,29 +146,35 @@ static void refusals(void)
                         NULL};
     expect_refused(&r, "device memory declared host", w2);
 
-    /* Device memory of device 1 declared on device 0, the address inside the allocation. */
-    CHECK(kvt_cuda_set_device(1) == KVW_OK, "%s", kvt_cuda_error());
+    /* Device memory of one device declared on another, the address inside the
+     * allocation. */
+    char decl[64], is[64], what[96];
+    CHECK(kvt_cuda_set_device(other_dev) == KVW_OK, "%s", kvt_cuda_error());
     CHECK(kvt_cuda_malloc(r.alloc_len[2] + 4096, &dev1) == KVW_OK, "%s", kvt_cuda_error());
     CHECK(kvt_cuda_set_device(0) == KVW_OK, "%s", kvt_cuda_error());
     r.bufs[2].addr = (uint8_t *)dev1 + 4096;
     r.bufs[2].mem_kind = KVW_MEM_CUDA;
-    r.bufs[2].device = 0;
+    r.bufs[2].device = declared_dev;
     snprintf(addr, sizeof(addr), "address %p is", r.bufs[2].addr);
-    const char *w3[] = {name, "declared KVW_MEM_CUDA on device 0", addr,
-                        "CUDA device memory of device 1", NULL};
-    expect_refused(&r, "device 1 memory declared on device 0", w3);
+    snprintf(decl, sizeof(decl), "declared KVW_MEM_CUDA on device %d", declared_dev);
+    snprintf(is, sizeof(is), "CUDA device memory of device %d", other_dev);
+    snprintf(what, sizeof(what), "device %d memory declared on device %d", other_dev,
+             declared_dev);
+    const char *w3[] = {name, decl, addr, is, NULL};
+    expect_refused(&r, what, w3);
     /* Declared on its own device, that one buffer passes; the next one, a host buffer
      * declared CUDA, is then the refusal. */
-    r.bufs[2].device = 1;
+    r.bufs[2].device = other_dev;
     r.bufs[3].mem_kind = KVW_MEM_CUDA;
-    r.bufs[3].device = 1;
+    r.bufs[3].device = other_dev;
     char name3[96];
     buffer_name(&r, 3, name3, sizeof(name3));
-    const char *w4[] = {name3, "declared KVW_MEM_CUDA on device 1", "host memory", NULL};
+    snprintf(decl, sizeof(decl), "declared KVW_MEM_CUDA on device %d", other_dev);
+    const char *w4[] = {name3, decl, "host memory (not registered with CUDA)", NULL};
     expect_refused(&r, "second buffer host memory declared CUDA", w4);
     r.bufs[3].mem_kind = KVW_MEM_HOST;
     r.bufs[3].device = 0;
-    expect_accepted(&r, "device 1 memory declared on device 1 beside host buffers");
+    expect_accepted(&r, "device memory declared on its device beside host buffers");
     kvw_rank_destroy(r.h);
     r.h = NULL;
 
@@ -182,7 +193,7 @@ static void refusals(void)
 
     /* The public query. */
     expect_kind(dev0, KVW_MEM_CUDA, 0, "device 0 memory");
-    expect_kind((uint8_t *)dev1 + 4095, KVW_MEM_CUDA, 1, "inside device 1 memory");
+    expect_kind((uint8_t *)dev1 + 4095, KVW_MEM_CUDA, other_dev, "inside device memory");
     expect_kind(pinned, KVW_MEM_HOST, -1, "page-locked host memory");
     expect_kind(r.mem[0], KVW_MEM_HOST, -1, "malloc'd host memory");
     expect_kind(NULL, KVW_MEM_HOST, -1, "NULL");
@@ -194,16 +205,19 @@ static void refusals(void)
     st = kvw_cuda_pointer_kind(dev0, &k, NULL);
     CHECK(st == KVW_ERR_INVALID_PARAM, "kvw_cuda_pointer_kind without device: %s",
           kvw_status_string(st));
-    /* Freed device memory is no longer device memory. */
+    /* Freed device memory is no longer device memory (on the stand-in; a GPU's
+     * allocator may keep the range mapped). */
     CHECK(kvt_cuda_free(dev0) == KVW_OK, "%s", kvt_cuda_error());
-    expect_kind(dev0, KVW_MEM_HOST, -1, "freed device memory");
+    if (emu)
+        expect_kind(dev0, KVW_MEM_HOST, -1, "freed device memory");
 
     CHECK(kvt_cuda_free(dev1) == KVW_OK, "%s", kvt_cuda_error());
     CHECK(kvt_cuda_free_host(pinned) == KVW_OK, "%s", kvt_cuda_error());
     kvt_rank_free(&r);
 }
 
-/* Every buffer of the prefill rank in device memory of device 1, declared so: accepted,
+/* Every buffer of the prefill rank in device memory (device 1 where there are two),
+ * declared so: accepted,
  * and a room moves over tcp (staged through the device) to a host decode rank, every
  * byte checked against the reference. */
 static void transfer(void)
@@ -219,13 +233,13 @@ static void transfer(void)
     kvt_rank_fill(&src, 11);
     kvt_rank_fill(&dst, 12);
     /* kvt_gpu_attach describes the rank again (kvw_rank_create) over the device copies. */
-    int rc = kvt_gpu_attach(&src, 1, 1, &dev, msg, sizeof(msg));
-    CHECK(rc == 0, "device 1 copies, declared on device 1: %s", msg);
+    int rc = kvt_gpu_attach(&src, 1, other_dev, &dev, msg, sizeof(msg));
+    CHECK(rc == 0, "device %d copies, declared on device %d: %s", other_dev, other_dev, msg);
     if (rc != 0)
         goto out;
     for (uint32_t i = 0; i < src.num_bufs; i++)
-        CHECK(src.bufs[i].mem_kind == KVW_MEM_CUDA && src.bufs[i].device == 1,
-              "buffer %u is not declared on device 1", i);
+        CHECK(src.bufs[i].mem_kind == KVW_MEM_CUDA && src.bufs[i].device == other_dev,
+              "buffer %u is not declared on device %d", i, other_dev);
     kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, "tcp", "127.0.0.1:0", true);
     p.peer_timeout_ms = kvt_tmo_ms(10000);
     p.wait_timeout_ms = kvt_tmo_ms(60000);
@@ -239,7 +253,7 @@ static void transfer(void)
         goto out;
     ip_room_t room = {.id = 7, .tokens = 300, .seed = 5,
                       .deadline_ns = kvt_tmo_ns(60ull * 1000000000ull),
-                      .what = "device 1 -> host room"};
+                      .what = "device -> host room"};
     ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
 out:
     kvw_ctx_destroy(dctx);
@@ -255,13 +269,18 @@ int main(void)
         return 1;
     /* Before this process loads any module. */
     without_module();
+    /* CMake runs it with the CPU stand-in (two emulated devices); pointed at the real
+     * module (KVW_CUDA_MODULE), it runs the same cases on a GPU. */
     const char *mod = getenv("KVW_CUDA_MODULE");
-    if (mod == NULL || strstr(mod, "cuda_emu") == NULL) {
-        /* The cases allocate "device" memory through the stand-in and need two devices. */
-        printf("test_mem_kind: skipped: KVW_CUDA_MODULE does not name the CPU stand-in "
-               "(libkvwire_cuda_emu.so)\n");
+    emu = mod && strstr(mod, "cuda_emu");
+    if (kvw_cuda_available() != KVW_OK || kvw_cuda_device_count(&ndev) != KVW_OK ||
+        ndev < 1) {
+        printf("test_mem_kind: skipped: no CUDA module or device: %s\n", kvw_last_error());
         return failures ? 1 : 77;
     }
+    other_dev = ndev >= 2 ? 1 : 0;
+    declared_dev = ndev >= 2 ? 0 : 1;
+    printf("test_mem_kind: %s, %d device(s)\n", emu ? "the CPU stand-in" : "CUDA", ndev);
     setenv("KVW_STAGING_MB", "1", 1);
     refusals();
     transfer();
