@@ -2,7 +2,8 @@
  * kvwire/cuda.h — GPU execution of plans.
  *
  * What it holds: whether the GPU path works here (kvw_cuda_available,
- * kvw_cuda_device_count), the device-plan executor (kvw_cuda_plan_*,
+ * kvw_cuda_device_count), what memory an address is (kvw_cuda_pointer_kind, the check
+ * kvw_rank_create makes of every buffer), the device-plan executor (kvw_cuda_plan_*,
  * kvw_plan_exec_cuda) and where the protocol's GPU time goes (kvw_cuda_profile).
  *
  * What it does not hold: wrappers around the CUDA runtime (device selection, memory,
@@ -20,8 +21,9 @@
  * function returns KVW_ERR_UNSUPPORTED and kvw_last_error() says which of the two is
  * missing.
  *
- * Loading the module does not touch the GPU; every other call initialises the CUDA
- * runtime. A process that forks must do so before its first call here (CUDA state does
+ * Loading the module does not touch the GPU, and neither does kvw_cuda_pointer_kind (so
+ * describing host ranks never initialises CUDA); every other call initialises the CUDA
+ * runtime. A process that forks must do so before its first such call (CUDA state does
  * not survive fork).
  *
  * Streams are cudaStream_t values passed as void *; NULL is the legacy default stream.
