@@ -365,6 +365,11 @@ static void refusals(void)
                              .layer_end = model.m.num_layers,
                              .dp_size = 1};
     CHECK(kvt_rank_describe(&s, &m.r) == KVW_OK, "%s", kvw_last_error());
+    /* Buffer 0 in (emulated) device memory: rank creation checks the kind of every
+     * address it is given. */
+    void *dev0 = NULL;
+    CHECK(kvt_cuda_malloc(m.r.alloc_len[0], &dev0) == KVW_OK, "malloc: %s", kvt_cuda_error());
+    m.r.bufs[0].addr = dev0;
     m.r.bufs[0].mem_kind = KVW_MEM_CUDA;
     m.r.bufs[0].device = 0;
     CHECK(kvt_rank_open(&m.r) == KVW_OK, "%s", kvw_last_error());
@@ -375,6 +380,8 @@ static void refusals(void)
           "mixed memory kinds: %s: %s", kvw_status_string(st), kvw_last_error());
     kvw_ctx_destroy(st == KVW_OK ? ctx : NULL);
     kvt_rank_free(&m.r);
+    if (dev0)
+        kvt_cuda_free(dev0);
 }
 
 /*

@@ -126,6 +126,9 @@ nsyms=$(grep -c ' kvw_' "$tmp/syms")
 [[ "$nsyms" -ge 20 ]] || fail "only $nsyms kvw_ symbols exported"
 grep -q ' kvw_version@@KVWIRE_'"$major.$minor"'$' "$tmp/syms" ||
     fail "kvw_version is not exported under the version node KVWIRE_$major.$minor"
+# Adapters ask what memory an address is before describing buffers (kvwire/cuda.h).
+grep -q ' kvw_cuda_pointer_kind@@KVWIRE_' "$tmp/syms" ||
+    fail "kvw_cuda_pointer_kind is not exported under a KVWIRE_ version node"
 if grep -q ' kvw__' "$tmp/syms"; then
     fail "internal symbols exported: $(grep ' kvw__' "$tmp/syms" | awk '{print $3}' | head -5 | tr '\n' ' ')"
 fi

@@ -2,7 +2,8 @@
  * kvwire/cuda.h — GPU execution of plans.
  *
  * What it holds: whether the GPU path works here (kvw_cuda_available,
- * kvw_cuda_device_count), the device-plan executor (kvw_cuda_plan_*,
+ * kvw_cuda_device_count), what memory an address is (kvw_cuda_pointer_kind, the check
+ * kvw_rank_create makes of every buffer), the device-plan executor (kvw_cuda_plan_*,
  * kvw_plan_exec_cuda) and where the protocol's GPU time goes (kvw_cuda_profile).
  *
  * What it does not hold: wrappers around the CUDA runtime (device selection, memory,
@@ -20,8 +21,9 @@
  * function returns KVW_ERR_UNSUPPORTED and kvw_last_error() says which of the two is
  * missing.
  *
- * Loading the module does not touch the GPU; every other call initialises the CUDA
- * runtime. A process that forks must do so before its first call here (CUDA state does
+ * Loading the module does not touch the GPU, and neither does kvw_cuda_pointer_kind (so
+ * describing host ranks never initialises CUDA); every other call initialises the CUDA
+ * runtime. A process that forks must do so before its first such call (CUDA state does
  * not survive fork).
  *
  * Streams are cudaStream_t values passed as void *; NULL is the legacy default stream.
@@ -46,6 +48,29 @@ KVW_API kvw_status_t kvw_cuda_available(void);
 
 /* The number of devices the CUDA runtime sees (cudaGetDeviceCount). */
 KVW_API kvw_status_t kvw_cuda_device_count(int *count_p);
+
+/*
+ * What memory `ptr` is, for describing buffers (kvw_buffer_desc_t.mem_kind and .device):
+ * KVW_MEM_CUDA with the CUDA device ordinal for device memory (cudaMalloc, a caching
+ * allocator's blocks, peer memory opened with cudaIpcOpenMemHandle) and for managed
+ * memory; KVW_MEM_HOST with device -1 for host memory, page-locked (cudaMallocHost,
+ * cudaHostRegister) or not. The pointer is never dereferenced; it may point anywhere
+ * inside an allocation.
+ *
+ * Asks the CUDA driver (cuPointerGetAttributes) without initialising the CUDA runtime
+ * or creating a context: in a process where nothing has initialised the driver, no
+ * pointer can be CUDA memory and every answer is KVW_MEM_HOST.
+ *
+ * kvw_rank_create makes the same check of every buffer that has an address, and
+ * refuses (KVW_ERR_INVALID_PARAM, naming the buffer) one whose declared kind or device
+ * differs from the answer. Managed memory passes either declaration.
+ *
+ * Errors: INVALID_PARAM (NULL kind or device), UNSUPPORTED when the library cannot ask
+ * (no CUDA module, or no CUDA driver installed); kvw_last_error() says which. In that
+ * case kvw_rank_create accepts buffers as declared.
+ */
+KVW_API kvw_status_t kvw_cuda_pointer_kind(const void *ptr, kvw_mem_kind_t *kind,
+                                           int32_t *device);
 
 /* ---------------------------------------------------------------- plans on the GPU */
 

@@ -61,13 +61,16 @@ typedef struct kvw_ctx_params {
     kvw_side_t side;
     kvw_rank_h rank;       /* this rank's KV cache; must outlive the context */
     const char *transport; /* "tcp" (default), "shm", "ucx" */
-    /* "host:port" of the prefill instance's bootstrap endpoint. Optional on decode
-     * contexts whose rooms all name their instance (kvw_receiver_create_from). */
+    /* "host:port" of the prefill instance's bootstrap endpoint; an IPv6 host in
+     * brackets ("[::1]:8998", "[fe80::1%eth0]:8998"). Optional on decode contexts whose
+     * rooms all name their instance (kvw_receiver_create_from). */
     const char *bootstrap_addr;
     /* Prefill only: run the bootstrap endpoint inside this context, listening on
      * bootstrap_addr (port 0 picks one; kvw_ctx_bootstrap_addr tells which). */
     int host_bootstrap;
-    const char *listen_host; /* address the control and data listeners bind; 127.0.0.1 */
+    /* Address the control and data listeners bind (IPv4 or IPv6, such as "::1" or "::",
+     * brackets optional; advertised in brackets); default 127.0.0.1. */
+    const char *listen_host;
     uint32_t heartbeat_ms;    /* default 200 */
     uint32_t peer_timeout_ms; /* a peer silent this long is dead; default 3000 */
     uint32_t bootstrap_timeout_ms; /* default 10000 */
@@ -148,7 +151,7 @@ enum {
 
 typedef struct kvw_bootstrap_params {
     uint64_t field_mask; /* KVW_BOOTSTRAP_FIELD_*; ADDR is required */
-    const char *addr;    /* "address:port"; port 0 picks one */
+    const char *addr;    /* "address:port" or "[IPv6 address]:port"; port 0 picks one */
     /* The shared secret of the ranks that register here (NULL or "": none). With it, the
      * endpoint refuses (AUTH, with a reason) any registration without a valid MAC. */
     const char *secret;

@@ -5,6 +5,7 @@
  */
 #include "cuda/internal.h"
 
+#include <cuda.h>
 #include <dlfcn.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -259,6 +260,69 @@ static kvw_status_t kvwc_event_destroy(void *ev)
     return KVW_OK;
 }
 
+/*
+ * What a pointer is, through the driver's cuPointerGetAttributes rather than the
+ * runtime's cudaPointerGetAttributes: the runtime call initialises the runtime and
+ * creates a context on the current device (memory on the GPU, and a process that can no
+ * longer fork safely), which a rank description of host buffers must not cause. The
+ * driver is the one libcudart (or PyTorch's) loaded: a process in which
+ * libcuda.so.1 is not loaded, or not initialised, has allocated, registered and mapped
+ * nothing through CUDA, so its pointers are plain host memory. The module does not link
+ * the driver (it must load where none is installed); the symbol comes from dlsym.
+ */
+typedef CUresult (*kvwc_ptr_attrs_fn)(unsigned, CUpointer_attribute *, void **, CUdeviceptr);
+
+static kvw_status_t kvwc_pointer_kind(const void *ptr, int *kind_p, int *device_p)
+{
+    *kind_p = KVWC_PTR_HOST;
+    *device_p = -1;
+    void *drv = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (drv == NULL) {
+        /* Not loaded here: installed (nothing was allocated through it yet), or not. */
+        void *probe = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+        if (probe == NULL)
+            return kvwc_error(KVW_ERR_UNSUPPORTED, "no CUDA driver: libcuda.so.1 cannot be "
+                              "loaded (%s)", dlerror());
+        dlclose(probe);
+        return KVW_OK;
+    }
+    kvwc_ptr_attrs_fn get = (kvwc_ptr_attrs_fn)dlsym(drv, "cuPointerGetAttributes");
+    if (get == NULL) {
+        dlclose(drv);
+        return kvwc_error(KVW_ERR_UNSUPPORTED, "the CUDA driver has no cuPointerGetAttributes");
+    }
+    unsigned int type = 0;
+    int ordinal = -1;
+    unsigned int managed = 0; /* the driver writes a bool-sized value here */
+    CUpointer_attribute attrs[3] = {CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                                    CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                                    CU_POINTER_ATTRIBUTE_IS_MANAGED};
+    void *data[3] = {&type, &ordinal, &managed};
+    CUresult r = get(3, attrs, data, (CUdeviceptr)(uintptr_t)ptr);
+    dlclose(drv);
+    switch (r) {
+    case CUDA_SUCCESS: break;
+    /* Not initialised (so nothing allocated through it), or a pointer no context knows. */
+    case CUDA_ERROR_NOT_INITIALIZED:
+    case CUDA_ERROR_DEINITIALIZED:
+    case CUDA_ERROR_INVALID_CONTEXT:
+    case CUDA_ERROR_INVALID_VALUE: return KVW_OK;
+    default:
+        return kvwc_error(KVW_ERR_INTERNAL, "cuPointerGetAttributes(%p) failed: CUDA driver "
+                          "error %d", ptr, (int)r);
+    }
+    if (managed & 0xff) {
+        *kind_p = KVWC_PTR_MANAGED;
+        *device_p = ordinal;
+    } else if (type == CU_MEMORYTYPE_DEVICE) {
+        *kind_p = KVWC_PTR_DEVICE;
+        *device_p = ordinal;
+    } else if (type == CU_MEMORYTYPE_HOST) {
+        *kind_p = KVWC_PTR_HOST_REGISTERED;
+    }
+    return KVW_OK;
+}
+
 static const kvwc_ops_t kvwc_ops = {
     .abi = KVWC_ABI_VERSION,
     .size = sizeof(kvwc_ops_t),
@@ -301,6 +365,7 @@ static const kvwc_ops_t kvwc_ops = {
     .event_query = kvwc_event_query,
     .event_destroy = kvwc_event_destroy,
     .busy = kvwc_busy,
+    .pointer_kind = kvwc_pointer_kind,
 };
 
 extern "C" __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)

@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 5
+#define KVWC_ABI_VERSION 6
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -90,6 +90,15 @@ typedef struct kvwc_step_prof {
 } kvwc_step_prof_t;
 
 #define KVWC_IPC_HANDLE_SIZE 64
+
+/* What memory a pointer is (pointer_kind), as the CUDA driver sees it. */
+enum {
+    KVWC_PTR_HOST = 0,            /* host memory CUDA does not know (pageable) */
+    KVWC_PTR_HOST_REGISTERED = 1, /* host memory page-locked by CUDA (cudaMallocHost,
+                                   * cudaHostRegister) */
+    KVWC_PTR_DEVICE = 2,          /* device memory (cudaMalloc, IPC-mapped peer memory) */
+    KVWC_PTR_MANAGED = 3          /* managed memory (cudaMallocManaged) */
+};
 
 typedef struct kvwc_ops {
     uint32_t abi;  /* KVWC_ABI_VERSION */
@@ -165,6 +174,12 @@ typedef struct kvwc_ops {
     /* Benchmarks: a kernel on `stream` that keeps one block per multiprocessor busy for
      * `ns` nanoseconds (a compute-bound stand-in for an engine's layer). */
     kvw_status_t (*busy)(void *stream, uint64_t ns);
+    /* What `ptr` is (KVWC_PTR_*) and, for device and managed memory, the device ordinal
+     * it belongs to (-1 otherwise). Never dereferences ptr, and never initialises the
+     * CUDA runtime nor creates a context: a process in which nothing has initialised
+     * the driver holds no CUDA memory, so every pointer is KVWC_PTR_HOST there.
+     * UNSUPPORTED when no CUDA driver can be asked (none installed). ABI 6. */
+    kvw_status_t (*pointer_kind)(const void *ptr, int *kind_p, int *device_p);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -225,6 +240,9 @@ kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p);
 kvw_status_t kvw__cuda_ipc_export(void *base, uint8_t handle[KVWC_IPC_HANDLE_SIZE]);
 kvw_status_t kvw__cuda_ipc_open(const uint8_t handle[KVWC_IPC_HANDLE_SIZE], void **ptr_p);
 kvw_status_t kvw__cuda_ipc_close(void *ptr);
+/* What a pointer is (KVWC_PTR_*, device ordinal or -1), through the module's
+ * pointer_kind; UNSUPPORTED when the module or a CUDA driver is not there. */
+kvw_status_t kvw__cuda_pointer_kind(const void *ptr, int *kind_p, int *device_p);
 
 /* Adds one step's figures to the process-wide totals read by kvw_cuda_profile. */
 void kvw__cuda_profile_add(const struct kvw_cuda_profile *d);

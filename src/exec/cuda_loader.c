@@ -108,6 +108,25 @@ kvw_status_t kvw__cuda_ipc_close(void *ptr)
     KVW_CUDA_FORWARD(ipc_close(ptr));
 }
 
+kvw_status_t kvw__cuda_pointer_kind(const void *ptr, int *kind_p, int *device_p)
+{
+    KVW_CUDA_FORWARD(pointer_kind(ptr, kind_p, device_p));
+}
+
+kvw_status_t kvw_cuda_pointer_kind(const void *ptr, kvw_mem_kind_t *kind_p, int32_t *device_p)
+{
+    if (kind_p == NULL || device_p == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_pointer_kind: NULL argument");
+    int kind = KVWC_PTR_HOST, dev = -1;
+    kvw_status_t st = kvw__cuda_pointer_kind(ptr, &kind, &dev);
+    if (st != KVW_OK)
+        return st;
+    bool cuda = kind == KVWC_PTR_DEVICE || kind == KVWC_PTR_MANAGED;
+    *kind_p = cuda ? KVW_MEM_CUDA : KVW_MEM_HOST;
+    *device_p = cuda ? dev : -1;
+    return KVW_OK;
+}
+
 /* ---------------------------------------------------------------- plans */
 
 /* Checks that a segment's buffer on one side can be addressed from the GPU. */

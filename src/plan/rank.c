@@ -4,6 +4,7 @@
  * can trust it.
  */
 #include "core/mask.h"
+#include "cuda/module.h"
 #include "plan/rank.h"
 #include "topo/topo.h"
 
@@ -531,7 +532,76 @@ static kvw_status_t kvw_buffer_norm(const kvw_buffer_desc_t *in, uint32_t i,
     return KVW_OK;
 }
 
+static const char *kvw_pool_name(kvw_pool_t p)
+{
+    static const char *names[] = {"full", "SWA", "state"};
+    return (unsigned)p < KVW_ARRAY_SIZE(names) ? names[p] : "unknown";
+}
+
+static const char *kvw_ptr_kind_name(int kind)
+{
+    switch (kind) {
+    case KVWC_PTR_HOST: return "host memory (not registered with CUDA)";
+    case KVWC_PTR_HOST_REGISTERED: return "page-locked host memory (registered with CUDA)";
+    case KVWC_PTR_DEVICE: return "CUDA device memory";
+    case KVWC_PTR_MANAGED: return "CUDA managed memory";
+    default: return "memory of unknown kind";
+    }
+}
+
+/*
+ * Whether each buffer's address is the memory its description declares, asked of the
+ * CUDA module (the pointer is never dereferenced). Device memory must be declared
+ * KVW_MEM_CUDA on its own device ordinal; host memory, page-locked or not, KVW_MEM_HOST;
+ * managed memory is accessible both ways and passes either (on its device when declared
+ * KVW_MEM_CUDA). Without the module or a CUDA driver nothing can be asked, and the
+ * buffers are taken as declared (a KVW_MEM_CUDA rank is then refused where its bytes
+ * would move, kvw_ctx_create or the CUDA executor). Buffers without an address are not
+ * checked.
+ */
+static kvw_status_t kvw_rank_check_mem(const struct kvw_rank *r)
+{
+    for (uint32_t i = 0; i < r->num_bufs; i++) {
+        const kvw_buffer_desc_t *b = &r->bufs[i];
+        if (b->addr == NULL)
+            continue;
+        int kind = KVWC_PTR_HOST, dev = -1;
+        if (kvw__cuda_pointer_kind(b->addr, &kind, &dev) != KVW_OK)
+            return KVW_OK; /* nothing to ask: no module or no driver (see above) */
+        bool cuda = b->mem_kind == KVW_MEM_CUDA;
+        bool on_dev = kind == KVWC_PTR_DEVICE || kind == KVWC_PTR_MANAGED;
+        bool ok = cuda ? on_dev && dev == b->device : kind != KVWC_PTR_DEVICE;
+        if (ok)
+            continue;
+        char declared[48], actual[96];
+        if (cuda)
+            snprintf(declared, sizeof(declared), "KVW_MEM_CUDA on device %d", (int)b->device);
+        else
+            snprintf(declared, sizeof(declared), "KVW_MEM_HOST");
+        if (on_dev)
+            snprintf(actual, sizeof(actual), "%s of device %d", kvw_ptr_kind_name(kind), dev);
+        else
+            snprintf(actual, sizeof(actual), "%s", kvw_ptr_kind_name(kind));
+        return kvw__error(KVW_ERR_INVALID_PARAM,
+                          "buffer %u (layer %u %s, %s pool) is declared %s, but its address %p "
+                          "is %s", i, b->layer, kvw_role_name(b->role), kvw_pool_name(b->pool),
+                          declared, b->addr, actual);
+    }
+    return KVW_OK;
+}
+
+kvw_status_t kvw__rank_create_mapped(const kvw_rank_params_t *params, kvw_rank_h *rank_p)
+{
+    return kvw__rank_create_as(params, false, rank_p);
+}
+
 kvw_status_t kvw_rank_create(const kvw_rank_params_t *params, kvw_rank_h *rank_p)
+{
+    return kvw__rank_create_as(params, true, rank_p);
+}
+
+kvw_status_t kvw__rank_create_as(const kvw_rank_params_t *params, bool check_mem,
+                                 kvw_rank_h *rank_p)
 {
     if (params == NULL || rank_p == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_rank_create: NULL argument");
@@ -565,6 +635,10 @@ kvw_status_t kvw_rank_create(const kvw_rank_params_t *params, kvw_rank_h *rank_p
             goto out;
     np.buffers = bufs;
     st = kvw_rank_create_norm(&np, rank_p);
+    if (st == KVW_OK && check_mem && (st = kvw_rank_check_mem(*rank_p)) != KVW_OK) {
+        kvw_rank_destroy(*rank_p);
+        *rank_p = NULL;
+    }
 out:
     free(layers);
     free(bufs);

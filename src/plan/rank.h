@@ -47,4 +47,13 @@ struct kvw_rank {
 kvw_status_t kvw__model_compare(const kvw_model_t *a, const kvw_model_t *b);
 const kvw_comp_view_t *kvw__rank_find_view(kvw_rank_h src, const kvw_comp_view_t *dv);
 
+/* kvw_rank_create, with (check_mem) or without the check that every buffer's address is
+ * the memory kind and device its description declares (asked of the CUDA module).
+ * kvw__rank_create_mapped skips it: for ranks whose addresses are another process's
+ * buffers mapped here by a transport, where the owner declared kind and device in its
+ * own terms (its device ordinals, for one, need not be this process's). */
+kvw_status_t kvw__rank_create_as(const kvw_rank_params_t *params, bool check_mem,
+                                 kvw_rank_h *rank_p);
+kvw_status_t kvw__rank_create_mapped(const kvw_rank_params_t *params, kvw_rank_h *rank_p);
+
 #endif

@@ -509,7 +509,7 @@ kvw_status_t kvw__bootstrap_start(const char *host, uint16_t port, const char *s
         st = kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
         goto err_close_listen;
     }
-    snprintf(bs->addr, sizeof(bs->addr), "%s:%u", host, bound);
+    kvw__format_hostport(host, bound, bs->addr, sizeof(bs->addr));
     pthread_mutex_init(&bs->mu, NULL);
     if (pthread_create(&bs->thread, NULL, kvw_bs_main, bs) != 0) {
         st = kvw__error(KVW_ERR_IO, "cannot start the bootstrap thread");

@@ -74,6 +74,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
              (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host
                                                                       : "127.0.0.1");
+    kvw__host_unbracket(ctx->listen_host); /* "[::1]" as well as "::1" */
     snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s",
              has_bs ? params->bootstrap_addr : "");
     bool t = fm & KVW_CTX_FIELD_TIMEOUTS;
@@ -148,7 +149,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         kvw_bs_entry_t e = {.dp = par->dp_rank, .tp = par->tp_rank, .pp = par->pp_rank,
                             .dp_size = KVW_MAX(par->dp_size, 1), .tp_size = par->tp_size,
                             .pp_size = KVW_MAX(par->pp_size, 1)};
-        snprintf(e.addr, sizeof(e.addr), "%s:%u", ctx->listen_host, ctx->listen_port);
+        kvw__format_hostport(ctx->listen_host, ctx->listen_port, e.addr, sizeof(e.addr));
         if ((st = kvw__bootstrap_hold(ctx->bootstrap_addr, &e, ctx->secret, deadline,
                                        &ctx->bs_fd)) != KVW_OK)
             goto err;

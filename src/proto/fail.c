@@ -289,18 +289,29 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
             kvw__send_room_msg(ctx, ctx->peers[room->dsts[i].peer], KVW_MSG_FAILED, room->id, status,
                                room->reason);
         kvw__room_quiesce(ctx, room);
-    } else if (room->pending) {
-        /* Posted while its instance is being connected: no prefill rank knows the room
-         * yet. They hear of the abort once the connection is up. */
-        if (ctx->num_late == ctx->cap_late) {
+    } else if (room->num_srcs == 0 && room->inst < ctx->num_insts) {
+        /* Not posted yet, or posted while its instance is being connected: no prefill
+         * rank knows the room from this rank, but its sender may be waiting for it.
+         * The ranks of the room's DP group hear of the abort now, or, while the
+         * instance is being connected, once the connection is up. */
+        kvw_inst_t *in = &ctx->insts[room->inst];
+        uint32_t gen = room->pending ? room->inst_gen : in->gen;
+        bool later = room->pending || in->state == KVW_INST_CONNECTING;
+        for (uint32_t i = 0; !later && in->state == KVW_INST_READY && i < ctx->num_peers; i++) {
+            kvw_peer_t *p = ctx->peers[i];
+            if (p->dp == room->src_dp && p->inst == room->inst && p->inst_gen == gen &&
+                !p->dead && !p->registering)
+                kvw__send_room_msg(ctx, p, KVW_MSG_ABORT, room->id, status, room->reason);
+        }
+        if (later && ctx->num_late == ctx->cap_late) {
             uint32_t cap = ctx->cap_late ? ctx->cap_late * 2 : 16;
             kvw_late_abort_t *n = cap <= 65536 ? realloc(ctx->late, sizeof(*n) * cap) : NULL;
             if (n)
                 ctx->late = n, ctx->cap_late = cap;
         }
-        if (ctx->num_late < ctx->cap_late) {
+        if (later && ctx->num_late < ctx->cap_late) {
             kvw_late_abort_t *a = &ctx->late[ctx->num_late++];
-            *a = (kvw_late_abort_t){.inst = room->inst, .gen = room->inst_gen,
+            *a = (kvw_late_abort_t){.inst = room->inst, .gen = gen,
                                     .dp = room->src_dp, .room = room->id, .status = status};
             snprintf(a->reason, sizeof(a->reason), "%.150s", room->reason);
         }

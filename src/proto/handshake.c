@@ -36,7 +36,7 @@ static kvw_rank_h kvw_mapped_rank(struct kvw_ctx *ctx, kvw_rank_h remote, kvw_tl
                                           KVW_RANK_FIELD_BUFFERS,
                             .model = kvw_rank_model(remote), .parallel = *kvw_rank_parallel(remote),
                             .buffers = bufs, .num_buffers = nb};
-    if (kvw_rank_create(&rp, &mapped) != KVW_OK)
+    if (kvw__rank_create_mapped(&rp, &mapped) != KVW_OK)
         mapped = NULL;
 out:
     free(bufs);

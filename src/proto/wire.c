@@ -276,69 +276,132 @@ kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
 
 kvw_status_t kvw__parse_hostport(const char *s, char *host, size_t hcap, uint16_t *port_p)
 {
-    const char *colon = s ? strrchr(s, ':') : NULL;
-    if (colon == NULL || (size_t)(colon - s) >= hcap || colon == s)
+    const char *hb = s, *he = NULL, *colon = NULL;
+    if (s && s[0] == '[') {
+        /* [IPv6 address, optionally %zone]:port */
+        const char *close = strchr(s, ']');
+        if (close == NULL || close[1] != ':')
+            return kvw__error(KVW_ERR_INVALID_PARAM, "address '%s' is not [host]:port", s);
+        hb = s + 1;
+        he = close;
+        colon = close + 1;
+    } else if (s) {
+        colon = strrchr(s, ':');
+        he = colon;
+        if (colon && memchr(s, ':', (size_t)(colon - s)))
+            return kvw__error(KVW_ERR_INVALID_PARAM, "address '%s': an IPv6 host needs brackets, "
+                              "as in [::1]:port", s);
+    }
+    if (colon == NULL || he == hb || (size_t)(he - hb) >= hcap)
         return kvw__error(KVW_ERR_INVALID_PARAM, "address '%s' is not host:port", s ? s : "(null)");
     char *end;
     unsigned long port = strtoul(colon + 1, &end, 10);
-    if (*end || port > 65535 || end == colon + 1)
+    if (*end || port > 65535 || end == colon + 1 || colon[1] == '-' || colon[1] == '+')
         return kvw__error(KVW_ERR_INVALID_PARAM, "address '%s' has a bad port", s);
-    memcpy(host, s, (size_t)(colon - s));
-    host[colon - s] = '\0';
+    memcpy(host, hb, (size_t)(he - hb));
+    host[he - hb] = '\0';
     *port_p = (uint16_t)port;
     return KVW_OK;
 }
 
-static kvw_status_t kvw_resolve(const char *host, uint16_t port, struct sockaddr_in *sa)
+void kvw__format_hostport(const char *host, unsigned port, char *out, size_t cap)
 {
-    memset(sa, 0, sizeof(*sa));
-    sa->sin_family = AF_INET;
-    sa->sin_port = htons(port);
-    if (inet_pton(AF_INET, host, &sa->sin_addr) == 1)
-        return KVW_OK;
-    struct addrinfo hints = {.ai_family = AF_INET, .ai_socktype = SOCK_STREAM}, *res = NULL;
-    if (getaddrinfo(host, NULL, &hints, &res) != 0 || res == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "cannot resolve host '%s'", host);
-    sa->sin_addr = ((struct sockaddr_in *)res->ai_addr)->sin_addr;
+    snprintf(out, cap, strchr(host, ':') ? "[%s]:%u" : "%s:%u", host, port);
+}
+
+void kvw__host_unbracket(char *host)
+{
+    size_t n = strlen(host);
+    if (n >= 2 && host[0] == '[' && host[n - 1] == ']') {
+        memmove(host, host + 1, n - 2);
+        host[n - 2] = '\0';
+    }
+}
+
+/*
+ * The addresses of host:port (numeric IPv4 or IPv6, with a %zone for link-local ones,
+ * or a name), IPv4 ones first so that a name with both keeps meaning what it did when
+ * only IPv4 was asked for. `passive`: for listening (an empty host is every address).
+ * Up to `cap` of them in out (sockaddr_storage each), the count in *n_p.
+ */
+static kvw_status_t kvw_resolve(const char *host, uint16_t port, bool passive,
+                                struct sockaddr_storage *out, socklen_t *lens, int cap, int *n_p)
+{
+    char h[128], ps[8];
+    snprintf(h, sizeof(h), "%s", host);
+    kvw__host_unbracket(h);
+    snprintf(ps, sizeof(ps), "%u", port);
+    struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                             .ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0)};
+    struct addrinfo *res = NULL;
+    int gai = getaddrinfo(h[0] ? h : NULL, ps, &hints, &res);
+    if (gai != 0 || res == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "cannot resolve host '%s': %s", host,
+                          gai ? gai_strerror(gai) : "no address");
+    int n = 0;
+    for (int fam = 0; fam < 2; fam++)
+        for (struct addrinfo *ai = res; ai && n < cap; ai = ai->ai_next)
+            if (ai->ai_family == (fam ? AF_INET6 : AF_INET) &&
+                ai->ai_addrlen <= sizeof(*out)) {
+                memcpy(&out[n], ai->ai_addr, ai->ai_addrlen);
+                lens[n++] = ai->ai_addrlen;
+            }
     freeaddrinfo(res);
+    if (n == 0)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "cannot resolve host '%s': no IPv4 or IPv6 "
+                          "address", host);
+    *n_p = n;
     return KVW_OK;
 }
+
+#define KVW_MAX_ADDRS 8
 
 kvw_status_t kvw__tcp_listen(const char *host, uint16_t port, int *fd_p, uint16_t *port_p)
 {
-    struct sockaddr_in sa;
-    kvw_status_t st = kvw_resolve(host, port, &sa);
+    struct sockaddr_storage sa[KVW_MAX_ADDRS];
+    socklen_t lens[KVW_MAX_ADDRS];
+    int n = 0, err = 0;
+    kvw_status_t st = kvw_resolve(host, port, true, sa, lens, KVW_MAX_ADDRS, &n);
     if (st != KVW_OK)
         return st;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (fd < 0)
-        return kvw__error(KVW_ERR_IO, "socket: %s", strerror(errno));
-    int one = 1;
-    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0 || listen(fd, 128) < 0) {
-        st = kvw__error(KVW_ERR_IO, "cannot listen on %s:%u: %s", host, port, strerror(errno));
-        close(fd);
-        return st;
+    for (int i = 0; i < n; i++) {
+        int fd = socket(sa[i].ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0) {
+            err = errno;
+            continue;
+        }
+        int one = 1;
+        setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+        if (bind(fd, (struct sockaddr *)&sa[i], lens[i]) < 0 || listen(fd, 128) < 0) {
+            err = errno;
+            close(fd);
+            continue;
+        }
+        struct sockaddr_storage bound;
+        socklen_t sl = sizeof(bound);
+        getsockname(fd, (struct sockaddr *)&bound, &sl);
+        *port_p = ntohs(bound.ss_family == AF_INET6
+                            ? ((struct sockaddr_in6 *)&bound)->sin6_port
+                            : ((struct sockaddr_in *)&bound)->sin_port);
+        *fd_p = fd;
+        return KVW_OK;
     }
-    socklen_t sl = sizeof(sa);
-    getsockname(fd, (struct sockaddr *)&sa, &sl);
-    *port_p = ntohs(sa.sin_port);
-    *fd_p = fd;
-    return KVW_OK;
+    char where[160];
+    kvw__format_hostport(host, port, where, sizeof(where));
+    return kvw__error(KVW_ERR_IO, "cannot listen on %s: %s", where, strerror(err));
 }
 
-kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_p)
+/* One non-blocking connect to one address, waiting until deadline_ns. */
+static kvw_status_t kvw_connect_one(const struct sockaddr_storage *sa, socklen_t len,
+                                    const char *where, uint64_t deadline_ns, int *fd_p)
 {
-    struct sockaddr_in sa;
-    kvw_status_t st = kvw_resolve(host, port, &sa);
-    if (st != KVW_OK)
-        return st;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    kvw_status_t st;
+    int fd = socket(sa->ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     if (fd < 0)
         return kvw__error(KVW_ERR_IO, "socket: %s", strerror(errno));
-    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) < 0) {
+    if (connect(fd, (const struct sockaddr *)sa, len) < 0) {
         if (errno != EINPROGRESS) {
-            st = kvw__error(KVW_ERR_IO, "cannot connect to %s:%u: %s", host, port, strerror(errno));
+            st = kvw__error(KVW_ERR_IO, "cannot connect to %s: %s", where, strerror(errno));
             close(fd);
             return st;
         }
@@ -348,8 +411,8 @@ kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline
         if (w > 0)
             getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
         if (w <= 0 || err) {
-            st = kvw__error(w == 0 ? KVW_ERR_TIMEOUT : KVW_ERR_IO, "cannot connect to %s:%u: %s",
-                            host, port, w == 0 ? "timed out" : strerror(err ? err : errno));
+            st = kvw__error(w == 0 ? KVW_ERR_TIMEOUT : KVW_ERR_IO, "cannot connect to %s: %s",
+                            where, w == 0 ? "timed out" : strerror(err ? err : errno));
             close(fd);
             return st;
         }
@@ -358,4 +421,24 @@ kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     *fd_p = fd;
     return KVW_OK;
+}
+
+kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_p)
+{
+    struct sockaddr_storage sa[KVW_MAX_ADDRS];
+    socklen_t lens[KVW_MAX_ADDRS];
+    int n = 0;
+    kvw_status_t st = kvw_resolve(host, port, false, sa, lens, KVW_MAX_ADDRS, &n);
+    if (st != KVW_OK)
+        return st;
+    char where[160];
+    kvw__format_hostport(host, port, where, sizeof(where));
+    /* Every address of the name in turn: a refused one (a server on the other family)
+     * fails at once; a timeout ends the attempt. */
+    for (int i = 0; i < n; i++) {
+        st = kvw_connect_one(&sa[i], lens[i], where, deadline_ns, fd_p);
+        if (st == KVW_OK || st == KVW_ERR_TIMEOUT)
+            return st;
+    }
+    return st;
 }

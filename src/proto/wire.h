@@ -96,8 +96,14 @@ kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns)
 kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
                                   uint8_t **payload_p, uint32_t *len_p);
 
-/* "host:port" parsing and TCP helpers. */
+/* "host:port" parsing and TCP helpers. IPv6 hosts are bracketed: "[::1]:8998",
+ * "[fe80::1%eth0]:8998"; parsing returns the host without brackets, formatting adds
+ * them to a host holding ':'. Listening and connecting take IPv4 and IPv6 hosts
+ * (numeric, or names through getaddrinfo, IPv4 addresses first); unbracket strips the
+ * brackets of a bare "[host]" in place. */
 kvw_status_t kvw__parse_hostport(const char *s, char *host, size_t hcap, uint16_t *port_p);
+void kvw__format_hostport(const char *host, unsigned port, char *out, size_t cap);
+void kvw__host_unbracket(char *host);
 kvw_status_t kvw__tcp_listen(const char *host, uint16_t port, int *fd_p, uint16_t *port_p);
 kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_p);
 

@@ -11,9 +11,15 @@
  * reap, a reap of a slot not in flight, and a window outside its plan are errors; a
  * staged plan released while a window that uses it is still in flight aborts (on a
  * device, the kernel would read freed memory).
+ *
+ * It also answers pointer_kind as the driver would for the memory it handed out: what
+ * malloc_dev returned is device memory of the device current then, what malloc_host
+ * returned or host_register registered is registered host memory, anything else is
+ * plain host memory (a table of live allocations, any address inside one counts).
  */
 #include "cuda/copy_core.h"
 
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -68,17 +74,99 @@ static kvw_status_t emu_get_device(int *d)
     return KVW_OK;
 }
 
-static kvw_status_t emu_malloc(uint64_t size, void **p)
+/* Live allocations and registrations, for pointer_kind. */
+typedef struct emu_region {
+    uintptr_t base;
+    uint64_t size;
+    int kind; /* KVWC_PTR_DEVICE or KVWC_PTR_HOST_REGISTERED */
+    int device;
+} emu_region_t;
+
+static pthread_mutex_t emu_regions_mu = PTHREAD_MUTEX_INITIALIZER;
+static emu_region_t *emu_regions;
+static size_t emu_num_regions, emu_cap_regions;
+
+static int emu_region_add(const void *p, uint64_t size, int kind)
+{
+    pthread_mutex_lock(&emu_regions_mu);
+    if (emu_num_regions == emu_cap_regions) {
+        size_t cap = emu_cap_regions ? 2 * emu_cap_regions : 64;
+        emu_region_t *n = realloc(emu_regions, cap * sizeof(*n));
+        if (n == NULL) {
+            pthread_mutex_unlock(&emu_regions_mu);
+            return -1;
+        }
+        emu_regions = n;
+        emu_cap_regions = cap;
+    }
+    emu_regions[emu_num_regions++] =
+        (emu_region_t){(uintptr_t)p, size ? size : 1, kind, emu_device};
+    pthread_mutex_unlock(&emu_regions_mu);
+    return 0;
+}
+
+/* Forgets the region starting at p; -1 when there is none. */
+static int emu_region_del(const void *p)
+{
+    int found = -1;
+    pthread_mutex_lock(&emu_regions_mu);
+    for (size_t i = 0; i < emu_num_regions; i++)
+        if (emu_regions[i].base == (uintptr_t)p) {
+            emu_regions[i] = emu_regions[--emu_num_regions];
+            found = 0;
+            break;
+        }
+    pthread_mutex_unlock(&emu_regions_mu);
+    return found;
+}
+
+static kvw_status_t emu_alloc(uint64_t size, void **p, int kind)
 {
     if (posix_memalign(p, 256, size ? size : 1) != 0)
         return emu_error(KVW_ERR_NO_MEMORY, "emulated allocation of %llu bytes failed",
                          (unsigned long long)size);
+    if (emu_region_add(*p, size, kind) != 0) {
+        free(*p);
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory recording an allocation");
+    }
     return KVW_OK;
+}
+
+static kvw_status_t emu_malloc(uint64_t size, void **p)
+{
+    return emu_alloc(size, p, KVWC_PTR_DEVICE);
+}
+
+static kvw_status_t emu_malloc_host(uint64_t size, void **p)
+{
+    return emu_alloc(size, p, KVWC_PTR_HOST_REGISTERED);
 }
 
 static kvw_status_t emu_free(void *p)
 {
+    if (p == NULL)
+        return KVW_OK;
+    if (emu_region_del(p) != 0)
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated free of %p, which was not allocated "
+                         "here", p);
     free(p);
+    return KVW_OK;
+}
+
+static kvw_status_t emu_pointer_kind(const void *p, int *kind_p, int *device_p)
+{
+    *kind_p = KVWC_PTR_HOST;
+    *device_p = -1;
+    pthread_mutex_lock(&emu_regions_mu);
+    for (size_t i = 0; i < emu_num_regions; i++) {
+        const emu_region_t *r = &emu_regions[i];
+        if ((uintptr_t)p >= r->base && (uintptr_t)p - r->base < r->size) {
+            *kind_p = r->kind;
+            *device_p = r->kind == KVWC_PTR_DEVICE ? r->device : -1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&emu_regions_mu);
     return KVW_OK;
 }
 
@@ -389,13 +477,16 @@ static kvw_status_t emu_exec_reap(kvwc_exec_h x, int slot, int block, int *done_
 
 static kvw_status_t emu_host_register(void *p, uint64_t size)
 {
-    (void)p, (void)size;
+    if (emu_region_add(p, size, KVWC_PTR_HOST_REGISTERED) != 0)
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory registering host memory");
     return KVW_OK;
 }
 
 static kvw_status_t emu_host_unregister(void *p)
 {
-    (void)p;
+    if (emu_region_del(p) != 0)
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated host_unregister of %p, which is not "
+                         "registered", p);
     return KVW_OK;
 }
 
@@ -436,7 +527,7 @@ static const kvwc_ops_t emu_ops = {
     .get_device = emu_get_device,
     .malloc_dev = emu_malloc,
     .free_dev = emu_free,
-    .malloc_host = emu_malloc,
+    .malloc_host = emu_malloc_host,
     .free_host = emu_free,
     .memcpy_any = emu_memcpy,
     .memset_dev = emu_memset,
@@ -468,6 +559,7 @@ static const kvwc_ops_t emu_ops = {
     .event_query = emu_event_query,
     .event_destroy = emu_ok_ptr,
     .busy = emu_busy,
+    .pointer_kind = emu_pointer_kind,
 };
 
 /* KVW_CUDA_EMU_ABI, for tests: the table claims that ABI number instead, so that a

@@ -1,6 +1,8 @@
 /* Cases and helpers shared by the CUDA executor's tests (see gpu_common.h). */
 #include "gpu_common.h"
 
+#include "plan/rank.h"
+
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -208,8 +210,8 @@ err:
     return -1;
 }
 
-kvw_status_t gc_rank_clone(const kvt_rank_t *r, kvw_mem_kind_t kind, int32_t device,
-                           uint8_t *const *addrs, kvw_rank_h *h_p)
+static kvw_status_t gc_rank_clone_as(const kvt_rank_t *r, kvw_mem_kind_t kind, int32_t device,
+                                     uint8_t *const *addrs, bool check_mem, kvw_rank_h *h_p)
 {
     kvw_buffer_desc_t *bufs = calloc(r->num_bufs ? r->num_bufs : 1, sizeof(*bufs));
     if (bufs == NULL)
@@ -230,9 +232,21 @@ kvw_status_t gc_rank_clone(const kvt_rank_t *r, kvw_mem_kind_t kind, int32_t dev
     p.parallel = r->par;
     p.buffers = bufs;
     p.num_buffers = r->num_bufs;
-    kvw_status_t st = kvw_rank_create(&p, h_p);
+    kvw_status_t st = kvw__rank_create_as(&p, check_mem, h_p);
     free(bufs);
     return st;
+}
+
+kvw_status_t gc_rank_clone(const kvt_rank_t *r, kvw_mem_kind_t kind, int32_t device,
+                           uint8_t *const *addrs, kvw_rank_h *h_p)
+{
+    return gc_rank_clone_as(r, kind, device, addrs, true, h_p);
+}
+
+kvw_status_t gc_rank_clone_unchecked(const kvt_rank_t *r, kvw_mem_kind_t kind, int32_t device,
+                                     uint8_t *const *addrs, kvw_rank_h *h_p)
+{
+    return gc_rank_clone_as(r, kind, device, addrs, false, h_p);
 }
 
 int gc_expected(const kvt_model_t *model, const gc_case_t *c, gc_inst_t *S, gc_inst_t *D,

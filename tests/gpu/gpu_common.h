@@ -62,6 +62,10 @@ void gc_inst_free(gc_inst_t *in);
 /* A second handle over a rank's buffer table with other addresses and memory kind. */
 kvw_status_t gc_rank_clone(const kvt_rank_t *r, kvw_mem_kind_t kind, int32_t device,
                            uint8_t *const *addrs, kvw_rank_h *h_p);
+/* The same without kvw_rank_create's check that each address is the declared kind of
+ * memory: for the CPU emulation of the kernels, which declares host memory KVW_MEM_CUDA. */
+kvw_status_t gc_rank_clone_unchecked(const kvt_rank_t *r, kvw_mem_kind_t kind, int32_t device,
+                                     uint8_t *const *addrs, kvw_rank_h *h_p);
 
 /* Runs every (source, destination) pair's plan with kvw_plan_exec_cpu on copies of the
  * destination: exp[d] = init[d] + everything the plans write. exp must be kvt_copy_make

@@ -76,6 +76,16 @@ kvw_status_t kvt_cuda_free(void *ptr)
     KVT_CUDA_CALL("free", free_dev(ptr));
 }
 
+kvw_status_t kvt_cuda_malloc_host(uint64_t size, void **ptr_p)
+{
+    KVT_CUDA_CALL("malloc_host", malloc_host(size, ptr_p));
+}
+
+kvw_status_t kvt_cuda_free_host(void *ptr)
+{
+    KVT_CUDA_CALL("free_host", free_host(ptr));
+}
+
 kvw_status_t kvt_cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream)
 {
     KVT_CUDA_CALL("memcpy", memcpy_any(dst, src, size, stream));

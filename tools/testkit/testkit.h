@@ -333,6 +333,9 @@ void kvt_gpu_free(const kvt_rank_t *ranks, uint32_t n, uint8_t ***dev);
 const char *kvt_cuda_error(void);
 kvw_status_t kvt_cuda_set_device(int device);
 kvw_status_t kvt_cuda_malloc(uint64_t size, void **ptr_p);
+/* Page-locked host memory (cudaMallocHost / cudaFreeHost). */
+kvw_status_t kvt_cuda_malloc_host(uint64_t size, void **ptr_p);
+kvw_status_t kvt_cuda_free_host(void *ptr);
 kvw_status_t kvt_cuda_free(void *ptr);
 kvw_status_t kvt_cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream);
 kvw_status_t kvt_cuda_memset(void *ptr, int value, uint64_t size, void *stream);
