@@ -49,7 +49,7 @@ import time
 
 from .connector import KVPoll, kvpoll, _side
 from .core import (Buffer, Context, KvwireError, LayerKind, MemKind, Model, Parallel, Pool, Rank,
-                   Role, RoomState, Side, BootstrapServer, topo_heads)
+                   Role, RoomState, Side, Status, BootstrapServer, topo_heads)
 try:
     from .memkind import pointer_mem_kind
 except ImportError:
@@ -321,8 +321,16 @@ def _memory_kind(args):
         return (MemKind.CUDA, gpu) if env == "cuda" else (MemKind.HOST, 0)
     ptrs = list(getattr(args, "kv_data_ptrs", None) or [])
     if pointer_mem_kind is not None and ptrs:
-        kind, dev = pointer_mem_kind(int(ptrs[0]))
-        return MemKind(kind), int(dev or 0)
+        try:
+            kind, dev = pointer_mem_kind(int(ptrs[0]))
+        except KvwireError as e:
+            # ERR_UNSUPPORTED: CUDA cannot be asked here (no CUDA module or driver);
+            # SGLang's convention below decides.
+            if e.status != Status.ERR_UNSUPPORTED:
+                raise
+        else:
+            kind = MemKind(kind)
+            return kind, (int(dev) if kind == MemKind.CUDA else 0)
     torch = sys.modules.get("torch")
     try:
         if torch is not None and torch.cuda.is_available():
@@ -510,6 +518,9 @@ class KVManager:
 
         attn_tp, tp_rank, dp, dp_rank = _parallel_of(args, server_args, self.mode)
         pp = int(getattr(server_args, "pp_size", 1) or 1)
+        if self.mode == Side.DECODE and pp > 1:
+            raise ValueError("decode pipeline parallelism (pp_size=%d) is not supported by the "
+                             "kvwire SGLang backend (a decode rank receives every layer)" % pp)
         pp_rank = int(getattr(args, "pp_rank", 0) or 0)
         ptrs, lens, items = list(args.kv_data_ptrs), list(args.kv_data_lens), \
             list(args.kv_item_lens)

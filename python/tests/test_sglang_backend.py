@@ -50,7 +50,7 @@ class SglRank:
         buffers are those layers of host_rank (shared by the stages). mla: the K
         planes (of a one-head model) are the latent buffers; the V planes stay out."""
         self.hr = host_rank or U.HostRank(model, tp, rank, page_size=PS, swa_page_size=PS,
-                                          full_pages=FULL_PAGES, swa_pages=SWA_PAGES,
+                                          full_pages=FULL_PAGES + 1, swa_pages=SWA_PAGES + 1,
                                           seed=seed, describe=False)
         self._keep = []
         planes = self.hr.planes
@@ -127,6 +127,7 @@ class Instance:
             for g in range(dp):
                 for r in range(tp):
                     sr = SglRank(model, tp, r, seed + 7 * g, kinds)
+                    sr.args.engine_rank = g * tp + r     # SGLang: the global TP rank
                     sr.args.system_dp_rank = g
                     self.ranks.append(sr)
             sa = server_args(tp * dp, self.server.port)
@@ -136,8 +137,9 @@ class Instance:
             sa = server_args(tp, self.server.port)
         else:
             assert tp == 1
-            hr = U.HostRank(model, 1, 0, page_size=PS, swa_page_size=PS, full_pages=FULL_PAGES,
-                            swa_pages=SWA_PAGES, seed=seed, describe=False)
+            hr = U.HostRank(model, 1, 0, page_size=PS, swa_page_size=PS,
+                            full_pages=FULL_PAGES + 1, swa_pages=SWA_PAGES + 1, seed=seed,
+                            describe=False)
             self.ranks = [SglRank(model, 1, 0, seed, kinds, host_rank=hr, stage=st)
                           for st in pp_stages]
             sa = server_args(1, self.server.port)
@@ -150,7 +152,7 @@ class Instance:
                     p.mem[:] = p0.mem
             # The reference's view: one TP1 rank holding that cache.
             ref = U.HostRank(model, 1, 0, page_size=PS, swa_page_size=PS,
-                             full_pages=FULL_PAGES, swa_pages=SWA_PAGES, describe=False)
+                             full_pages=FULL_PAGES + 1, swa_pages=SWA_PAGES + 1, describe=False)
             for p, p0 in zip(ref.planes, self.ranks[0].hr.planes):
                 p.mem[:] = p0.mem
             self.srcs, self.tp = [ref], 1
@@ -178,8 +180,22 @@ class Instance:
 
 
 def req_pages(reqs, seed):
-    """{room: (full pages from token 0, swa pages, swa first token)}, SGLang's SWA rule."""
-    return U.assign_pages(reqs, PS, PS, WINDOW, FULL_PAGES, SWA_PAGES, seed)
+    """{room: (full pages from token 0, swa pages, swa first token)}, SGLang's SWA rule;
+    page 0 of every pool is left out, as SGLang's allocators leave out their padding
+    page (kvwire.sglang may write it: see KVManager.swa_side and KVReceiver.abort)."""
+    out = U.assign_pages(reqs, PS, PS, WINDOW, FULL_PAGES, SWA_PAGES, seed)
+    return {room: ([p + 1 for p in f], [p + 1 for p in w], w0)
+            for room, (f, w, w0) in out.items()}
+
+
+def whole_pages(model, req, swa_first):
+    """The model and request the reference applies for what kvwire.sglang moves: whole
+    pages (N = pages x PS tokens) and, for sliding-window layers, every listed SWA page
+    (the window reaching back to the list's first token)."""
+    n = -(-req["n"] // PS) * PS
+    layers = [kvwire.Layer(l.kind, n - swa_first if l.kind == kvwire.LayerKind.SWA else l.window)
+              for l in model.layers]
+    return types.SimpleNamespace(num_kv_heads=model.num_kv_heads, layers=layers), dict(req, n=n)
 
 
 class TestSGLangBackend(unittest.TestCase):
@@ -187,7 +203,6 @@ class TestSGLangBackend(unittest.TestCase):
     def setUpClass(cls):
         U.library_or_skip()
 
-    @unittest.skip("whole-page semantics (no num_tokens): this test's reference moves exact token ranges and lists page 0; python/tests/sglang_real covers these cases against SGLang's own scheduler code")
     def test_two_prefill_instances_one_decode_instance(self):
         kinds = ["swa", "full", "swa", "full"]
         model = U.gptoss_model(WINDOW)
@@ -208,7 +223,6 @@ class TestSGLangBackend(unittest.TestCase):
         ]
         self.drive(model, kinds, reqs, inst, decode_tp=2)
 
-    @unittest.skip("whole-page semantics (no num_tokens): this test's reference moves exact token ranges and lists page 0; python/tests/sglang_real covers these cases against SGLang's own scheduler code")
     def test_pp2_prefill_instance(self):
         # One TP1 prefill instance in two PP stages (uneven: layers [0, 1) and [1, 4);
         # the second stage's end is left for the backend to infer from its buffers),
@@ -225,7 +239,6 @@ class TestSGLangBackend(unittest.TestCase):
         self.assertEqual(inst["P"].mgrs[1].parallel.layer_end, 4)
         self.drive(model, kinds, reqs, inst, decode_tp=2)
 
-    @unittest.skip("whole-page semantics (no num_tokens): this test's reference moves exact token ranges and lists page 0; python/tests/sglang_real covers these cases against SGLang's own scheduler code")
     def test_dp_attention_prefill_instance(self):
         # A prefill instance with DP attention (2 groups of TP2; SGLang routes a room
         # to group room % dp) and a TP1 prefill instance feed one TP1 decode instance;
@@ -241,7 +254,6 @@ class TestSGLangBackend(unittest.TestCase):
         self.assertEqual(inst["D"].mgrs[3].parallel.dp_rank, 1)
         self.drive(model, kinds, reqs, inst, decode_tp=1)
 
-    @unittest.skip("whole-page semantics (no num_tokens): this test's reference moves exact token ranges and lists page 0; python/tests/sglang_real covers these cases against SGLang's own scheduler code")
     def test_mla_tp1_and_tp2_to_tp2(self):
         # MLA: every decode rank receives whole latent rows from one prefill rank.
         kinds = ["full", "full", "full"]
@@ -451,8 +463,13 @@ class TestSGLangBackend(unittest.TestCase):
                         continue
                     i = inst[r["owner"]]
                     srcs = i.group_srcs(r.get("dp", 0))
-                    U.ref_apply(model, srcs, [s.snapshot() for s in srcs],
-                                [spages] * len(srcs), d.hr, expect, dpages, r)
+                    m_ref, r_ref = whole_pages(model, r, dpages[r["room"]][2])
+                    U.ref_apply(m_ref, srcs, [s.snapshot() for s in srcs],
+                                [spages] * len(srcs), d.hr, expect, dpages, r_ref)
+                for j, p in enumerate(d.hr.planes):
+                    # Page 0, the padding page, may take any bytes.
+                    expect[j][p.guard:p.guard + p.page_bytes] = \
+                        snap[j][p.guard:p.guard + p.page_bytes]
                 if mla:
                     # MLA: whole latent rows (the K planes of a one-head model, so the
                     # reference's rule applies); the V planes are no buffers at all.
@@ -663,8 +680,7 @@ class TestSGLangBackendUnits(unittest.TestCase):
                 dm.close()
                 pm.close()
 
-    @unittest.skip("whole-page semantics (no num_tokens): this test's reference moves exact token ranges and lists page 0; python/tests/sglang_real covers these cases against SGLang's own scheduler code")
-    def test_token_count_refused_when_ambiguous(self):
+    def test_page_counts_and_indices_checked(self):
         kinds = ["swa", "full"]
         model = U.gptoss_model(WINDOW, layers=2)
         d = SglRank(model, 1, 0, 7, kinds)
@@ -675,6 +691,8 @@ class TestSGLangBackendUnits(unittest.TestCase):
             pm = KVManager(p.args, "prefill", server_args(1, server.port),
                            model_config=model_config(kinds), transport=TRANSPORT)
             try:
+                # kvwire's SWA window: the config's 32 rounded up to cover SGLang's pages.
+                self.assertEqual(pm.swa_window, 48)
                 s = KVSender(pm, server.address, 401, [0], 0)
                 dup = KVSender(pm, server.address, 401, [0], 0)   # room already open here
                 self.assertEqual(dup.poll(), KVPoll.Failed)
@@ -682,39 +700,48 @@ class TestSGLangBackendUnits(unittest.TestCase):
                     dup.failure_exception()
                 self.assertEqual(cm.exception.status, kvwire.Status.ERR_BUSY)
                 self.assertIn(server.address, str(cm.exception))
-                with self.assertRaisesRegex(ValueError, "num_tokens=len"):
-                    s.init(3, 0)                       # a page count alone: refused
-                with self.assertRaisesRegex(ValueError, "does not fit 3 pages"):
-                    s.init(3, 0, num_tokens=50)        # 50 tokens take 4 pages
-                s.init(3, 0, num_tokens=40)
+                with self.assertRaisesRegex(ValueError, "positive page count"):
+                    s.init(0, 0)
+                s.init(3, 0)                            # 3 pages: 48 tokens move
+                self.assertEqual(s.num_tokens, 48)
                 with self.assertRaisesRegex(ValueError, "init\\(\\) announced 3"):
-                    s.send([0, 1, 2, 3])
+                    s.send([1, 2, 3, 4])
                 with self.assertRaisesRegex(ValueError, "SWA pages"):
-                    s.send([0, 1, 2], [None])          # the last chunk needs the window
-                with self.assertRaisesRegex(ValueError, "need 3"):
-                    s.send([0, 1, 2], [[5, 6]])        # window 32 of 40 tokens: [0, 40)
+                    s.send([1, 2, 3], [None])          # the last chunk needs the window
+                with self.assertRaisesRegex(ValueError, "4 SWA pages do not end"):
+                    s.send([1, 2, 3], [[5, 6, 7, 8]])  # more pages than the request has
+                with self.assertRaisesRegex(ValueError, "token_position_offset=2"):
+                    s.send([1, 2, 3], [[5, 6]], 2)
+                # The window's pages as SGLang passes them: [floor_page(L - 32), L).
+                self.assertEqual(pm.swa_side(48, [5, 6], "t"), ([0, 5, 6], 0))
+                self.assertEqual(pm.swa_side(48, [4, 5, 6], "t"), ([4, 5, 6], 0))
+                self.assertEqual(pm.swa_side(160, [7, 8, 9], "t"), ([7, 8, 9], 112))
+                self.assertEqual(pm.swa_side(160, [8, 9], "t"), ([0, 8, 9], 112))
+                with self.assertRaisesRegex(ValueError, "more than one page short"):
+                    pm.swa_side(160, [9], "t")
                 rv = KVReceiver(dm, server.address, 401)
                 with self.assertRaises(RuntimeError):
-                    rv.send_metadata([0, 1, 2], 0, [[1, 2, 3]])    # before init()
+                    rv.send_metadata([1, 2, 3], 0, [[1, 2, 3]])    # before init()
                 rv.init(0)
-                with self.assertRaisesRegex(ValueError, "num_tokens=len"):
-                    rv.send_metadata([0, 1, 2], 0, [[1, 2, 3]])
+                with self.assertRaises(RuntimeError):
+                    rv.init(0)
+                self.assertIsNone(rv.conclude_state)
                 with self.assertRaisesRegex(ValueError, "whole number"):
-                    rv.send_metadata([0, 1], 0, [[1, 2]], 8, num_tokens=40)
+                    rv.send_metadata([1, 2], 0, [[1, 2]], 8)
                 with self.assertRaisesRegex(ValueError, "2 state index entries"):
-                    rv.send_metadata([0, 1, 2], 0, [[1, 2, 3], None], num_tokens=40)
+                    rv.send_metadata([1, 2, 3], 0, [[1, 2, 3], None])
                 with self.assertRaisesRegex(ValueError, "aux_index 8 outside"):
-                    rv.send_metadata([0, 1, 2], AUX_SLOTS, [[1, 2, 3]], num_tokens=40)
-                rv.send_metadata([0, 1, 2], 0, [[1, 2, 3]], num_tokens=40)
+                    rv.send_metadata([1, 2, 3], AUX_SLOTS, [[1, 2, 3]])
+                rv.send_metadata([1, 2, 3], 0, [[1, 2, 3]])
                 rv.abort()
                 self.assertEqual(rv.poll(), KVPoll.Failed)
+                self.assertEqual(rv.conclude_state, KVPoll.Failed)
                 s.clear()
                 rv.clear()
             finally:
                 pm.close()
                 dm.close()
 
-    @unittest.skip("whole-page semantics (no num_tokens): this test's reference moves exact token ranges and lists page 0; python/tests/sglang_real covers these cases against SGLang's own scheduler code")
     def test_geometry_refused_at_construction(self):
         kinds = ["swa", "full"]
         model = U.gptoss_model(WINDOW, layers=2)
@@ -728,15 +755,27 @@ class TestSGLangBackendUnits(unittest.TestCase):
             bad = KVArgs(**d.args.__dict__)
             bad.kv_head_num = 4
             KVManager(bad, "decode", server_args(1), model_config=model_config(kinds))
-        with self.assertRaisesRegex(ValueError, "PP stage 1: KVArgs.prefill_start_layer"):
+        with self.assertRaisesRegex(ValueError, "decode pipeline parallelism"):
             bad = KVArgs(**d.args.__dict__)
             bad.pp_rank = 1
             sa = server_args(1)
             sa.pp_size = 2
             KVManager(bad, "decode", sa, model_config=model_config(kinds))
-        with self.assertRaisesRegex(ValueError, "mamba.*not supported"):
+        with self.assertRaisesRegex(ValueError, "Mamba state together with an SWA pool"):
             bad = KVArgs(**d.args.__dict__)
             bad.state_types = ["swa", "mamba"]
+            KVManager(bad, "decode", server_args(1), model_config=model_config(kinds))
+        with self.assertRaisesRegex(ValueError, "state type 'dsa' is not supported.*DSA"):
+            bad = KVArgs(**d.args.__dict__)
+            bad.state_types = ["swa", "dsa"]
+            KVManager(bad, "decode", server_args(1), model_config=model_config(kinds))
+        with self.assertRaisesRegex(ValueError, "attention context parallelism"):
+            sa = server_args(1)
+            sa.attn_cp_size = 2
+            KVManager(d.args, "decode", sa, model_config=model_config(kinds))
+        with self.assertRaisesRegex(ValueError, "token_position_offset=3"):
+            bad = KVArgs(**d.args.__dict__)
+            bad.token_position_offset = 3
             KVManager(bad, "decode", server_args(1), model_config=model_config(kinds))
 
     def test_bad_bootstrap_address_fails_at_once(self):

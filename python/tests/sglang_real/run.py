@@ -353,9 +353,11 @@ def decode_rank(cfg, inst, tp_rank, out):
         out.put(("decode %d.%d" % (inst, tp_rank), False, traceback.format_exc()))
 
 
+
 def decode_launcher(cfg, inst, out):
     ctx = mp.get_context("fork")
-    ranks = [ctx.Process(target=decode_rank, args=(cfg, inst, r, out)) for r in range(cfg.dtp)]
+    ranks = [ctx.Process(target=decode_rank, args=(cfg, inst, r, out))
+             for r in range(cfg.dtp * cfg.ddp)]
     for p in ranks:
         p.start()
     for p in ranks:
@@ -363,12 +365,18 @@ def decode_launcher(cfg, inst, out):
 
 
 def run_decode(cfg, inst, tp_rank):
+    # tp_rank: the global rank; with decode DP (cfg.ddp > 1) rank g * dtp + r is
+    # attention-TP rank r of DP group g (DP attention) or of replica g (plain DP).
     import torch
     os.environ.update(cfg.env)
+    group, tp_rank = divmod(tp_rank, cfg.dtp)
     U, D, fk = S.U, S.D, S.fakes
     tp = cfg.dtp
     fk.PARALLEL.attn_tp_size = tp
-    sa = server_args(cfg, "decode", 40000 + (inst if not cfg.alike else 0), tp)
+    if cfg.ddp > 1 and cfg.ddp_attn:
+        sa = server_args(cfg, "decode", 40000 + inst, tp * cfg.ddp, cfg.ddp, True)
+    else:
+        sa = server_args(cfg, "decode", 40000 + (inst if not cfg.alike else 0), tp, cfg.ddp)
     pool, draft, views, first, nh = make_pools(cfg, tp, tp_rank, fk.SENTINEL)
     alloc = fk.Allocator(pool, cfg.ps, cfg.pages, seed=2000 + inst * 10 + tp_rank,
                          swa_pages=cfg.pages if cfg.swa else 0)
@@ -378,7 +386,8 @@ def run_decode(cfg, inst, tp_rank):
                                  enable_memory_saver=False, pre_alloc_size=32)
     rtp.req_index_to_mamba_index_mapping = torch.tensor(
         [mamba_slot(i) for i in range(rtp._alloc_size)], dtype=torch.int32)
-    sch = types.SimpleNamespace(**vars(scheduler_common(cfg, sa, tp_rank, None)))
+    sch = types.SimpleNamespace(**vars(scheduler_common(
+        cfg, sa, tp_rank, group if cfg.ddp > 1 else None)))
     sch.spec_algorithm = types.SimpleNamespace(is_none=lambda: not cfg.draft)
     sch.enable_decode_hicache = sch.enable_hisparse = False
     sch.enable_priority_scheduling = False
@@ -390,9 +399,12 @@ def run_decode(cfg, inst, tp_rank):
     tree = fk.TreeCache()
     sa.disaggregation_decode_enable_radix_cache = cfg.radix
     tq = D.DecodeTransferQueue(None, mda, tp_rank, md, sch, tree)
-    pq = D.DecodePreallocQueue(rtp, alloc, draft, mda, md, sch, tq, tree, None, tp_rank, tp, 1, 0,
+    gtp = group * tp + tp_rank if cfg.ddp_attn else tp_rank
+    pq = D.DecodePreallocQueue(rtp, alloc, draft, mda, md, sch, tq, tree, None, gtp,
+                               tp * cfg.ddp if cfg.ddp_attn else tp, cfg.ddp, 0,
                                None, cfg.pages * cfg.ps, 0, 0, U.TransferBackend.KVWIRE)
-    mine = [r for r in cfg.requests if r["decode"] == inst]
+    mine = [r for r in cfg.requests if r["decode"] == inst and
+            (cfg.ddp == 1 or r["room"] % cfg.ddp == group)]
     cached = {}
     for r in mine:
         if r.get("prefix"):
@@ -575,7 +587,7 @@ def scenario(name, **kw):
     base = dict(layers=3, heads=4, hb=8, ps=1, pages=600, ptp=1, dtp=1, pdp=1, pdp_attn=False,
                 mla=False, swa=(), hf_window=0, sched_window=None, draft=0, optimistic=0,
                 n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260, env={}, ppp=1,
-                mamba=0,
+                mamba=0, ddp=1, ddp_attn=False,
                 radix=False)
     base.update(kw)
     cfg = Cfg(name=name, **base)
@@ -610,6 +622,8 @@ SCENARIOS = [
              dtp=2),
     scenario("mamba_gdn_hybrid_tp1_tp2", layers=2, mamba=3, ptp=1, dtp=2, ps=16, pages=80),
     scenario("mamba_gdn_hybrid_tp2_tp1", layers=2, mamba=3, ptp=2, dtp=1),
+    scenario("dp_attention_decode", dtp=1, ddp=2, ddp_attn=True, ptp=2),
+    scenario("plain_dp_decode", dtp=2, ddp=2, ptp=1),
     scenario("decode_radix_prefix", ps=16, pages=80, radix=True,
              requests=[dict(r, prefix=p) for r, p in zip(
                  requests(lens=(40, 64, 33, 17, 100, 9)), (16, 32, 0, 16, 48, 0))]),
@@ -647,7 +661,7 @@ def run(cfg):
         # One launcher per decode instance, as SGLang's engine process spawns its
         # schedulers: the ranks of one instance share it, two instances do not.
         procs.append(ctx.Process(target=decode_launcher, args=(cfg, d, out)))
-        n += cfg.dtp
+        n += cfg.dtp * cfg.ddp
     t0 = time.monotonic()
     for pr in procs:
         pr.start()
