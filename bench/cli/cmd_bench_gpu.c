@@ -223,8 +223,8 @@ static kvw_ctx_h *g_contexts(const g_cfg_t *c, const g_topo_t *t, g_inst_t *in, 
         .prefill_dp = 1};
     uint32_t i;
     char why[400]; /* leaves room in err (512 bytes) for the rank */
-    kvw_ctx_h *ctx = cli_contexts(&p, in->ranks, in->n, prefill, bs_addr, bs_out, bs_cap, &i,
-                                  why, sizeof(why));
+    kvw_ctx_h *ctx = cli_contexts("bench --gpu", &p, in->ranks, in->n, prefill, false, bs_addr,
+                                  bs_out, bs_cap, &i, NULL, why, sizeof(why));
     if (ctx == NULL)
         snprintf(err, cap, "%s rank %u: kvw_ctx_create: %s", prefill ? "prefill" : "decode", i,
                  why);
