@@ -102,7 +102,7 @@ fi
 # and found from there by the installed CLI (bin/ -> lib/).
 if [[ -f "$build/libkvwire-ucx.so" ]]; then
     [[ -f "$libdir/libkvwire-ucx.so" ]] || fail "libkvwire-ucx.so built but not installed"
-    sed -n '/^transports/,/^$/p' "$tmp/info" | grep -qx '  ucx' ||
+    sed -n '/^transports/,/^$/p' "$tmp/info" | grep -qE '^  ucx +usable$' ||
         fail "the installed CLI does not find the ucx module: $(cat "$tmp/info")"
     # The installed libkvwire.so loads it from its own directory: a context over ucx
     # (through the Python binding, which opens one on a one-byte rank).
