@@ -155,6 +155,17 @@ else
         fail "the decode's timeout does not say why: $(cat "$tmp/err")"
 fi
 
+# ---------------------------------------------------------------- bench options
+expect_usage "bench: --reps takes a whole number from 1 to 64, not '0'" bench --reps 0
+expect_usage "bench: --layers takes a whole number from 0 to 36 (the layers of gpt-oss-120b; 0 keeps them all), not '99'" \
+    bench --layers 99
+expect_usage "bench: --decode-mem takes shared or anon, not 'foo'" bench --decode-mem foo
+expect_usage "bench --latency: --rooms takes a whole number from 1 to 5000, not '0'" bench --latency --rooms 0
+expect_usage "bench --latency: --inflight takes a whole number from 1 to 1024, not '-2'" \
+    bench --latency --inflight -2
+expect_usage "bench --stream: --prefill-tp takes a whole number from 1 to 8, not '9'" bench --stream --prefill-tp 9
+expect_usage "bench --gpu: --reps takes a whole number from 1 to 64, not 'x'" bench --gpu --reps x
+
 # ---------------------------------------------------------------- other commands
 expect_usage "bootstrap: --listen takes HOST:PORT (a host name or address, a port from 0 to 65535), not 'nowhere'" \
     bootstrap --listen nowhere
