@@ -272,10 +272,11 @@ static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool pre
     kvw_ctx_h *ctx = cli_contexts(c->quiet ? NULL : "demo", &p, inst->ranks, inst->n, prefill,
                                   prefill && c->external_bs, bs_addr, bs_out, bs_cap, &i, &st,
                                   why, sizeof(why));
-    *refused = ctx == NULL && (st == KVW_ERR_REJECTED || st == KVW_ERR_INCOMPATIBLE);
+    *refused = ctx == NULL && (st == KVW_ERR_REJECTED || st == KVW_ERR_INCOMPATIBLE ||
+                                st == KVW_ERR_AUTH);
     if (ctx == NULL)
         fprintf(stderr, "demo: %s rank %u: %s%s\n", prefill ? "prefill" : "decode", i, why,
-                *refused ? " (refused: the two instances' configurations do not match)"
+                *refused ? " (refused at the handshake: the two instances' configurations or secrets do not match)"
                 : prefill && !c->external_bs && strstr(why, "in use")
                     ? " (is an endpoint running there? --external-bootstrap registers at it)"
                     : "");
@@ -668,8 +669,9 @@ static void demo_usage(FILE *f)
             "96 rooms.\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
             "failed run; 2 a usage error; 3 a configuration refused before any transfer,\n"
-            "by the demo's own checks or by the peer at the handshake (the message names\n"
-            "the reason, e.g. heads that do not split over a TP size).\n",
+            "by the demo's own checks or at the handshake (configurations or secrets that\n"
+            "do not match); the message names the reason, e.g. heads that do not split\n"
+            "over a TP size.\n",
             models, DEMO_MAX_TP, DEMO_MAX_TP, built, DEMO_MAX_REQUESTS, DEMO_MAX_CONCURRENCY,
             DEMO_MAX_PAGE, DEMO_MAX_PAGE, DEMO_MAX_TOKENS, DEMO_MAX_HEADS, DEMO_MAX_TIMEOUT_MS);
 }
