@@ -71,8 +71,7 @@ expect_usage "demo: --decode-page-size takes a whole number from 1 to 65536, not
 expect_usage "demo: --max-tokens takes a whole number from 1 to 1048576, not '99999999999999999999999'" \
     demo --max-tokens 99999999999999999999999
 expect_usage "demo: --seed takes a whole number from 0 to 18446744073709551615, not '-3'" demo --seed -3
-expect_usage "demo: --prefill-pp takes a whole number from 1 to 12 (the layers kept of gpt-oss-120b), not '13'" \
-    demo --prefill-pp 13
+expect_usage "demo: --prefill-pp takes a whole number from 1 to 128, not '999'" demo --prefill-pp 999
 expect_usage "demo: --decode-pp takes a whole number from 1 to 128, not '0'" demo --decode-pp 0
 expect_usage "demo: --decode-layout takes nhd or hnd, not 'xyz'" demo --decode-layout xyz
 expect_usage "demo: --prefill-layout takes nhd or hnd, not ''" demo --prefill-layout ''
@@ -82,6 +81,10 @@ expect_usage "demo: --bootstrap takes HOST:PORT (a host name or address, a port 
 expect_usage "demo: --bootstrap takes HOST:PORT (a host name or address, a port from 0 to 65535), not '127.0.0.1:70000'" \
     demo --bootstrap 127.0.0.1:70000
 expect_usage "demo: unknown model 'nope'; the presets are: gpt-oss-120b" demo --model nope
+expect_usage "demo: --transport takes one of the transports of this library, tcp, shm, " \
+    demo --transport foo
+expect_usage "cuda_ipc (with --gpu) or fault:NAME, not 'foo' (kvwire info says why one is missing)" \
+    demo --transport foo
 expect_usage "demo: unrecognized option '--no-such-option'" demo --no-such-option
 expect_usage "demo: option '--requests' requires an argument" demo --requests
 expect_usage "demo: unexpected argument 'extra'" demo extra

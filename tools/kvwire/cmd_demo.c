@@ -635,7 +635,8 @@ static void demo_usage(FILE *f)
             "  --prefill-tp N        prefill TP size, 1 to %u (default 1)\n"
             "  --decode-tp N         decode TP size, 1 to %u (default 4)\n"
             "  --prefill-pp N        prefill PP size, 1 to the layers kept (default 1)\n"
-            "  --decode-pp N         decode PP size, 1 to the layers kept (default 1)\n"
+            "  --decode-pp N         decode PP size, 1 to the layers kept (default 1; more\n"
+            "                        stages than layers: refused, exit 3)\n"
             "  --transport NAME      shm (default), tcp or ucx; fault:NAME wraps one of them\n"
             "                        with the fault injection KVW_FAULTS describes (--gpu\n"
             "                        alone: cuda_ipc). Built into this library: %s\n"
@@ -689,20 +690,6 @@ static const char *demo_wait_str(int ws, char *buf, size_t cap)
     return buf;
 }
 
-/* Checks the values that depend on the model (its layers) once it is loaded. */
-static int demo_check_model(const demo_cfg_t *c, const kvt_model_t *m)
-{
-    const uint32_t pp[2] = {c->ppp, c->dpp};
-    const char *opt[2] = {"--prefill-pp", "--decode-pp"};
-    for (int k = 0; k < 2; k++)
-        if (pp[k] > m->m.num_layers) {
-            fprintf(stderr, "demo: %s takes a whole number from 1 to %u (the layers kept of "
-                    "%s), not '%u'\n", opt[k], m->m.num_layers, c->model, pp[k]);
-            return 2;
-        }
-    return 0;
-}
-
 static int cmd_demo(int argc, char **argv)
 {
     demo_cfg_t c = {.model = "gpt-oss-120b", .layers = 12, .ptp = 1, .dtp = 4, .ppp = 1,
@@ -733,15 +720,28 @@ static int cmd_demo(int argc, char **argv)
         case 'd': bad = cli_opt_u32("demo", "--decode-tp", optarg, 1, DEMO_MAX_TP, &c.dtp); break;
         case 'P': bad = cli_opt_u32("demo", "--prefill-pp", optarg, 1, KVT_MAX_LAYERS, &c.ppp); break;
         case 'D': bad = cli_opt_u32("demo", "--decode-pp", optarg, 1, KVT_MAX_LAYERS, &c.dpp); break;
-        case 't':
-            if (!optarg[0] || strlen(optarg) >= sizeof(c.transport)) {
-                fprintf(stderr, "demo: --transport takes a transport name (shm, tcp, ucx, "
-                        "cuda_ipc or fault:NAME), not '%s'\n", optarg);
+        case 't': {
+            /* The transports this library offers (built in, or a module that loaded),
+             * cuda_ipc, or fault:NAME (the fault wrapper, kvwire-faults only: the library
+             * judges it). */
+            bool known = !strcmp(optarg, "cuda_ipc") || !strncmp(optarg, "fault:", 6);
+            char list[128] = "";
+            size_t len = 0;
+            for (const char *const *n = kvw_transport_names(); *n; n++) {
+                known |= !strcmp(optarg, *n);
+                if (len < sizeof(list))
+                    len += (size_t)snprintf(list + len, sizeof(list) - len, "%s, ", *n);
+            }
+            if (!known || strlen(optarg) >= sizeof(c.transport)) {
+                fprintf(stderr, "demo: --transport takes one of the transports of this "
+                        "library, %scuda_ipc (with --gpu) or fault:NAME, not '%s' (kvwire "
+                        "info says why one is missing)\n", list, optarg);
                 bad = 1;
             }
             snprintf(c.transport, sizeof(c.transport), "%s", optarg);
             tl_set = true;
             break;
+        }
         case 'r':
             bad = cli_opt_u32("demo", "--requests", optarg, 1, DEMO_MAX_REQUESTS, &c.requests);
             break;
@@ -842,10 +842,9 @@ static int cmd_demo(int argc, char **argv)
         return 2;
     if (c.kv_heads)
         m.m.num_kv_heads = c.kv_heads;
-    int vr = demo_check_model(&c, &m);
-    if (vr)
-        return vr;
-    vr = demo_validate(&c, &m);
+    /* More PP stages than layers is the library's to refuse (demo_validate: exit 3 with
+     * the empty layer range named). */
+    int vr = demo_validate(&c, &m);
     if (vr)
         return vr;
 
