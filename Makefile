@@ -28,8 +28,23 @@ build: deps $(BUILD)/CMakeCache.txt
 	cmake -S . -B $(BUILD) $(DEV_FLAGS) >/dev/null
 	cmake --build $(BUILD) -j $(JOBS)
 
-demo: build
-	$(BUILD)/kvwire demo
+# The demo builds quietly: the build's output goes to $(BUILD)/demo-build.log, and only
+# its errors and warnings (with the log's last lines) show when it fails.
+# DEMO_ARGS: options for kvwire demo (kvwire demo --help), e.g.
+# make demo DEMO_ARGS="--transport tcp --prefill-tp 2".
+DEMO_ARGS ?=
+demo: deps
+	@mkdir -p $(BUILD)
+	@echo "== make demo: building $(BUILD) (log: $(BUILD)/demo-build.log)"
+	@{ { [ -f $(BUILD)/CMakeCache.txt ] || \
+	     cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(DEV_FLAGS) $(CMAKE_FLAGS); } && \
+	   cmake -S . -B $(BUILD) $(DEV_FLAGS) && \
+	   cmake --build $(BUILD) -j $(JOBS) --target kvwire_cli; } >$(BUILD)/demo-build.log 2>&1 || \
+	 { grep -v -E 'make\[[0-9]+\]: (Entering|Leaving) directory' $(BUILD)/demo-build.log | \
+	     grep -E -i -A3 'error|warning' | head -60 | grep . || tail -20 $(BUILD)/demo-build.log; \
+	   echo "make demo: the build failed (the whole log: $(BUILD)/demo-build.log)"; exit 1; }
+	@echo "== make demo: kvwire demo $(DEMO_ARGS)"
+	@$(BUILD)/kvwire demo $(DEMO_ARGS)
 
 # All tests: a release build, then the same tests under ASan + UBSan, then the threaded
 # tests under TSan.

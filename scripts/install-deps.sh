@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages kvwire needs, only when some are missing.
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config libucx-dev ucx-utils iproute2 clang
-      libclang-rt-14-dev python3 python3-numpy gnuplot-nox)
+      libclang-rt-14-dev python3 python3-numpy python3-venv gnuplot-nox)
 missing=()
 for p in "${pkgs[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

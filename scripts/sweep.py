@@ -59,16 +59,20 @@ def transports(cli, allowed):
     _, out = cli_output(cli, "info")
     built, section = [], None
     for line in out.splitlines():
-        if line.startswith("transports compiled in:"):
+        # "transports (usable here, or why not):", one "  NAME  usable" or
+        # "  NAME  not usable: WHY" line each (older builds: "  NAME" under
+        # "transports compiled in:").
+        if line.startswith("transports"):
             section = "tl"
             continue
         if line.startswith("UCX devices"):
             section = "ucx"
             continue
         if section == "tl":
-            if re.fullmatch(r"  [a-z_]+", line):
-                built.append(line.strip())
-            else:
+            m = re.fullmatch(r"  ([a-z_]+)( +usable)?", line)
+            if m:
+                built.append(m.group(1))
+            elif not line.startswith("  "):
                 section = None
         elif section == "ucx" and "Transport:" in line:
             section = "ucx-ok"

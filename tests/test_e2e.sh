@@ -40,8 +40,9 @@ for word in --prefill-layout --decode-layout; do
         help_bad=1
     fi
 done
-# `kvwire info` lists the built-in transports indented under "transports compiled in:".
-built=$("$CLI" info | awk '/^transports compiled in:/ {on = 1; next} on && /^  [a-z_]+$/ {print $1; next} {on = 0}')
+# `kvwire info` lists the transports under "transports", one "  NAME  usable" (or "not
+# usable: WHY") line each; cuda_ipc the demo's help names apart (--gpu).
+built=$("$CLI" info | awk '/^transports/ {on = 1; next} on && /^  [a-z_]+ +usable$/ {print $1; next} on && /^  / {next} {on = 0}' | grep -vx cuda_ipc)
 if [[ -z "$built" ]]; then
     echo "test_e2e: no transports in 'kvwire info'" >&2
     help_bad=1
@@ -55,7 +56,7 @@ done
 # An unknown layout is a usage error (exit 2), not a silent NHD.
 err=$("$CLI" demo --prefill-layout nhx 2>&1 >/dev/null)
 rc=$?
-if [[ $rc -ne 2 ]] || ! grep -qF -- "--prefill-layout must be nhd or hnd, not 'nhx'" <<<"$err"; then
+if [[ $rc -ne 2 ]] || ! grep -qF -- "--prefill-layout takes nhd or hnd, not 'nhx'" <<<"$err"; then
     echo "test_e2e: --prefill-layout nhx: exit $rc, '$err'" >&2
     help_bad=1
 fi

@@ -7,9 +7,12 @@
 #    libkvwire.so.MAJOR, every exported symbol a public kvw_ one under the
 #    KVWIRE_MAJOR.MINOR version node, no internal kvw__ symbol, no fault-injection code
 #    in the library or the CLI;
-#  * two consumers, one built with `pkg-config --cflags --libs kvwire`, one with a CMake
-#    project that calls find_package(kvwire); both run and check kvw_version() and
-#    real results of the topology API.
+#  * two consumers, built exactly as the README says: one with
+#    `cc app.c $(pkg-config --cflags --libs kvwire)`, one with a CMake project that calls
+#    find_package(kvwire) (built, then installed into a second scratch prefix); both run
+#    from a prefix outside the loader's path, with no LD_LIBRARY_PATH (the rpath that
+#    kvwire.pc and the CMake package give finds the library), and check kvw_version()
+#    and real results of the topology API.
 # KVW_BUILD_DIR is the build directory (set by CTest). Exit 0: pass, 1: fail, 77: skipped.
 set -u
 
@@ -99,7 +102,7 @@ fi
 # and found from there by the installed CLI (bin/ -> lib/).
 if [[ -f "$build/libkvwire-ucx.so" ]]; then
     [[ -f "$libdir/libkvwire-ucx.so" ]] || fail "libkvwire-ucx.so built but not installed"
-    sed -n '/^transports/,/^$/p' "$tmp/info" | grep -qx '  ucx' ||
+    sed -n '/^transports/,/^$/p' "$tmp/info" | grep -qE '^  ucx +usable$' ||
         fail "the installed CLI does not find the ucx module: $(cat "$tmp/info")"
     # The installed libkvwire.so loads it from its own directory: a context over ucx
     # (through the Python binding, which opens one on a one-byte rank).
@@ -193,36 +196,57 @@ int main(void)
 }
 EOF
 
+# The consumers run as a user's would: no LD_LIBRARY_PATH, and a prefix the loader does
+# not search (ldconfig's cache and default paths know nothing of $tmp).
+unset LD_LIBRARY_PATH
+if ldconfig -p 2>/dev/null | grep -q "$tmp"; then
+    fail "the scratch prefix $tmp is in the loader's cache"
+fi
+# The README's line, word for word: cc app.c $(pkg-config --cflags --libs kvwire).
 export PKG_CONFIG_PATH=$libdir/pkgconfig
 pcver=$(pkg-config --modversion kvwire 2>&1)
 [[ "$pcver" == "$version" ]] || fail "pkg-config --modversion kvwire says '$pcver'"
 if flags=$(pkg-config --cflags --libs kvwire 2>"$tmp/pc.err"); then
-    # shellcheck disable=SC2086 # the flags are words
-    if cc -std=c11 -Wall -Wextra -Werror "$tmp/app/app.c" $flags -Wl,-rpath,"$libdir" \
-        -o "$tmp/app-pc" 2>"$tmp/pc-cc.err"; then
+    # shellcheck disable=SC2046 # the flags are words, as in the README
+    if (cd "$tmp/app" && cc app.c $(pkg-config --cflags --libs kvwire) -o "$tmp/app-pc") \
+        2>"$tmp/pc-cc.err"; then
         out=$("$tmp/app-pc" 2>&1) || fail "pkg-config consumer failed: $out"
         [[ "$out" == "kvwire $version ok" ]] || fail "pkg-config consumer printed '$out'"
         readelf -d "$tmp/app-pc" | grep -q "NEEDED.*\[libkvwire.so.$major\]" ||
             fail "the pkg-config consumer does not record libkvwire.so.$major"
+        readelf -d "$tmp/app-pc" | grep -E '(RPATH|RUNPATH)' | grep -q "$prefix" ||
+            fail "the pkg-config consumer has no rpath into $prefix ($flags)"
     else
         fail "pkg-config consumer does not build ($flags): $(cat "$tmp/pc-cc.err")"
     fi
+    # The same program with warnings as errors: the headers compile cleanly.
+    # shellcheck disable=SC2086 # the flags are words
+    cc -std=c11 -Wall -Wextra -Werror "$tmp/app/app.c" $flags -o "$tmp/app-pc-w" \
+        2>"$tmp/pc-w.err" || fail "the headers warn under -Wall -Wextra: $(cat "$tmp/pc-w.err")"
 else
     fail "pkg-config --cflags --libs kvwire: $(cat "$tmp/pc.err")"
 fi
 
+# The README's CMake lines (find_package, target_link_libraries), and an install() so
+# that the program runs from its own prefix too (CMake drops its build-tree rpath there).
 cat >"$tmp/app/CMakeLists.txt" <<EOF
 cmake_minimum_required(VERSION 3.18)
 project(kvwire_consumer LANGUAGES C)
-find_package(kvwire $major.$minor REQUIRED CONFIG)
+find_package(kvwire $major.$minor REQUIRED)
 add_executable(app app.c)
 target_link_libraries(app PRIVATE kvwire::kvwire)
+install(TARGETS app)
 EOF
 if cmake -S "$tmp/app" -B "$tmp/app-build" -DCMAKE_PREFIX_PATH="$prefix" \
     -DCMAKE_C_FLAGS="-Wall -Wextra -Werror" >"$tmp/cm.log" 2>&1 &&
-    cmake --build "$tmp/app-build" >>"$tmp/cm.log" 2>&1; then
-    out=$("$tmp/app-build/app" 2>&1) || fail "find_package consumer failed: $out"
-    [[ "$out" == "kvwire $version ok" ]] || fail "find_package consumer printed '$out'"
+    cmake --build "$tmp/app-build" >>"$tmp/cm.log" 2>&1 &&
+    cmake --install "$tmp/app-build" --prefix "$tmp/app-prefix" >>"$tmp/cm.log" 2>&1; then
+    for exe in "$tmp/app-build/app" "$tmp/app-prefix/bin/app"; do
+        out=$("$exe" 2>&1) || fail "find_package consumer $exe failed: $out"
+        [[ "$out" == "kvwire $version ok" ]] || fail "find_package consumer $exe printed '$out'"
+    done
+    readelf -d "$tmp/app-prefix/bin/app" | grep -E '(RPATH|RUNPATH)' | grep -q "$libdir" ||
+        fail "the installed find_package consumer has no rpath to $libdir"
     grep -q "kvwire_DIR:PATH=$libdir/cmake/kvwire" "$tmp/app-build/CMakeCache.txt" ||
         fail "find_package found another kvwire: $(grep kvwire_DIR "$tmp/app-build/CMakeCache.txt")"
 else

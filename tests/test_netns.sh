@@ -38,7 +38,7 @@ ip -n "$A" link set "v$A" up
 ip -n "$B" link set "v$B" up
 
 transports="tcp"
-if "$CLI" info | grep -qx '  ucx'; then transports="tcp ucx"; fi
+if "$CLI" info | grep -qE '^  ucx +usable$'; then transports="tcp ucx"; fi
 
 fail=0
 port=17600

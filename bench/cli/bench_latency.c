@@ -513,31 +513,37 @@ int kvw_bench_latency(int argc, char **argv)
         {"inflight", 1, 0, 'I'}, {"json", 1, 0, 'j'},     {"help", 0, 0, 'h'},
         {"busy-poll-us", 1, 0, 'b'},
         {0, 0, 0, 0}};
-    int o;
+    int o, bad = 0;
+    const char *w = "bench --latency";
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        unsigned long v = optarg ? strtoul(optarg, NULL, 10) : 0;
+    while (!bad && (o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 'x': break;
         case 't': snprintf(tl_arg, sizeof(tl_arg), "%s", optarg); break;
         case 'm': snprintf(c.model, sizeof(c.model), "%s", optarg); break;
-        case 'L': c.layers = (uint32_t)v; break;
-        case 'T': c.tokens = (uint32_t)v; break;
-        case 'r': c.rooms = (uint32_t)v; break;
-        case 'I': c.inflight = (uint32_t)v; break;
+        case 'L': bad = cli_opt_u32(w, "--layers", optarg, 1, KVT_MAX_LAYERS, &c.layers); break;
+        case 'T': bad = cli_opt_u32(w, "--tokens", optarg, 1, 1u << 20, &c.tokens); break;
+        case 'r': bad = cli_opt_u32(w, "--rooms", optarg, 1, L_MAX_ROOMS / 4, &c.rooms); break;
+        case 'I': bad = cli_opt_u32(w, "--inflight", optarg, 1, 1024, &c.inflight); break;
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
-        case 'b': c.busy_poll_us = (uint32_t)v; break;
+        case 'b':
+            bad = cli_opt_u32(w, "--busy-poll-us", optarg, 0, 1000000, &c.busy_poll_us);
+            break;
         case 'h': l_usage(stdout); return 0;
-        default: l_usage(stderr); return 2;
+        default:
+            fprintf(stderr, "%s: kvwire bench --latency --help lists the options\n", w);
+            return 2;
         }
     }
-    if (optind < argc || c.tokens == 0 || c.rooms == 0 || c.rooms > L_MAX_ROOMS / 4 ||
-        c.inflight == 0 || c.inflight > 1024) {
-        fprintf(stderr, "bench: bad arguments (rooms 1..%d, inflight 1..1024, tokens > 0)\n",
-                L_MAX_ROOMS / 4);
-        l_usage(stderr);
+    if (bad)
+        return 2;
+    if (optind < argc) {
+        fprintf(stderr, "%s: unexpected argument '%s'\n", w, argv[optind]);
         return 2;
     }
+    kvt_model_t chk;
+    if (kvt_model_load(w, c.model, c.layers, &chk))
+        return 2;
     for (char *save = NULL, *t = strtok_r(tl_arg, ",", &save); t && c.num_tl < L_MAX_TL;
          t = strtok_r(NULL, ",", &save))
         snprintf(c.transports[c.num_tl++], sizeof(c.transports[0]), "%s", t);

@@ -16,6 +16,7 @@
  */
 #include "cmd.h"
 #include "testkit.h"
+#include "util.h"
 
 #include <kvwire/xfer.h>
 
@@ -276,7 +277,9 @@ int kvw_bench_stream(int argc, char **argv)
         {"json", required_argument, 0, 'j'},   {"help", no_argument, 0, 'h'},
         {0, 0, 0, 0}};
     optind = 1;
-    for (int o; (o = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
+    int bad = 0;
+    const char *w = "bench --stream";
+    for (int o; !bad && (o = getopt_long(argc, argv, "", opts, NULL)) != -1;) {
         switch (o) {
         case 'S':
             break;
@@ -287,26 +290,29 @@ int kvw_bench_stream(int argc, char **argv)
             snprintf(c.model, sizeof(c.model), "%s", optarg);
             break;
         case 'l':
-            c.layers = (uint32_t)strtoul(optarg, NULL, 10);
+            bad = cli_opt_u32(w, "--layers", optarg, 0, KVT_MAX_LAYERS, &c.layers);
             break;
         case 'n':
-            c.tokens = strtoull(optarg, NULL, 10);
+            bad = cli_opt_u64(w, "--tokens", optarg, 1, 1u << 20, &c.tokens);
             break;
         case 'p':
-            c.ptp = (uint32_t)strtoul(optarg, NULL, 10);
+            bad = cli_opt_u32(w, "--prefill-tp", optarg, 1, S_MAX_TP, &c.ptp);
             break;
         case 'd':
-            c.dtp = (uint32_t)strtoul(optarg, NULL, 10);
+            bad = cli_opt_u32(w, "--decode-tp", optarg, 1, S_MAX_TP, &c.dtp);
             break;
         case 'g':
-            c.page = (uint32_t)strtoul(optarg, NULL, 10);
+            bad = cli_opt_u32(w, "--page-size", optarg, 1, 65536, &c.page);
             break;
         case 'r':
-            c.reps = (uint32_t)strtoul(optarg, NULL, 10);
+            bad = cli_opt_u32(w, "--reps", optarg, 1, S_MAX_REPS, &c.reps);
             break;
-        case 'u':
-            c.layer_ns = strtoull(optarg, NULL, 10) * 1000ull;
+        case 'u': {
+            uint64_t us = 0;
+            bad = cli_opt_u64(w, "--layer-us", optarg, 0, 10000000, &us);
+            c.layer_ns = us * 1000ull;
             break;
+        }
         case 'j':
             c.json = optarg;
             break;
@@ -314,27 +320,22 @@ int kvw_bench_stream(int argc, char **argv)
             s_usage(stdout);
             return 0;
         default:
-            s_usage(stderr);
+            fprintf(stderr, "%s: kvwire bench --stream --help lists the options\n", w);
             return 2;
         }
     }
-    if (optind < argc || c.ptp == 0 || c.ptp > S_MAX_TP || c.dtp == 0 || c.dtp > S_MAX_TP ||
-        c.page == 0 || c.tokens == 0 || c.reps == 0 || c.reps > S_MAX_REPS) {
-        fprintf(stderr, "kvwire bench --stream: bad options (TP sizes 1..%d, reps 1..%d, "
-                "tokens and page size > 0)\n", S_MAX_TP, S_MAX_REPS);
-        s_usage(stderr);
+    if (bad)
+        return 2;
+    if (optind < argc) {
+        fprintf(stderr, "%s: unexpected argument '%s'\n", w, argv[optind]);
         return 2;
     }
     static stream_env_t e; /* large; one benchmark per process */
     memset(&e, 0, sizeof(e));
     e.cfg = &c;
-    if (kvt_model_preset(c.model, &e.model) != 0) {
-        fprintf(stderr, "kvwire bench --stream: unknown model %s\n", c.model);
+    if (kvt_model_load(w, c.model, c.layers, &e.model) != 0)
         return 2;
-    }
-    if (c.layers == 0 || c.layers > e.model.m.num_layers)
-        c.layers = e.model.m.num_layers;
-    kvt_model_truncate(&e.model, c.layers);
+    c.layers = e.model.m.num_layers;
     int rc = 1;
     kvt_rng_t rng = {1};
     kvt_req_spec_t spec = {.full_begin = 0, .full_end = c.tokens, .swa_begin = 0,

@@ -980,16 +980,25 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
     res->phase_ns[0] = b_now() - tp;
     tp = b_now();
 
+    /* Progress on stderr, one line per phase (the results follow on stdout). */
+    const char *tl = j->transport, *tn = j->topo.name;
     /* Memory per in-flight room first, while the heap is fresh. */
     if (j->do_mem && c->mem_rooms) {
+        fprintf(stderr, "bench: %s %s: decode memory per room (%u rooms posted, then "
+                "destroyed, twice)\n", tl, tn, c->mem_rooms);
         uint64_t lens[2] = {c->lengths[0], c->lengths[0]};
         for (uint32_t i = 0; i < c->num_lengths; i++) {
             lens[0] = B_MIN(lens[0], c->lengths[i]);
             lens[1] = B_MAX(lens[1], c->lengths[i]);
         }
         for (uint32_t i = 0; i < 2 && rc == 0; i++) {
+            char what[160];
+            snprintf(what, sizeof(what), "%s %s: decode memory per room, %u rooms of %llu "
+                     "tokens (%u of 2)", tl, tn, c->mem_rooms, (unsigned long long)lens[i], i + 1);
+            cli_ticker_t *tk = cli_ticker_start("bench", 5, 0, what);
             rc = b_decode_mem(c, m, &in, lens[i], c->mem_rooms, 1000000000ull + i * 100000,
                               &res->mem[i], res->err, sizeof(res->err));
+            cli_ticker_stop(tk);
             if (rc == 0)
                 res->num_mem = i + 1;
         }
@@ -1012,6 +1021,9 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
     uint64_t last_bytes = 0, last_tokens = 0;
     for (uint32_t li = 0; li < c->num_lengths && rc == 0; li++) {
         uint64_t n = c->lengths[li];
+        fprintf(stderr, "bench: %s %s: %llu tokens, up to %u reps and %.1f s (length %u of "
+                "%u)\n", tl, tn, (unsigned long long)n, c->reps, c->budget_ns / 1e9, li + 1,
+                c->num_lengths);
         b_len_result_t *lr = &res->len[li];
         lr->tokens = n;
         res->num_lengths = li + 1;
@@ -1104,6 +1116,9 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
     b_base_close(&base);
     res->phase_ns[2] = b_now() - tp;
     tp = b_now();
+    if (rc == 0 && j->do_rate && c->rate_rooms)
+        fprintf(stderr, "bench: %s %s: control-plane rate, %u one-token rooms, %u in flight\n",
+                tl, tn, c->rate_rooms, c->rate_inflight);
     if (rc == 0 && j->do_rate && c->rate_rooms)
         rc = b_decode_rate(c, m, &in, cmd_fd, ack_fd, 2000000000ull, res, res->err,
                            sizeof(res->err));
@@ -1680,16 +1695,16 @@ static int cmd_bench(int argc, char **argv)
         {"rate-inflight", 1, 0, 'I'}, {"mem-rooms", 1, 0, 'M'},   {"decode-mem", 1, 0, 'D'},
         {"json", 1, 0, 'j'},        {"png", 1, 0, 'g'},           {"quick", 0, 0, 'q'},
         {"budget-ms", 1, 0, 'B'},   {"help", 0, 0, 'h'},          {0, 0, 0, 0}};
-    int o;
+    int o, bad = 0;
+    uint32_t budget_ms = 0;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        unsigned long v = optarg ? strtoul(optarg, NULL, 10) : 0;
+    while (!bad && (o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 't': snprintf(tl_arg, sizeof(tl_arg), "%s", optarg); break;
         case 'm': snprintf(c.model, sizeof(c.model), "%s", optarg); break;
-        case 'L': c.layers = (uint32_t)v; break;
-        case 'p': c.ptp = (uint32_t)v; break;
-        case 'd': c.dtp = (uint32_t)v; break;
+        case 'L': bad = cli_opt_u32("bench", "--layers", optarg, 0, KVT_MAX_LAYERS, &c.layers); break;
+        case 'p': bad = cli_opt_u32("bench", "--prefill-tp", optarg, 1, 256, &c.ptp); break;
+        case 'd': bad = cli_opt_u32("bench", "--decode-tp", optarg, 1, 256, &c.dtp); break;
         case 'l':
             if (b_parse_lengths(optarg, &c)) {
                 fprintf(stderr, "bench: bad --lengths '%s' (at most %d positive numbers)\n",
@@ -1698,29 +1713,47 @@ static int cmd_bench(int argc, char **argv)
             }
             set_lengths = true;
             break;
-        case 'r': c.reps = (uint32_t)v, set_reps = true; break;
-        case 's': c.page = (uint32_t)v; break;
-        case 'R': c.rate_rooms = (uint32_t)v, set_rate = true; break;
-        case 'I': c.rate_inflight = (uint32_t)v; break;
-        case 'M': c.mem_rooms = (uint32_t)v, set_mem = true; break;
-        case 'D':
-            if (strcmp(optarg, "shared") && strcmp(optarg, "anon")) {
-                fprintf(stderr, "bench: --decode-mem is shared or anon\n");
-                return 2;
-            }
-            c.decode_anon = !strcmp(optarg, "anon");
+        case 'r':
+            bad = cli_opt_u32("bench", "--reps", optarg, 1, B_MAX_REPS, &c.reps);
+            set_reps = true;
             break;
+        case 's': bad = cli_opt_u32("bench", "--page-size", optarg, 1, 65536, &c.page); break;
+        case 'R':
+            bad = cli_opt_u32("bench", "--rate-rooms", optarg, 0, B_MAX_RATE, &c.rate_rooms);
+            set_rate = true;
+            break;
+        case 'I':
+            bad = cli_opt_u32("bench", "--rate-inflight", optarg, 1, 1024, &c.rate_inflight);
+            break;
+        case 'M':
+            bad = cli_opt_u32("bench", "--mem-rooms", optarg, 0, 100000, &c.mem_rooms);
+            set_mem = true;
+            break;
+        case 'D': {
+            static const char *const kinds[] = {"shared", "anon", NULL};
+            int k = 0;
+            bad = cli_opt_choice("bench", "--decode-mem", optarg, kinds, &k);
+            c.decode_anon = k == 1;
+            break;
+        }
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
         case 'g': snprintf(c.png, sizeof(c.png), "%s", optarg); break;
         case 'q': c.quick = 1; break;
-        case 'B': c.budget_ns = (uint64_t)v * 1000000ull, set_budget = true; break;
+        case 'B':
+            bad = cli_opt_u32("bench", "--budget-ms", optarg, 1, 3600000, &budget_ms);
+            c.budget_ns = (uint64_t)budget_ms * 1000000ull, set_budget = true;
+            break;
         case 'h': b_usage(stdout); return 0;
-        default: b_usage(stderr); return 2;
+        default:
+            fprintf(stderr, "bench: kvwire bench --help lists the options\n");
+            return 2;
         }
     }
+    if (bad)
+        return 2;
     if (optind < argc) {
-        fprintf(stderr, "bench: unexpected argument '%s'\n", argv[optind]);
-        b_usage(stderr);
+        fprintf(stderr, "bench: unexpected argument '%s' (kvwire bench --help lists the "
+                "options)\n", argv[optind]);
         return 2;
     }
     if (c.quick) {
@@ -1798,14 +1831,12 @@ static int cmd_bench(int argc, char **argv)
                     "skipped");
 
     kvt_model_t m;
-    if (kvt_model_preset(c.model, &m)) {
-        fprintf(stderr, "bench: unknown model '%s'\n", c.model);
+    if (kvt_model_load("bench", c.model, 0, &m)) {
         free(rep);
         return 2;
     }
     uint32_t full_layers = m.m.num_layers;
-    if (c.layers && c.layers < m.m.num_layers && kvt_model_truncate(&m, c.layers)) {
-        fprintf(stderr, "bench: cannot keep %u layers\n", c.layers);
+    if (kvt_model_load("bench", c.model, c.layers, &m)) {
         free(rep);
         return 2;
     }
@@ -1886,15 +1917,17 @@ static int cmd_bench(int argc, char **argv)
         for (uint32_t t = 0; t < num_topo && rc == 0; t++) {
             b_job_t job = {.c = &c, .m = &m, .transport = tl, .topo = topos[t],
                            .do_rate = t == 0, .do_mem = t == 0 && ti == 0};
-            printf("  %s %s: ", tl, topos[t].name);
-            fflush(stdout);
+            fprintf(stderr, "bench: %s %s: starting the prefill and decode processes\n", tl,
+                    topos[t].name);
             uint64_t t_pair = b_now();
             b_result_t *res = calloc(1, sizeof(*res));
             if (!res) {
                 rc = 1;
                 break;
             }
-            if (b_run_pair(&job, res)) {
+            int pair_rc = b_run_pair(&job, res);
+            printf("  %s %s: ", tl, topos[t].name);
+            if (pair_rc) {
                 if (!strcmp(tl, "ucx") && res->num_lengths == 0) {
                     printf("not available\n");
                     b_note(rep, "ucx: %s; skipped", res->err);

@@ -223,8 +223,8 @@ static kvw_ctx_h *g_contexts(const g_cfg_t *c, const g_topo_t *t, g_inst_t *in, 
         .prefill_dp = 1};
     uint32_t i;
     char why[400]; /* leaves room in err (512 bytes) for the rank */
-    kvw_ctx_h *ctx = cli_contexts(&p, in->ranks, in->n, prefill, bs_addr, bs_out, bs_cap, &i,
-                                  why, sizeof(why));
+    kvw_ctx_h *ctx = cli_contexts("bench --gpu", &p, in->ranks, in->n, prefill, false, bs_addr,
+                                  bs_out, bs_cap, &i, NULL, why, sizeof(why));
     if (ctx == NULL)
         snprintf(err, cap, "%s rank %u: kvw_ctx_create: %s", prefill ? "prefill" : "decode", i,
                  why);
@@ -770,16 +770,16 @@ int kvw_bench_gpu(int argc, char **argv)
         {"page-size", 1, 0, 's'},  {"reps", 1, 0, 'r'},  {"topo", 1, 0, 'T'},
         {"no-verify", 0, 0, 'n'},  {"json", 1, 0, 'j'},  {"help", 0, 0, 'h'},
         {"transport", 1, 0, 't'},  {0, 0, 0, 0}};
-    int o;
+    int o, bad = 0;
+    const char *w = "bench --gpu";
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        unsigned long v = optarg ? strtoul(optarg, NULL, 10) : 0;
+    while (!bad && (o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 'G': break;
         case 'm': snprintf(c.model, sizeof(c.model), "%s", optarg); break;
-        case 'L': c.layers = (uint32_t)v; break;
-        case 's': c.page = (uint32_t)v; break;
-        case 'r': c.reps = (uint32_t)v; break;
+        case 'L': bad = cli_opt_u32(w, "--layers", optarg, 0, KVT_MAX_LAYERS, &c.layers); break;
+        case 's': bad = cli_opt_u32(w, "--page-size", optarg, 1, 65536, &c.page); break;
+        case 'r': bad = cli_opt_u32(w, "--reps", optarg, 1, G_MAX_REPS, &c.reps); break;
         case 'T': {
             g_topo_t t;
             unsigned long long tok = 0;
@@ -797,11 +797,15 @@ int kvw_bench_gpu(int argc, char **argv)
         case 't': snprintf(c.transport, sizeof(c.transport), "%s", optarg); break;
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
         case 'h': g_usage(stdout); return 0;
-        default: g_usage(stderr); return 2;
+        default:
+            fprintf(stderr, "%s: kvwire bench --gpu --help lists the options\n", w);
+            return 2;
         }
     }
-    if (!c.reps || c.reps > G_MAX_REPS || !c.page) {
-        g_usage(stderr);
+    if (bad)
+        return 2;
+    if (optind < argc) {
+        fprintf(stderr, "%s: unexpected argument '%s'\n", w, argv[optind]);
         return 2;
     }
     if (c.num_topo == 0) {

@@ -71,14 +71,26 @@ typedef struct kvw_ctx_params {
     /* Address the control and data listeners bind (IPv4 or IPv6, such as "::1" or "::",
      * brackets optional; advertised in brackets); default 127.0.0.1. */
     const char *listen_host;
-    uint32_t heartbeat_ms;    /* default 200 */
+    /* KVW_CTX_FIELD_TIMEOUTS: the four below. Each is read on its own: 0 in a field (or
+     * the bit clear, then all four) keeps that field's default, so all-zero timeouts are
+     * the defaults; no timeout can be turned off. */
+    uint32_t heartbeat_ms;    /* interval of the heartbeats to every peer; default 200 */
     uint32_t peer_timeout_ms; /* a peer silent this long is dead; default 3000 */
-    uint32_t bootstrap_timeout_ms; /* default 10000 */
+    /* The longest kvw_ctx_create waits, in all: a decode for every prefill rank of its
+     * instance at the bootstrap and for its registrations with them, a prefill rank for
+     * its registration at the bootstrap; default 10000 */
+    uint32_t bootstrap_timeout_ms;
     uint32_t wait_timeout_ms; /* a room waiting for its peer's half fails; default 30000 */
     /* Optional shared secret proven at the handshake; it also signs this prefill rank's
      * bootstrap registration, and a decode refuses bootstrap entries not signed with it. */
     const char *secret;
-    /* Decode only: prefill instance size (ranks it waits for at the bootstrap). */
+    /* Decode only (KVW_CTX_FIELD_PREFILL_SIZE): the prefill instance's TP, PP and DP
+     * sizes, whose ranks kvw_ctx_create waits for at the bootstrap. Each is read on its
+     * own: 0 in a field (or the bit clear, then all three) takes that size from the
+     * ranks registered at the bootstrap, which must all declare the same geometry; the
+     * context then waits until every rank of the declared geometry registered. A size
+     * given that differs from the declared one fails with INCOMPATIBLE (naming both),
+     * without waiting for the timeout. */
     uint32_t prefill_tp, prefill_pp, prefill_dp;
     /* Decode only: identifies the decode instance this rank belongs to. Every rank of
      * one decode instance passes the same value; when several decode instances share a

@@ -1,29 +1,56 @@
 """A PEP 517 build backend for the kvwire Python package, standard library only.
 
-The package is pure Python (ctypes over libkvwire.so), so building it needs nothing
-but zipfile and tarfile. Building with setuptools would need setuptools and, for
-setuptools < 70.1, the separate `wheel` package inside pip's isolated build
-environment: both would have to be downloaded, which fails on offline machines. With
-this backend `pip install ./python` (and `pip install -e ./python`) works with no
-network and no build dependencies.
+The package is Python over ctypes; the wheel carries the C library it loads. Building a
+wheel (`pip install ./python`, `pip wheel ./python`) configures and builds the C
+library with CMake in a scratch directory (`-DKVW_LIBRARY_ONLY=ON`: libkvwire.so and the
+modules it loads at run time, nothing else) and puts into kvwire/:
+
+  libkvwire.so        the library (the real file, not the SONAME links: a wheel keeps no
+                      symbolic links); kvwire/_native.py loads it from there;
+  libkvwire-ucx.so    the UCX transport module, when CMake found UCX;
+  libkvwire_cuda.so   the CUDA module, when CMake found nvcc.
+
+libkvwire.so loads both modules from its own directory (src/transport/tl_module.c,
+src/cuda/module_load.h), so an installed package needs no environment variable. The
+build needs only cmake and a C compiler (what `make` installs, scripts/install-deps.sh),
+no network and no Python build dependencies (setuptools would need setuptools and
+`wheel` inside pip's isolated build environment, downloaded).
+
+The C sources: the repository around python/ (a source tree), or native/ inside an
+sdist (build_sdist copies them there). A libkvwire.so copied into kvwire/ before building
+is shipped as it is, and nothing is built. Settings, from the environment or pip's
+--config-settings (`-C key=value`):
+
+  KVWIRE_CMAKE_ARGS   extra arguments to CMake's configure, split on spaces (e.g.
+                      "-DKVW_WITH_CUDA=OFF -DKVW_WITH_UCX=OFF");
+  KVWIRE_BUILD_JOBS   parallel build jobs (default: the number of CPUs);
+  KVWIRE_BUILD_DIR    build here and keep it (default: a scratch directory, removed).
+
+`pip install -e ./python` (PEP 660) installs a path to this directory only; kvwire then
+loads <repo>/build/libkvwire.so (`make build`).
 
 Metadata comes from the [project] table of pyproject.toml (name, version,
-description, requires-python) and README.md. A libkvwire.so (or other *.so) copied
-into kvwire/ before building is shipped inside the wheel, which is then tagged for
-this platform instead of py3-none-any.
+description, requires-python, license) and README.md; the wheel carries LICENSE.
 """
 import base64
 import hashlib
 import io
 import os
 import re
+import shutil
+import subprocess
+import sys
 import sysconfig
 import tarfile
+import tempfile
 import time
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = "kvwire"
+# What build_sdist copies of the C tree into native/ (the build with KVW_LIBRARY_ONLY
+# reads nothing else).
+NATIVE_PARTS = ("CMakeLists.txt", "LICENSE", "cmake", "include", "src")
 
 
 def _project():
@@ -42,6 +69,9 @@ def _project():
         km = re.search(r'^%s\s*=\s*"([^"]*)"' % re.escape(key), body, re.M)
         if km:
             out[key] = km.group(1)
+    lm = re.search(r'^license\s*=\s*\{\s*text\s*=\s*"([^"]*)"', body, re.M)
+    if lm:
+        out["license"] = lm.group(1)
     return out
 
 
@@ -53,6 +83,11 @@ def _meta():
         lines.append("Summary: " + p["description"])
     if p.get("requires-python"):
         lines.append("Requires-Python: " + p["requires-python"])
+    lic = p.get("license")
+    if isinstance(lic, dict):
+        lic = lic.get("text")
+    if lic:
+        lines.append("License: " + lic)
     for c in p.get("classifiers", []) or []:
         lines.append("Classifier: " + c)
     body = ""
@@ -73,6 +108,15 @@ def _package_files():
     return out
 
 
+def _license():
+    """The LICENSE file: next to pyproject.toml (sdist) or at the repository root."""
+    for path in (os.path.join(ROOT, "LICENSE"), os.path.join(ROOT, "native", "LICENSE"),
+                 os.path.join(os.path.dirname(ROOT), "LICENSE")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
 def _tag(files):
     if any(a.endswith(".so") for a, _ in files):
         plat = sysconfig.get_platform().replace("-", "_").replace(".", "_")
@@ -91,7 +135,8 @@ def _write_wheel(wheel_directory, entries, tag, purelib):
     info = dist + ".dist-info"
     wheel_txt = ("Wheel-Version: 1.0\nGenerator: kvwire_backend\nRoot-Is-Purelib: %s\n"
                  "Tag: %s\n" % ("true" if purelib else "false", tag))
-    entries = list(entries) + [
+    lic = _license()
+    entries = list(entries) + ([(info + "/LICENSE", _read(lic))] if lic else []) + [
         (info + "/METADATA", metadata.encode("utf-8")),
         (info + "/WHEEL", wheel_txt.encode()),
         (info + "/top_level.txt", (PKG + "\n").encode()),
@@ -115,6 +160,83 @@ def _read(path):
         return f.read()
 
 
+# ---------------------------------------------------------------- the C library
+
+class NativeBuildError(RuntimeError):
+    """The C library could not be built; the message says why and what to do."""
+
+
+def _setting(config_settings, name, default=None):
+    cs = config_settings or {}
+    for key in (name, name.lower(), name.lower().replace("_", "-")):
+        if key in cs:
+            v = cs[key]
+            return " ".join(v) if isinstance(v, list) else v
+    return os.environ.get(name, default)
+
+
+def _native_source():
+    """The directory holding the C library's CMakeLists.txt, or None."""
+    for d in (os.path.join(ROOT, "native"), os.path.dirname(ROOT)):
+        if (os.path.isfile(os.path.join(d, "CMakeLists.txt")) and
+                os.path.isfile(os.path.join(d, "include", "kvwire", "version.h"))):
+            return d
+    return None
+
+
+def _log(msg):
+    # pip shows a backend's output with -v, and always when the build fails.
+    sys.stderr.write("kvwire_backend: %s\n" % msg)
+    sys.stderr.flush()
+
+
+def _run(cmd, what):
+    _log("%s: %s" % (what, " ".join(cmd)))
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out = p.stdout.decode("utf-8", "replace")
+    if p.returncode != 0:
+        tail = "\n".join(out.splitlines()[-40:])
+        raise NativeBuildError("%s failed (exit %d): %s\n%s" % (what, p.returncode,
+                                                                " ".join(cmd), tail))
+    return out
+
+
+def _build_native(config_settings):
+    """Builds libkvwire.so and its modules; returns [(arcname, bytes)] for kvwire/."""
+    src = _native_source()
+    if src is None:
+        raise NativeBuildError(
+            "the kvwire C sources are not here (neither %s nor %s holds CMakeLists.txt and "
+            "include/kvwire/version.h): build from the repository (pip install ./python) "
+            "or from an sdist made by this backend, or copy a libkvwire.so into %s"
+            % (os.path.join(ROOT, "native"), os.path.dirname(ROOT), os.path.join(ROOT, PKG)))
+    cmake = shutil.which("cmake")
+    if cmake is None:
+        raise NativeBuildError("cmake not found: the wheel builds the C library with CMake "
+                               "(scripts/install-deps.sh installs it: cmake, build-essential)")
+    jobs = str(_setting(config_settings, "KVWIRE_BUILD_JOBS", "") or os.cpu_count() or 1)
+    extra = (_setting(config_settings, "KVWIRE_CMAKE_ARGS", "") or "").split()
+    keep = _setting(config_settings, "KVWIRE_BUILD_DIR", "")
+    bdir = os.path.abspath(keep) if keep else tempfile.mkdtemp(prefix="kvwire-wheel-")
+    try:
+        _run([cmake, "-S", src, "-B", bdir, "-DCMAKE_BUILD_TYPE=Release",
+              "-DKVW_LIBRARY_ONLY=ON"] + extra, "configure")
+        _run([cmake, "--build", bdir, "-j", jobs], "build")
+        lib = os.path.join(bdir, "libkvwire.so")
+        if not os.path.exists(lib):
+            raise NativeBuildError("the build made no %s" % lib)
+        out = [(PKG + "/libkvwire.so", _read(os.path.realpath(lib)))]
+        # The modules libkvwire.so loads from its own directory.
+        for fn in sorted(os.listdir(bdir)):
+            if (fn.startswith("libkvwire-") or fn == "libkvwire_cuda.so") and fn.endswith(".so"):
+                out.append((PKG + "/" + fn, _read(os.path.join(bdir, fn))))
+        _log("packaged " + ", ".join("%s (%d bytes)" % (a, len(d)) for a, d in out))
+        return out
+    finally:
+        if not keep:
+            shutil.rmtree(bdir, ignore_errors=True)
+
+
 # ---------------------------------------------------------------- PEP 517 hooks
 
 def get_requires_for_build_wheel(config_settings=None):
@@ -131,8 +253,11 @@ def get_requires_for_build_editable(config_settings=None):
 
 def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     files = _package_files()
-    tag, purelib = _tag(files)
-    return _write_wheel(wheel_directory, [(a, _read(p)) for a, p in files], tag, purelib)
+    entries = [(a, _read(p)) for a, p in files]
+    if not any(a == PKG + "/libkvwire.so" for a, _ in files):
+        entries += _build_native(config_settings)
+    tag, purelib = _tag(entries)
+    return _write_wheel(wheel_directory, entries, tag, purelib)
 
 
 def build_editable(wheel_directory, config_settings=None, metadata_directory=None):
@@ -158,6 +283,22 @@ def build_sdist(sdist_directory, config_settings=None):
         for rel in ("pyproject.toml", "README.md", "build_backend/kvwire_backend.py"):
             if os.path.exists(os.path.join(ROOT, rel)):
                 add(rel, _read(os.path.join(ROOT, rel)))
+        lic = _license()
+        if lic:
+            add("LICENSE", _read(lic))
+        # The C library's sources, which build_wheel builds from an unpacked sdist.
+        src = _native_source()
+        if src is not None:
+            for part in NATIVE_PARTS:
+                top = os.path.join(src, part)
+                if os.path.isfile(top):
+                    add("native/" + part, _read(top))
+                    continue
+                for d, dirs, fns in os.walk(top):
+                    dirs.sort()
+                    for fn in sorted(fns):
+                        path = os.path.join(d, fn)
+                        add("native/" + os.path.relpath(path, src), _read(path))
         for arcname, path in _package_files():
             if not arcname.endswith(".so"):
                 add(arcname, _read(path))

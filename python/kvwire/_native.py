@@ -360,6 +360,13 @@ _lib_path = None
 
 
 def _candidates():
+    """Where to look, in order, and whether the first is an explicit choice.
+
+    $KVWIRE_LIB (an override: a wrong path is an error); the package directory, where
+    the wheel puts libkvwire.so and the modules it loads from its own directory
+    (libkvwire-ucx.so, libkvwire_cuda.so; python/build_backend/kvwire_backend.py); the
+    source tree's build/ (`make build`, for a package used in place); then the
+    dynamic loader (load())."""
     here = os.path.dirname(os.path.abspath(__file__))
     env = os.environ.get("KVWIRE_LIB")
     if env:
@@ -417,7 +424,9 @@ def load():
                     tried.append("%s (%s)" % (name, e))
         if lib is None:
             raise LibraryNotFound(
-                "libkvwire.so not found; set KVWIRE_LIB to its path. Tried: " + "; ".join(tried))
+                "libkvwire.so not found: install the package with `pip install ./python` "
+                "(the wheel builds and carries the library), or set KVWIRE_LIB to the path of "
+                "a libkvwire.so. Tried: " + "; ".join(tried))
         for name, (restype, argtypes) in _PROTOTYPES.items():
             fn = getattr(lib, name, None)
             if fn is None:

@@ -32,6 +32,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <stddef.h>
@@ -194,6 +195,7 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp,
         char why[400];
         kvw_bs_auth_check(bs, c, &e, why, sizeof(why));
         if (why[0]) {
+            kvw__log(KVW_LOG_WARN, "bootstrap %s: registration refused: %s", bs->addr, why);
             kvw__wb_init(&w, KVW_MSG_BS_ERROR);
             kvw__wb_u32(&w, (uint32_t)(int32_t)KVW_ERR_AUTH);
             kvw__wb_str(&w, why);
@@ -236,6 +238,9 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp,
             kvw__wb_u32(&w, (uint32_t)(int32_t)KVW_ERR_BUSY);
             kvw__wb_str(&w, why);
         } else {
+            kvw__log(KVW_LOG_INFO, "bootstrap %s: prefill rank dp%u/tp%u/pp%u of TP%u/PP%u/DP%u "
+                     "registered at %s", bs->addr, e.dp, e.tp, e.pp, e.tp_size,
+                     KVW_MAX(e.pp_size, 1), KVW_MAX(e.dp_size, 1), e.addr);
             kvw__wb_init(&w, KVW_MSG_BS_OK);
         }
     } else if (type == KVW_MSG_BS_LOOKUP) {
@@ -247,7 +252,13 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp,
         kvw__wb_u32(&w, bs->num_entries);
         for (uint32_t i = 0; i < bs->num_entries; i++)
             kvw__bootstrap_put_entry(&w, &bs->entries[i]);
+        uint32_t n = bs->num_entries;
         pthread_mutex_unlock(&bs->mu);
+        char host[64] = "?";
+        getnameinfo((const struct sockaddr *)&c->src, sizeof(c->src), host, sizeof(host), NULL,
+                    0, NI_NUMERICHOST);
+        kvw__log(KVW_LOG_INFO, "bootstrap %s: lookup from %s answered with %u entries", bs->addr,
+                 host, n);
     } else {
         return false;
     }
@@ -270,8 +281,11 @@ static void kvw_bs_release(kvw_bootstrap_t *bs, const kvw_bs_conn_t *c)
     for (uint32_t j = 0; j < bs->num_entries; j++)
         if (bs->entries[j].owner != c->id)
             bs->entries[kept++] = bs->entries[j];
+    uint32_t dropped = bs->num_entries - kept;
     bs->num_entries = kept;
     pthread_mutex_unlock(&bs->mu);
+    kvw__log(KVW_LOG_INFO, "bootstrap %s: a prefill rank's connection closed: %u entries "
+             "dropped, %u left", bs->addr, dropped, kept);
 }
 
 static void kvw_bs_close(kvw_bs_conn_t *c)

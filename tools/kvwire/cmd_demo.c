@@ -51,6 +51,7 @@ typedef struct demo_cfg {
     int quiet;
     char role[16];       /* both (default), prefill or decode */
     char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
+    bool external_bs;    /* prefill: register at bootstrap (running already), host none */
     char listen_host[64];
     int gpu; /* KV caches in GPU memory: 1 prefill (GPU 0), 2 decode (GPU 1, or 0) */
     char secret[256]; /* shared secret ("" none), from --secret-file or KVW_SECRET_FILE */
@@ -241,8 +242,11 @@ static int demo_gpu_device(bool prefill)
     return prefill || n < 2 ? 0 : 1;
 }
 
+/* The contexts of one instance; NULL on failure, with *refused set when the failure is
+ * a refusal of the configuration (the peer's handshake or the bootstrap's geometry), which
+ * the demo reports with DEMO_REFUSED. */
 static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool prefill,
-                                const char *bs_addr, char *bs_out, size_t bs_cap)
+                                const char *bs_addr, char *bs_out, size_t bs_cap, bool *refused)
 {
     kvw_ctx_params_t p = {
         .field_mask = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK | KVW_CTX_FIELD_TRANSPORT |
@@ -264,10 +268,18 @@ static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool pre
     }
     uint32_t i;
     char why[512];
-    kvw_ctx_h *ctx = cli_contexts(&p, inst->ranks, inst->n, prefill, bs_addr, bs_out, bs_cap,
-                                  &i, why, sizeof(why));
+    kvw_status_t st;
+    kvw_ctx_h *ctx = cli_contexts(c->quiet ? NULL : "demo", &p, inst->ranks, inst->n, prefill,
+                                  prefill && c->external_bs, bs_addr, bs_out, bs_cap, &i, &st,
+                                  why, sizeof(why));
+    *refused = ctx == NULL && (st == KVW_ERR_REJECTED || st == KVW_ERR_INCOMPATIBLE ||
+                                st == KVW_ERR_AUTH);
     if (ctx == NULL)
-        fprintf(stderr, "demo: %s rank %u: %s\n", prefill ? "prefill" : "decode", i, why);
+        fprintf(stderr, "demo: %s rank %u: %s%s\n", prefill ? "prefill" : "decode", i, why,
+                *refused ? " (refused at the handshake: the two instances' configurations or secrets do not match)"
+                : prefill && !c->external_bs && strstr(why, "in use")
+                    ? " (is an endpoint running there? --external-bootstrap registers at it)"
+                    : "");
     return ctx;
 }
 
@@ -327,12 +339,16 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
     if ((c->gpu & 1) && demo_gpu_attach(&inst, demo_gpu_device(true)))
         return 1;
     char bs[160];
+    bool refused;
     kvw_ctx_h *ctx = demo_contexts(c, &inst, true, c->bootstrap[0] ? c->bootstrap : "127.0.0.1:0",
-                                   bs, sizeof(bs));
+                                   bs, sizeof(bs), &refused);
     if (ctx == NULL)
-        return 1;
+        return refused ? DEMO_REFUSED : 1;
     if (bs_pipe < 0) {
-        printf("demo: prefill instance up, bootstrap at %s\n", bs);
+        printf("demo: prefill instance up (%u ranks), %s %s; waiting for the decode instance "
+               "(rooms time out after %u ms)\n", inst.n,
+               c->external_bs ? "registered at the bootstrap endpoint" : "bootstrap endpoint at",
+               bs, c->timeout_ms);
         fflush(stdout);
     } else {
         if (write(bs_pipe, bs, strlen(bs) + 1) < 0)
@@ -381,9 +397,19 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
                         rc = 1;
                     }
             }
+        uint64_t t0 = kvt_now_ns();
+        uint32_t next_s = 5;
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!cli_room_ended(kvw_room_poll(kvw_sender_room(snd[i]))))
+            while (!cli_room_ended(kvw_room_poll(kvw_sender_room(snd[i])))) {
                 usleep(200);
+                if (!c->quiet && cli_secs_since(t0) >= next_s) {
+                    fprintf(stderr, "demo: prefill: waiting for the decode instance: %u of %u "
+                            "rooms of requests %u-%u ended on the prefill ranks, %u s (a room "
+                            "times out after %u ms)\n", i, nw * inst.n, w0, w0 + nw - 1, next_s,
+                            c->timeout_ms);
+                    next_s += 5;
+                }
+            }
             if (kvw_room_poll(kvw_sender_room(snd[i])) != KVW_ROOM_SUCCESS) {
                 fprintf(stderr, "demo: prefill room failed: %s\n",
                         kvw_room_failure(kvw_sender_room(snd[i])));
@@ -426,9 +452,10 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
     /* The prefill ranks' bytes, rebuilt here for the reference. */
     if (demo_build(c, m, true, &src, c->seed * 7 + 1, false))
         return 1;
-    kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0);
+    bool refused;
+    kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0, &refused);
     if (ctx == NULL)
-        return 1;
+        return refused ? DEMO_REFUSED : 1;
     if (go_fd >= 0 && write(go_fd, "g", 1) != 1)
         return 1;
     demo_req_t *reqs = calloc(c->requests, sizeof(*reqs));
@@ -460,9 +487,18 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
                     rc = 1;
                 }
             }
+        uint32_t next_s = 5;
         for (uint32_t i = 0; i < nw * inst.n && rc == 0; i++) {
-            while (!cli_room_ended(kvw_room_poll(kvw_receiver_room(rcv[i]))))
+            while (!cli_room_ended(kvw_room_poll(kvw_receiver_room(rcv[i])))) {
                 usleep(100);
+                if (!c->quiet && cli_secs_since(t0) >= next_s) {
+                    fprintf(stderr, "demo: decode: waiting for the prefill instance: %u of %u "
+                            "rooms of requests %u-%u ended on the decode ranks, %u s (a room "
+                            "times out after %u ms)\n", i, nw * inst.n, w0, w0 + nw - 1, next_s,
+                            c->timeout_ms);
+                    next_s += 5;
+                }
+            }
             kvw_room_metrics_t mt = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
             kvw_room_metrics(kvw_receiver_room(rcv[i]), &mt);
             res->bytes += mt.bytes;
@@ -572,6 +608,15 @@ int kvw_cli_read_secret(const char *who, const char *path, char *out, size_t cap
     return 0;
 }
 
+/* Ranges of the demo's options (the usage and the checks use the same numbers). */
+#define DEMO_MAX_TP 256u
+#define DEMO_MAX_REQUESTS 100000u
+#define DEMO_MAX_CONCURRENCY 1024u
+#define DEMO_MAX_PAGE 65536u
+#define DEMO_MAX_TOKENS (1u << 20)
+#define DEMO_MAX_HEADS 4096u
+#define DEMO_MAX_TIMEOUT_MS 86400000u
+
 static void demo_usage(FILE *f)
 {
     char built[128] = "", models[256] = "";
@@ -585,38 +630,51 @@ static void demo_usage(FILE *f)
             "usage: kvwire demo [options]\n"
             "  --model NAME          model preset (default gpt-oss-120b), one of:\n"
             "                        %s\n"
-            "  --layers N            keep the first N layers (default 12; 0 = all)\n"
-            "  --prefill-tp N        prefill TP size (default 1)\n"
-            "  --decode-tp N         decode TP size (default 4)\n"
-            "  --prefill-pp N        prefill PP size (default 1)\n"
-            "  --decode-pp N         decode PP size (default 1)\n"
+            "  --layers N            keep the first N layers, 0 to the model's count\n"
+            "                        (default 12; 0 = all)\n"
+            "  --prefill-tp N        prefill TP size, 1 to %u (default 1)\n"
+            "  --decode-tp N         decode TP size, 1 to %u (default 4)\n"
+            "  --prefill-pp N        prefill PP size, 1 to the layers kept (default 1)\n"
+            "  --decode-pp N         decode PP size, 1 to the layers kept (default 1; more\n"
+            "                        stages than layers: refused, exit 3)\n"
             "  --transport NAME      shm (default), tcp or ucx; fault:NAME wraps one of them\n"
             "                        with the fault injection KVW_FAULTS describes (--gpu\n"
             "                        alone: cuda_ipc). Built into this library: %s\n"
-            "  --requests N          requests (default 24)\n"
-            "  --concurrency N       rooms in flight per wave (default 8)\n"
-            "  --page-size N         prefill full-pool page size (default 64)\n"
-            "  --decode-page-size N  decode full-pool page size (default: same)\n"
-            "  --max-tokens N        longest request (default 2048)\n"
-            "  --kv-heads N          override the preset's KV head count (e.g. 6 for TP 3)\n"
-            "  --prefill-layout L    prefill KV layout: nhd (default) or hnd\n"
-            "  --decode-layout L     decode KV layout: nhd (default) or hnd\n"
+            "  --requests N          requests, 1 to %u (default 24)\n"
+            "  --concurrency N       rooms in flight per wave, 1 to %u (default 8)\n"
+            "  --page-size N         prefill full-pool page size, 1 to %u (default 64)\n"
+            "  --decode-page-size N  decode full-pool page size, 1 to %u (default: same)\n"
+            "  --max-tokens N        longest request, 1 to %u (default 2048)\n"
+            "  --kv-heads N          override the preset's KV head count, 1 to %u (e.g. 6\n"
+            "                        for TP 3)\n"
+            "  --prefill-layout L    prefill KV layout: NHD (default) or HND (any case)\n"
+            "  --decode-layout L     decode KV layout: NHD (default) or HND (any case)\n"
             "  --seed N              seed of requests, pages and bytes (default 1)\n"
-            "  --timeout-ms N        per-room timeout (default 30000)\n"
+            "  --timeout-ms N        per-room timeout and the wait for peers, 1 to %u\n"
+            "                        (default 30000)\n"
             "  --gpu[=SIDE]          KV caches in GPU memory (prefill GPU 0, decode GPU 1);\n"
             "                        SIDE: both (default), prefill or decode. Over cuda_ipc\n"
             "                        (the default then) the fused kernel writes the decode\n"
             "                        GPU; over tcp, shm or ucx windows are gathered and\n"
             "                        scattered on the GPUs through host staging\n"
             "  --role R              both (default), or prefill / decode alone (other hosts)\n"
-            "  --bootstrap H:P       prefill: bootstrap to host; decode: bootstrap to use\n"
+            "  --bootstrap H:P       prefill: the bootstrap endpoint to host (port 0: any);\n"
+            "                        decode: the endpoint to look the prefill ranks up at\n"
+            "  --external-bootstrap  prefill: --bootstrap names an endpoint that is running\n"
+            "                        already (kvwire bootstrap): register there, host none\n"
             "  --listen-host H       address the control and data listeners bind\n"
             "  --secret-file PATH    shared secret (first line; the file must be mode 600)\n"
             "                        authenticating every session; also KVW_SECRET_FILE\n"
+            "  --quiet               no progress lines\n"
+            "The table counts rooms once per decode rank: 24 requests to 4 decode ranks are\n"
+            "96 rooms.\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
-            "failed run; 2 a usage error; 3 a configuration refused before any transfer\n"
-            "(the message names the reason, e.g. heads that do not split over a TP size).\n",
-            models, built);
+            "failed run; 2 a usage error; 3 a configuration refused before any transfer,\n"
+            "by the demo's own checks or at the handshake (configurations or secrets that\n"
+            "do not match); the message names the reason, e.g. heads that do not split\n"
+            "over a TP size.\n",
+            models, DEMO_MAX_TP, DEMO_MAX_TP, built, DEMO_MAX_REQUESTS, DEMO_MAX_CONCURRENCY,
+            DEMO_MAX_PAGE, DEMO_MAX_PAGE, DEMO_MAX_TOKENS, DEMO_MAX_HEADS, DEMO_MAX_TIMEOUT_MS);
 }
 
 /* How a child process ended, for the failure line: a signal is named, so that a crash
@@ -645,66 +703,115 @@ static int cmd_demo(int argc, char **argv)
         {"page-size", 1, 0, 's'},     {"decode-page-size", 1, 0, 'S'},
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
         {"decode-layout", 1, 0, 'l'}, {"prefill-layout", 1, 0, 'y'}, {"kv-heads", 1, 0, 'H'},
-        {"gpu", 2, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
-        {"secret-file", 1, 0, 'K'},
-        {0, 0, 0, 0}};
-    int o;
+        {"gpu", 2, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},
+        {"external-bootstrap", 0, 0, 'E'}, {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},
+        {"help", 0, 0, 'h'},          {"secret-file", 1, 0, 'K'},   {0, 0, 0, 0}};
+    static const char *const layouts[] = {"nhd", "hnd", NULL};
+    static const char *const roles[] = {"both", "prefill", "decode", NULL};
+    static const char *const gpu_sides[] = {"both", "prefill", "decode", NULL};
+    int o, bad = 0, idx = 0;
     bool tl_set = false;
     optind = 1;
-    while ((o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
-        unsigned long v = optarg ? strtoul(optarg, NULL, 10) : 0;
+    while (!bad && (o = getopt_long(argc, argv, "", opts, NULL)) != -1) {
         switch (o) {
         case 'm': snprintf(c.model, sizeof(c.model), "%s", optarg); break;
-        case 'L': c.layers = (uint32_t)v; break;
-        case 'p': c.ptp = (uint32_t)v; break;
-        case 'd': c.dtp = (uint32_t)v; break;
-        case 'P': c.ppp = (uint32_t)v; break;
-        case 'D': c.dpp = (uint32_t)v; break;
-        case 't':
+        case 'L': bad = cli_opt_u32("demo", "--layers", optarg, 0, KVT_MAX_LAYERS, &c.layers); break;
+        case 'p': bad = cli_opt_u32("demo", "--prefill-tp", optarg, 1, DEMO_MAX_TP, &c.ptp); break;
+        case 'd': bad = cli_opt_u32("demo", "--decode-tp", optarg, 1, DEMO_MAX_TP, &c.dtp); break;
+        case 'P': bad = cli_opt_u32("demo", "--prefill-pp", optarg, 1, KVT_MAX_LAYERS, &c.ppp); break;
+        case 'D': bad = cli_opt_u32("demo", "--decode-pp", optarg, 1, KVT_MAX_LAYERS, &c.dpp); break;
+        case 't': {
+            /* The transports this library offers (built in, or a module that loaded),
+             * cuda_ipc, or fault:NAME (the fault wrapper, kvwire-faults only: the library
+             * judges it). */
+            bool known = !strcmp(optarg, "cuda_ipc") || !strncmp(optarg, "fault:", 6);
+            char list[128] = "";
+            size_t len = 0;
+            for (const char *const *n = kvw_transport_names(); *n; n++) {
+                known |= !strcmp(optarg, *n);
+                if (len < sizeof(list))
+                    len += (size_t)snprintf(list + len, sizeof(list) - len, "%s, ", *n);
+            }
+            if (!known || strlen(optarg) >= sizeof(c.transport)) {
+                fprintf(stderr, "demo: --transport takes one of the transports of this "
+                        "library, %scuda_ipc (with --gpu) or fault:NAME, not '%s' (kvwire "
+                        "info says why one is missing)\n", list, optarg);
+                bad = 1;
+            }
             snprintf(c.transport, sizeof(c.transport), "%s", optarg);
             tl_set = true;
             break;
-        case 'r': c.requests = (uint32_t)v; break;
-        case 'c': c.concurrency = (uint32_t)v; break;
-        case 's': c.ppage = (uint32_t)v; break;
-        case 'S': c.dpage = (uint32_t)v; break;
-        case 'x': c.max_tokens = (uint32_t)v; break;
-        case 'e': c.seed = v; break;
-        case 'T': c.timeout_ms = (uint32_t)v; break;
-        case 'l':
-        case 'y': {
-            /* Anything but the two layouts is a usage error, not a silent NHD. */
-            if (strcmp(optarg, "nhd") && strcmp(optarg, "hnd")) {
-                fprintf(stderr, "demo: --%s-layout must be nhd or hnd, not '%s'\n",
-                        o == 'y' ? "prefill" : "decode", optarg);
-                return 2;
-            }
-            kvw_layout_t l = !strcmp(optarg, "hnd") ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD;
-            *(o == 'y' ? &c.playout : &c.dlayout) = l;
-            break;
         }
-        case 'q': c.quiet = 1; break;
-        case 'H': c.kv_heads = (uint32_t)v; break;
-        case 'G':
-            c.gpu = !optarg || !strcmp(optarg, "both") ? 3
-                    : !strcmp(optarg, "prefill")      ? 1
-                    : !strcmp(optarg, "decode")       ? 2
-                                                      : 0;
-            if (!c.gpu) {
-                fprintf(stderr, "demo: --gpu= takes both, prefill or decode, not '%s'\n", optarg);
-                return 2;
-            }
+        case 'r':
+            bad = cli_opt_u32("demo", "--requests", optarg, 1, DEMO_MAX_REQUESTS, &c.requests);
             break;
-        case 'R': snprintf(c.role, sizeof(c.role), "%s", optarg); break;
-        case 'B': snprintf(c.bootstrap, sizeof(c.bootstrap), "%s", optarg); break;
-        case 'I': snprintf(c.listen_host, sizeof(c.listen_host), "%s", optarg); break;
+        case 'c':
+            bad = cli_opt_u32("demo", "--concurrency", optarg, 1, DEMO_MAX_CONCURRENCY,
+                              &c.concurrency);
+            break;
+        case 's': bad = cli_opt_u32("demo", "--page-size", optarg, 1, DEMO_MAX_PAGE, &c.ppage); break;
+        case 'S':
+            bad = cli_opt_u32("demo", "--decode-page-size", optarg, 1, DEMO_MAX_PAGE, &c.dpage);
+            break;
+        case 'x':
+            bad = cli_opt_u32("demo", "--max-tokens", optarg, 1, DEMO_MAX_TOKENS, &c.max_tokens);
+            break;
+        case 'e': bad = cli_opt_u64("demo", "--seed", optarg, 0, UINT64_MAX, &c.seed); break;
+        case 'T':
+            bad = cli_opt_u32("demo", "--timeout-ms", optarg, 1, DEMO_MAX_TIMEOUT_MS,
+                              &c.timeout_ms);
+            break;
+        case 'l':
+        case 'y':
+            /* Anything but the two layouts is a usage error, not a silent NHD. */
+            bad = cli_opt_choice("demo", o == 'y' ? "--prefill-layout" : "--decode-layout",
+                                 optarg, layouts, &idx);
+            if (!bad)
+                *(o == 'y' ? &c.playout : &c.dlayout) = idx ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD;
+            break;
+        case 'q': c.quiet = 1; break;
+        case 'H': bad = cli_opt_u32("demo", "--kv-heads", optarg, 1, DEMO_MAX_HEADS, &c.kv_heads); break;
+        case 'G':
+            idx = 0;
+            bad = optarg && cli_opt_choice("demo", "--gpu=", optarg, gpu_sides, &idx);
+            c.gpu = idx == 0 ? 3 : idx == 1 ? 1 : 2;
+            break;
+        case 'R':
+            bad = cli_opt_choice("demo", "--role", optarg, roles, &idx);
+            if (!bad)
+                snprintf(c.role, sizeof(c.role), "%s", roles[idx]);
+            break;
+        case 'B':
+            bad = cli_opt_hostport("demo", "--bootstrap", optarg, 0);
+            snprintf(c.bootstrap, sizeof(c.bootstrap), "%s", optarg);
+            break;
+        case 'E': c.external_bs = true; break;
+        case 'I':
+            if (!optarg[0] || strlen(optarg) >= sizeof(c.listen_host)) {
+                fprintf(stderr, "demo: --listen-host takes a host name or address of 1 to %zu "
+                        "characters, not '%s'\n", sizeof(c.listen_host) - 1, optarg);
+                bad = 1;
+            }
+            snprintf(c.listen_host, sizeof(c.listen_host), "%s", optarg);
+            break;
         case 'K':
             if (kvw_cli_read_secret("demo", optarg, c.secret, sizeof(c.secret)))
                 return 2;
             break;
         case 'h': demo_usage(stdout); return 0;
-        default: demo_usage(stderr); return 2;
+        default:
+            /* getopt named the option already ("unrecognized option", "requires an
+             * argument"). */
+            fprintf(stderr, "demo: kvwire demo --help lists the options\n");
+            return 2;
         }
+    }
+    if (bad)
+        return 2;
+    if (optind < argc) {
+        fprintf(stderr, "demo: unexpected argument '%s' (kvwire demo --help lists the "
+                "options)\n", argv[optind]);
+        return 2;
     }
     if (!c.secret[0] && getenv("KVW_SECRET_FILE") && getenv("KVW_SECRET_FILE")[0] &&
         kvw_cli_read_secret("demo", getenv("KVW_SECRET_FILE"), c.secret,
@@ -712,6 +819,16 @@ static int cmd_demo(int argc, char **argv)
         return 2;
     if (!c.dpage)
         c.dpage = c.ppage;
+    if (c.external_bs && !c.bootstrap[0]) {
+        fprintf(stderr, "demo: --external-bootstrap needs --bootstrap HOST:PORT, the address "
+                "of the running endpoint\n");
+        return 2;
+    }
+    if (c.external_bs && !strcmp(c.role, "decode")) {
+        fprintf(stderr, "demo: --external-bootstrap is for the prefill side (a decode always "
+                "looks up at --bootstrap)\n");
+        return 2;
+    }
     if (c.gpu) {
         if (!kvt_cuda_probe()) {
             fprintf(stderr, "demo: --gpu needs a CUDA GPU and the kvwire CUDA module\n");
@@ -720,16 +837,13 @@ static int cmd_demo(int argc, char **argv)
         if (!tl_set)
             snprintf(c.transport, sizeof(c.transport), "cuda_ipc");
     }
-    if (!c.ptp || !c.dtp || !c.ppp || !c.dpp || !c.requests || !c.concurrency || !c.ppage ||
-        !c.max_tokens) {
-        demo_usage(stderr);
-        return 2;
-    }
     kvt_model_t m;
     if (kvt_model_load("demo", c.model, c.layers, &m))
         return 2;
     if (c.kv_heads)
         m.m.num_kv_heads = c.kv_heads;
+    /* More PP stages than layers is the library's to refuse (demo_validate: exit 3 with
+     * the empty layer range named). */
     int vr = demo_validate(&c, &m);
     if (vr)
         return vr;
@@ -744,14 +858,16 @@ static int cmd_demo(int argc, char **argv)
         demo_result_t res = {0};
         int rc = demo_decode(&c, &m, c.bootstrap, -1, &res);
         bool ok = rc == 0 && res.rooms_verified == c.requests;
-        printf("kvwire demo (decode side): %u requests, %u rooms ok, %llu bytes in %.3f s, "
-               "verified: %s\n", c.requests, res.rooms_ok, (unsigned long long)res.bytes,
-               res.ns / 1e9, ok ? "yes: every byte and guard" : "NO");
+        if (rc == DEMO_REFUSED) {
+            printf("kvwire demo (decode side): refused at the handshake (the reason is "
+                   "above); nothing was transferred\n");
+            return DEMO_REFUSED;
+        }
+        printf("kvwire demo (decode side): %u requests, %u rooms ok (one per request and "
+               "decode rank), %llu bytes in %.3f s, verified: %s\n", c.requests, res.rooms_ok,
+               (unsigned long long)res.bytes, res.ns / 1e9,
+               ok ? "yes: every byte and guard" : "NO");
         return ok ? 0 : 1;
-    }
-    if (c.role[0] && strcmp(c.role, "both")) {
-        demo_usage(stderr);
-        return 2;
     }
     int bs_pipe[2], hold[2], go[2];
     if (pipe(bs_pipe) || pipe(hold) || pipe(go))
@@ -778,7 +894,7 @@ static int cmd_demo(int argc, char **argv)
         waitpid(pf, &sp, 0);
         fprintf(stderr, "demo: the prefill process did not start (%s)\n",
                 demo_wait_str(sp, how, sizeof(how)));
-        return 1;
+        return WIFEXITED(sp) && WEXITSTATUS(sp) == DEMO_REFUSED ? DEMO_REFUSED : 1;
     }
     int res_pipe[2];
     if (pipe(res_pipe))
@@ -813,12 +929,21 @@ static int cmd_demo(int argc, char **argv)
     printf("%-22s %-9u %-9u %-12llu %-9.3f %-8.2f %s\n", topo, c.requests, res.rooms_ok,
            (unsigned long long)res.bytes, secs, secs > 0 ? res.bytes / secs / 1e9 : 0.0,
            ok ? "yes: every byte and guard" : "NO");
+    uint32_t dranks = c.dtp * c.dpp;
+    printf("(rooms ok: one room per request on each decode rank: %u requests x %u decode "
+           "ranks = %u)\n", c.requests, dranks, c.requests * dranks);
     char dhow[96], phow[96];
-    if (!ok)
+    /* A refusal at the handshake ends the decode process with DEMO_REFUSED before any
+     * transfer: the run is refused, not failed. */
+    bool refused = !ok && WIFEXITED(sd) && WEXITSTATUS(sd) == DEMO_REFUSED;
+    if (refused)
+        fprintf(stderr, "demo: REFUSED: the configuration was refused at the handshake (the "
+                "reason is above); nothing was transferred\n");
+    else if (!ok)
         fprintf(stderr, "demo: FAILED (decode %s, prefill %s, %u of %u requests verified)\n",
                 demo_wait_str(sd, dhow, sizeof(dhow)), demo_wait_str(sp, phow, sizeof(phow)),
                 res.rooms_verified, c.requests);
-    return ok ? 0 : 1;
+    return ok ? 0 : refused ? DEMO_REFUSED : 1;
 }
 
 KVW_CMD("demo", cmd_demo, "prefill and decode processes exchange verified KV caches")

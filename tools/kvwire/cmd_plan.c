@@ -40,7 +40,7 @@ static void kvw_plan_usage(FILE *f)
             "usage: kvwire plan --model NAME --src-tp S --dst-tp D [--tokens N]\n"
             "                   [--page-size P] [--dst-page-size P2] [--src-layout nhd|hnd]\n"
             "                   [--dst-layout nhd|hnd] [--prefix N] [--layers N]\n"
-            "                   [--consecutive]\n"
+            "                   [--kv-heads H] [--consecutive]\n"
             "\n"
             "Builds the plan of one request for every (source, destination) rank pair and\n"
             "prints routes, bytes, segments, runs before and after coalescing, plan memory\n"
@@ -60,6 +60,7 @@ static void kvw_plan_usage(FILE *f)
             "  --src-layout L      nhd (default) or hnd, likewise --dst-layout\n"
             "  --prefix N          tokens the decode side already holds (default 0)\n"
             "  --layers N          keep only the model's first N layers\n"
+            "  --kv-heads H        override the preset's KV head count (e.g. 6 for TP 3)\n"
             "  --consecutive       pages 0, 1, 2, ... instead of random pages\n"
             "  -h, --help          print this help\n"
             "\n"
@@ -128,7 +129,7 @@ static int kvw_plan_match(int argc, char **argv, int *i, const char *name, const
 
 typedef struct kvw_plan_opts {
     const char *model;
-    uint64_t src_tp, dst_tp, tokens, page, dst_page, prefix, layers;
+    uint64_t src_tp, dst_tp, tokens, page, dst_page, prefix, layers, kv_heads;
     kvw_layout_t src_layout, dst_layout;
     int consecutive;
 } kvw_plan_opts_t;
@@ -224,10 +225,14 @@ static int kvw_plan_run(const kvw_plan_opts_t *o)
 {
     kvt_model_t model;
     if (kvt_model_preset(o->model, &model)) {
-        fprintf(stderr, "kvwire plan: unknown model '%s' (kvwire plan --help lists them)\n",
-                o->model);
+        fprintf(stderr, "kvwire plan: unknown model '%s'; the presets are:", o->model);
+        for (const char *const *n = kvt_model_names(); *n; n++)
+            fprintf(stderr, " %s", *n);
+        fprintf(stderr, "\n");
         return KVW_PLAN_EXIT_USAGE;
     }
+    if (o->kv_heads)
+        model.m.num_kv_heads = (uint32_t)o->kv_heads;
     if (o->layers && kvt_model_truncate(&model, (uint32_t)o->layers)) {
         fprintf(stderr, "kvwire plan: --layers %llu: %s has %u layers\n",
                 (unsigned long long)o->layers, o->model, model.m.num_layers);
@@ -371,6 +376,8 @@ static int kvw_plan_cmd(int argc, char **argv)
             bad = kvw_plan_parse_u64("--prefix", text, 0, KVW_PLAN_MAX_TOKENS, &o.prefix);
         } else if (kvw_plan_match(argc, argv, &i, "--layers", &text)) {
             bad = kvw_plan_parse_u64("--layers", text, 1, KVT_MAX_LAYERS, &o.layers);
+        } else if (kvw_plan_match(argc, argv, &i, "--kv-heads", &text)) {
+            bad = kvw_plan_parse_u64("--kv-heads", text, 1, 4096, &o.kv_heads);
         } else if (kvw_plan_match(argc, argv, &i, "--src-layout", &text)) {
             bad = kvw_plan_parse_layout("--src-layout", text, &o.src_layout);
         } else if (kvw_plan_match(argc, argv, &i, "--dst-layout", &text)) {

@@ -32,12 +32,46 @@ uint32_t cli_pages_needed(uint64_t b, uint64_t e, uint32_t ps);
  * One context per rank of ranks[0 .. n), from the template `tmpl` (all but side, rank,
  * bootstrap address and host_bootstrap, which are set here). Prefill (`prefill`): rank 0
  * hosts the bootstrap endpoint at bs_addr and the others register at the address it
- * got, which is copied into bs_out; decode: every rank registers at bs_addr. Returns
- * the array, or NULL after destroying the contexts already created, with *failed set to
- * the rank that failed and "<status>: <reason>" in why.
+ * got, which is copied into bs_out; with `external_bs` no rank hosts it: every rank
+ * registers at bs_addr, an endpoint already running (kvwire bootstrap), copied into
+ * bs_out. Decode: every rank registers at bs_addr. While a context waits for its peers
+ * (longer than 5 s), a progress line every 5 s names the rank and the address, prefixed
+ * with `who` (NULL: no progress lines). Returns the array, or NULL after destroying the contexts already created,
+ * with *failed set to the rank that failed, *status_p (if not NULL) to its status and
+ * "<status>: <reason>" in why.
  */
-kvw_ctx_h *cli_contexts(const kvw_ctx_params_t *tmpl, kvt_rank_t *ranks, uint32_t n,
-                        bool prefill, const char *bs_addr, char *bs_out, size_t bs_cap,
-                        uint32_t *failed, char *why, size_t why_cap);
+kvw_ctx_h *cli_contexts(const char *who, const kvw_ctx_params_t *tmpl, kvt_rank_t *ranks,
+                        uint32_t n, bool prefill, bool external_bs, const char *bs_addr,
+                        char *bs_out, size_t bs_cap, uint32_t *failed, kvw_status_t *status_p,
+                        char *why, size_t why_cap);
+
+/*
+ * Command-line values. Each parses `text`, the value of option `opt` (as the user wrote
+ * it, e.g. "--requests"), and on a bad value prints one line naming the option, its valid
+ * range or choices and the value given, "<who>: --requests takes a whole number from 1 to
+ * 100000, not '0'", and returns -1 (0 when the value is good).
+ */
+int cli_opt_u64(const char *who, const char *opt, const char *text, uint64_t min, uint64_t max,
+                uint64_t *out);
+int cli_opt_u32(const char *who, const char *opt, const char *text, uint32_t min, uint32_t max,
+                uint32_t *out);
+/* One of `choices` (NULL-terminated), compared without case; *index_p is its position. */
+int cli_opt_choice(const char *who, const char *opt, const char *text,
+                   const char *const *choices, int *index_p);
+/* HOST:PORT: a host of 1 to 127 characters and a port from min_port to 65535. */
+int cli_opt_hostport(const char *who, const char *opt, const char *text, uint32_t min_port);
+
+/*
+ * Progress of a blocking call: a thread that prints "<who>: <what>, N s of L s" to stderr
+ * every `every_s` seconds (L: limit_s; "N s" alone when it is 0) until cli_ticker_stop.
+ * Nothing is printed when the call returns within every_s.
+ */
+typedef struct cli_ticker cli_ticker_t;
+cli_ticker_t *cli_ticker_start(const char *who, uint32_t every_s, uint32_t limit_s,
+                               const char *what);
+void cli_ticker_stop(cli_ticker_t *t);
+
+/* Seconds since `t0_ns` (kvt_now_ns), for progress lines. */
+double cli_secs_since(uint64_t t0_ns);
 
 #endif

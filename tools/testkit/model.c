@@ -178,7 +178,15 @@ void kvt_pp_range(uint32_t num_layers, uint32_t pp_size, const uint32_t *splits,
 int kvt_model_load(const char *who, const char *name, uint32_t layers, kvt_model_t *model_p)
 {
     if (kvt_model_preset(name, model_p)) {
-        fprintf(stderr, "%s: unknown model '%s'\n", who, name);
+        fprintf(stderr, "%s: unknown model '%s'; the presets are:", who, name);
+        for (const char *const *n = kvt_model_names(); *n; n++)
+            fprintf(stderr, " %s", *n);
+        fprintf(stderr, "\n");
+        return -1;
+    }
+    if (layers > model_p->m.num_layers) {
+        fprintf(stderr, "%s: --layers takes a whole number from 0 to %u (the layers of %s; 0 "
+                "keeps them all), not '%u'\n", who, model_p->m.num_layers, name, layers);
         return -1;
     }
     if (layers && layers < model_p->m.num_layers && kvt_model_truncate(model_p, layers)) {

@@ -87,8 +87,9 @@ void kvt_model_relink(kvt_model_t *model);
  * Returns 0, or -1 if num_layers is 0 or larger than the model. */
 int kvt_model_truncate(kvt_model_t *model, uint32_t num_layers);
 
-/* The preset `name` with its first `layers` layers (0 or more than the model: all), for
- * a command-line tool: returns 0, or -1 after saying why on stderr as "<who>: ...". */
+/* The preset `name` with its first `layers` layers (0: all), for a command-line tool's
+ * --model and --layers: returns 0, or -1 after saying why on stderr as "<who>: ..." (an
+ * unknown name, with the presets listed; more layers than the model has). */
 int kvt_model_load(const char *who, const char *name, uint32_t layers, kvt_model_t *model_p);
 
 /* Turns the model's KV cache into an MXFP8-like format: 1-byte elements with one
