@@ -358,4 +358,13 @@ class ReqToTokenPool:
         return out
 
     def write(self, idx, values):
-        self.req_to_token[idx] = np.asarray(values)
+        assign(self.req_to_token, idx, values)
+
+
+def assign(t, idx, values):
+    """t[idx] = values for a NumPy-backed or a real torch tensor."""
+    if hasattr(t, "detach"):
+        import torch
+        t[idx] = torch.as_tensor(np.asarray(values)).to(t.dtype)
+    else:
+        t[idx] = np.asarray(values)

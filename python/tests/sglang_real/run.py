@@ -307,11 +307,12 @@ def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
     """The prefill forward pass: allocates the request's KV, writes its pattern, and
     sends it chunk by chunk through SGLang's send_kv_chunk."""
     import torch
+    fk = S.fakes
     L = len(req.origin_input_ids)
     if req.req_pool_idx is None:
         rtp.alloc([req])
         locs = alloc.alloc_tokens(L)
-        rtp.req_to_token[req.req_pool_idx, :L] = locs
+        fk.assign(rtp.req_to_token, (req.req_pool_idx, slice(0, L)), locs)
         for v in views:
             if len(v) == 3:       # a state tensor: the request's slot
                 layer, buf, units = v

@@ -221,7 +221,7 @@ class Finder(importlib.abc.MetaPathFinder):
 
     def find_spec(self, name, path=None, target=None):
         top = name.split(".")[0]
-        if top not in ("sglang", "requests", "zmq", "aiohttp", "psutil", "triton"):
+        if top not in ("sglang", "requests", "zmq", "aiohttp", "psutil"):
             return None
         rel = os.path.join(self.src, *name.split("."))
         if name in REAL:
@@ -250,5 +250,11 @@ def install(src, fakes):
     want_real = os.environ.get("KVW_SGLANG_DEVICE", "cpu") == "cuda"
     if not want_real or importlib.util.find_spec("torch") is None:
         sys.modules.update(make_torch())
+    else:
+        # Real torch, no process group: every rank is its own group of one, so SGLang's
+        # poll reductions reduce over one member.
+        import torch.distributed as dist
+        dist.all_reduce = lambda tensor, op=None, group=None, **k: None
+        dist.barrier = lambda *a, **k: None
     sys.modules.update(fakes)
     sys.meta_path.insert(0, Finder(src))
