@@ -399,6 +399,15 @@ def run_decode(cfg, inst, tp_rank):
         swa_max_total_num_tokens=cfg.pages * cfg.ps))
     tree = fk.TreeCache()
     sa.disaggregation_decode_enable_radix_cache = cfg.radix
+    paths = set()
+    orig_clear = S.ks.KVReceiver.clear
+
+    def clear(rv):
+        # The data path kvwire took (e.g. "tcp", "cuda_ipc"), before SGLang's clear().
+        if rv._room is not None and rv.poll() == S.ks.KVPoll.Success:
+            paths.add(rv._room.metrics().path)
+        orig_clear(rv)
+    S.ks.KVReceiver.clear = clear
     tq = D.DecodeTransferQueue(None, mda, tp_rank, md, sch, tree)
     gtp = group * tp + tp_rank if cfg.ddp_attn else tp_rank
     pq = D.DecodePreallocQueue(rtp, alloc, draft, mda, md, sch, tq, tree, None, gtp,
@@ -474,9 +483,10 @@ def run_decode(cfg, inst, tp_rank):
     errs += check_bytes(cfg, [reqs[rid] for rid in done], views, first, nh, alloc, rtp, md,
                         cached, partial)
     iid = pq.kv_manager.instance_id
+    mem = pq.kv_manager.mem_kind.name
     pq.kv_manager.close()
     return (not errs, "\n".join(errs[:20]) or "%d requests, every byte checked" % len(mine),
-            iid)
+            iid, "%s memory, paths %s" % (mem, ",".join(sorted(paths)) or "-"))
 
 
 def put(buf, locs, val):
@@ -687,7 +697,9 @@ def run(cfg):
         ok = False
         results.append(("instance ids", False, "decode instance ids %r: one per instance, "
                         "distinct between instances, expected" % ids))
-    print("%s %s (%.1f s)" % ("PASS" if ok else "FAIL", cfg.name, time.monotonic() - t0))
+    how = sorted(set(r[4] for r in results if len(r) > 4))
+    print("%s %s (%.1f s%s)" % ("PASS" if ok else "FAIL", cfg.name, time.monotonic() - t0,
+                                "; decode: " + "; ".join(how) if how else ""))
     for r in results:
         if not r[1]:
             print("   %s: %s" % (r[0], r[2].replace("\n", "\n      ")))
