@@ -3,40 +3,40 @@
 The classes here have the interface of SGLang's disaggregation backends
 (``sglang.srt.disaggregation.base.conn``): ``KVArgs``, ``KVManager``, ``KVSender``,
 ``KVReceiver``, ``KVBootstrapServer`` and ``KVPoll``, with the same constructor
-signatures, method names, argument order and units, so that SGLang's prefill and
-decode schedulers can drive kvwire unchanged. Host memory only (see python/README.md).
+signatures, method names, argument order and units, plus what SGLang's schedulers read
+beyond base/conn.py (``prefill_info_table``, ``try_ensure_parallel_info``,
+``conclude_state``, ``submit_prefill_recompute``), so that SGLang's prefill.py and
+decode.py drive kvwire unchanged; ``register()`` makes ``--disaggregation-transfer-backend
+kvwire`` select it (see python/README.md). python/tests/sglang_real runs SGLang's own
+scheduler code against it.
 
-Units, and how the token count is found
----------------------------------------
+Units
+-----
 SGLang hands a backend page counts and page lists, never the prompt's token count:
 
 * prefill: ``KVSender.init(num_kv_indices, aux_index)``: ``num_kv_indices`` is the
-  number of pages of the request (``ceil(tokens / page_size)``); each ``send``
-  passes the pages of one chunk; the chunk that reaches ``num_kv_indices`` pages
-  is the last one;
+  number of pages of the request (``ceil(tokens / page_size)``); each ``send`` passes
+  the pages of one chunk; the chunk that reaches ``num_kv_indices`` pages is the last;
 * decode: ``KVReceiver.send_metadata(kv_indices, aux_index, state_indices,
   decode_prefix_len)``: the pages of tokens ``[decode_prefix_len, tokens)``.
 
-kvwire needs exact token counts. Without a hint this backend uses whole pages
-(``num_pages * page_size`` tokens): for full-attention, MLA and state layers that
-moves every computed token plus the unused tail of the last page, which both sides
-own (what SGLang's other backends move too). For sliding-window layers held in a
-separate SWA pool that is wrong (the window would start up to a page too late), so
-there the exact count is required: pass ``num_tokens=len(req.origin_input_ids)`` to
-``KVSender.init`` and to ``KVReceiver.send_metadata`` (keyword-only extensions);
-without it they raise ValueError instead of guessing. A given ``num_tokens`` is
-checked against the page counts.
+kvwire moves whole pages (``pages * page_size`` tokens), as SGLang's other backends do:
+every computed token plus the unused tail of the last page, which the request owns on
+both sides.
 
-State indices come per state type, in ``KVArgs.state_types`` order: the SWA entry is
-the request's SWA-pool pages from ``floor(max(0, tokens - window) / page_size) *
-page_size`` (SGLang's rule). Mamba and the other state types are refused when the
-manager is built.
+State indices come per state type, in ``KVArgs.state_types`` order. SWA: the SWA-pool
+pages of ``[floor_page(L - W), L)`` (W the scheduler's window), moved whole (see
+KVManager.swa_side). Mamba/GDN: the request's state slot. The other state types are
+refused when the manager is built.
 
 Aux data (first output token, logprobs, hidden states) at ``aux_index`` of the
 prefill's aux buffers travels as kvwire per-room metadata and is written into the
 decode's aux buffers at its own ``aux_index`` when the room reaches Success (before
 ``poll`` first returns ``KVPoll.Success``). The payload starts with the aux layout
 (buffer count and item lengths); a decode whose layout differs fails the room.
+
+KV and state pools may be host or CUDA memory (see _memory_kind); aux buffers are host
+memory.
 """
 import ctypes
 import enum
@@ -84,8 +84,10 @@ class KVArgs:
     item_lens per type (SWA: the SWA layers' K buffers then V buffers), page_size,
     swa_page_size, engine_rank (the attention-TP rank), kv_head_num,
     total_kv_head_num, pp_rank, system_dp_rank, prefill_start_layer,
-    prefill_end_layer. Pointers are host addresses. model_config (not an SGLang
-    field) may carry the model config the layer kinds come from."""
+    prefill_end_layer, gpu_id, state_dim_per_tensor, state_conv_shard_groups,
+    dcp_size, token_position_offset. Pointers are host or CUDA device addresses (on
+    gpu_id). model_config (not an SGLang field) may carry the model config the layer
+    kinds come from; SGLang's server_args.get_model_config() is used otherwise."""
 
     def __init__(self, **kw):
         self.engine_rank = 0
@@ -565,14 +567,12 @@ class KVManager:
             end = n_target if (pp == 1 or pp_rank == pp - 1) else None
         if end is None:
             # A middle PP stage without prefill_end_layer: its buffers tell.
-            n_full = sum(1 for l in layers[begin:] if l.kind != LayerKind.SWA or not has_swa_pool)
             end = begin
             cnt = 0
             while end < n_target and cnt < len(ptrs) // per_layer:
                 if not (layers[end].kind == LayerKind.SWA and has_swa_pool):
                     cnt += 1
                 end += 1
-            del n_full
         end = int(end)
         if not 0 <= begin < end <= n_target:
             raise ValueError("layers [%d, %d) outside the model's %d layers"
