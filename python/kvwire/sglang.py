@@ -41,6 +41,7 @@ memory.
 import ctypes
 import enum
 import hashlib
+import logging
 import os
 import socket
 import struct
@@ -758,6 +759,11 @@ class KVManager:
         if dp > 1:
             lbm = getattr(server_args, "load_balance_method", None) or "follow_bootstrap_room"
             self.follow_bootstrap_room = lbm == "follow_bootstrap_room"
+            if not self.follow_bootstrap_room:
+                logging.getLogger(__name__).warning(
+                    "kvwire: prefill DP with load_balance_method=%s: the decode finds a "
+                    "request's DP rank only from disagg_prefill_dp_rank (set by the router); "
+                    "kvwire has no /query_dp_ranks lookup", lbm)
 
     def _mamba_buffers(self, args, k, buffers, first_layer, attn_tp, tp_rank):
         """Mamba / GDN state buffers (one slot per request, the request's mamba index).

@@ -259,6 +259,8 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
         req = fk.Req(r["rid"], range(r["len"]), r["room"], "127.0.0.1", None)
         reqs[r["rid"]] = req
         q.add(req, nh)
+        if r.get("abort") == "prefill-after-add":
+            req.disagg_kv_sender.abort()    # e.g. the client went away while bootstrapping
     final = {}
     when = {}
     waiting = []
@@ -642,11 +644,12 @@ SCENARIOS = [
     # would leave its request pending past the check's deadline.
     scenario("aborts", ps=16, pages=80,
              requests=[dict(r, **a) for r, a in zip(
-                 requests(lens=(17, 40, 33, 50, 64, 9, 20)),
+                 requests(lens=(17, 40, 33, 50, 64, 9, 20, 30)),
                  [{}, dict(abort="decode-after-add", expect="failed"),
                   dict(abort="decode-after-post", expect="failed", prefill_expect="any"),
                   dict(abort="prefill-before-send", expect="failed"), {}, {},
-                  dict(abort="decode-after-init", expect="failed")])]),
+                  dict(abort="decode-after-init", expect="failed"),
+                  dict(abort="prefill-after-add", expect="failed")])]),
 ]
 
 
@@ -725,6 +728,31 @@ def check_register():
     return ok
 
 
+def check_sitecustomize(src):
+    """The documented step: a sitecustomize.py that calls kvwire.sglang.register(), in a
+    fresh interpreter that then imports SGLang's utils.py."""
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "sitecustomize.py"), "w") as f:
+            f.write("import kvwire.sglang\nkvwire.sglang.register()\n")
+        code = ("import sys; sys.path.insert(0, %r); import stubs, fakes; "
+                "stubs.install(%r, fakes.misc_modules(%r)); "
+                "import sglang.srt.disaggregation.utils as U; import kvwire.sglang as ks; "
+                "b = U.TransferBackend('kvwire'); "
+                "assert U.get_kv_class(b, U.KVClassType.MANAGER) is ks.KVManager; "
+                "print(b)" % (HERE, src, src))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [d, os.path.join(HERE, "..", "..")] +
+            ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else [])))
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=60)
+    ok = r.returncode == 0 and "TransferBackend.KVWIRE" in r.stdout
+    print("%s sitecustomize (register() at interpreter start, then SGLang's utils.py)%s"
+          % ("PASS" if ok else "FAIL", "" if ok else ": " + (r.stdout + r.stderr)[-3000:]))
+    return ok
+
+
 def main():
     if len(sys.argv) < 2:
         print(__doc__)
@@ -732,6 +760,7 @@ def main():
     load(sys.argv[1])
     names = sys.argv[2:]
     ok = check_register()
+    ok = check_sitecustomize(sys.argv[1]) and ok
     for cfg in SCENARIOS:
         if names and cfg.name not in names:
             continue

@@ -257,4 +257,9 @@ def install(src, fakes):
         dist.all_reduce = lambda tensor, op=None, group=None, **k: None
         dist.barrier = lambda *a, **k: None
     sys.modules.update(fakes)
-    sys.meta_path.insert(0, Finder(src))
+    # After kvwire.sglang's import hook, when register() ran first (a sitecustomize):
+    # the hook patches what the finders below it find.
+    at = 0
+    while at < len(sys.meta_path) and type(sys.meta_path[at]).__name__ == "_Hook":
+        at += 1
+    sys.meta_path.insert(at, Finder(src))
