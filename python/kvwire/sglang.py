@@ -426,11 +426,11 @@ def _parallel_of(args, server_args, mode):
         raise ValueError("attention context parallelism (attn_cp_size=%d) is not supported by "
                          "the kvwire SGLang backend: kvwire splits a request by heads, not by "
                          "token ranges across CP ranks" % cp)
-    for name in ("dcp_size",):
-        v = int(getattr(args, name, 1) or 1)
+    for where, obj in (("KVArgs", args), ("server_args", server_args)):
+        v = int(getattr(obj, "dcp_size", 1) or 1)
         if v > 1:
-            raise ValueError("decode context parallelism (KVArgs.dcp_size=%d) is not supported "
-                             "by the kvwire SGLang backend" % v)
+            raise ValueError("decode context parallelism (%s.dcp_size=%d) is not supported "
+                             "by the kvwire SGLang backend" % (where, v))
     if dp_attn:
         if tp % dp:
             raise ValueError("tp_size %d is not a multiple of dp_size %d" % (tp, dp))
