@@ -131,5 +131,5 @@ sglang-check:
 	else \
 		$(MAKE) build && \
 		py=python3; $$py -c 'import numpy' 2>/dev/null || py=/usr/bin/python3; \
-		KVW_BUILD_DIR=$(abspath $(BUILD)) $$py python/tests/sglang_real/run.py "$(SGLANG_SRC)"; \
+		KVWIRE_LIB=$(abspath $(BUILD))/libkvwire.so $$py python/tests/sglang_real/run.py "$(SGLANG_SRC)"; \
 	fi
