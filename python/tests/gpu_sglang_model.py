@@ -53,6 +53,22 @@ SENTINEL = 0x5A
 ROOM = 7001
 
 
+def pack(obj):
+    """Tensors cross the process boundary by value (torch.save), not as shared-memory
+    handles, which die with the process that made them."""
+    import io
+    import torch
+    b = io.BytesIO()
+    torch.save(obj, b)
+    return b.getvalue()
+
+
+def unpack(data):
+    import io
+    import torch
+    return torch.load(io.BytesIO(data))
+
+
 def skip(msg):
     print("gpu_sglang_model: skipped: %s" % msg)
     sys.exit(77)
@@ -233,7 +249,7 @@ def prefill_main(q_out, q_in, transport):
     srv = ks.KVBootstrapServer("127.0.0.1", 0)
     # The pools as the prefill had them, for the decode's byte check (cpu copies).
     q_out.put(("ready", srv.port, weights_digest(torch, model), full_pages, swa_pages,
-               {i: (pools.k[i].cpu(), pools.v[i].cpu()) for i in pools.k}, sent))
+               pack({i: (pools.k[i].cpu(), pools.v[i].cpu()) for i in pools.k}), pack(sent)))
     mgr = ks.KVManager(pools.kv_args(ks, 0, 4, aux), "prefill", server_args(1, srv.port, cfg),
                        False)
     torch.cuda.synchronize()
@@ -246,7 +262,7 @@ def prefill_main(q_out, q_in, transport):
     snd.send(np.array(full_pages[2:], dtype=np.int64), [np.array(swa_pages, dtype=np.int64)])
     wait_poll(snd, (ks.KVPoll.Success,), ks, "prefill transfer")
     toks, logits = greedy(torch, model, cache, first, STEPS)
-    q_out.put(("done", first, toks, logits))
+    q_out.put(("done", first, toks, pack(logits)))
     q_in.get(timeout=120)     # keep the bootstrap server up until the decode has finished
     srv.close()
 
@@ -257,6 +273,7 @@ def decode_main(info, transport, q_back):
     import torch
     import kvwire.sglang as ks
     _, port, digest, _, _, prefill_pools, sent = info
+    prefill_pools, sent = unpack(prefill_pools), unpack(sent)
     cfg, model = build_model(torch)
     assert weights_digest(torch, model) == digest, "the two processes built different weights"
     kinds = list(cfg.layer_types)
@@ -351,7 +368,7 @@ def decode_main(info, transport, q_back):
     for _, _, mgr in ranks:
         if hasattr(mgr, "close"):
             mgr.close()
-    q_back.put((problems, bytes_checked, first, toks, logits, logits_bad))
+    q_back.put((problems, bytes_checked, first, toks, pack(logits), pack(logits_bad)))
 
 
 def run(transport):
@@ -367,6 +384,7 @@ def run(transport):
     try:
         problems, nbytes, first_d, toks_d, logits_d, logits_bad = q_back.get(timeout=300)
         _, first_p, toks_p, logits_p = q_out.get(timeout=60)
+        logits_d, logits_bad, logits_p = unpack(logits_d), unpack(logits_bad), unpack(logits_p)
     finally:
         q_in.put("bye")
         dec.join(60)
