@@ -46,7 +46,6 @@ import os
 import socket
 import struct
 import sys
-import time
 
 from .connector import KVPoll, kvpoll, _side
 from .core import (Buffer, Context, KvwireError, LayerKind, MemKind, Model, Parallel, Pool, Rank,
@@ -487,7 +486,6 @@ class KVManager:
         self.mode = _side(disaggregation_mode)
         self.is_mla_backend = bool(is_mla_backend)
         self.prefill_info_table = {}
-        self._deferred = []
         self._recompute_refused = 0
         cfg = _model_config(args, server_args, model_config)
         self.page_size = int(args.page_size)
@@ -831,29 +829,6 @@ class KVManager:
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(_prefill_dp_size(bootstrap_addr),
                                                               True)
         return True
-
-    def _defer_abort(self, room):
-        self._deferred.append((room, time.monotonic() +
-                               _sglang_timeouts()["bootstrap_timeout_ms"] / 1000.0))
-
-    def reap(self):
-        """Aborts the deferred rooms whose connection came up (see KVReceiver.abort); the
-        decode's receivers call it on every poll."""
-        if not self._deferred:
-            return
-        keep = []
-        now = time.monotonic()
-        for room, deadline in self._deferred:
-            try:
-                st = room.poll()
-            except (KvwireError, ValueError):
-                continue
-            if st != RoomState.BOOTSTRAPPING or now >= deadline:
-                room.abort()
-                room.close()
-            else:
-                keep.append((room, deadline))
-        self._deferred = keep
 
     def submit_prefill_recompute(self, kv_receiver, payload=None):
         """SGLang's PD retraction re-bootstrap asks the prefill to recompute a request's
@@ -1308,17 +1283,15 @@ class KVReceiver(_Request):
     def abort(self):
         """Aborts the request and tells the prefill ranks at once.
 
-        kvwire tells the prefill of an abort through the room's connection, which a
-        receiver opens when it posts its pages; before send_metadata there is none, and
-        the prefill would only give up after its bootstrap timeout. So a receiver that
-        has not posted yet first posts a one-page request into page 0 (SGLang's padding
-        page of every pool, which no request owns; state slot 0 likewise), then aborts:
-        the prefill's sender fails at once, and nothing it might write lands in a page a
-        request owns."""
-        mgr = self.kv_mgr
+        kvwire does that for a receiver room in any state, posted or not, also while its
+        instance is still being connected (the prefill ranks of the room's DP group hear
+        of it once the connection is up). Before init() there is no room yet (SGLang
+        inits once it knows the prefill's DP rank): the room is opened routed as
+        SGLang's decode will route it (disagg_prefill_dp_rank, else follow_bootstrap_room
+        over the instance's DP size) and aborted, so the prefill's sender fails now
+        instead of after its bootstrap timeout. A later init() leaves it Failed."""
         if self._room is None and self._error is None and not self._initialized:
-            # Not routed yet (SGLang inits once the prefill's DP rank is known): route it
-            # as SGLang would (follow_bootstrap_room) to tell that prefill rank.
+            mgr = self.kv_mgr
             dp = self.prefill_dp_rank
             if dp is None:
                 info = mgr.prefill_info_table.get(self.bootstrap_addr)
@@ -1328,23 +1301,7 @@ class KVReceiver(_Request):
                 self._room = mgr.context.receiver(self.bootstrap_room, int(dp),
                                                   _kvwire_addr(self.bootstrap_addr))
             except KvwireError:
-                self._room = None
-        if self._room is not None and not self._posted and self._error is None:
-            ps = mgr.page_size
-            swa = [0] * _ceil_div(ps, mgr.swa_page_size) if mgr.swa_window else ()
-            slot = 0 if StateType.MAMBA in mgr.state_types else -1
-            try:
-                self._room.post(ps, 0, [0], 0, swa, 0, slot)
-                self._posted = True
-            except KvwireError:
-                pass
-            if self._room.poll() == RoomState.BOOTSTRAPPING:
-                # Not connected yet: an abort now would stay local. The manager keeps the
-                # room and aborts it once connected (or after the bootstrap timeout).
-                mgr._defer_abort(self._room)
-                self._room = None
-                self._fail("aborted locally")
-                return
+                self._room = None   # e.g. a malformed address: there is no one to tell
         super().abort()
 
     def poll(self):
@@ -1352,7 +1309,6 @@ class KVReceiver(_Request):
         starts (send_metadata may be called then; kvwire keeps the pages until the
         instance is connected); Transferring; Success once every byte and the aux
         data landed (the aux data is then in this rank's aux buffers); Failed."""
-        self.kv_mgr.reap()
         if self._error is not None:
             return KVPoll.Failed
         if self._room is None:

@@ -182,7 +182,7 @@ class Instance:
 def req_pages(reqs, seed):
     """{room: (full pages from token 0, swa pages, swa first token)}, SGLang's SWA rule;
     page 0 of every pool is left out, as SGLang's allocators leave out their padding
-    page (kvwire.sglang may write it: see KVManager.swa_side and KVReceiver.abort)."""
+    page (kvwire.sglang may write the SWA pool's: see KVManager.swa_side)."""
     out = U.assign_pages(reqs, PS, PS, WINDOW, FULL_PAGES, SWA_PAGES, seed)
     return {room: ([p + 1 for p in f], [p + 1 for p in w], w0)
             for room, (f, w, w0) in out.items()}
@@ -467,9 +467,11 @@ class TestSGLangBackend(unittest.TestCase):
                     U.ref_apply(m_ref, srcs, [s.snapshot() for s in srcs],
                                 [spages] * len(srcs), d.hr, expect, dpages, r_ref)
                 for j, p in enumerate(d.hr.planes):
-                    # Page 0, the padding page, may take any bytes.
-                    expect[j][p.guard:p.guard + p.page_bytes] = \
-                        snap[j][p.guard:p.guard + p.page_bytes]
+                    # Page 0 of the SWA pool, the padding page, takes the window's
+                    # spill-over (KVManager.swa_side); every other pool's stays as it was.
+                    if p.pool == kvwire.Pool.SWA:
+                        expect[j][p.guard:p.guard + p.page_bytes] = \
+                            snap[j][p.guard:p.guard + p.page_bytes]
                 if mla:
                     # MLA: whole latent rows (the K planes of a one-head model, so the
                     # reference's rule applies); the V planes are no buffers at all.

@@ -31,6 +31,9 @@ import numpy as np  # noqa: E402
 
 DEVICE = os.environ.get("KVW_SGLANG_DEVICE", "cpu")
 DEADLINE = float(os.environ.get("KVW_SGLANG_DEADLINE", "60"))
+# An aborted request must end on the other side within this bound: SGLang's timeouts
+# are 300 s, so only an abort that reached the peer ends it this soon.
+ABORT_BOUND = float(os.environ.get("KVW_SGLANG_ABORT_BOUND", "10"))
 S = None  # the loaded SGLang modules
 
 
@@ -296,6 +299,9 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
         if want != got and not (want == "any" and got in ("ok", "failed")):
             errs.append("room %d (%d tokens): prefill ended %s, expected %s"
                         % (r["room"], r["len"], got, want))
+        elif r.get("abort") and got == "failed" and when[r["rid"]] > ABORT_BOUND:
+            errs.append("room %d (%s): the prefill failed after %.1f s, not within %.0f s"
+                        % (r["room"], r["abort"], when[r["rid"]], ABORT_BOUND))
     q.kv_manager.close()
     if os.environ.get("KVW_SGLANG_VERBOSE"):
         for r in mine:
@@ -448,8 +454,9 @@ def run_decode(cfg, inst, tp_rank):
                 _init(*a, **k)
                 _rv.abort()
             rv.init = init_then_abort
-    done, failed = {}, {}
-    deadline = time.monotonic() + DEADLINE
+    done, failed, ended = {}, {}, {}
+    t0 = time.monotonic()
+    deadline = t0 + DEADLINE
     while len(done) + len(failed) < len(mine) and time.monotonic() < deadline:
         pre, fl = pq.pop_preallocated()
         for dr in fl:
@@ -471,6 +478,8 @@ def run_decode(cfg, inst, tp_rank):
                 if not in_pq:
                     failed[rid] = req
         time.sleep(0.002)
+        for rid in failed:
+            ended.setdefault(rid, time.monotonic() - t0)
     errs = []
     for r in mine:
         got = "ok" if r["rid"] in done else "failed" if r["rid"] in failed else "pending"
@@ -478,6 +487,9 @@ def run_decode(cfg, inst, tp_rank):
         if want != got and not (want == "failed-any" and got == "failed"):
             errs.append("room %d (%d tokens): decode ended %s, expected %s"
                         % (r["room"], r["len"], got, want))
+        elif r.get("abort") and got == "failed" and ended[r["rid"]] > ABORT_BOUND:
+            errs.append("room %d (%s): the decode failed after %.1f s, not within %.0f s"
+                        % (r["room"], r["abort"], ended[r["rid"]], ABORT_BOUND))
     # A request the decode aborted after posting its pages may have been written before
     # the abort reached the prefill: its pages hold the reference or their old bytes.
     partial = [reqs[r["rid"]] for r in mine if r.get("abort") == "decode-after-post" and
@@ -522,9 +534,8 @@ def check_bytes(cfg, done, views, first, nh, alloc, rtp, md, cached=None, partia
         arr = as_np(buf)
         expect = np.full(arr.shape, S.fakes.SENTINEL, dtype=np.uint8)
         free = np.ones(arr.shape[0], dtype=bool)
-        if is_swa or any(r.get("abort", "").startswith("decode-after-") for r in cfg.requests):
-            # SGLang's padding page: it takes the SWA window's spill-over, and an aborting
-            # receiver's one-page post (kvwire.sglang.KVReceiver.abort).
+        if is_swa:
+            # SGLang's padding page: it takes the SWA window's spill-over.
             free[:ps] = False
         alt = None
         for req in list(done) + [None] + list(partial):
