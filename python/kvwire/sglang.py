@@ -59,6 +59,8 @@ __all__ = ["KVArgs", "KVPoll", "StateType", "KVTransferMetric", "KVTransferError
            "KVManager", "KVSender", "KVReceiver", "KVBootstrapServer", "model_layers", "register",
            "MAX_AUX_BYTES"]
 
+_log = logging.getLogger(__name__)
+
 # KVW_MAX_ROOM_METADATA (include/kvwire/xfer.h): the largest per-room metadata payload.
 MAX_AUX_BYTES = 64 << 10
 
@@ -271,24 +273,85 @@ def _strip_brackets(host):
     return host
 
 
-def _local_ip():
-    """This host's outward IP address, as SGLang's get_local_ip_auto picks it: the
-    SGLANG_HOST_IP / HOST_IP environment variable, else the source address of a route to
-    a public address (no packet is sent), else 127.0.0.1."""
+def _local_ip_own():
+    """SGLang's get_local_ip_auto (utils/network.py at 8905cbd) step by step, for a
+    process that has not loaded SGLang: SGLANG_HOST_IP / HOST_IP; the first address of
+    the interface SGLANG_LOCAL_IP_NIC names (needs netifaces, as in SGLang); the source
+    address of a route to a public IPv4, then IPv6 address (no packet is sent); the
+    host name's first address unless it is a loopback one."""
     for name in ("SGLANG_HOST_IP", "HOST_IP"):
         v = os.environ.get(name)
         if v:
-            return _strip_brackets(v)
-    # IPv4 only: kvwire's control protocol resolves and listens on IPv4 addresses.
+            return v
+    nic = os.environ.get("SGLANG_LOCAL_IP_NIC")
+    if nic:
+        try:
+            import netifaces
+            addrs = netifaces.ifaddresses(nic)
+            for a in addrs.get(netifaces.AF_INET, ()):
+                if a.get("addr") and a["addr"] not in ("127.0.0.1", "0.0.0.0"):
+                    return a["addr"]
+            for a in addrs.get(netifaces.AF_INET6, ()):
+                ip = a.get("addr")
+                if ip and not ip.startswith("fe80::") and ip != "::1":
+                    return ip.split("%")[0]
+        except (ImportError, ValueError, OSError) as e:
+            _log.warning("SGLANG_LOCAL_IP_NIC=%s: no address from it (%s)", nic, e)
+    for probe in ("8.8.8.8", "2001:4860:4860::8888"):
+        try:
+            fam, st, proto, _, sa = socket.getaddrinfo(probe, 80, socket.AF_UNSPEC,
+                                                       socket.SOCK_DGRAM, 0,
+                                                       socket.AI_ADDRCONFIG)[0]
+            with socket.socket(fam, st, proto) as sock:
+                sock.connect(sa)
+                return sock.getsockname()[0]
+        except OSError:     # socket.gaierror included
+            continue
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.255.255.255", 1))
-            ip = s.getsockname()[0]
-            if ip and not ip.startswith("127."):
-                return ip
+        ip = socket.getaddrinfo(socket.gethostname(), None, socket.AF_UNSPEC, 0, 0,
+                                socket.AI_ADDRCONFIG)[0][4][0]
+        if ip and ip not in ("127.0.0.1", "0.0.0.0", "::1"):
+            return ip
     except OSError:
         pass
-    return "127.0.0.1"
+    return None
+
+
+def _local_ip():
+    """The address this host's ranks listen on, as SGLang's own backends pick it
+    (CommonKVManager.local_ip = get_local_ip_auto()): SGLang's get_local_ip_auto where
+    SGLang is loaded, else the same steps here (_local_ip_own); 127.0.0.1 when neither
+    finds one (SGLang raises there). IPv4 or IPv6, without brackets."""
+    ip = None
+    net = sys.modules.get("sglang.srt.utils.network")
+    if net is None and "sglang" in sys.modules:
+        try:
+            import sglang.srt.utils.network as net
+        except Exception:   # a partial SGLang install: take the same steps here
+            net = None
+    if net is not None and hasattr(net, "get_local_ip_auto"):
+        try:
+            ip = net.get_local_ip_auto()
+        except Exception as e:
+            _log.warning("SGLang's get_local_ip_auto found no address (%s)", e)
+    else:
+        ip = _local_ip_own()
+    return _strip_brackets(ip) if ip else "127.0.0.1"
+
+
+def _split_host_port(addr):
+    """(host, port) of "host:port" or "[IPv6 host]:port" (SGLang's
+    NetworkAddress.to_host_port_str spelling), host without brackets."""
+    addr = str(addr)
+    if addr.startswith("["):
+        host, sep, port = addr[1:].partition("]:")
+        if not sep:
+            raise ValueError("%r: expected [IPv6 address]:port" % addr)
+    else:
+        host, sep, port = addr.rpartition(":")
+        if not sep or ":" in host:
+            raise ValueError("%r: expected host:port (an IPv6 host in brackets)" % addr)
+    return host, int(port)
 
 
 def _join_host_port(host, port):
@@ -296,16 +359,12 @@ def _join_host_port(host, port):
     return "[%s]:%d" % (host, int(port)) if ":" in host else "%s:%d" % (host, int(port))
 
 
-def _kvwire_addr(addr):
-    """A "host:port" SGLang spells (NetworkAddress.to_host_port_str: IPv6 in brackets)
-    in the form kvwire's address parser takes (it splits at the last colon)."""
-    if addr is None:
-        return None
-    addr = str(addr)
-    if addr.startswith("["):
-        host, _, port = addr[1:].partition("]:")
-        return "%s:%s" % (host, port)
-    return addr
+def _same_addr(a, b):
+    try:
+        (ha, pa), (hb, pb) = _split_host_port(a), _split_host_port(b)
+        return ha.lower() == hb.lower() and pa == pb
+    except ValueError:
+        return str(a) == str(b)
 
 
 def _memory_kind(args):
@@ -402,7 +461,7 @@ def _prefill_dp_size(addr):
         return int(v)
     for item in v.split(","):
         a, _, n = item.strip().rpartition("=")
-        if _kvwire_addr(a) == _kvwire_addr(addr):
+        if _same_addr(a, addr):
             return int(n)
     return 1
 
@@ -739,7 +798,7 @@ class KVManager:
             if self.mode == Side.PREFILL:
                 self.bootstrap_addr = _bootstrap_addr_of(server_args)
                 self._check_dp_routing(server_args, dp)
-                self.context = Context(self.rank, Side.PREFILL, _kvwire_addr(self.bootstrap_addr),
+                self.context = Context(self.rank, Side.PREFILL, self.bootstrap_addr,
                                        **kw)
             else:
                 self.bootstrap_addr = None
@@ -758,7 +817,7 @@ class KVManager:
             lbm = getattr(server_args, "load_balance_method", None) or "follow_bootstrap_room"
             self.follow_bootstrap_room = lbm == "follow_bootstrap_room"
             if not self.follow_bootstrap_room:
-                logging.getLogger(__name__).warning(
+                _log.warning(
                     "kvwire: prefill DP with load_balance_method=%s: the decode finds a "
                     "request's DP rank only from disagg_prefill_dp_rank (set by the router); "
                     "kvwire has no /query_dp_ranks lookup", lbm)
@@ -821,9 +880,8 @@ class KVManager:
             return True
         # One short connection attempt: SGLang retries (once a second, 15 times) while
         # the prefill's bootstrap server is not up yet, and aborts the requests after.
-        host, _, port = _kvwire_addr(bootstrap_addr).rpartition(":")
         try:
-            socket.create_connection((host, int(port)), timeout=0.5).close()
+            socket.create_connection(_split_host_port(bootstrap_addr), timeout=0.5).close()
         except (OSError, ValueError):
             return False
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(_prefill_dp_size(bootstrap_addr),
@@ -916,10 +974,11 @@ class KVManager:
 
 
 def _bootstrap_addr_of(server_args):
-    """The prefill instance's bootstrap endpoint as SGLang's ranks reach it: a
-    disaggregation_bootstrap_addr attribute wins; a multi-node instance (nnodes > 1)
-    uses dist_init_addr's host (where node 0 runs the bootstrap server); a wildcard
-    host (0.0.0.0, ::) becomes this host's address."""
+    """The prefill instance's bootstrap endpoint as SGLang's ranks reach it
+    (CommonKVManager.register_to_bootstrap): a disaggregation_bootstrap_addr attribute
+    wins; else dist_init_addr's host where it is set (node 0 runs the bootstrap server),
+    else --host, a wildcard one (0.0.0.0, ::) as the loopback address of its family;
+    at --disaggregation-bootstrap-port, an IPv6 host in brackets ("[::1]:8998")."""
     addr = getattr(server_args, "disaggregation_bootstrap_addr", None)
     if addr:
         return str(addr)
@@ -928,11 +987,13 @@ def _bootstrap_addr_of(server_args):
         raise ValueError("server_args has no disaggregation_bootstrap_port")
     host = getattr(server_args, "host", None)
     dia = getattr(server_args, "dist_init_addr", None)
-    if int(getattr(server_args, "nnodes", 1) or 1) > 1 and dia:
-        dia = str(dia)
-        host = dia[1:].split("]")[0] if dia.startswith("[") else dia.rsplit(":", 1)[0]
-    if _is_local_any(host):
-        host = "127.0.0.1" if host in (None, "", "0.0.0.0") else "::1"
+    if dia:
+        try:
+            host = _split_host_port(dia)[0]
+        except ValueError:      # a bare host
+            host = _strip_brackets(str(dia))
+    elif _is_local_any(host):
+        host = "::1" if host in ("::", "[::]") else "127.0.0.1"
     return _join_host_port(host, int(port))
 
 
@@ -1219,7 +1280,7 @@ class KVReceiver(_Request):
         self.prefill_dp_rank = int(prefill_dp_rank)
         try:
             self._room = self.kv_mgr.context.receiver(self.bootstrap_room, self.prefill_dp_rank,
-                                                      _kvwire_addr(self.bootstrap_addr))
+                                                      self.bootstrap_addr)
         except KvwireError as e:
             self._fail("prefill instance %s: %s" % (self.bootstrap_addr, e.message or e), e.status)
 
@@ -1299,7 +1360,7 @@ class KVReceiver(_Request):
                 dp = self.bootstrap_room % n if n > 1 else 0
             try:
                 self._room = mgr.context.receiver(self.bootstrap_room, int(dp),
-                                                  _kvwire_addr(self.bootstrap_addr))
+                                                  self.bootstrap_addr)
             except KvwireError:
                 self._room = None   # e.g. a malformed address: there is no one to tell
         super().abort()
@@ -1342,7 +1403,7 @@ class KVBootstrapServer:
     ranks' shared secret (the one given to their KVManager)."""
 
     def __init__(self, host, port, *, secret=None):
-        self._server = BootstrapServer("%s:%d" % (host, int(port)), secret=secret)
+        self._server = BootstrapServer(_join_host_port(host or "0.0.0.0", port), secret=secret)
         self.host = host
 
     @property

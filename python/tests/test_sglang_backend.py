@@ -789,7 +789,7 @@ class TestSGLangBackendUnits(unittest.TestCase):
                        transport=TRANSPORT, bootstrap_timeout_ms=60000)
         try:
             for room, addr in ((501, "127.0.0.1:1"), (502, "no-port-given"),
-                               (503, "host.invalid:99999")):
+                               (503, "host.invalid:99999"), (504, "::1:8998")):
                 t0 = time.monotonic()
                 rv = KVReceiver(dm, addr, room)
                 rv.init(0)
@@ -807,6 +807,47 @@ class TestSGLangBackendUnits(unittest.TestCase):
                 rv.clear()
         finally:
             dm.close()
+
+    def test_addresses_as_sglang_spells_them(self):
+        """Bootstrap endpoints where SGLang's register_to_bootstrap puts them, IPv6 in
+        SGLang's "[host]:port" spelling; listen hosts from SGLang's host selection."""
+        import socket
+        import kvwire.sglang as ks
+
+        def boot(host, dia=None):
+            sa = types.SimpleNamespace(host=host, dist_init_addr=dia,
+                                       disaggregation_bootstrap_port=8998)
+            return ks._bootstrap_addr_of(sa)
+        self.assertEqual(boot("0.0.0.0"), "127.0.0.1:8998")
+        self.assertEqual(boot("::"), "[::1]:8998")
+        self.assertEqual(boot("fd00::7"), "[fd00::7]:8998")
+        self.assertEqual(boot("127.0.0.1", "[fd00::5]:5000"), "[fd00::5]:8998")
+        self.assertEqual(boot("0.0.0.0", "node0:5000"), "node0:8998")
+        self.assertEqual(ks._split_host_port("[fe80::1%eth0]:80"), ("fe80::1%eth0", 80))
+        with self.assertRaisesRegex(ValueError, "brackets"):
+            ks._split_host_port("::1:8998")
+        old = {k: os.environ.get(k) for k in ("SGLANG_HOST_IP", "HOST_IP")}
+        try:
+            os.environ.pop("HOST_IP", None)
+            os.environ["SGLANG_HOST_IP"] = "[::1]"
+            self.assertEqual(ks._local_ip(), "::1")
+            os.environ["SGLANG_HOST_IP"] = "10.1.2.3"
+            self.assertEqual(ks._local_ip(), "10.1.2.3")
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        try:
+            with socket.socket(socket.AF_INET6) as t:
+                t.bind(("::1", 0))
+        except OSError as e:
+            self.skipTest("no IPv6 loopback: %s" % e)
+        with KVBootstrapServer("::1", 0) as srv:
+            self.assertTrue(srv.address.startswith("[::1]:"), srv.address)
+            self.assertGreater(srv.port, 0)
+            socket.create_connection(("::1", srv.port), timeout=5).close()
 
 
 if __name__ == "__main__":

@@ -52,10 +52,69 @@ def load(src):
     return S
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def free_port(host="127.0.0.1"):
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def ipv6_loopback():
+    """None where a TCP socket can listen on ::1 here, else why not."""
+    if not socket.has_ipv6:
+        return "Python was built without IPv6"
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+            s.listen(1)
+    except OSError as e:
+        return "cannot listen on ::1: %s" % e
+    return None
+
+
+def own_listeners():
+    """The addresses ("host:port") of this process's listening TCP sockets, from
+    /proc/net/tcp{,6} and the socket inodes of /proc/self/fd."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink("/proc/self/fd/" + fd)
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = []
+    for table, v6 in (("/proc/net/tcp", False), ("/proc/net/tcp6", True)):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            col = row.split()
+            if col[3] != "0A" or col[9] not in inodes:    # 0A: LISTEN
+                continue
+            hexaddr, hexport = col[1].split(":")
+            raw = bytes.fromhex(hexaddr)
+            # The kernel prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+            host = socket.inet_ntop(socket.AF_INET6 if v6 else socket.AF_INET, raw)
+            out.append(("[%s]:%d" if v6 else "%s:%d") % (host, int(hexport, 16)))
+    return sorted(out)
+
+
+def check_listeners(cfg, who, also=()):
+    """With cfg.listen set: this rank listens on that host, and on nothing else but the
+    addresses starting with one of `also`."""
+    if not cfg.listen:
+        return []
+    got = own_listeners()
+    want = "[%s]:" % cfg.listen if ":" in cfg.listen else cfg.listen + ":"
+    bad = [a for a in got if not a.startswith(want) and not a.startswith(tuple(also))]
+    if bad or not any(a.startswith(want) for a in got):
+        return ["%s listens on %s, expected %s*%s" % (
+            who, ", ".join(got) or "nothing", want,
+            "".join(" or %s*" % a for a in also))]
+    return []
 
 
 # ---------------------------------------------------------------- reference
@@ -91,7 +150,7 @@ class Cfg(types.SimpleNamespace):
 def server_args(cfg, side, port, tp, dp=1, dp_attn=False, pp=1):
     return types.SimpleNamespace(
         tp_size=tp, dp_size=dp, enable_dp_attention=dp_attn, pp_size=pp, attn_cp_size=1,
-        host="127.0.0.1", port=port, nnodes=1, dist_init_addr=None,
+        host=cfg.host, port=port, nnodes=1, dist_init_addr=None,
         disaggregation_bootstrap_port=getattr(cfg, "boot_port", 0), disaggregation_ib_device=None,
         disaggregation_transfer_backend="kvwire", disaggregation_mode=side,
         disaggregation_decode_enable_radix_cache=False, optimistic_prefill_attempts=cfg.optimistic,
@@ -259,7 +318,7 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
             (cfg.pdp == 1 or r["room"] % cfg.pdp == dp_rank)]
     reqs = {}
     for r in mine:
-        req = fk.Req(r["rid"], range(r["len"]), r["room"], "127.0.0.1", None)
+        req = fk.Req(r["rid"], range(r["len"]), r["room"], cfg.host, None)
         reqs[r["rid"]] = req
         q.add(req, nh)
         if r.get("abort") == "prefill-after-add":
@@ -302,6 +361,10 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
         elif r.get("abort") and got == "failed" and when[r["rid"]] > ABORT_BOUND:
             errs.append("room %d (%s): the prefill failed after %.1f s, not within %.0f s"
                         % (r["room"], r["abort"], when[r["rid"]], ABORT_BOUND))
+    # The library's tcp data listener of a prefill context (which only sends) binds
+    # 127.0.0.1 whatever listen_host says; its control listener, the address decode
+    # ranks reach it at, is on cfg.listen.
+    errs += check_listeners(cfg, "prefill rank", ("127.0.0.1:",))
     q.kv_manager.close()
     if os.environ.get("KVW_SGLANG_VERBOSE"):
         for r in mine:
@@ -439,7 +502,7 @@ def run_decode(cfg, inst, tp_rank):
                     put(buf, locs, val)
     reqs = {}
     for r in mine:
-        req = fk.Req(r["rid"], range(r["len"]), r["room"], "127.0.0.1",
+        req = fk.Req(r["rid"], range(r["len"]), r["room"], cfg.host,
                      cfg.boot_ports[r["prefill"]], dp_rank=r.get("dp_rank"))
         reqs[r["rid"]] = req
         pq.add(req)
@@ -496,6 +559,7 @@ def run_decode(cfg, inst, tp_rank):
                r["rid"] in failed and reqs[r["rid"]].req_pool_idx is not None]
     errs += check_bytes(cfg, [reqs[rid] for rid in done], views, first, nh, alloc, rtp, md,
                         cached, partial)
+    errs += check_listeners(cfg, "decode rank")
     iid = pq.kv_manager.instance_id
     mem = pq.kv_manager.mem_kind.name
     pq.kv_manager.close()
@@ -587,7 +651,7 @@ def check_bytes(cfg, done, views, first, nh, alloc, rtp, md, cached=None, partia
 def bootstrap_proc(cfg, port, delay, stop):
     time.sleep(delay)
     cls = S.U.get_kv_class(S.U.TransferBackend.KVWIRE, S.U.KVClassType.BOOTSTRAP_SERVER)
-    srv = cls(host="127.0.0.1", port=port)
+    srv = cls(host=cfg.host, port=port)
     stop.wait(DEADLINE + 30)
     srv.close()
 
@@ -612,7 +676,7 @@ def scenario(name, **kw):
                 mla=False, swa=(), hf_window=0, sched_window=None, draft=0, optimistic=0,
                 n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260, env={}, ppp=1,
                 mamba=0, ddp=1, ddp_attn=False,
-                radix=False)
+                radix=False, host="127.0.0.1", listen=None)
     base.update(kw)
     cfg = Cfg(name=name, **base)
     if cfg.mla:
@@ -661,13 +725,24 @@ SCENARIOS = [
                   dict(abort="prefill-before-send", expect="failed"), {}, {},
                   dict(abort="decode-after-init", expect="failed"),
                   dict(abort="prefill-after-add", expect="failed")])]),
+    # IPv6: the prefill's bootstrap server at [::1], SGLang's "[::1]:port" bootstrap
+    # addresses, every rank listening on ::1 (SGLang's SGLANG_HOST_IP), aborts included.
+    scenario("ipv6_loopback", ptp=1, dtp=2, host="::1", listen="::1",
+             env={"SGLANG_HOST_IP": "::1"},
+             requests=[dict(r, **a) for r, a in zip(
+                 requests(lens=(17, 40, 33, 130, 1)),
+                 [{}, dict(abort="decode-after-add", expect="failed"),
+                  dict(abort="prefill-before-send", expect="failed"), {}, {}])]),
 ]
 
 
 def run(cfg):
     ctx = mp.get_context("fork")
     out = ctx.Queue()
-    cfg.boot_ports = [free_port() for _ in range(cfg.n_prefill)]
+    if cfg.host == "::1" and ipv6_loopback():
+        print("SKIP %s: no IPv6 loopback on this machine (%s)" % (cfg.name, ipv6_loopback()))
+        return True
+    cfg.boot_ports = [free_port(cfg.host) for _ in range(cfg.n_prefill)]
     cfg.model_config = model_config(cfg)
     stop = ctx.Event()
     procs = []
