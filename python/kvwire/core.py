@@ -1074,6 +1074,7 @@ class BootstrapServer:
     ranks' shared secret; with it, registrations without a valid MAC are refused."""
 
     def __init__(self, addr="127.0.0.1:0", *, secret=None):
+        self._h = None      # set first: __del__ runs after a constructor that raised
         lib = N.load()
         h = ctypes.c_void_p()
         keep = [_enc(addr), _enc(secret)]
@@ -1102,7 +1103,10 @@ class BootstrapServer:
         self.close()
 
     def __del__(self):
-        self.close()
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
 # ---------------------------------------------------------------- probes

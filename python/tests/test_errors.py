@@ -51,6 +51,25 @@ class TestErrorPaths(unittest.TestCase):
         self.assertEqual(host, "127.0.0.1")
         self.assertGreater(int(port), 0)
 
+    def test_bootstrap_server_refused_cleanly(self):
+        """A BootstrapServer whose constructor raised is collected without an exception
+        of its own (nothing reaches sys.unraisablehook)."""
+        import gc
+        import sys
+        seen = []
+        hook, sys.unraisablehook = sys.unraisablehook, seen.append
+        try:
+            for addr in ("not an address", "127.0.0.1:99999", "::1:8998"):
+                with self.assertRaises(kvwire.KvwireError) as cm:
+                    kvwire.BootstrapServer(addr)
+                self.assertEqual(cm.exception.status, Status.ERR_INVALID_PARAM, addr)
+                self.assertTrue(cm.exception.message, addr)
+                del cm
+                gc.collect()
+        finally:
+            sys.unraisablehook = hook
+        self.assertEqual([(u.exc_type, str(u.exc_value)) for u in seen], [])
+
     def test_head_dim_mismatch_rejected(self):
         d = self.decode_rank(head_dim=128)
         before, _ = self.pctx.refusals()
