@@ -2,9 +2,14 @@
 # Verifies the CUDA executor: first its kernels' address arithmetic on the CPU
 # (test_cuda_emu), then prefill and decode as two processes on two GPUs through CUDA IPC
 # (kvw_gpu_check, see tests/gpu/gpu_check.c), ending with a table of cases, bytes and
-# results. Without nvcc or without a GPU it prints a "skipped: ..." line and exits 0.
+# results; then, with a torch that sees a GPU, the PyTorch test, a real model decoding
+# from KV moved through kvwire.sglang (python/tests/gpu_sglang_model.py) and SGLang's
+# scheduler code on CUDA KV pools over cuda_ipc and tcp (python/tests/sglang_real, from
+# SGLANG_SRC or ../shared/sglang-8905cbd/python). Without nvcc or without a GPU it prints
+# a "skipped: ..." line and exits 0; each later step missing what it needs prints its own.
 #
-#   scripts/gpu-check.sh [--case SUBSTRING]      BUILD=dir (default build), JOBS=n
+#   scripts/gpu-check.sh [--case SUBSTRING]      BUILD=dir (default build), JOBS=n,
+#                                                SGLANG_SRC=<sglang checkout>/python
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
@@ -99,9 +104,37 @@ echo
 echo "gpu-check: the protocol on GPUs (separate processes, GPU 0 -> GPU 1; cuda_ipc unless named)"
 printf '%-34s %-5s %-9s %-9s %-12s %-9s %-8s %s\n' case result requests rooms bytes "time s" GB/s verified
 printf '%s' "$table"
+lib="$(cd "$BUILD" && pwd)/libkvwire.so"
 if command -v python3 >/dev/null && python3 -c 'import torch' 2>/dev/null; then
     echo "gpu-check: PyTorch test (CUDA tensors, TP1->TP2 over cuda_ipc)"
-    KVWIRE_LIB="$(cd "$BUILD" && pwd)/libkvwire.so" PYTHONPATH=python:python/tests \
+    KVWIRE_LIB="$lib" PYTHONPATH=python:python/tests \
         python3 -m unittest -v test_torch_gpu || demo_fail=1
+fi
+
+# kvwire.sglang on the GPU: a real model (transformers' GPT-OSS, shrunk, random weights)
+# decoding bit-identically from KV moved through it, then SGLang's own scheduler code
+# (python/tests/sglang_real) over CUDA KV pools, cuda_ipc and tcp.
+if ! command -v python3 >/dev/null ||
+    ! python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu-check: skipped: kvwire.sglang on the GPU (no python3 with a torch that sees a GPU)"
+else
+    echo "gpu-check: a real model decoding from KV moved through kvwire.sglang (cuda_ipc, tcp)"
+    set +e
+    KVWIRE_LIB="$lib" PYTHONPATH=python timeout 600 python3 python/tests/gpu_sglang_model.py
+    rc=$?
+    set -e
+    # 77: no transformers (it has printed "skipped: ...").
+    [ "$rc" -ne 0 ] && [ "$rc" -ne 77 ] && demo_fail=1
+    sglang_src=${SGLANG_SRC:-../shared/sglang-8905cbd/python}
+    if [ ! -f "$sglang_src/sglang/srt/disaggregation/prefill.py" ]; then
+        echo "gpu-check: skipped: SGLang's scheduler code on CUDA KV pools (no SGLang source at" \
+             "$sglang_src; set SGLANG_SRC to an SGLang checkout's python/ directory)"
+    else
+        for t in cuda_ipc tcp; do
+            echo "gpu-check: SGLang's scheduler code on CUDA KV pools, KVWIRE_TRANSPORT=$t ($sglang_src)"
+            KVWIRE_LIB="$lib" KVW_SGLANG_DEVICE=cuda KVWIRE_TRANSPORT=$t \
+                timeout 600 python3 python/tests/sglang_real/run.py "$sglang_src" || demo_fail=1
+        done
+    fi
 fi
 exit "$demo_fail"
