@@ -174,7 +174,7 @@ void *kvw__ctrl_main(void *arg)
             pthread_mutex_unlock(&ctx->mu);
             for (uint32_t i = 0;; i++) {
                 pthread_mutex_lock(&ctx->mu);
-                kvw_peer_t *p = i < ctx->num_peers ? ctx->peers[i] : NULL;
+                kvw_peer_t *p = i < ctx->peers.num ? ctx->peers.tab[i] : NULL;
                 pthread_mutex_unlock(&ctx->mu);
                 if (p == NULL)
                     break;
@@ -182,7 +182,7 @@ void *kvw__ctrl_main(void *arg)
             }
             break;
         }
-        uint32_t need = ctx->num_peers + 2;
+        uint32_t need = ctx->peers.num + 2;
         if (need > cap) {
             cap = need * 2;
             pfd = realloc(pfd, sizeof(*pfd) * cap);
@@ -198,12 +198,12 @@ void *kvw__ctrl_main(void *arg)
         if (ctx->listen_fd >= 0)
             pfd[n++] = (struct pollfd){.fd = ctx->listen_fd, .events = POLLIN};
         uint32_t first_peer = (uint32_t)n;
-        for (uint32_t i = 0; i < ctx->num_peers; i++) {
-            if (ctx->peers[i]->dead || ctx->peers[i]->registering)
+        for (uint32_t i = 0; i < ctx->peers.num; i++) {
+            if (ctx->peers.tab[i]->dead || ctx->peers.tab[i]->registering)
                 continue;
             pidx[n] = i;
-            pfd[n++] = (struct pollfd){.fd = ctx->peers[i]->fd,
-                                       .events = POLLIN | (ctx->peers[i]->out_head ? POLLOUT : 0)};
+            pfd[n++] = (struct pollfd){.fd = ctx->peers.tab[i]->fd,
+                                       .events = POLLIN | (ctx->peers.tab[i]->out_head ? POLLOUT : 0)};
         }
         pthread_mutex_unlock(&ctx->mu);
 
@@ -230,11 +230,11 @@ void *kvw__ctrl_main(void *arg)
         }
         pthread_mutex_lock(&ctx->mu);
         for (nfds_t i = first_peer; i < n; i++)
-            if (pfd[i].revents && !ctx->peers[pidx[i]]->dead)
-                kvw_peer_read(ctx, ctx->peers[pidx[i]]);
+            if (pfd[i].revents && !ctx->peers.tab[pidx[i]]->dead)
+                kvw_peer_read(ctx, ctx->peers.tab[pidx[i]]);
         uint64_t now = kvw__now_ns();
-        for (uint32_t i = 0; i < ctx->num_peers; i++) {
-            kvw_peer_t *p = ctx->peers[i];
+        for (uint32_t i = 0; i < ctx->peers.num; i++) {
+            kvw_peer_t *p = ctx->peers.tab[i];
             if (p->dead || p->registering)
                 continue;
             if (p->tx_stall_ns && now - p->tx_stall_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
@@ -274,9 +274,9 @@ void *kvw__ctrl_main(void *arg)
         /* Peers with queued frames, copied under the lock: registration threads may
          * grow the peer table meanwhile. Peers are never freed before the context. */
         uint32_t nf = 0;
-        for (uint32_t i = 0; i < ctx->num_peers && nf < cap; i++)
-            if (ctx->peers[i]->out_head && !ctx->peers[i]->dead)
-                flush[nf++] = ctx->peers[i];
+        for (uint32_t i = 0; i < ctx->peers.num && nf < cap; i++)
+            if (ctx->peers.tab[i]->out_head && !ctx->peers.tab[i]->dead)
+                flush[nf++] = ctx->peers.tab[i];
         pthread_mutex_unlock(&ctx->mu);
         kvw__peer_res_release(ctx, reaped);
         for (uint32_t i = 0; i < nf; i++)

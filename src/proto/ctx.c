@@ -68,8 +68,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         ctx->instance_id = params->instance_id;
     ctx->listen_fd = -1;
     ctx->bs_fd = -1;
-    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
-        ctx->hs[i].fd = -1;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++)
+        ctx->hs.slot[i].fd = -1;
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
              (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host
@@ -181,28 +181,28 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         /* The staging area receives gathered head slices in one bulk write each. */
         uint64_t smb;
         kvw__config_u64("KVW_STAGING_MB", &smb);
-        ctx->staging_len = smb << 20;
-        if (ctx->staged_dev && ctx->staging_len == 0) {
+        ctx->stage.len = smb << 20;
+        if (ctx->staged_dev && ctx->stage.len == 0) {
             st = kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are %s memory, which "
                             "'%s' writes through the staging area, but KVW_STAGING_MB=0 "
                             "leaves none", ctx->mem->name, ctx->tl_ops->name);
             goto err_decode;
         }
-        if (ctx->staging_len) {
+        if (ctx->stage.len) {
             void *sa = NULL;
-            if (kvw_mem_alloc_shared(ctx->staging_len, &sa) == KVW_OK) {
-                ctx->staging_shared = true;
-            } else if (posix_memalign(&sa, 4096, ctx->staging_len) != 0) {
+            if (kvw_mem_alloc_shared(ctx->stage.len, &sa) == KVW_OK) {
+                ctx->stage.shared = true;
+            } else if (posix_memalign(&sa, 4096, ctx->stage.len) != 0) {
                 st = kvw__error(KVW_ERR_NO_MEMORY, "cannot allocate %llu bytes of staging",
-                                (unsigned long long)ctx->staging_len);
+                                (unsigned long long)ctx->stage.len);
                 goto err_decode;
             }
-            ctx->staging = sa;
+            ctx->stage.buf = sa;
             /* Page-locked for the copies of staged windows to the device; without it they
              * still work, through the driver's own bounce buffers. */
             if (ctx->staged_dev)
-                ctx->staging_pinned = ctx->mem->pin(ctx->staging, ctx->staging_len) == KVW_OK;
-            if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->staging, ctx->staging_len, KVW_MEM_HOST,
+                ctx->stage.pinned = ctx->mem->pin(ctx->stage.buf, ctx->stage.len) == KVW_OK;
+            if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->stage.buf, ctx->stage.len, KVW_MEM_HOST,
                                            nb, &ctx->mems[nb],
                                            rkeys + (size_t)nb * KVW_TL_MAX_RKEY,
                                            &rkey_lens[nb])) != KVW_OK)
@@ -225,8 +225,8 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                 st = KVW_ERR_INVALID_PARAM;
                 goto err_decode;
             }
-            ctx->insts[i0].gen = 1;
-            ctx->insts[i0].state = KVW_INST_CONNECTING;
+            ctx->insts.tab[i0].gen = 1;
+            ctx->insts.tab[i0].state = KVW_INST_CONNECTING;
             if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
                                             params->prefill_pp, params->prefill_dp,
                                             ctx->secret, deadline, &entries, &ne)) != KVW_OK)
@@ -235,7 +235,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                 if ((st = kvw__decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
                                                     deadline)) != KVW_OK)
                     goto err_decode;
-            ctx->insts[i0].state = KVW_INST_READY;
+            ctx->insts.tab[i0].state = KVW_INST_READY;
         }
         if (pthread_create(&ctx->ctrl_thread, NULL, kvw__ctrl_main, ctx) != 0)
             st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
@@ -265,9 +265,9 @@ uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap)
     if (ctx == NULL)
         return 0;
     pthread_mutex_lock(&ctx->mu);
-    uint64_t n = ctx->refusals;
+    uint64_t n = ctx->hs.refusals;
     if (buf && cap)
-        snprintf(buf, cap, "%s", ctx->last_refusal);
+        snprintf(buf, cap, "%s", ctx->hs.last_refusal);
     pthread_mutex_unlock(&ctx->mu);
     return n;
 }
@@ -294,9 +294,9 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     kvw__event_stop(ctx);
     /* Registration and connecting threads end within their timeouts (connecting ones
      * sooner: cancelled); wait for them. */
-    atomic_store(&ctx->cancel_connects, true);
+    atomic_store(&ctx->insts.cancel, true);
     pthread_mutex_lock(&ctx->mu);
-    while (ctx->handshakes || ctx->connecting)
+    while (ctx->hs.running || ctx->insts.connecting)
         pthread_cond_wait(&ctx->cv, &ctx->mu);
     pthread_mutex_unlock(&ctx->mu);
     for (uint32_t i = 0; i < ctx->num_workers; i++)
@@ -305,30 +305,30 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         ctx->tl_ops->close(ctx->tl);
         ctx->tl_ops->stop(ctx->tl);
     }
-    for (uint32_t i = 0; i < ctx->num_peers; i++)
-        kvw__peer_free(ctx, ctx->peers[i]);
-    free(ctx->peers);
+    for (uint32_t i = 0; i < ctx->peers.num; i++)
+        kvw__peer_free(ctx, ctx->peers.tab[i]);
+    free(ctx->peers.tab);
     for (uint32_t i = 0; i < ctx->num_mems; i++)
         if (ctx->mems[i])
             ctx->tl_ops->mem_dereg(ctx->tl, ctx->mems[i]);
     free(ctx->mems);
     if (ctx->tl)
         ctx->tl_ops->fini(ctx->tl);
-    if (ctx->staging) {
-        if (ctx->staging_pinned)
-            ctx->mem->unpin(ctx->staging);
-        if (ctx->staging_shared)
-            kvw_mem_free_shared(ctx->staging);
+    if (ctx->stage.buf) {
+        if (ctx->stage.pinned)
+            ctx->mem->unpin(ctx->stage.buf);
+        if (ctx->stage.shared)
+            kvw_mem_free_shared(ctx->stage.buf);
         else
-            free(ctx->staging);
+            free(ctx->stage.buf);
     }
-    free(ctx->spans);
-    free(ctx->waits);
-    free(ctx->insts);
-    free(ctx->late);
+    free(ctx->stage.spans);
+    free(ctx->stage.waits);
+    free(ctx->insts.tab);
+    free(ctx->insts.late);
     free(ctx->hello_rkeys);
     free(ctx->hello_rkey_lens);
-    free(ctx->binds);
+    free(ctx->binds.tab);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
     kvw__rooms_release(ctx);
     if (ctx->bs_fd >= 0)

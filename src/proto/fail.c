@@ -97,8 +97,8 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     }
     /* Decode: a prefill instance with a dead rank is down; the next room that names it
      * connects again (a restarted instance). */
-    if (ctx->side == KVW_SIDE_DECODE && peer->inst < ctx->num_insts) {
-        kvw_inst_t *in = &ctx->insts[peer->inst];
+    if (ctx->side == KVW_SIDE_DECODE && peer->inst < ctx->insts.num) {
+        kvw_inst_t *in = &ctx->insts.tab[peer->inst];
         if (in->gen == peer->inst_gen && in->state == KVW_INST_READY) {
             in->state = KVW_INST_DOWN;
             snprintf(in->why, sizeof(in->why), "%s: %s", peer->desc, reason);
@@ -122,26 +122,26 @@ static bool kvw_stage_try(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, 
     /* First fit between the sorted spans; 64-byte aligned offsets keep copies fast. */
     uint64_t at = 0;
     uint32_t i = 0;
-    for (; i <= ctx->num_spans; i++) {
-        uint64_t end = i < ctx->num_spans ? ctx->spans[i].off : ctx->staging_len;
+    for (; i <= ctx->stage.num_spans; i++) {
+        uint64_t end = i < ctx->stage.num_spans ? ctx->stage.spans[i].off : ctx->stage.len;
         if (end >= at && end - at >= len)
             break;
-        if (i < ctx->num_spans)
-            at = (ctx->spans[i].off + ctx->spans[i].len + 63) & ~(uint64_t)63;
+        if (i < ctx->stage.num_spans)
+            at = (ctx->stage.spans[i].off + ctx->stage.spans[i].len + 63) & ~(uint64_t)63;
     }
-    if (i > ctx->num_spans)
+    if (i > ctx->stage.num_spans)
         return false;
-    if (ctx->num_spans == ctx->cap_spans) {
-        uint32_t cap = ctx->cap_spans ? ctx->cap_spans * 2 : 16;
-        kvw_stage_span_t *n = realloc(ctx->spans, sizeof(*n) * cap);
+    if (ctx->stage.num_spans == ctx->stage.cap_spans) {
+        uint32_t cap = ctx->stage.cap_spans ? ctx->stage.cap_spans * 2 : 16;
+        kvw_stage_span_t *n = realloc(ctx->stage.spans, sizeof(*n) * cap);
         if (n == NULL)
             return false;
-        ctx->spans = n;
-        ctx->cap_spans = cap;
+        ctx->stage.spans = n;
+        ctx->stage.cap_spans = cap;
     }
-    memmove(&ctx->spans[i + 1], &ctx->spans[i], sizeof(*ctx->spans) * (ctx->num_spans - i));
-    ctx->spans[i] = (kvw_stage_span_t){.off = at, .len = len, .room = room};
-    ctx->num_spans++;
+    memmove(&ctx->stage.spans[i + 1], &ctx->stage.spans[i], sizeof(*ctx->stage.spans) * (ctx->stage.num_spans - i));
+    ctx->stage.spans[i] = (kvw_stage_span_t){.off = at, .len = len, .room = room};
+    ctx->stage.num_spans++;
     kvw_wbuf_t w;
     kvw__wb_init(&w, KVW_MSG_STAGE_GRANT);
     kvw__wb_u64(&w, room);
@@ -155,11 +155,11 @@ void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64
 {
     kvw_room_t *r = kvw__room_find(ctx, room);
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || len == 0 ||
-        len > ctx->staging_len) {
+        len > ctx->stage.len) {
         if (r && !r->is_sender)
             kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
                            "%s asked for %llu bytes of staging (the area has %llu)", peer->desc,
-                           (unsigned long long)len, (unsigned long long)ctx->staging_len);
+                           (unsigned long long)len, (unsigned long long)ctx->stage.len);
         return;
     }
     /* Only a prefill rank that writes this room may ask for space for it (anyone else is
@@ -176,55 +176,55 @@ void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64
         kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
         return;
     }
-    for (uint32_t i = 0; i < ctx->num_waits; i++)
-        if (ctx->waits[i].room == room && ctx->waits[i].peer == peer->id) {
+    for (uint32_t i = 0; i < ctx->stage.num_waits; i++)
+        if (ctx->stage.waits[i].room == room && ctx->stage.waits[i].peer == peer->id) {
             kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true,
                            "%s asked for staging space for room %llu again before its previous "
                            "request was granted", peer->desc, (unsigned long long)room);
             return;
         }
     /* Waiters are served in order, so a large request is not starved by small ones. */
-    if (ctx->num_waits == 0 && kvw_stage_try(ctx, peer, room, len))
+    if (ctx->stage.num_waits == 0 && kvw_stage_try(ctx, peer, room, len))
         return;
-    if (ctx->num_waits == ctx->cap_waits) {
-        uint32_t cap = ctx->cap_waits ? ctx->cap_waits * 2 : 16;
-        kvw_stage_wait_t *n = realloc(ctx->waits, sizeof(*n) * cap);
+    if (ctx->stage.num_waits == ctx->stage.cap_waits) {
+        uint32_t cap = ctx->stage.cap_waits ? ctx->stage.cap_waits * 2 : 16;
+        kvw_stage_wait_t *n = realloc(ctx->stage.waits, sizeof(*n) * cap);
         if (n == NULL) {
             kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory queuing staging");
             return;
         }
-        ctx->waits = n;
-        ctx->cap_waits = cap;
+        ctx->stage.waits = n;
+        ctx->stage.cap_waits = cap;
     }
-    ctx->waits[ctx->num_waits++] = (kvw_stage_wait_t){.peer = peer->id, .room = room, .len = len};
+    ctx->stage.waits[ctx->stage.num_waits++] = (kvw_stage_wait_t){.peer = peer->id, .room = room, .len = len};
 }
 
 void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off)
 {
-    for (uint32_t i = 0; i < ctx->num_spans; i++)
-        if (ctx->spans[i].off == off) {
-            memmove(&ctx->spans[i], &ctx->spans[i + 1],
-                    sizeof(*ctx->spans) * (ctx->num_spans - i - 1));
-            ctx->num_spans--;
+    for (uint32_t i = 0; i < ctx->stage.num_spans; i++)
+        if (ctx->stage.spans[i].off == off) {
+            memmove(&ctx->stage.spans[i], &ctx->stage.spans[i + 1],
+                    sizeof(*ctx->stage.spans) * (ctx->stage.num_spans - i - 1));
+            ctx->stage.num_spans--;
             break;
         }
-    while (ctx->num_waits) {
-        kvw_stage_wait_t w = ctx->waits[0];
+    while (ctx->stage.num_waits) {
+        kvw_stage_wait_t w = ctx->stage.waits[0];
         kvw_room_t *r = kvw__room_find(ctx, w.room);
-        bool live = r && r->state != KVW_ROOM_FAILED && !ctx->peers[w.peer]->dead;
-        if (live && !kvw_stage_try(ctx, ctx->peers[w.peer], w.room, w.len))
+        bool live = r && r->state != KVW_ROOM_FAILED && !ctx->peers.tab[w.peer]->dead;
+        if (live && !kvw_stage_try(ctx, ctx->peers.tab[w.peer], w.room, w.len))
             break;
-        memmove(&ctx->waits[0], &ctx->waits[1], sizeof(*ctx->waits) * (ctx->num_waits - 1));
-        ctx->num_waits--;
+        memmove(&ctx->stage.waits[0], &ctx->stage.waits[1], sizeof(*ctx->stage.waits) * (ctx->stage.num_waits - 1));
+        ctx->stage.num_waits--;
     }
 }
 
 /* Frees every span a room holds (when it ends). */
 static void kvw_stage_release_room(struct kvw_ctx *ctx, uint64_t room)
 {
-    for (uint32_t i = 0; i < ctx->num_spans;) {
-        if (ctx->spans[i].room == room) {
-            kvw__stage_free(ctx, ctx->spans[i].off);
+    for (uint32_t i = 0; i < ctx->stage.num_spans;) {
+        if (ctx->stage.spans[i].room == room) {
+            kvw__stage_free(ctx, ctx->stage.spans[i].off);
             i = 0;
         } else {
             i++;
@@ -255,7 +255,7 @@ void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r)
         return;
     r->quiesce_sent = true;
     for (uint32_t i = 0; i < r->num_dsts; i++)
-        kvw__send_room_msg(ctx, ctx->peers[r->dsts[i].peer], KVW_MSG_ABORT_ACK, r->id,
+        kvw__send_room_msg(ctx, ctx->peers.tab[r->dsts[i].peer], KVW_MSG_ABORT_ACK, r->id,
                            KVW_ERR_ABORTED, "stopped");
 }
 
@@ -273,7 +273,7 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     va_end(ap);
     kvw__log(KVW_LOG_WARN, "%s room %llu failed (%s): %s", room->is_sender ? "prefill" : "decode",
              (unsigned long long)room->id, kvw_status_string(status), room->reason);
-    if (!room->is_sender && ctx->staging)
+    if (!room->is_sender && ctx->stage.buf)
         kvw_stage_release_room(ctx, room->id);
     pthread_cond_broadcast(&ctx->cv);
     atomic_fetch_add_explicit(&ctx->done_gen, 1, memory_order_release);
@@ -286,27 +286,27 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
      * the room on its prefill ranks. */
     if (room->is_sender) {
         for (uint32_t i = 0; i < room->num_dsts; i++)
-            kvw__send_room_msg(ctx, ctx->peers[room->dsts[i].peer], KVW_MSG_FAILED, room->id, status,
+            kvw__send_room_msg(ctx, ctx->peers.tab[room->dsts[i].peer], KVW_MSG_FAILED, room->id, status,
                                room->reason);
         kvw__room_quiesce(ctx, room);
     } else if (room->pending) {
         /* Posted while its instance is being connected: no prefill rank knows the room
          * yet. They hear of the abort once the connection is up. */
-        if (ctx->num_late == ctx->cap_late) {
-            uint32_t cap = ctx->cap_late ? ctx->cap_late * 2 : 16;
-            kvw_late_abort_t *n = cap <= 65536 ? realloc(ctx->late, sizeof(*n) * cap) : NULL;
+        if (ctx->insts.num_late == ctx->insts.cap_late) {
+            uint32_t cap = ctx->insts.cap_late ? ctx->insts.cap_late * 2 : 16;
+            kvw_late_abort_t *n = cap <= 65536 ? realloc(ctx->insts.late, sizeof(*n) * cap) : NULL;
             if (n)
-                ctx->late = n, ctx->cap_late = cap;
+                ctx->insts.late = n, ctx->insts.cap_late = cap;
         }
-        if (ctx->num_late < ctx->cap_late) {
-            kvw_late_abort_t *a = &ctx->late[ctx->num_late++];
+        if (ctx->insts.num_late < ctx->insts.cap_late) {
+            kvw_late_abort_t *a = &ctx->insts.late[ctx->insts.num_late++];
             *a = (kvw_late_abort_t){.inst = room->inst, .gen = room->inst_gen,
                                     .dp = room->src_dp, .room = room->id, .status = status};
             snprintf(a->reason, sizeof(a->reason), "%.150s", room->reason);
         }
     } else {
         for (uint32_t i = 0; i < room->num_srcs; i++)
-            kvw__send_room_msg(ctx, ctx->peers[room->srcs[i].peer], KVW_MSG_ABORT, room->id, status,
+            kvw__send_room_msg(ctx, ctx->peers.tab[room->srcs[i].peer], KVW_MSG_ABORT, room->id, status,
                                room->reason);
     }
     pthread_cond_broadcast(&ctx->cv);

@@ -124,8 +124,8 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
     uint32_t nb = kvw_rank_num_buffers(ctx->rank);
     for (uint32_t i = 0; i < nb; i++)
         kvw__wb_bytes(w, rkeys + (size_t)i * KVW_TL_MAX_RKEY, rkey_lens[i]);
-    kvw__wb_u64(w, ctx->staging_len);
-    if (ctx->staging_len)
+    kvw__wb_u64(w, ctx->stage.len);
+    if (ctx->stage.len)
         kvw__wb_bytes(w, rkeys + (size_t)nb * KVW_TL_MAX_RKEY, rkey_lens[nb]);
 }
 
@@ -246,8 +246,8 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     {
         const kvw_parallel_t *ip = kvw_rank_parallel(remote);
         pthread_mutex_lock(&ctx->mu);
-        for (uint32_t i = 0; i < ctx->num_peers && st == KVW_OK; i++) {
-            const kvw_peer_t *o = ctx->peers[i];
+        for (uint32_t i = 0; i < ctx->peers.num && st == KVW_OK; i++) {
+            const kvw_peer_t *o = ctx->peers.tab[i];
             if (!o->dead && o->instance == instance && o->dp == ip->dp_rank &&
                 o->tp == ip->tp_rank && o->pp == ip->pp_rank) {
                 st = KVW_ERR_BUSY;
@@ -356,8 +356,8 @@ reply:
         /* The engine on this side can ask why a decode rank could not register (counted
          * before the refusal goes out, so the refused side never sees it first). */
         pthread_mutex_lock(&ctx->mu);
-        ctx->refusals++;
-        snprintf(ctx->last_refusal, sizeof(ctx->last_refusal), "decode instance %llu: %s",
+        ctx->hs.refusals++;
+        snprintf(ctx->hs.last_refusal, sizeof(ctx->hs.last_refusal), "decode instance %llu: %s",
                  (unsigned long long)instance, reason);
         kvw__log(KVW_LOG_WARN, "refused a registration of decode instance %llu: %s",
                  (unsigned long long)instance, reason);
@@ -384,8 +384,8 @@ reply:
     const kvw_parallel_t *rpar = kvw_rank_parallel(remote);
     /* The same rank of the same decode instance registering again replaces the old
      * registration (a restarted process whose death was not noticed yet). */
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *o = ctx->peers[i];
+    for (uint32_t i = 0; i < ctx->peers.num; i++) {
+        kvw_peer_t *o = ctx->peers.tab[i];
         if (!o->dead && o->instance == instance && o->dp == rpar->dp_rank &&
             o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
             kvw__peer_dead(ctx, o, KVW_ERR_PEER_DEAD,
@@ -587,7 +587,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
     peer->needed = kvw_pair_needed(remote, ctx->rank);
     snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s (instance %.60s)",
-             e->dp, e->tp, e->pp, e->addr, inst < ctx->num_insts ? ctx->insts[inst].addr : "?");
+             e->dp, e->tp, e->pp, e->addr, inst < ctx->insts.num ? ctx->insts.tab[inst].addr : "?");
     pthread_mutex_unlock(&ctx->mu);
     return KVW_OK;
 }
@@ -600,7 +600,7 @@ kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t
     uint64_t backoff_ms = 20;
     kvw_status_t st;
     while ((st = kvw_decode_connect(ctx, e, inst, gen, deadline)) == KVW_ERR_BUSY &&
-           !atomic_load(&ctx->cancel_connects) &&
+           !atomic_load(&ctx->insts.cancel) &&
            kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
         usleep((useconds_t)(backoff_ms * 1000));
         backoff_ms = KVW_MIN(backoff_ms * 2, 500);
@@ -619,9 +619,9 @@ typedef struct kvw_hs_arg {
 void kvw__handshake_heard(struct kvw_ctx *ctx, int fd)
 {
     pthread_mutex_lock(&ctx->mu);
-    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
-        if (ctx->hs[i].fd == fd)
-            ctx->hs[i].heard = true;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++)
+        if (ctx->hs.slot[i].fd == fd)
+            ctx->hs.slot[i].heard = true;
     pthread_mutex_unlock(&ctx->mu);
 }
 
@@ -634,7 +634,7 @@ static void *kvw_handshake_main(void *arg)
     /* Free the slot before the fd can be closed: the control thread only shuts down
      * fds that are still in a slot, so it never touches a reused descriptor. */
     pthread_mutex_lock(&ctx->mu);
-    ctx->hs[a->slot].fd = -1;
+    ctx->hs.slot[a->slot].fd = -1;
     pthread_mutex_unlock(&ctx->mu);
     /* A bad or refused registration only closes this connection. */
     if (st != KVW_OK)
@@ -647,7 +647,7 @@ static void *kvw_handshake_main(void *arg)
      * frees the context, so this thread must not touch ctx after the unlock below. */
     pthread_mutex_lock(&ctx->mu);
     kvw__ctx_wake(ctx);
-    ctx->handshakes--;
+    ctx->hs.running--;
     pthread_cond_broadcast(&ctx->cv);
     pthread_mutex_unlock(&ctx->mu);
     return NULL;
@@ -664,30 +664,30 @@ void kvw__start_handshake(struct kvw_ctx *ctx, int fd)
      * would time out anyway): silent connections cannot lock honest peers out. Threads
      * of displaced connections still hold one of the spare slots until they leave. */
     uint32_t live = 0, free_slot = UINT32_MAX, oldest = UINT32_MAX;
-    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++) {
-        if (ctx->hs[i].fd < 0) {
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++) {
+        if (ctx->hs.slot[i].fd < 0) {
             free_slot = free_slot == UINT32_MAX ? i : free_slot;
             continue;
         }
-        if (ctx->hs[i].evicted)
+        if (ctx->hs.slot[i].evicted)
             continue;
         live++;
-        if (!ctx->hs[i].heard &&
-            (oldest == UINT32_MAX || ctx->hs[i].started_ns < ctx->hs[oldest].started_ns))
+        if (!ctx->hs.slot[i].heard &&
+            (oldest == UINT32_MAX || ctx->hs.slot[i].started_ns < ctx->hs.slot[oldest].started_ns))
             oldest = i;
     }
     bool refuse = ctx->stopping || a == NULL || free_slot == UINT32_MAX ||
                   (live >= KVW_MAX_HANDSHAKES && oldest == UINT32_MAX);
     if (!refuse && live >= KVW_MAX_HANDSHAKES) {
-        shutdown(ctx->hs[oldest].fd, SHUT_RDWR);
-        ctx->hs[oldest].evicted = true;
+        shutdown(ctx->hs.slot[oldest].fd, SHUT_RDWR);
+        ctx->hs.slot[oldest].evicted = true;
     }
     if (!refuse) {
-        ctx->handshakes++;
-        ctx->hs[free_slot].fd = fd;
-        ctx->hs[free_slot].started_ns = kvw__now_ns();
-        ctx->hs[free_slot].heard = false;
-        ctx->hs[free_slot].evicted = false;
+        ctx->hs.running++;
+        ctx->hs.slot[free_slot].fd = fd;
+        ctx->hs.slot[free_slot].started_ns = kvw__now_ns();
+        ctx->hs.slot[free_slot].heard = false;
+        ctx->hs.slot[free_slot].evicted = false;
     }
     pthread_mutex_unlock(&ctx->mu);
     if (refuse) {
@@ -702,8 +702,8 @@ void kvw__start_handshake(struct kvw_ctx *ctx, int fd)
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, kvw_handshake_main, a) != 0) {
         pthread_mutex_lock(&ctx->mu);
-        ctx->hs[free_slot].fd = -1;
-        ctx->handshakes--;
+        ctx->hs.slot[free_slot].fd = -1;
+        ctx->hs.running--;
         pthread_mutex_unlock(&ctx->mu);
         free(a);
         close(fd);

@@ -47,21 +47,21 @@ void kvw__peer_drop_out(kvw_peer_t *peer)
 
 kvw_peer_t *kvw__peer_add(struct kvw_ctx *ctx, int fd)
 {
-    if (ctx->num_peers == ctx->cap_peers) {
-        uint32_t cap = ctx->cap_peers ? ctx->cap_peers * 2 : 16;
-        kvw_peer_t **n = realloc(ctx->peers, sizeof(*n) * cap);
+    if (ctx->peers.num == ctx->peers.cap) {
+        uint32_t cap = ctx->peers.cap ? ctx->peers.cap * 2 : 16;
+        kvw_peer_t **n = realloc(ctx->peers.tab, sizeof(*n) * cap);
         if (n == NULL)
             return NULL;
-        ctx->peers = n;
-        ctx->cap_peers = cap;
+        ctx->peers.tab = n;
+        ctx->peers.cap = cap;
     }
     kvw_peer_t *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return NULL;
-    p->id = ctx->num_peers;
+    p->id = ctx->peers.num;
     p->fd = fd;
     p->last_rx_ns = p->last_tx_ns = kvw__now_ns();
-    ctx->peers[ctx->num_peers++] = p;
+    ctx->peers.tab[ctx->peers.num++] = p;
     return p;
 }
 
@@ -72,8 +72,8 @@ static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p)
 {
     if (!p->dead || p->reaped || p->registering || p->tx_busy)
         return false;
-    for (uint32_t i = 0; i < ctx->num_waits; i++)
-        if (ctx->waits[i].peer == p->id)
+    for (uint32_t i = 0; i < ctx->stage.num_waits; i++)
+        if (ctx->stage.waits[i].peer == p->id)
             return false;
     for (const kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
         for (uint32_t i = 0; i < r->num_dsts; i++)
@@ -122,8 +122,8 @@ static void kvw_peer_res_close(struct kvw_ctx *ctx, kvw_peer_res_t *res)
 kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx)
 {
     kvw_peer_res_t *list = NULL;
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *p = ctx->peers[i];
+    for (uint32_t i = 0; i < ctx->peers.num; i++) {
+        kvw_peer_t *p = ctx->peers.tab[i];
         if (!kvw_peer_reapable(ctx, p))
             continue;
         kvw_peer_res_t *res = calloc(1, sizeof(*res));

@@ -45,14 +45,14 @@ void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room)
 {
     (void)kvw__hmap_remove(&ctx->rooms, &room->hnode);
     /* Drop it from the worker queue too. */
-    for (kvw_room_t **pp = &ctx->q_head; *pp; pp = &(*pp)->qnext)
+    for (kvw_room_t **pp = &ctx->q.head; *pp; pp = &(*pp)->qnext)
         if (*pp == room) {
             *pp = room->qnext;
             break;
         }
-    ctx->q_tail = NULL;
-    for (kvw_room_t *q = ctx->q_head; q; q = q->qnext)
-        ctx->q_tail = q;
+    ctx->q.tail = NULL;
+    for (kvw_room_t *q = ctx->q.head; q; q = q->qnext)
+        ctx->q.tail = q;
     room->queued = false;
 }
 

@@ -13,12 +13,12 @@ void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
         return;
     room->queued = true;
     room->qnext = NULL;
-    if (ctx->q_tail)
-        ctx->q_tail->qnext = room;
+    if (ctx->q.tail)
+        ctx->q.tail->qnext = room;
     else
-        ctx->q_head = room;
-    ctx->q_tail = room;
-    atomic_fetch_add_explicit(&ctx->q_gen, 1, memory_order_release);
+        ctx->q.head = room;
+    ctx->q.tail = room;
+    atomic_fetch_add_explicit(&ctx->q.gen, 1, memory_order_release);
     pthread_cond_broadcast(&ctx->cv);
 }
 
@@ -34,8 +34,8 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
     if (r->dst_dp < 0)
         return false;
     uint32_t group = 0;
-    for (uint32_t i = 0; i < ctx->num_peers && !group; i++) {
-        kvw_peer_t *p = ctx->peers[i];
+    for (uint32_t i = 0; i < ctx->peers.num && !group; i++) {
+        kvw_peer_t *p = ctx->peers.tab[i];
         if (p->dp == (uint32_t)r->dst_dp && p->instance == r->dst_instance)
             group = p->remote_group_size;
     }
@@ -51,8 +51,8 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
         memset(stack_bits, 0, sizeof(stack_bits));
     uint64_t *need = seen + words;
     uint32_t positions = 0, needed = 0;
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *p = ctx->peers[i];
+    for (uint32_t i = 0; i < ctx->peers.num; i++) {
+        kvw_peer_t *p = ctx->peers.tab[i];
         if (p->dp != (uint32_t)r->dst_dp || p->instance != r->dst_instance ||
             p->remote_group_size != group)
             continue;
