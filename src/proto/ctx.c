@@ -68,8 +68,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         ctx->instance_id = params->instance_id;
     ctx->listen_fd = -1;
     ctx->bs_fd = -1;
-    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++)
-        ctx->hs.slot[i].fd = -1;
+    kvw__hs_init(ctx);
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
              (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host
@@ -179,29 +178,9 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
             }
         }
         /* The staging area receives gathered head slices in one bulk write each. */
-        uint64_t smb;
-        kvw__config_u64("KVW_STAGING_MB", &smb);
-        ctx->stage.len = smb << 20;
-        if (ctx->staged_dev && ctx->stage.len == 0) {
-            st = kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are %s memory, which "
-                            "'%s' writes through the staging area, but KVW_STAGING_MB=0 "
-                            "leaves none", ctx->mem->name, ctx->tl_ops->name);
+        if ((st = kvw__stage_init(ctx)) != KVW_OK)
             goto err_decode;
-        }
         if (ctx->stage.len) {
-            void *sa = NULL;
-            if (kvw_mem_alloc_shared(ctx->stage.len, &sa) == KVW_OK) {
-                ctx->stage.shared = true;
-            } else if (posix_memalign(&sa, 4096, ctx->stage.len) != 0) {
-                st = kvw__error(KVW_ERR_NO_MEMORY, "cannot allocate %llu bytes of staging",
-                                (unsigned long long)ctx->stage.len);
-                goto err_decode;
-            }
-            ctx->stage.buf = sa;
-            /* Page-locked for the copies of staged windows to the device; without it they
-             * still work, through the driver's own bounce buffers. */
-            if (ctx->staged_dev)
-                ctx->stage.pinned = ctx->mem->pin(ctx->stage.buf, ctx->stage.len) == KVW_OK;
             if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->stage.buf, ctx->stage.len, KVW_MEM_HOST,
                                            nb, &ctx->mems[nb],
                                            rkeys + (size_t)nb * KVW_TL_MAX_RKEY,
@@ -225,8 +204,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                 st = KVW_ERR_INVALID_PARAM;
                 goto err_decode;
             }
-            ctx->insts.tab[i0].gen = 1;
-            ctx->insts.tab[i0].state = KVW_INST_CONNECTING;
+            kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_CONNECTING);
             if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
                                             params->prefill_pp, params->prefill_dp,
                                             ctx->secret, deadline, &entries, &ne)) != KVW_OK)
@@ -235,7 +213,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                 if ((st = kvw__decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
                                                     deadline)) != KVW_OK)
                     goto err_decode;
-            ctx->insts.tab[i0].state = KVW_INST_READY;
+            kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_READY);
         }
         if (pthread_create(&ctx->ctrl_thread, NULL, kvw__ctrl_main, ctx) != 0)
             st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
@@ -258,18 +236,6 @@ err:
         kvw_ctx_destroy(ctx);
         return kvw__error(st, "%s", msg);
     }
-}
-
-uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap)
-{
-    if (ctx == NULL)
-        return 0;
-    pthread_mutex_lock(&ctx->mu);
-    uint64_t n = ctx->hs.refusals;
-    if (buf && cap)
-        snprintf(buf, cap, "%s", ctx->hs.last_refusal);
-    pthread_mutex_unlock(&ctx->mu);
-    return n;
 }
 
 const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx)
@@ -296,7 +262,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
      * sooner: cancelled); wait for them. */
     atomic_store(&ctx->insts.cancel, true);
     pthread_mutex_lock(&ctx->mu);
-    while (ctx->hs.running || ctx->insts.connecting)
+    while (kvw__hs_running(ctx) || ctx->insts.connecting)
         pthread_cond_wait(&ctx->cv, &ctx->mu);
     pthread_mutex_unlock(&ctx->mu);
     for (uint32_t i = 0; i < ctx->num_workers; i++)
@@ -305,8 +271,8 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         ctx->tl_ops->close(ctx->tl);
         ctx->tl_ops->stop(ctx->tl);
     }
-    for (uint32_t i = 0; i < ctx->peers.num; i++)
-        kvw__peer_free(ctx, ctx->peers.tab[i]);
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
+        kvw__peer_free(ctx, kvw__peer_at(ctx, i));
     free(ctx->peers.tab);
     for (uint32_t i = 0; i < ctx->num_mems; i++)
         if (ctx->mems[i])
@@ -314,21 +280,11 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     free(ctx->mems);
     if (ctx->tl)
         ctx->tl_ops->fini(ctx->tl);
-    if (ctx->stage.buf) {
-        if (ctx->stage.pinned)
-            ctx->mem->unpin(ctx->stage.buf);
-        if (ctx->stage.shared)
-            kvw_mem_free_shared(ctx->stage.buf);
-        else
-            free(ctx->stage.buf);
-    }
-    free(ctx->stage.spans);
-    free(ctx->stage.waits);
-    free(ctx->insts.tab);
-    free(ctx->insts.late);
+    kvw__stage_fini(ctx);
+    kvw__insts_fini(ctx);
     free(ctx->hello_rkeys);
     free(ctx->hello_rkey_lens);
-    free(ctx->binds.tab);
+    kvw__binds_fini(ctx);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
     kvw__rooms_release(ctx);
     if (ctx->bs_fd >= 0)

@@ -124,8 +124,8 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
     uint32_t nb = kvw_rank_num_buffers(ctx->rank);
     for (uint32_t i = 0; i < nb; i++)
         kvw__wb_bytes(w, rkeys + (size_t)i * KVW_TL_MAX_RKEY, rkey_lens[i]);
-    kvw__wb_u64(w, ctx->stage.len);
-    if (ctx->stage.len)
+    kvw__wb_u64(w, kvw__stage_len(ctx));
+    if (kvw__stage_len(ctx))
         kvw__wb_bytes(w, rkeys + (size_t)nb * KVW_TL_MAX_RKEY, rkey_lens[nb]);
 }
 
@@ -246,8 +246,8 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     {
         const kvw_parallel_t *ip = kvw_rank_parallel(remote);
         pthread_mutex_lock(&ctx->mu);
-        for (uint32_t i = 0; i < ctx->peers.num && st == KVW_OK; i++) {
-            const kvw_peer_t *o = ctx->peers.tab[i];
+        for (uint32_t i = 0; i < kvw__peer_count(ctx) && st == KVW_OK; i++) {
+            const kvw_peer_t *o = kvw__peer_at(ctx, i);
             if (!o->dead && o->instance == instance && o->dp == ip->dp_rank &&
                 o->tp == ip->tp_rank && o->pp == ip->pp_rank) {
                 st = KVW_ERR_BUSY;
@@ -384,8 +384,8 @@ reply:
     const kvw_parallel_t *rpar = kvw_rank_parallel(remote);
     /* The same rank of the same decode instance registering again replaces the old
      * registration (a restarted process whose death was not noticed yet). */
-    for (uint32_t i = 0; i < ctx->peers.num; i++) {
-        kvw_peer_t *o = ctx->peers.tab[i];
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+        kvw_peer_t *o = kvw__peer_at(ctx, i);
         if (!o->dead && o->instance == instance && o->dp == rpar->dp_rank &&
             o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
             kvw__peer_dead(ctx, o, KVW_ERR_PEER_DEAD,
@@ -587,7 +587,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
     peer->needed = kvw_pair_needed(remote, ctx->rank);
     snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s (instance %.60s)",
-             e->dp, e->tp, e->pp, e->addr, inst < ctx->insts.num ? ctx->insts.tab[inst].addr : "?");
+             e->dp, e->tp, e->pp, e->addr, kvw__inst_name(ctx, inst));
     pthread_mutex_unlock(&ctx->mu);
     return KVW_OK;
 }
@@ -600,7 +600,7 @@ kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t
     uint64_t backoff_ms = 20;
     kvw_status_t st;
     while ((st = kvw_decode_connect(ctx, e, inst, gen, deadline)) == KVW_ERR_BUSY &&
-           !atomic_load(&ctx->insts.cancel) &&
+           !kvw__insts_cancelled(ctx) &&
            kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
         usleep((useconds_t)(backoff_ms * 1000));
         backoff_ms = KVW_MIN(backoff_ms * 2, 500);
@@ -709,4 +709,27 @@ void kvw__start_handshake(struct kvw_ctx *ctx, int fd)
         close(fd);
     }
     pthread_attr_destroy(&attr);
+}
+
+void kvw__hs_init(struct kvw_ctx *ctx)
+{
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++)
+        ctx->hs.slot[i].fd = -1;
+}
+
+uint32_t kvw__hs_running(const struct kvw_ctx *ctx)
+{
+    return ctx->hs.running;
+}
+
+uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap)
+{
+    if (ctx == NULL)
+        return 0;
+    pthread_mutex_lock(&ctx->mu);
+    uint64_t n = ctx->hs.refusals;
+    if (buf && cap)
+        snprintf(buf, cap, "%s", ctx->hs.last_refusal);
+    pthread_mutex_unlock(&ctx->mu);
+    return n;
 }

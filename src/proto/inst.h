@@ -1,7 +1,7 @@
 /*
  * Decode: the prefill instances a context reads from, each named by its bootstrap
  * address, the threads connecting to them, and the aborts of rooms that ended while
- * their instance was still being connected. Owned by recv.c.
+ * their instance was still being connected. Owned by inst.c.
  */
 #ifndef KVW_PROTO_INST_H
 #define KVW_PROTO_INST_H
@@ -45,6 +45,26 @@ typedef struct kvw_insts {
     uint32_t num_late, cap_late;
 } kvw_insts_t;
 
+struct kvw_peer;
+
+/* Called under mu by an instance's connecting thread once it is done: st is KVW_OK
+ * (connected) or why it failed (the rooms waiting for it settle: recv.c). */
+typedef void (*kvw_inst_settle_fn)(struct kvw_ctx *ctx, uint32_t inst, kvw_status_t st,
+                                   const char *why);
+
+/* Context teardown: frees the table. */
+void kvw__insts_fini(struct kvw_ctx *ctx);
+/* Sets instance `i`'s generation and state (the context's own instance, connected at
+ * creation). mu held. */
+void kvw__inst_set(struct kvw_ctx *ctx, uint32_t i, uint32_t gen, int state);
+/* A rank of a ready instance died: the instance is down (the next room that names it
+ * connects again). mu held. */
+void kvw__inst_peer_down(struct kvw_ctx *ctx, const struct kvw_peer *peer, const char *reason);
+/* A room posted while its instance (inst, gen) was being connected ended: its prefill
+ * ranks of DP rank `dp` hear of it once the instance is connected. mu held. */
+void kvw__late_abort_add(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, uint32_t dp,
+                         uint64_t room, kvw_status_t status, const char *reason);
+
 /* Decode: sends the ABORTs of rooms that ended while instance `inst` (generation `gen`)
  * was being connected, now that it is (connected) or drops them (not). mu held. */
 void kvw__late_aborts_flush(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, bool connected);
@@ -53,7 +73,8 @@ void kvw__late_aborts_flush(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, bo
  * of memory, message set). mu held. */
 int kvw__inst_find_or_add(struct kvw_ctx *ctx, const char *addr);
 /* Decode: makes sure instance `i` is connected or being connected (a down instance is
- * connected again); returns its state. mu held. */
-int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i);
+ * connected again, on its own thread, which calls `settle` when done); returns its state.
+ * mu held. */
+int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i, kvw_inst_settle_fn settle);
 
 #endif

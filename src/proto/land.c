@@ -18,7 +18,7 @@ static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_
 {
     if (s->done && s->got == s->expected && (!s->meta_expected || s->meta_got) &&
         !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
-        kvw__send_room_msg(ctx, ctx->peers.tab[s->peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
+        kvw__send_room_msg(ctx, kvw__peer_at(ctx, s->peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
 }
 
 /* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
@@ -117,14 +117,14 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
         if (r->srcs[i].got != r->srcs[i].expected) {
             kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
                            "%s delivered %llu bytes, the plan expects %llu",
-                           ctx->peers.tab[r->srcs[i].peer]->desc,
+                           kvw__peer_at(ctx, r->srcs[i].peer)->desc,
                            (unsigned long long)r->srcs[i].got,
                            (unsigned long long)r->srcs[i].expected);
             return;
         }
     if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED)
         for (uint32_t i = 0; i < r->num_srcs; i++)
-            kvw__send_room_msg(ctx, ctx->peers.tab[r->srcs[i].peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK,
+            kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->srcs[i].peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK,
                                "");
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
 }
@@ -137,7 +137,8 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
                                 const kvw_chunk_t *c, uint64_t soff, uint64_t slen, uint64_t goff,
                                 kvw_staged_t **sg_p)
 {
-    if (goff > ctx->stage.len || slen > ctx->stage.len - goff)
+    uint8_t *win = NULL;
+    if (!kvw__stage_window(ctx, goff, slen, &win))
         return kvw__error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, +%llu) outside the staging "
                           "area", (unsigned long long)goff, (unsigned long long)slen);
     if (*sg_p == NULL) {
@@ -148,7 +149,7 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
         if (st != KVW_OK)
             return st;
     }
-    return kvw__staged_scatter(*sg_p, ctx->stage.buf + goff, soff, soff + slen);
+    return kvw__staged_scatter(*sg_p, win, soff, soff + slen);
 }
 
 /* A data connection says which peer it belongs to (KVW_MSG_BIND, its first message).
@@ -183,9 +184,9 @@ static void kvw_on_bind(struct kvw_ctx *ctx, kvw_tl_ep_h ep, kvw_rbuf_t *rb)
 /* Whether `ep` is the data connection of peer `peer_id` (mu held). */
 static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
 {
-    if (peer_id >= ctx->peers.num)
+    if (peer_id >= kvw__peer_count(ctx))
         return false;
-    const kvw_peer_t *p = ctx->peers.tab[peer_id];
+    const kvw_peer_t *p = kvw__peer_at(ctx, peer_id);
     for (uint32_t i = 0; i < ctx->binds.num; i++) {
         const kvw_bind_t *b = &ctx->binds.tab[i];
         if (b->ep != ep)
@@ -255,10 +256,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw__room_touch(ctx, r);
     if (staged) {
         /* The window must be exactly a span this room was granted. */
-        bool ok = false;
-        for (uint32_t i = 0; i < ctx->stage.num_spans; i++)
-            ok |= ctx->stage.spans[i].off == goff && ctx->stage.spans[i].len == slen && ctx->stage.spans[i].room == id;
-        if (!ok) {
+        if (!kvw__stage_is_span(ctx, id, goff, slen)) {
             kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
                            "room %llu: staged data at [%llu, +%llu) was never granted",
                            (unsigned long long)id, (unsigned long long)goff,
@@ -282,7 +280,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         }
         c.num_tokens = r->num_tokens;
         c.prefix_len = r->prefix_len;
-        kvw_rank_h src = ctx->peers.tab[peer_id]->remote;
+        kvw_rank_h src = kvw__peer_at(ctx, peer_id)->remote;
         /* The stream of this source's chunk, when it is the one of the window before;
          * taken out while in use (another window of the source meanwhile opens its own). */
         kvw_staged_t *sg = s->scatter;
@@ -384,7 +382,7 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, room);
     const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, (uint32_t)region);
-    bool staging = region == ctx->rank->num_bufs && ctx->stage.buf;
+    bool staging = region == ctx->rank->num_bufs && kvw__stage_present(ctx);
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED ||
         r->state == KVW_ROOM_SUCCESS || r->state == KVW_ROOM_BOOTSTRAPPING ||
         (b == NULL && !staging)) {
@@ -394,15 +392,13 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
                            (unsigned long long)room, kvw_room_state_string(r->state));
         goto out;
     }
-    if (region == ctx->rank->num_bufs && ctx->stage.buf) {
+    if (staging) {
         /* The staging area: only inside a span granted to this room. */
-        for (uint32_t i = 0; i < ctx->stage.num_spans; i++)
-            if (ctx->stage.spans[i].room == room && off >= ctx->stage.spans[i].off &&
-                off - ctx->stage.spans[i].off <= ctx->stage.spans[i].len &&
-                len <= ctx->stage.spans[i].len - (off - ctx->stage.spans[i].off)) {
-                st = kvw_note_write(ctx, r, KVW_IV_STAGED | ctx->stage.spans[i].off, off, len);
-                goto out;
-            }
+        int64_t span = kvw__stage_span_of(ctx, room, off, len);
+        if (span >= 0) {
+            st = kvw_note_write(ctx, r, KVW_IV_STAGED | (uint64_t)span, off, len);
+            goto out;
+        }
         st = KVW_ERR_OUT_OF_RANGE;
         kvw__room_fail(ctx, r, st, true, "room %llu: a staged write to [%llu, +%llu) lies outside "
                        "its staging grant", (unsigned long long)room, (unsigned long long)off,
@@ -453,4 +449,11 @@ void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char
             break;
         }
     pthread_mutex_unlock(&ctx->mu);
+}
+
+void kvw__binds_fini(struct kvw_ctx *ctx)
+{
+    free(ctx->binds.tab);
+    ctx->binds.tab = NULL;
+    ctx->binds.num = ctx->binds.cap = 0;
 }

@@ -120,6 +120,20 @@ void kvw__frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t t
 
 void kvw__peer_drop_out(kvw_peer_t *peer);
 
+/* The control thread writes a peer's queued frames (mu not held; takes it to pop). */
+void kvw__peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking);
+
+/* Whether frames wait in a peer's outgoing queue (mu held). */
+static inline bool kvw__peer_tx_queued(const kvw_peer_t *p)
+{
+    return p->out_head != NULL;
+}
+
+/* Whether a peer's socket refused its queued frames for longer than limit_ms (mu
+ * held); *why says so. */
+bool kvw__peer_tx_stalled(const kvw_peer_t *p, uint64_t now, uint32_t limit_ms, char *why,
+                          size_t cap);
+
 kvw_peer_t *kvw__peer_add(struct kvw_ctx *ctx, int fd);
 
 /* Detaches the resources of every dead peer nothing refers to any more (mu held);

@@ -12,13 +12,16 @@
  *   5 worker.c     prefill workers: mapped, direct and staged paths, GPU steps
  *   5 events.c     layer marks that wait on CUDA events
  *   4 sched.c      prefill rooms: REQs, which decode rank has work, layer marks
- *   4 recv.c       decode: kvw_receiver_* calls, post, page grants, prefill instances
+ *   4 recv.c       decode: kvw_receiver_* calls, post, page grants
  *   4 land.c       decode: completions, staged scatter, write checks, accounting
  *   3 room.c       room state machine, timeouts, the handle calls (poll, wait, ...)
  *   3 handshake.c  registration: HELLO/ACCEPT, authentication, decode connect
- *   2 fail.c       one recursion: frames out, peer death, room failure, staging credits
+ *   3 inst.c       decode: prefill instances, their connecting threads, late aborts
+ *   2 fail.c       one recursion: peer death, room failure, staging credits (stage.c)
+ *   2 stage.c      decode: the staging area and its credits
  *   1 roomtab.c    room table: find, new, unlink, free
- *   1 peer.c       peer records: add, free, reap; session tags; control wake-up
+ *   1 peer.c       peer records: add, free, reap; the outgoing frame queue (send, flush);
+ *                  session tags; control wake-up
  *   1 bootstrap.c  the bootstrap endpoint and its client
  *   1 codec.c      rank descriptions and page lists in frames
  *   0 ivlog.c      the log of written byte ranges (page-exact accounting)
@@ -99,7 +102,7 @@ typedef struct kvw_evwatch_set {
  * tear them down):
  *   stage  stage.c     staging area and credits (decode)
  *   peers  peer.c      the peer table; each peer's outgoing frame queue
- *   insts  recv.c      prefill instances, their connecting threads, late aborts (decode)
+ *   insts  inst.c      prefill instances, their connecting threads, late aborts (decode)
  *   q      sched.c     the workers' room queue (prefill)
  *   binds  land.c      data connections bound to peers (decode)
  *   hs     handshake.c registration slots (prefill)
@@ -164,6 +167,36 @@ struct kvw_ctx {
     kvw_evwatch_set_t evw;
 };
 
+/* The peer table (peer.c's): peer `id` (< kvw__peer_count) and how many there are (mu
+ * held). */
+static inline kvw_peer_t *kvw__peer_at(const struct kvw_ctx *ctx, uint32_t id)
+{
+    return ctx->peers.tab[id];
+}
+
+static inline uint32_t kvw__peer_count(const struct kvw_ctx *ctx)
+{
+    return ctx->peers.num;
+}
+
+/* The instance table (inst.c's): instance `i` (< its count), its address or "?", and
+ * whether connecting threads are told to stop (context teardown). mu held, but for the
+ * last. */
+static inline const kvw_inst_t *kvw__inst_at(const struct kvw_ctx *ctx, uint32_t i)
+{
+    return &ctx->insts.tab[i];
+}
+
+static inline const char *kvw__inst_name(const struct kvw_ctx *ctx, uint32_t i)
+{
+    return i < ctx->insts.num ? ctx->insts.tab[i].addr : "?";
+}
+
+static inline bool kvw__insts_cancelled(struct kvw_ctx *ctx)
+{
+    return atomic_load(&ctx->insts.cancel);
+}
+
 /* Decode: sends a posted room's pages to its prefill ranks (mu held); fails the room on
  * error. Used by kvw_receiver_post and, for posts made while the instance was being
  * connected, once it is. */
@@ -203,7 +236,15 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                        uint32_t len);
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now);
 void *kvw__worker_main(void *arg);
+/* The workers' room queue (sched.c; mu held): queue a room (once), drop it, take the
+ * head (NULL: empty), whether it is empty; its generation, bumped on every queueing, and
+ * a spin until it moves (busy polling; mu not held). */
 void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room);
+void kvw__unqueue_room(struct kvw_ctx *ctx, kvw_room_t *room);
+kvw_room_t *kvw__dequeue_room(struct kvw_ctx *ctx);
+bool kvw__queue_empty(const struct kvw_ctx *ctx);
+uint32_t kvw__queue_gen(struct kvw_ctx *ctx);
+void kvw__queue_spin(struct kvw_ctx *ctx, uint32_t seen);
 
 /* Prefill: handles a HELLO on a fresh connection (blocking, before polling it). */
 kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p);
@@ -227,6 +268,11 @@ kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t
 
 void kvw__start_handshake(struct kvw_ctx *ctx, int fd);
 
+/* Context create: every registration slot free. Destroy: registration threads still
+ * running (mu held). */
+void kvw__hs_init(struct kvw_ctx *ctx);
+uint32_t kvw__hs_running(const struct kvw_ctx *ctx);
+
 /* sched.c */
 
 /* A decode rank of the room with work (kvw_dst_has_work) that no worker serves yet, or
@@ -242,6 +288,9 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
 /* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
  * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
 void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
+
+/* Context destroy: forgets the data connections' bindings. */
+void kvw__binds_fini(struct kvw_ctx *ctx);
 
 /* ctrl.c */
 

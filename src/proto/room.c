@@ -1,7 +1,6 @@
 /* Room state machine: the states' names, moving a room forward, its inactivity
- * deadline and timeouts (with what a timed-out room still waited for), the aborts of
- * rooms whose prefill instance was still being connected, and the calls of the engine
- * on any room handle (poll, failure, status, metrics, wait, abort, destroy). A room's
+ * deadline and timeouts (with what a timed-out room still waited for), and the calls of
+ * the engine on any room handle (poll, failure, status, metrics, wait, abort, destroy). A room's
  * failure itself is in fail.c. */
 #include "proto/proto.h"
 
@@ -40,25 +39,6 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
     }
 }
 
-void kvw__late_aborts_flush(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, bool connected)
-{
-    uint32_t kept = 0;
-    for (uint32_t i = 0; i < ctx->insts.num_late; i++) {
-        kvw_late_abort_t *a = &ctx->insts.late[i];
-        if (a->inst != inst || a->gen != gen) {
-            ctx->insts.late[kept++] = *a;
-            continue;
-        }
-        for (uint32_t k = 0; connected && k < ctx->peers.num; k++) {
-            kvw_peer_t *p = ctx->peers.tab[k];
-            if (p->inst == inst && p->inst_gen == gen && p->dp == a->dp && !p->dead &&
-                !p->registering)
-                kvw__send_room_msg(ctx, p, KVW_MSG_ABORT, a->room, a->status, a->reason);
-        }
-    }
-    ctx->insts.num_late = kept;
-}
-
 /* What a prefill room still waits for, for its timeout message. */
 static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size_t cap)
 {
@@ -67,12 +47,12 @@ static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size
         return;
     }
     uint32_t group = 0, connected = 0, needed = 0;
-    for (uint32_t i = 0; i < ctx->peers.num; i++)
-        if (ctx->peers.tab[i]->dp == (uint32_t)r->dst_dp && !ctx->peers.tab[i]->dead &&
-            ctx->peers.tab[i]->instance == r->dst_instance) {
-            group = ctx->peers.tab[i]->remote_group_size;
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
+        if (kvw__peer_at(ctx, i)->dp == (uint32_t)r->dst_dp && !kvw__peer_at(ctx, i)->dead &&
+            kvw__peer_at(ctx, i)->instance == r->dst_instance) {
+            group = kvw__peer_at(ctx, i)->remote_group_size;
             connected++;
-            needed += ctx->peers.tab[i]->needed;
+            needed += kvw__peer_at(ctx, i)->needed;
         }
     snprintf(buf, cap, " (decode DP group %d: %u of %u ranks registered, %u of %u that need this "
              "rank posted)", r->dst_dp, connected, group, r->num_dsts, needed);
@@ -150,7 +130,7 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
         bool busy = false;
         for (uint32_t i = 0; i < r->num_srcs; i++) {
             kvw_room_src_t *s = &r->srcs[i];
-            busy |= !s->done && !s->quiet && !ctx->peers.tab[s->peer]->dead;
+            busy |= !s->done && !s->quiet && !kvw__peer_at(ctx, s->peer)->dead;
         }
         uint64_t now = kvw__now_ns();
         if (!busy || now >= deadline || ctx->stopping)

@@ -22,6 +22,46 @@ void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
     pthread_cond_broadcast(&ctx->cv);
 }
 
+void kvw__unqueue_room(struct kvw_ctx *ctx, kvw_room_t *room)
+{
+    for (kvw_room_t **pp = &ctx->q.head; *pp; pp = &(*pp)->qnext)
+        if (*pp == room) {
+            *pp = room->qnext;
+            break;
+        }
+    ctx->q.tail = NULL;
+    for (kvw_room_t *q = ctx->q.head; q; q = q->qnext)
+        ctx->q.tail = q;
+    room->queued = false;
+}
+
+kvw_room_t *kvw__dequeue_room(struct kvw_ctx *ctx)
+{
+    kvw_room_t *r = ctx->q.head;
+    if (r == NULL)
+        return NULL;
+    ctx->q.head = r->qnext;
+    if (ctx->q.head == NULL)
+        ctx->q.tail = NULL;
+    r->queued = false;
+    return r;
+}
+
+bool kvw__queue_empty(const struct kvw_ctx *ctx)
+{
+    return ctx->q.head == NULL;
+}
+
+uint32_t kvw__queue_gen(struct kvw_ctx *ctx)
+{
+    return atomic_load_explicit(&ctx->q.gen, memory_order_acquire);
+}
+
+void kvw__queue_spin(struct kvw_ctx *ctx, uint32_t seen)
+{
+    kvw__busy_wait(ctx, &ctx->q.gen, seen);
+}
+
 /* Decode ranks the room must serve are known once every rank position of the decode DP
  * group has registered at least once; until then the room keeps waiting. Positions are
  * counted over dead peers too: a decode rank that finished its own rooms and left does
@@ -34,8 +74,8 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
     if (r->dst_dp < 0)
         return false;
     uint32_t group = 0;
-    for (uint32_t i = 0; i < ctx->peers.num && !group; i++) {
-        kvw_peer_t *p = ctx->peers.tab[i];
+    for (uint32_t i = 0; i < kvw__peer_count(ctx) && !group; i++) {
+        kvw_peer_t *p = kvw__peer_at(ctx, i);
         if (p->dp == (uint32_t)r->dst_dp && p->instance == r->dst_instance)
             group = p->remote_group_size;
     }
@@ -51,8 +91,8 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
         memset(stack_bits, 0, sizeof(stack_bits));
     uint64_t *need = seen + words;
     uint32_t positions = 0, needed = 0;
-    for (uint32_t i = 0; i < ctx->peers.num; i++) {
-        kvw_peer_t *p = ctx->peers.tab[i];
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+        kvw_peer_t *p = kvw__peer_at(ctx, i);
         if (p->dp != (uint32_t)r->dst_dp || p->instance != r->dst_instance ||
             p->remote_group_size != group)
             continue;

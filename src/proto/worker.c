@@ -443,7 +443,7 @@ void *kvw__worker_main(void *arg)
     g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
-        while (!ctx->stopping && ctx->q.head == NULL) {
+        while (!ctx->stopping && kvw__queue_empty(ctx)) {
             if (g.n) {
                 /* Nothing else to do: wait for this worker's oldest kernel. */
                 pthread_mutex_unlock(&ctx->mu);
@@ -452,11 +452,11 @@ void *kvw__worker_main(void *arg)
                 continue;
             }
             if (ctx->busy_poll_ns) {
-                uint32_t seen = atomic_load_explicit(&ctx->q.gen, memory_order_acquire);
+                uint32_t seen = kvw__queue_gen(ctx);
                 pthread_mutex_unlock(&ctx->mu);
-                kvw__busy_wait(ctx, &ctx->q.gen, seen);
+                kvw__queue_spin(ctx, seen);
                 pthread_mutex_lock(&ctx->mu);
-                if (ctx->stopping || ctx->q.head != NULL)
+                if (ctx->stopping || !kvw__queue_empty(ctx))
                     break;
             }
             pthread_cond_wait(&ctx->cv, &ctx->mu);
@@ -474,14 +474,10 @@ void *kvw__worker_main(void *arg)
             pthread_mutex_unlock(&ctx->mu);
             kvw_gpu_reap(ctx, &g, false);
             pthread_mutex_lock(&ctx->mu);
-            if (ctx->q.head == NULL)
+            if (kvw__queue_empty(ctx))
                 continue;
         }
-        kvw_room_t *r = ctx->q.head;
-        ctx->q.head = r->qnext;
-        if (ctx->q.head == NULL)
-            ctx->q.tail = NULL;
-        r->queued = false;
+        kvw_room_t *r = kvw__dequeue_room(ctx);
         int di = kvw__room_next_dst(ctx, r);
         if (di < 0) {
             kvw__sender_update(ctx, r);
@@ -499,7 +495,7 @@ void *kvw__worker_main(void *arg)
         uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
         while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
             kvw_room_dst_t *d = &r->dsts[i];
-            kvw_peer_t *peer = ctx->peers.tab[d->peer];
+            kvw_peer_t *peer = kvw__peer_at(ctx, d->peer);
             kvw_qchunk_t q = r->chunks[d->next_chunk];
             /* A streamed chunk: take the layers marked ready and not sent to this decode
              * rank yet, as one step; the step completes the chunk when no layer is left.
