@@ -224,6 +224,7 @@ static void fzf_prefill(fzc_in_t *in)
             kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "bad header");
         else
             kvw__handle_frame(ctx, peer, type, payload, (uint32_t)len);
+        kvw__run_deferred(ctx); /* as the control thread does on every pass */
         pthread_mutex_unlock(&ctx->mu);
         free(payload);
         fzc_ctx_drain_wake(ctx);
@@ -351,6 +352,7 @@ static void fzf_decode(fzc_in_t *in)
                 kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "bad header");
             else
                 kvw__handle_frame(ctx, peer, type, payload, (uint32_t)len);
+            kvw__run_deferred(ctx); /* as the control thread does on every pass */
             pthread_mutex_unlock(&ctx->mu);
             free(payload);
         } else if (kind % 4 == 2) {

@@ -84,6 +84,33 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
     }
 }
 
+void kvw__run_deferred(struct kvw_ctx *ctx)
+{
+    for (bool again = true; again;) {
+        again = false;
+        for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+            kvw_peer_t *p = kvw__peer_at(ctx, i);
+            if (p->doomed && !p->dead) {
+                kvw__peer_dead(ctx, p, p->doom_status, p->doom_why);
+                again = true;
+            }
+        }
+        kvw_room_effect_t *e;
+        while ((e = kvw__room_effects_take(ctx)) != NULL) {
+            if (e->release_stage)
+                kvw__stage_release_room(ctx, e->room);
+            for (uint32_t i = 0; i < e->num_frames; i++) {
+                const kvw_room_frame_t *f = &e->frames[i];
+                if (f->peer < kvw__peer_count(ctx))
+                    kvw__send_room_msg(ctx, kvw__peer_at(ctx, f->peer), f->type, e->room,
+                                       f->status, f->stopped ? "stopped" : e->reason);
+            }
+            kvw__room_effect_free(e);
+            again = true;
+        }
+    }
+}
+
 void *kvw__ctrl_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
@@ -94,6 +121,7 @@ void *kvw__ctrl_main(void *arg)
     uint64_t last_timeout_scan = 0, last_reap = 0;
     for (;;) {
         pthread_mutex_lock(&ctx->mu);
+        kvw__run_deferred(ctx);
         if (ctx->stopping) {
             /* Send what is queued (a room's completion, an abort) before leaving: the
              * peer must not learn of it only through the closed connection. */
@@ -195,6 +223,7 @@ void *kvw__ctrl_main(void *arg)
                 last_reap = now;
             }
         }
+        kvw__run_deferred(ctx);
         /* Peers with queued frames, copied under the lock: registration threads may
          * grow the peer table meanwhile. Peers are never freed before the context. */
         uint32_t nf = 0;

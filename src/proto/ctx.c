@@ -267,6 +267,11 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     pthread_mutex_unlock(&ctx->mu);
     for (uint32_t i = 0; i < ctx->num_workers; i++)
         pthread_join(ctx->workers[i], NULL);
+    /* What failures since the control thread left still have to do (a worker's last
+     * step quiescing its room): frames go out as direct writes, if the socket takes them. */
+    pthread_mutex_lock(&ctx->mu);
+    kvw__run_deferred(ctx);
+    pthread_mutex_unlock(&ctx->mu);
     if (ctx->tl) {
         ctx->tl_ops->close(ctx->tl);
         ctx->tl_ops->stop(ctx->tl);
@@ -282,6 +287,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
         ctx->tl_ops->fini(ctx->tl);
     kvw__stage_fini(ctx);
     kvw__insts_fini(ctx);
+    kvw__room_effects_fini(ctx);
     free(ctx->hello_rkeys);
     free(ctx->hello_rkey_lens);
     kvw__binds_fini(ctx);

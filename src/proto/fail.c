@@ -1,15 +1,17 @@
 /*
- * Peer death and room failure:
+ * Peer death and room failure, one way:
  *  - a peer's death (kvw__peer_dead) fails the rooms that involve it;
- *  - a room's failure (kvw__room_fail) tells its peers, by frames, and gives back the
- *    room's staging spans (decode, stage.c, whose credits may in turn fail a room).
- * Every other file of proto sits above or below this one (see proto.h).
+ *  - a room's failure (kvw__room_fail) marks the room and queues what is left to do
+ *    (give back its staging spans, tell its peers), which the control thread runs
+ *    (kvw__run_deferred, ctrl.c). Nothing here sends a frame or touches the staging
+ *    credits, so nothing below can fail a room or a peer in turn.
  */
 #include "proto/proto.h"
 
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
 
@@ -42,22 +44,111 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     }
 }
 
+/* A new effect of room `r` (NULL: out of memory; the peers then learn of the failure
+ * through their own timeouts). */
+static kvw_room_effect_t *kvw_effect_new(const kvw_room_t *r)
+{
+    kvw_room_effect_t *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        kvw__log(KVW_LOG_WARN, "room %llu: out of memory queueing its failure's effects",
+                 (unsigned long long)r->id);
+        return NULL;
+    }
+    e->room = r->id;
+    snprintf(e->reason, sizeof(e->reason), "%s", r->reason);
+    return e;
+}
+
+static void kvw_effect_frame(kvw_room_effect_t *e, uint32_t peer, uint8_t type,
+                             kvw_status_t status, bool stopped)
+{
+    if (e->num_frames == e->cap_frames) {
+        uint32_t cap = e->cap_frames ? e->cap_frames * 2 : 4;
+        kvw_room_frame_t *n = realloc(e->frames, sizeof(*n) * cap);
+        if (n == NULL) {
+            kvw__log(KVW_LOG_WARN, "room %llu: out of memory queueing a frame of its failure",
+                     (unsigned long long)e->room);
+            return;
+        }
+        e->frames = n;
+        e->cap_frames = cap;
+    }
+    e->frames[e->num_frames++] =
+        (kvw_room_frame_t){.peer = peer, .type = type, .status = status, .stopped = stopped};
+}
+
+/* Queues an effect (mu held) and wakes the control thread to run it. */
+static void kvw_effect_push(struct kvw_ctx *ctx, kvw_room_effect_t *e)
+{
+    if (e == NULL)
+        return;
+    if (!e->release_stage && e->num_frames == 0) {
+        kvw__room_effect_free(e);
+        return;
+    }
+    if (ctx->defer.tail)
+        ctx->defer.tail->next = e;
+    else
+        ctx->defer.head = e;
+    ctx->defer.tail = e;
+    kvw__ctx_wake(ctx);
+}
+
+kvw_room_effect_t *kvw__room_effects_take(struct kvw_ctx *ctx)
+{
+    kvw_room_effect_t *e = ctx->defer.head;
+    if (e) {
+        ctx->defer.head = e->next;
+        if (ctx->defer.head == NULL)
+            ctx->defer.tail = NULL;
+        e->next = NULL;
+    }
+    return e;
+}
+
+void kvw__room_effect_free(kvw_room_effect_t *e)
+{
+    if (e) {
+        free(e->frames);
+        free(e);
+    }
+}
+
+void kvw__room_effects_fini(struct kvw_ctx *ctx)
+{
+    kvw_room_effect_t *e;
+    while ((e = kvw__room_effects_take(ctx)) != NULL)
+        kvw__room_effect_free(e);
+}
+
+/* The ABORT_ACKs of kvw__room_quiesce, into effect e. */
+static void kvw_quiesce_into(kvw_room_t *r, kvw_room_effect_t *e)
+{
+    if (!r->is_sender || r->state != KVW_ROOM_FAILED || r->inflight || r->quiesce_sent)
+        return;
+    r->quiesce_sent = true;
+    for (uint32_t i = 0; e && i < r->num_dsts; i++)
+        kvw_effect_frame(e, r->dsts[i].peer, KVW_MSG_ABORT_ACK, KVW_ERR_ABORTED, true);
+}
+
 /*
  * A failed prefill room tells its decode ranks, once no worker step runs on it any
  * more, that it will not write their pages again (ABORT_ACK). A decode rank destroying
  * a room waits for that before the engine may reuse the pages: one-sided transports
- * cannot be stopped by the receiver.
+ * cannot be stopped by the receiver. The frames go through the effects queue, behind
+ * the room's FAILED frames.
  */
 void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r)
 {
     if (!r->is_sender || r->state != KVW_ROOM_FAILED || r->inflight || r->quiesce_sent)
         return;
-    r->quiesce_sent = true;
-    for (uint32_t i = 0; i < r->num_dsts; i++)
-        kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->dsts[i].peer), KVW_MSG_ABORT_ACK, r->id,
-                           KVW_ERR_ABORTED, "stopped");
+    kvw_room_effect_t *e = kvw_effect_new(r);
+    kvw_quiesce_into(r, e);
+    kvw_effect_push(ctx, e);
 }
 
+/* Marks the room failed and queues its effects: the control thread gives back its
+ * staging spans and sends its frames (kvw__run_deferred). */
 void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
                     const char *fmt, ...)
 {
@@ -72,31 +163,28 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     va_end(ap);
     kvw__log(KVW_LOG_WARN, "%s room %llu failed (%s): %s", room->is_sender ? "prefill" : "decode",
              (unsigned long long)room->id, kvw_status_string(status), room->reason);
-    if (!room->is_sender && kvw__stage_present(ctx))
-        kvw__stage_release_room(ctx, room->id);
+    kvw_room_effect_t *e = kvw_effect_new(room);
+    if (e)
+        e->release_stage = !room->is_sender && kvw__stage_present(ctx);
     pthread_cond_broadcast(&ctx->cv);
     atomic_fetch_add_explicit(&ctx->done_gen, 1, memory_order_release);
     pthread_cond_broadcast(&ctx->done_cv);
-    if (!notify) {
-        kvw__room_quiesce(ctx, room);
-        return;
-    }
     /* Tell the other side: prefill reports FAILED to its decode ranks; decode aborts
      * the room on its prefill ranks. */
-    if (room->is_sender) {
-        for (uint32_t i = 0; i < room->num_dsts; i++)
-            kvw__send_room_msg(ctx, kvw__peer_at(ctx, room->dsts[i].peer), KVW_MSG_FAILED, room->id, status,
-                               room->reason);
-        kvw__room_quiesce(ctx, room);
-    } else if (room->pending) {
+    if (notify && room->is_sender) {
+        for (uint32_t i = 0; e && i < room->num_dsts; i++)
+            kvw_effect_frame(e, room->dsts[i].peer, KVW_MSG_FAILED, status, false);
+    } else if (notify && room->pending) {
         /* Posted while its instance is being connected: no prefill rank knows the room
          * yet. They hear of the abort once the connection is up. */
         kvw__late_abort_add(ctx, room->inst, room->inst_gen, room->src_dp, room->id, status,
                             room->reason);
-    } else {
-        for (uint32_t i = 0; i < room->num_srcs; i++)
-            kvw__send_room_msg(ctx, kvw__peer_at(ctx, room->srcs[i].peer), KVW_MSG_ABORT, room->id, status,
-                               room->reason);
+    } else if (notify) {
+        for (uint32_t i = 0; e && i < room->num_srcs; i++)
+            kvw_effect_frame(e, room->srcs[i].peer, KVW_MSG_ABORT, status, false);
     }
-    pthread_cond_broadcast(&ctx->cv);
+    kvw_quiesce_into(room, e);
+    kvw_effect_push(ctx, e);
+    if (notify)
+        pthread_cond_broadcast(&ctx->cv);
 }

@@ -17,6 +17,18 @@ void kvw__ctx_wake(struct kvw_ctx *ctx)
     }
 }
 
+void kvw__peer_doom(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
+                    const char *reason)
+{
+    if (peer->dead || peer->doomed)
+        return;
+    peer->doomed = true;
+    peer->doom_status = status;
+    snprintf(peer->doom_why, sizeof(peer->doom_why), "%s", reason ? reason : "");
+    kvw__peer_drop_out(peer);
+    kvw__ctx_wake(ctx);
+}
+
 /* Tag of one control frame under a peer's session key: direction, sequence number,
  * frame type and payload. */
 void kvw__frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t type,
@@ -54,7 +66,7 @@ void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
         for (int i = 0; i < KVW_TAG; i++)
             kvw__wb_u8(w, tag[i]);
     }
-    if (peer->dead || kvw__wb_finish(w) != KVW_OK) {
+    if (peer->dead || peer->doomed || kvw__wb_finish(w) != KVW_OK) {
         kvw__wb_free(w);
         return;
     }
@@ -87,7 +99,7 @@ void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
                  KVW_MAX_OUT_BYTES >> 20);
         free(m);
         kvw__wb_free(w);
-        kvw__peer_dead(ctx, peer, full ? KVW_ERR_PEER_DEAD : KVW_ERR_NO_MEMORY, why);
+        kvw__peer_doom(ctx, peer, full ? KVW_ERR_PEER_DEAD : KVW_ERR_NO_MEMORY, why);
         return;
     }
     m->w = *w;
@@ -157,7 +169,7 @@ void kvw__peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
         peer->tx_busy = false;
         bool keep = false;
         if (st != KVW_OK) {
-            kvw__peer_dead(ctx, peer, st, kvw_last_error());
+            kvw__peer_doom(ctx, peer, st, kvw_last_error());
         } else {
             if (k > 0) {
                 m->off += (size_t)k;
@@ -167,7 +179,7 @@ void kvw__peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
             } else if (peer->tx_stall_ns == 0) {
                 peer->tx_stall_ns = kvw__now_ns(); /* the socket is full: wait for POLLOUT */
             }
-            if (m->off < m->w.len && !peer->dead) {
+            if (m->off < m->w.len && !peer->dead && !peer->doomed) {
                 /* Back at the head, ahead of whatever was queued meanwhile. */
                 m->next = peer->out_head;
                 peer->out_head = m;

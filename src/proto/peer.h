@@ -38,6 +38,12 @@ typedef struct kvw_peer {
     bool tx_busy; /* the control thread is writing the head frame (outside mu) */
     uint64_t out_bytes;   /* bytes queued and not yet written */
     uint64_t tx_stall_ns; /* when the socket last refused more bytes; 0 while it takes them */
+    /* The queue could not take a frame, or a write failed: the control thread declares
+     * the peer dead (kvw__run_deferred) with this status and reason; frames for it are
+     * dropped meanwhile. */
+    bool doomed;
+    kvw_status_t doom_status;
+    char doom_why[160];
     /* Decode side: the prefill instance (index into ctx->insts, and its connection
      * generation) this peer belongs to; registering: the handshake still runs on its
      * connecting thread, nobody else touches the socket. */
@@ -107,9 +113,14 @@ typedef struct kvw_peer_res {
     uint8_t *payload;
 } kvw_peer_res_t;
 
-/* Queues a frame for a peer; the control thread sends it. mu held; takes w. */
+/* Queues a frame for a peer; the control thread sends it. mu held; takes w. A peer that
+ * cannot take one more frame is doomed (kvw__peer_doom). */
 void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w);
 void kvw__ctx_wake(struct kvw_ctx *ctx);
+/* Marks a peer for death (the first reason stays) and wakes the control thread, which
+ * runs it (kvw__peer_dead). mu held. */
+void kvw__peer_doom(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
+                    const char *reason);
 void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
                     const char *reason);
 

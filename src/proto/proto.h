@@ -107,6 +107,7 @@ typedef struct kvw_evwatch_set {
  *   binds  land.c      data connections bound to peers (decode)
  *   hs     handshake.c registration slots (prefill)
  *   evw    events.c    layer marks waiting on CUDA events
+ *   defer  fail.c      failed rooms' effects, run by the control thread (ctrl.c)
  */
 struct kvw_ctx {
     kvw_side_t side;
@@ -165,6 +166,7 @@ struct kvw_ctx {
     kvw_binds_t binds;
     kvw_hs_slots_t hs;
     kvw_evwatch_set_t evw;
+    kvw_effects_t defer;
 };
 
 /* The peer table (peer.c's): peer `id` (< kvw__peer_count) and how many there are (mu
@@ -295,5 +297,9 @@ void kvw__binds_fini(struct kvw_ctx *ctx);
 /* ctrl.c */
 
 void *kvw__ctrl_main(void *arg);
+/* Runs what failures left to do (mu held): the deaths of doomed peers (kvw__peer_send
+ * could not queue a frame), then the queued effects of failed rooms, until none is left.
+ * The control thread on every pass; the context's destroy once its threads are gone. */
+void kvw__run_deferred(struct kvw_ctx *ctx);
 
 #endif

@@ -119,6 +119,31 @@ typedef struct kvw_room {
     uint32_t *pend_store;
 } kvw_room_t;
 
+/* What a room's failure still has to do, queued by fail.c and run by the control thread
+ * (kvw__run_deferred) in order: give back the room's staging spans (decode), then send
+ * the frames, each to one peer. Taken from the room when it failed, so that the room may
+ * be gone by then. */
+typedef struct kvw_room_frame {
+    uint32_t peer;
+    uint8_t type;        /* KVW_MSG_FAILED, _ABORT or _ABORT_ACK */
+    kvw_status_t status;
+    bool stopped;        /* reason "stopped" (ABORT_ACK) instead of the room's */
+} kvw_room_frame_t;
+
+typedef struct kvw_room_effect {
+    struct kvw_room_effect *next;
+    uint64_t room;
+    bool release_stage;
+    char reason[320];
+    uint32_t num_frames, cap_frames;
+    kvw_room_frame_t *frames;
+} kvw_room_effect_t;
+
+/* The queue of those effects (ctx->defer; fail.c's, mu held). */
+typedef struct kvw_effects {
+    kvw_room_effect_t *head, *tail;
+} kvw_effects_t;
+
 /* Prefill: the rooms with work for the workers, in order (ctx->q). */
 typedef struct kvw_workq {
     kvw_room_t *head, *tail;
@@ -174,5 +199,11 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state);
  * cannot be stopped by the receiver.
  */
 void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r);
+
+/* The control thread takes the queued effects, oldest first (NULL: none; mu held), and
+ * frees each it ran; the context's destroy drops what is left. */
+kvw_room_effect_t *kvw__room_effects_take(struct kvw_ctx *ctx);
+void kvw__room_effect_free(kvw_room_effect_t *e);
+void kvw__room_effects_fini(struct kvw_ctx *ctx);
 
 #endif
