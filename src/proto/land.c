@@ -4,9 +4,31 @@
  * granted, and page-exact accounting before Success; a prefill rank's metadata. */
 #include "proto/proto.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* A room's failure, decided on the way and run once at the end of a walk (the landing of
+ * a completion enters fail.c once). */
+typedef struct kvw_fail {
+    kvw_status_t status; /* KVW_OK: none */
+    char why[320];
+} kvw_fail_t;
+
+static void kvw_fail_set(kvw_fail_t *f, kvw_status_t status, const char *fmt, ...)
+    KVW_PRINTF(3, 4);
+
+static void kvw_fail_set(kvw_fail_t *f, kvw_status_t status, const char *fmt, ...)
+{
+    if (f->status != KVW_OK)
+        return; /* the first reason stays, as kvw__room_fail keeps it */
+    f->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(f->why, sizeof(f->why), fmt, ap);
+    va_end(ap);
+}
 
 static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r);
 
@@ -68,7 +90,9 @@ void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     kvw_receiver_done(ctx, r);
 }
 
-static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
+/* Completes a room whose every source is done (mu held); a room whose bytes do not add
+ * up is not completed, and *f says why. */
+static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
 {
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got))
@@ -85,41 +109,41 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
         kvw_iv_t a, b;
         uint64_t distinct = 0;
         if (!kvw__ivlog_check(&r->writes, &a, &b, &distinct)) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "room %llu: buffer %llu bytes [%llu, %llu) were written twice "
-                           "(overlapping writes [%llu, %llu) and [%llu, %llu))",
-                           (unsigned long long)r->id, (unsigned long long)b.region,
-                           (unsigned long long)b.lo,
-                           (unsigned long long)(b.hi < a.hi ? b.hi : a.hi),
-                           (unsigned long long)a.lo, (unsigned long long)a.hi,
-                           (unsigned long long)b.lo, (unsigned long long)b.hi);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "room %llu: buffer %llu bytes [%llu, %llu) were written twice "
+                         "(overlapping writes [%llu, %llu) and [%llu, %llu))",
+                         (unsigned long long)r->id, (unsigned long long)b.region,
+                         (unsigned long long)b.lo,
+                         (unsigned long long)(b.hi < a.hi ? b.hi : a.hi),
+                         (unsigned long long)a.lo, (unsigned long long)a.hi,
+                         (unsigned long long)b.lo, (unsigned long long)b.hi);
             return;
         }
         if (distinct + r->staged_exact != want) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "room %llu: %llu distinct bytes landed, the plans expect %llu "
-                           "(part of the room's pages was never written)",
-                           (unsigned long long)r->id,
-                           (unsigned long long)(distinct + r->staged_exact),
-                           (unsigned long long)want);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "room %llu: %llu distinct bytes landed, the plans expect %llu "
+                         "(part of the room's pages was never written)",
+                         (unsigned long long)r->id,
+                         (unsigned long long)(distinct + r->staged_exact),
+                         (unsigned long long)want);
             return;
         }
         if (r->landed != want) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "room %llu: %llu bytes landed, the plans expect %llu",
-                           (unsigned long long)r->id, (unsigned long long)r->landed,
-                           (unsigned long long)want);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "room %llu: %llu bytes landed, the plans expect %llu",
+                         (unsigned long long)r->id, (unsigned long long)r->landed,
+                         (unsigned long long)want);
             return;
         }
     }
     /* Fail closed: every sender's byte count must be exactly what the plan implies. */
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].got != r->srcs[i].expected) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "%s delivered %llu bytes, the plan expects %llu",
-                           kvw__peer_at(ctx, r->srcs[i].peer)->desc,
-                           (unsigned long long)r->srcs[i].got,
-                           (unsigned long long)r->srcs[i].expected);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "%s delivered %llu bytes, the plan expects %llu",
+                         kvw__peer_at(ctx, r->srcs[i].peer)->desc,
+                         (unsigned long long)r->srcs[i].got,
+                         (unsigned long long)r->srcs[i].expected);
             return;
         }
     if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED)
@@ -127,6 +151,14 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
             kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->srcs[i].peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK,
                                "");
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
+}
+
+static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    kvw_fail_t f = {KVW_OK, ""};
+    kvw_receiver_check(ctx, r, &f);
+    if (f.status != KVW_OK)
+        kvw__room_fail(ctx, r, f.status, true, "%s", f.why);
 }
 
 /* Scatters one staged window of a room's chunk from the staging area (no mu held; the
@@ -233,6 +265,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw_room_t *r = kvw__room_find(ctx, id);
     kvw_room_src_t *s = NULL;
     kvw_staged_t *drop = NULL; /* a staged stream to release once mu is dropped */
+    kvw_fail_t f = {KVW_OK, ""}; /* why the room fails, if it does (once, at the end) */
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
         goto out;
     /* A completion counts only on the data connection its peer bound (any local process
@@ -245,10 +278,10 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             s = &r->srcs[i];
     if (s == NULL || s->done || c.chunk_begin > c.chunk_end || c.chunk_end > r->num_tokens ||
         (c.last_chunk && c.chunk_end != r->num_tokens)) {
-        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true,
-                       "room %llu: bad completion from peer %u (chunk [%llu, %llu))",
-                       (unsigned long long)id, peer_id, (unsigned long long)c.chunk_begin,
-                       (unsigned long long)c.chunk_end);
+        kvw_fail_set(&f, KVW_ERR_MALFORMED,
+                     "room %llu: bad completion from peer %u (chunk [%llu, %llu))",
+                     (unsigned long long)id, peer_id, (unsigned long long)c.chunk_begin,
+                     (unsigned long long)c.chunk_end);
         goto out;
     }
     kvw__room_hop(r, KVW_HOP_DONE_RX, false);
@@ -257,10 +290,10 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     if (staged) {
         /* The window must be exactly a span this room was granted. */
         if (!kvw__stage_is_span(ctx, id, goff, slen)) {
-            kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
-                           "room %llu: staged data at [%llu, +%llu) was never granted",
-                           (unsigned long long)id, (unsigned long long)goff,
-                           (unsigned long long)slen);
+            kvw_fail_set(&f, KVW_ERR_OUT_OF_RANGE,
+                         "room %llu: staged data at [%llu, +%llu) was never granted",
+                         (unsigned long long)id, (unsigned long long)goff,
+                         (unsigned long long)slen);
             goto out;
         }
         /* On tcp the window must have been written exactly once, all of it, before it is
@@ -269,11 +302,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             uint64_t got = 0;
             if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
                 got != slen) {
-                kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                               "room %llu: staged window [%llu, +%llu) was %s",
-                               (unsigned long long)id, (unsigned long long)goff,
-                               (unsigned long long)slen,
-                               got == slen ? "partly written twice" : "not written exactly once");
+                kvw_fail_set(&f, KVW_ERR_BYTE_MISMATCH,
+                             "room %llu: staged window [%llu, +%llu) was %s",
+                             (unsigned long long)id, (unsigned long long)goff,
+                             (unsigned long long)slen,
+                             got == slen ? "partly written twice" : "not written exactly once");
                 goto out;
             }
             r->staged_exact += slen;
@@ -311,8 +344,8 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             drop = sg;
         }
         if (st != KVW_OK) {
-            kvw__room_fail(ctx, r, st, true, "room %llu: scattering staged data failed: %s",
-                           (unsigned long long)id, why);
+            kvw_fail_set(&f, st, "room %llu: scattering staged data failed: %s",
+                         (unsigned long long)id, why);
             goto out;
         }
         if (r->state == KVW_ROOM_FAILED)
@@ -330,8 +363,10 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             s->meta_expected = meta_len;
     }
     kvw_src_confirm(ctx, r, s);
-    kvw_receiver_done(ctx, r);
+    kvw_receiver_check(ctx, r, &f);
 out:
+    if (f.status != KVW_OK)
+        kvw__room_fail(ctx, r, f.status, true, "%s", f.why);
     pthread_mutex_unlock(&ctx->mu);
     kvw__staged_close(drop);
 }
