@@ -357,6 +357,7 @@ __attribute__((unused)) static struct kvw_ctx *fzc_ctx_new(kvw_side_t side, kvw_
         fzc_fail("pipe2 failed");
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
+    kvw__queue_init(ctx);
     pthread_cond_init(&ctx->done_cv, NULL);
     if (side == KVW_SIDE_DECODE) {
         /* The context's own prefill instance, connected (its peers are added below). */
@@ -441,7 +442,7 @@ __attribute__((unused)) static int fzc_run_worker(struct kvw_ctx *ctx, unsigned 
     uint64_t deadline = kvw__now_ns() + (uint64_t)ms * 1000000ull;
     while (kvw__now_ns() < deadline) {
         pthread_mutex_lock(&ctx->mu);
-        bool idle = ctx->q.head == NULL;
+        bool idle = kvw__queue_empty(ctx);
         for (kvw_room_t *r = kvw__room_first(ctx); idle && r; r = kvw__room_next(ctx, r))
             idle &= r->inflight == 0;
         pthread_mutex_unlock(&ctx->mu);
@@ -454,9 +455,11 @@ __attribute__((unused)) static int fzc_run_worker(struct kvw_ctx *ctx, unsigned 
     pthread_mutex_lock(&ctx->mu);
     ctx->stopping = true;
     pthread_cond_broadcast(&ctx->cv);
+    kvw__queue_stop(ctx, true);
     pthread_mutex_unlock(&ctx->mu);
     pthread_join(t, NULL);
     ctx->stopping = false;
+    kvw__queue_stop(ctx, false);
     return rc;
 }
 

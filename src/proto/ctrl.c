@@ -14,6 +14,7 @@
 /* Reads what is available on a peer's socket; handles complete frames. mu held. */
 static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     for (;;) {
         ssize_t k;
         if (peer->hdr_got < KVW_WIRE_HDR) {
@@ -86,6 +87,7 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
 
 void kvw__run_deferred(struct kvw_ctx *ctx)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     for (bool again = true; again;) {
         again = false;
         for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {

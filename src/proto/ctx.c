@@ -91,6 +91,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
                                                        : KVW_PATH_AUTO;
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
+    kvw__queue_init(ctx);
     kvw__cond_init_monotonic(&ctx->done_cv);
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
 
@@ -252,6 +253,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     for (kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r))
         kvw__room_fail(ctx, r, KVW_ERR_SHUTDOWN, false, "the context was destroyed");
     pthread_cond_broadcast(&ctx->cv);
+    kvw__queue_stop(ctx, true);
     pthread_mutex_unlock(&ctx->mu);
     if (ctx->wake_fd[1] >= 0)
         kvw__ctx_wake(ctx);
@@ -305,5 +307,6 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     pthread_mutex_destroy(&ctx->mu);
     pthread_cond_destroy(&ctx->cv);
     pthread_cond_destroy(&ctx->done_cv);
+    kvw__queue_fini(ctx);
     free(ctx);
 }

@@ -129,6 +129,7 @@ static void *kvw_event_main(void *arg)
 kvw_status_t kvw__event_watch(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t b, uint32_t e,
                               void *cuda_event)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_status_t st = kvw__cuda_event_query(cuda_event);
     if (st == KVW_OK) {
         /* Already complete: no need for the thread. */

@@ -19,6 +19,7 @@
 void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
                     const char *reason)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (peer->dead)
         return;
     peer->dead = true;
@@ -80,6 +81,7 @@ static void kvw_effect_frame(kvw_room_effect_t *e, uint32_t peer, uint8_t type,
 /* Queues an effect (mu held) and wakes the control thread to run it. */
 static void kvw_effect_push(struct kvw_ctx *ctx, kvw_room_effect_t *e)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (e == NULL)
         return;
     if (!e->release_stage && e->num_frames == 0) {
@@ -96,6 +98,7 @@ static void kvw_effect_push(struct kvw_ctx *ctx, kvw_room_effect_t *e)
 
 kvw_room_effect_t *kvw__room_effects_take(struct kvw_ctx *ctx)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_room_effect_t *e = ctx->defer.head;
     if (e) {
         ctx->defer.head = e->next;
@@ -140,6 +143,7 @@ static void kvw_quiesce_into(kvw_room_t *r, kvw_room_effect_t *e)
  */
 void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (!r->is_sender || r->state != KVW_ROOM_FAILED || r->inflight || r->quiesce_sent)
         return;
     kvw_room_effect_t *e = kvw_effect_new(r);
@@ -152,6 +156,7 @@ void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r)
 void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
                     const char *fmt, ...)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS)
         return;
     room->state = KVW_ROOM_FAILED;

@@ -26,6 +26,7 @@ void kvw__inst_set(struct kvw_ctx *ctx, uint32_t i, uint32_t gen, int state)
 
 void kvw__inst_peer_down(struct kvw_ctx *ctx, const kvw_peer_t *peer, const char *reason)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (peer->inst >= ctx->insts.num)
         return;
     kvw_inst_t *in = &ctx->insts.tab[peer->inst];
@@ -38,6 +39,7 @@ void kvw__inst_peer_down(struct kvw_ctx *ctx, const kvw_peer_t *peer, const char
 void kvw__late_abort_add(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, uint32_t dp,
                          uint64_t room, kvw_status_t status, const char *reason)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (ctx->insts.num_late == ctx->insts.cap_late) {
         uint32_t cap = ctx->insts.cap_late ? ctx->insts.cap_late * 2 : 16;
         kvw_late_abort_t *n = cap <= 65536 ? realloc(ctx->insts.late, sizeof(*n) * cap) : NULL;
@@ -133,6 +135,7 @@ static void *kvw_inst_connect_main(void *arg)
 
 int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i, kvw_inst_settle_fn settle)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_inst_t *in = &ctx->insts.tab[i];
     if (in->state != KVW_INST_DOWN || ctx->stopping)
         return in->state;
@@ -160,6 +163,7 @@ int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i, kvw_inst_settle_fn settle)
 
 void kvw__late_aborts_flush(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, bool connected)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     uint32_t kept = 0;
     for (uint32_t i = 0; i < ctx->insts.num_late; i++) {
         kvw_late_abort_t *a = &ctx->insts.late[i];

@@ -47,6 +47,7 @@ static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_
  * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
 void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     uint64_t id = kvw__rb_u64(rb);
     size_t got = 0;
     const void *data = kvw__rb_bytes(rb, KVW_MAX_ROOM_METADATA, &got);
@@ -392,6 +393,7 @@ static bool kvw_granted(const kvw_room_t *r, int pool, uint32_t page)
 static kvw_status_t kvw_note_write(struct kvw_ctx *ctx, kvw_room_t *r, uint64_t key,
                                    uint64_t off, uint64_t len)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     uint64_t want = 0;
     for (uint32_t i = 0; i < r->num_srcs; i++)
         want += r->srcs[i].expected;

@@ -20,6 +20,7 @@ void kvw__ctx_wake(struct kvw_ctx *ctx)
 void kvw__peer_doom(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
                     const char *reason)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (peer->dead || peer->doomed)
         return;
     peer->doomed = true;
@@ -59,6 +60,7 @@ void kvw__frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t t
  */
 void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (peer->authed && !peer->dead && !w->oom) {
         uint8_t tag[32];
         kvw__frame_tag(peer, peer->tx_dir, peer->tx_seq++, w->p[5], w->p + KVW_WIRE_HDR,
@@ -117,6 +119,7 @@ void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
 void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
                         kvw_status_t status, const char *reason)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_wbuf_t w;
     kvw__wb_init(&w, type);
     kvw__wb_u64(&w, room);
@@ -246,6 +249,7 @@ kvw_peer_t *kvw__peer_add(struct kvw_ctx *ctx, int fd)
  * nothing of it is being written. mu held. */
 static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (!p->dead || p->reaped || p->registering || p->tx_busy)
         return false;
     if (kvw__stage_peer_waits(ctx, p->id))
@@ -296,6 +300,7 @@ static void kvw_peer_res_close(struct kvw_ctx *ctx, kvw_peer_res_t *res)
  * small record stays (its id indexes the peer table). */
 kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_peer_res_t *list = NULL;
     for (uint32_t i = 0; i < ctx->peers.num; i++) {
         kvw_peer_t *p = ctx->peers.tab[i];

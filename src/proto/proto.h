@@ -33,6 +33,7 @@
 #include <kvwire/xfer.h>
 
 #include "core/hmap.h"
+#include "core/lock.h"
 #include "core/mask.h"
 #include "exec/staged.h"
 #include "plan/rank.h"
@@ -238,13 +239,19 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                        uint32_t len);
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now);
 void *kvw__worker_main(void *arg);
-/* The workers' room queue (sched.c; mu held): queue a room (once), drop it, take the
- * head (NULL: empty), whether it is empty; its generation, bumped on every queueing, and
- * a spin until it moves (busy polling; mu not held). */
+/* The workers' room queue (sched.c; mu held, the queue's own lock taken inside): queue a
+ * room (once), drop it, take the head (NULL: empty), whether it is empty; wait until a
+ * room is queued or the queue is stopped (drops mu meanwhile); stop or restart the
+ * workers' waits; its generation, bumped on every queueing, and a spin until it moves
+ * (busy polling; mu not held). */
+void kvw__queue_init(struct kvw_ctx *ctx);
+void kvw__queue_fini(struct kvw_ctx *ctx);
 void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room);
 void kvw__unqueue_room(struct kvw_ctx *ctx, kvw_room_t *room);
 kvw_room_t *kvw__dequeue_room(struct kvw_ctx *ctx);
-bool kvw__queue_empty(const struct kvw_ctx *ctx);
+bool kvw__queue_empty(struct kvw_ctx *ctx);
+void kvw__queue_wait(struct kvw_ctx *ctx);
+void kvw__queue_stop(struct kvw_ctx *ctx, bool stop);
 uint32_t kvw__queue_gen(struct kvw_ctx *ctx);
 void kvw__queue_spin(struct kvw_ctx *ctx, uint32_t seen);
 

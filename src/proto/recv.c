@@ -193,6 +193,7 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
 kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
                                        const kvw_recv_post_t *post)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_rank_h me = ctx->rank;
     kvw_status_t st = KVW_OK;
     /* Senders: every prefill rank of the chosen DP group that sends this rank bytes. */

@@ -18,6 +18,7 @@ const char *kvw_room_state_string(kvw_room_state_t s)
 
 void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     room->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
 }
 
@@ -94,6 +95,7 @@ static void kvw_room_unready(struct kvw_ctx *ctx, const kvw_room_t *r, char *buf
 
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     for (kvw_room_t *r = kvw__room_first(ctx), *next; r; r = next) {
         next = kvw__room_next(ctx, r);
         bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;

@@ -14,6 +14,7 @@
 #include "plan/rank.h"
 #include "proto/ivlog.h"
 
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -76,7 +77,7 @@ typedef struct kvw_room {
     uint64_t bytes, runs;
     uint32_t inflight; /* worker jobs running on this room */
     bool quiesce_sent; /* prefill: told every decode rank it stopped writing */
-    bool queued;
+    bool queued; /* in the workers' queue (queued and qnext: ctx->q.mu) */
     struct kvw_room *qnext;
     /* prefill */
     int32_t dst_dp; /* -1 until the first REQ */
@@ -144,9 +145,13 @@ typedef struct kvw_effects {
     kvw_room_effect_t *head, *tail;
 } kvw_effects_t;
 
-/* Prefill: the rooms with work for the workers, in order (ctx->q). */
+/* Prefill: the rooms with work for the workers, in order (ctx->q; sched.c). Its own
+ * lock and condition variable guard it (taken after ctx->mu, never before). */
 typedef struct kvw_workq {
+    pthread_mutex_t mu;
+    pthread_cond_t cv; /* a room was queued, or stop was set */
     kvw_room_t *head, *tail;
+    bool stop; /* the workers leave (context teardown) */
     _Atomic uint32_t gen; /* bumped whenever a room is queued for the workers */
 } kvw_workq_t;
 

@@ -103,6 +103,7 @@ bool kvw__stage_peer_waits(const struct kvw_ctx *ctx, uint32_t peer)
 
 static bool kvw_stage_try(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     /* First fit between the sorted spans; 64-byte aligned offsets keep copies fast. */
     uint64_t at = 0;
     uint32_t i = 0;
@@ -137,6 +138,7 @@ static bool kvw_stage_try(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, 
 
 void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, room);
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || len == 0 ||
         len > ctx->stage.len) {
@@ -185,6 +187,7 @@ void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64
 
 void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     for (uint32_t i = 0; i < ctx->stage.num_spans; i++)
         if (ctx->stage.spans[i].off == off) {
             memmove(&ctx->stage.spans[i], &ctx->stage.spans[i + 1],
@@ -206,6 +209,7 @@ void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off)
 /* Frees every span a room holds (when it ends). */
 void kvw__stage_release_room(struct kvw_ctx *ctx, uint64_t room)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     for (uint32_t i = 0; i < ctx->stage.num_spans;) {
         if (ctx->stage.spans[i].room == room) {
             kvw__stage_free(ctx, ctx->stage.spans[i].off);

@@ -459,7 +459,7 @@ void *kvw__worker_main(void *arg)
                 if (ctx->stopping || !kvw__queue_empty(ctx))
                     break;
             }
-            pthread_cond_wait(&ctx->cv, &ctx->mu);
+            kvw__queue_wait(ctx);
         }
         if (ctx->stopping) {
             while (g.n) {
