@@ -24,7 +24,7 @@
  * its own rule (checked at registration). */
 static kvw_status_t kvw_check_mem_kinds(struct kvw_ctx *ctx)
 {
-    bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
+    bool gpu_tl = (ctx->tl_ops->caps & KVW_TL_CAP_DEVICE_MEM) != 0;
     kvw_status_t st = kvw__rank_memops(ctx->rank, gpu_tl ? NULL : ctx->tl_ops->name, &ctx->mem,
                                        &ctx->mem_dev);
     if (st != KVW_OK || gpu_tl || !ctx->mem->is_device)

@@ -219,7 +219,7 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
      * staging area (gathered and scattered on the GPUs), checked once the registration
      * says whether there is one. Anything else is refused here, not at the first
      * request. */
-    bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
+    bool gpu_tl = (ctx->tl_ops->caps & KVW_TL_CAP_DEVICE_MEM) != 0;
     bool remote_gpu = false;
     for (uint32_t i = 0; i < nb; i++) {
         bool dev = kvw__memops(kvw_rank_buffer(remote, i)->mem_kind)->is_device;

@@ -86,7 +86,10 @@ enum {
     /* Both sides must be processes on one host (shm). */
     KVW_TL_CAP_SAME_HOST = 1u << 1,
     /* The instance runs its own receive thread; progress() is a no-op returning 0. */
-    KVW_TL_CAP_OWN_THREAD = 1u << 2
+    KVW_TL_CAP_OWN_THREAD = 1u << 2,
+    /* It moves device (GPU) memory to device memory itself, and only that: buffers on
+     * both sides are device memory, with no host staging in between (cuda_ipc). */
+    KVW_TL_CAP_DEVICE_MEM = 1u << 3
 };
 
 /* One one-sided write. */
