@@ -119,9 +119,12 @@ void kvw__room_effect_free(kvw_room_effect_t *e)
 
 void kvw__room_effects_fini(struct kvw_ctx *ctx)
 {
-    kvw_room_effect_t *e;
-    while ((e = kvw__room_effects_take(ctx)) != NULL)
+    while (ctx->defer.head) {
+        kvw_room_effect_t *e = ctx->defer.head;
+        ctx->defer.head = e->next;
         kvw__room_effect_free(e);
+    }
+    ctx->defer.tail = NULL;
 }
 
 /* The ABORT_ACKs of kvw__room_quiesce, into effect e. */
