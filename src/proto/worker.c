@@ -431,6 +431,106 @@ static void kvw_job_release(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di)
     pthread_cond_broadcast(&ctx->cv);
 }
 
+/* One job: worker step after worker step to decode rank `i` of room r, until its chunks
+ * are sent, the room fails or a streamed chunk has no layer ready (mu held, dropped
+ * around each step). The job is released here, or with its last GPU step when that one
+ * is reaped. */
+static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_gpu_q_t *gq)
+{
+    uint64_t job_seq = 0; /* this job's last GPU step still to be reaped, if any */
+    uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
+    while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
+        kvw_room_dst_t *d = &r->dsts[i];
+        kvw_peer_t *peer = kvw__peer_at(ctx, d->peer);
+        kvw_qchunk_t q = r->chunks[d->next_chunk];
+        /* A streamed chunk: take the layers marked ready and not sent to this decode
+         * rank yet, as one step; the step completes the chunk when no layer is left.
+         * With none ready, the job ends here and kvw_sender_layers_ready queues the
+         * room again. */
+        uint8_t *take = NULL;
+        bool final = true;
+        if (q.ready) {
+            if (d->sent == NULL && (d->sent = calloc(nl, 1)) == NULL) {
+                kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
+                break;
+            }
+            if ((take = calloc(nl, 1)) == NULL) {
+                kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
+                break;
+            }
+            uint32_t taken = 0, done = 0;
+            for (uint32_t l = 0; l < nl; l++) {
+                done += d->sent[l];
+                if (q.ready[l] && !d->sent[l])
+                    take[l] = 1, taken++;
+            }
+            if (taken == 0) {
+                free(take);
+                break;
+            }
+            final = done + taken == nl;
+        }
+        kvw_room_dst_t dcopy = *d;
+        /* The room's metadata goes out on the control channel before the last
+         * chunk's final completion, which announces its length. */
+        uint32_t meta_len = 0;
+        if (q.c.last_chunk && final && r->has_meta) {
+            meta_len = r->meta_len;
+            kvw_wbuf_t mw;
+            kvw__wb_init(&mw, KVW_MSG_META);
+            kvw__wb_u64(&mw, r->id);
+            kvw__wb_bytes(&mw, r->meta, r->meta_len);
+            kvw__peer_send(ctx, peer, &mw);
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        uint64_t bytes = 0, runs = 0, out_ns = 0;
+        bool staged = false;
+        uint64_t seq = 0;
+        kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, take, final, peer, &bytes,
+                                          &runs, &staged, &out_ns, meta_len, gq, &seq);
+        if (seq)
+            job_seq = seq;
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", kvw_last_error());
+        pthread_mutex_lock(&ctx->mu);
+        d = &r->dsts[i];
+        if (st != KVW_OK) {
+            free(take);
+            if (r->state != KVW_ROOM_FAILED)
+                kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc, msg);
+            if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
+                kvw__peer_dead(ctx, peer, st, msg);
+            break;
+        }
+        if (take) {
+            for (uint32_t l = 0; l < nl; l++)
+                d->sent[l] |= take[l];
+            free(take);
+            if (final)
+                memset(d->sent, 0, nl); /* the next chunk starts with none sent */
+        }
+        r->bytes += bytes;
+        r->runs += runs;
+        r->path = staged ? "staged" : "direct";
+        if (out_ns) /* GPU steps stamp it when their completion goes out */
+            r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
+        kvw__room_touch(ctx, r);
+        if (!final)
+            continue;
+        if (q.c.last_chunk)
+            d->last_sent = true;
+        d->next_chunk++;
+    }
+    if (job_seq > gq->reaped) {
+        /* Its last step is still in flight: released when that one is reaped. */
+        for (uint32_t k = 0; k < gq->n; k++)
+            if (gq->q[(gq->head + k) % KVWC_EXEC_SLOTS].seq == job_seq)
+                gq->q[(gq->head + k) % KVWC_EXEC_SLOTS].closes_job = true;
+    } else {
+        kvw_job_release(ctx, r, i);
+    }
+}
+
 void *kvw__worker_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
@@ -478,6 +578,8 @@ void *kvw__worker_main(void *arg)
                 continue;
         }
         kvw_room_t *r = kvw__dequeue_room(ctx);
+        if (r == NULL)
+            continue;
         int di = kvw__room_next_dst(ctx, r);
         if (di < 0) {
             kvw__sender_update(ctx, r);
@@ -491,98 +593,7 @@ void *kvw__worker_main(void *arg)
             r->start_ns = kvw__now_ns();
         if (kvw__room_next_dst(ctx, r) >= 0)
             kvw__queue_room(ctx, r); /* another worker takes the next decode rank */
-        uint64_t job_seq = 0; /* this job's last GPU step still to be reaped, if any */
-        uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
-        while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
-            kvw_room_dst_t *d = &r->dsts[i];
-            kvw_peer_t *peer = kvw__peer_at(ctx, d->peer);
-            kvw_qchunk_t q = r->chunks[d->next_chunk];
-            /* A streamed chunk: take the layers marked ready and not sent to this decode
-             * rank yet, as one step; the step completes the chunk when no layer is left.
-             * With none ready, the job ends here and kvw_sender_layers_ready queues the
-             * room again. */
-            uint8_t *take = NULL;
-            bool final = true;
-            if (q.ready) {
-                if (d->sent == NULL && (d->sent = calloc(nl, 1)) == NULL) {
-                    kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
-                    break;
-                }
-                if ((take = calloc(nl, 1)) == NULL) {
-                    kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
-                    break;
-                }
-                uint32_t taken = 0, done = 0;
-                for (uint32_t l = 0; l < nl; l++) {
-                    done += d->sent[l];
-                    if (q.ready[l] && !d->sent[l])
-                        take[l] = 1, taken++;
-                }
-                if (taken == 0) {
-                    free(take);
-                    break;
-                }
-                final = done + taken == nl;
-            }
-            kvw_room_dst_t dcopy = *d;
-            /* The room's metadata goes out on the control channel before the last
-             * chunk's final completion, which announces its length. */
-            uint32_t meta_len = 0;
-            if (q.c.last_chunk && final && r->has_meta) {
-                meta_len = r->meta_len;
-                kvw_wbuf_t mw;
-                kvw__wb_init(&mw, KVW_MSG_META);
-                kvw__wb_u64(&mw, r->id);
-                kvw__wb_bytes(&mw, r->meta, r->meta_len);
-                kvw__peer_send(ctx, peer, &mw);
-            }
-            pthread_mutex_unlock(&ctx->mu);
-            uint64_t bytes = 0, runs = 0, out_ns = 0;
-            bool staged = false;
-            uint64_t seq = 0;
-            kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, take, final, peer, &bytes,
-                                              &runs, &staged, &out_ns, meta_len, &g, &seq);
-            if (seq)
-                job_seq = seq;
-            char msg[512];
-            snprintf(msg, sizeof(msg), "%s", kvw_last_error());
-            pthread_mutex_lock(&ctx->mu);
-            d = &r->dsts[i];
-            if (st != KVW_OK) {
-                free(take);
-                if (r->state != KVW_ROOM_FAILED)
-                    kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc, msg);
-                if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
-                    kvw__peer_dead(ctx, peer, st, msg);
-                break;
-            }
-            if (take) {
-                for (uint32_t l = 0; l < nl; l++)
-                    d->sent[l] |= take[l];
-                free(take);
-                if (final)
-                    memset(d->sent, 0, nl); /* the next chunk starts with none sent */
-            }
-            r->bytes += bytes;
-            r->runs += runs;
-            r->path = staged ? "staged" : "direct";
-            if (out_ns) /* GPU steps stamp it when their completion goes out */
-                r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
-            kvw__room_touch(ctx, r);
-            if (!final)
-                continue;
-            if (q.c.last_chunk)
-                d->last_sent = true;
-            d->next_chunk++;
-        }
-        if (job_seq > g.reaped) {
-            /* Its last step is still in flight: released when that one is reaped. */
-            for (uint32_t k = 0; k < g.n; k++)
-                if (g.q[(g.head + k) % KVWC_EXEC_SLOTS].seq == job_seq)
-                    g.q[(g.head + k) % KVWC_EXEC_SLOTS].closes_job = true;
-        } else {
-            kvw_job_release(ctx, r, i);
-        }
+        kvw_worker_job(ctx, r, i, &g);
     }
     pthread_mutex_unlock(&ctx->mu);
     return NULL;
