@@ -1,4 +1,5 @@
-/* Encoding of rank descriptions (model, parallel config, buffers) in control frames. */
+/* Encoding of rank descriptions (model, parallel config, buffers) and page lists in control
+ * frames, and the DONE frame of the data path (written by worker.c, read by land.c). */
 #include "proto/proto.h"
 
 #include <stddef.h>
@@ -168,4 +169,38 @@ kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **stor
     pl->pages = s;
     *store_p = s;
     return KVW_OK;
+}
+
+void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m)
+{
+    kvw__wb_init(w, KVW_MSG_DONE);
+    kvw__wb_u64(w, m->room);
+    kvw__wb_u32(w, m->peer);
+    kvw__wb_u64(w, m->chunk_begin);
+    kvw__wb_u64(w, m->chunk_end);
+    kvw__wb_u64(w, m->bytes);
+    kvw__wb_u8(w, (uint8_t)m->last_chunk);
+    kvw__wb_u8(w, (uint8_t)m->staged);
+    kvw__wb_u64(w, m->soff);
+    kvw__wb_u64(w, m->slen);
+    kvw__wb_u64(w, m->goff);
+    kvw__wb_u8(w, (uint8_t)m->final);
+    kvw__wb_u32(w, m->meta_len);
+}
+
+kvw_status_t kvw__done_decode(kvw_rbuf_t *r, kvw_done_msg_t *m)
+{
+    m->room = kvw__rb_u64(r);
+    m->peer = kvw__rb_u32(r);
+    m->chunk_begin = kvw__rb_u64(r);
+    m->chunk_end = kvw__rb_u64(r);
+    m->bytes = kvw__rb_u64(r);
+    m->last_chunk = kvw__rb_u8(r) != 0;
+    m->staged = kvw__rb_u8(r) != 0;
+    m->soff = kvw__rb_u64(r);
+    m->slen = kvw__rb_u64(r);
+    m->goff = kvw__rb_u64(r);
+    m->final = kvw__rb_u8(r) != 0;
+    m->meta_len = kvw__rb_u32(r);
+    return kvw__rb_done(r, "done");
 }

@@ -249,19 +249,18 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         kvw_on_bind(ctx, ep, &rb);
         return;
     }
-    uint64_t id = kvw__rb_u64(&rb);
-    uint32_t peer_id = kvw__rb_u32(&rb);
-    kvw_chunk_t c = {0};
-    c.chunk_begin = kvw__rb_u64(&rb);
-    c.chunk_end = kvw__rb_u64(&rb);
-    uint64_t bytes = kvw__rb_u64(&rb);
-    c.last_chunk = kvw__rb_u8(&rb) != 0;
-    bool staged = kvw__rb_u8(&rb) != 0;
-    uint64_t soff = kvw__rb_u64(&rb), slen = kvw__rb_u64(&rb), goff = kvw__rb_u64(&rb);
-    bool final = kvw__rb_u8(&rb) != 0;
-    uint32_t meta_len = kvw__rb_u32(&rb);
-    if (kvw__rb_done(&rb, "done") != KVW_OK || meta_len > KVW_MAX_ROOM_METADATA)
+    kvw_done_msg_t dm;
+    if (kvw__done_decode(&rb, &dm) != KVW_OK || dm.meta_len > KVW_MAX_ROOM_METADATA)
         return;
+    uint64_t id = dm.room;
+    uint32_t peer_id = dm.peer;
+    kvw_chunk_t c = {.chunk_begin = dm.chunk_begin, .chunk_end = dm.chunk_end,
+                     .last_chunk = dm.last_chunk};
+    uint64_t bytes = dm.bytes;
+    bool staged = dm.staged;
+    uint64_t soff = dm.soff, slen = dm.slen, goff = dm.goff;
+    bool final = dm.final;
+    uint32_t meta_len = dm.meta_len;
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, id);
     kvw_room_src_t *s = NULL;

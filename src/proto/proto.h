@@ -59,6 +59,26 @@ kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **stor
 /* Reads past a page list (bounds-checked) and leaves *pl empty. */
 kvw_status_t kvw__wire_skip_pages(kvw_rbuf_t *r, kvw_pages_t *pl);
 
+/* The DONE frame (KVW_MSG_DONE): one step's completion, prefill -> decode through the
+ * transport, after the step's bytes. */
+typedef struct kvw_done_msg {
+    uint64_t room;
+    uint32_t peer; /* the prefill rank's id at the decode side (its peer id there) */
+    uint64_t chunk_begin, chunk_end;
+    uint64_t bytes; /* bytes the step moved (a staged window: its length) */
+    bool last_chunk;
+    bool staged; /* a staged window: stream offset soff, length slen, at staging offset goff */
+    uint64_t soff, slen, goff;
+    bool final; /* the step completes the chunk for this decode rank */
+    /* Metadata bytes the prefill rank sent on the control channel (the last chunk's final
+     * completion only, else 0): the decode waits for them before Success. */
+    uint32_t meta_len;
+} kvw_done_msg_t;
+/* Starts w as a DONE frame holding m (the caller finishes it). */
+void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m);
+/* Reads a DONE frame's payload; MALFORMED (message set) unless it is exactly one. */
+kvw_status_t kvw__done_decode(kvw_rbuf_t *r, kvw_done_msg_t *m);
+
 /* Plan without page lists: segments and byte count only (pages are not checked). */
 /* kvw_plan_create on structs the library built itself (no field-mask checks). */
 kvw_status_t kvw__plan_create(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,

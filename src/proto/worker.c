@@ -79,25 +79,39 @@ static bool kvw_choose_staged(struct kvw_ctx *ctx, kvw_peer_t *peer, const struc
     return b.chunk < (16u << 10);
 }
 
-static void kvw_put_done(kvw_wbuf_t *w, uint64_t room, uint32_t id, const kvw_chunk_t *c,
-                         uint64_t bytes, bool staged, uint64_t soff, uint64_t slen, uint64_t goff,
-                         bool final, uint32_t meta_len)
+/* One worker step: room r's decode rank di (its peer, a copy of its half of the room),
+ * chunk q; `take` (NULL: every layer) names the layers the step moves, one byte per layer
+ * of this rank's stage; `final`: the step completes the chunk for this decode rank;
+ * meta_len: the metadata bytes sent ahead of the last chunk's final completion. */
+typedef struct kvw_step {
+    kvw_room_t *r;
+    uint32_t di;
+    kvw_peer_t *peer;
+    const kvw_room_dst_t *d;
+    const kvw_qchunk_t *q;
+    const uint8_t *take;
+    bool final;
+    uint32_t meta_len;
+} kvw_step_t;
+
+/* What a step did: bytes and runs moved, whether staged, when its completion went out
+ * (KVW_HOP_BYTES_OUT; 0: with a GPU step, later), its GPU step's sequence number (0:
+ * none). */
+typedef struct kvw_step_out {
+    uint64_t bytes, runs;
+    bool staged;
+    uint64_t out_ns;
+    uint64_t seq;
+} kvw_step_out_t;
+
+/* The DONE of step s for chunk c, having moved `bytes`, final or not (not staged). */
+static kvw_done_msg_t kvw_step_done(const kvw_step_t *s, const kvw_chunk_t *c, uint64_t bytes,
+                                    bool final)
 {
-    kvw__wb_init(w, KVW_MSG_DONE);
-    kvw__wb_u64(w, room);
-    kvw__wb_u32(w, id);
-    kvw__wb_u64(w, c->chunk_begin);
-    kvw__wb_u64(w, c->chunk_end);
-    kvw__wb_u64(w, bytes);
-    kvw__wb_u8(w, (uint8_t)(c->last_chunk != 0));
-    kvw__wb_u8(w, (uint8_t)staged);
-    kvw__wb_u64(w, soff);
-    kvw__wb_u64(w, slen);
-    kvw__wb_u64(w, goff);
-    kvw__wb_u8(w, (uint8_t)final);
-    /* Metadata bytes this rank sent on the control channel (final completions only):
-     * the decode waits for them before Success. */
-    kvw__wb_u32(w, final && c->last_chunk ? meta_len : 0);
+    return (kvw_done_msg_t){.room = s->r->id, .peer = s->peer->id_at_remote,
+                            .chunk_begin = c->chunk_begin, .chunk_end = c->chunk_end,
+                            .bytes = bytes, .last_chunk = c->last_chunk != 0, .final = final,
+                            .meta_len = final && c->last_chunk ? s->meta_len : 0};
 }
 
 /* Hands a chunk's completion to the transport; *out_ns_p: when (KVW_HOP_BYTES_OUT). */
@@ -163,24 +177,27 @@ static bool kvw_win_next(kvw_win_iter_t *it, uint64_t *b, uint64_t *e)
  * its offset in the chunk's plan and needs to know nothing of the layers. Only the last
  * window of a step that completes the chunk is final.
  */
-static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
-                                    kvw_peer_t *peer, const struct kvw_plan *plan,
-                                    const kvw_chunk_t *c, const uint8_t *take, bool final,
-                                    uint64_t *bytes_p, uint64_t *runs_p, uint64_t *out_ns_p,
-                                    uint32_t meta_len)
+static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, const kvw_step_t *s,
+                                    const struct kvw_plan *plan, const kvw_chunk_t *c,
+                                    kvw_step_out_t *out)
 {
+    kvw_room_t *r = s->r;
+    uint32_t di = s->di;
+    kvw_peer_t *peer = s->peer;
+    const uint8_t *take = s->take;
     uint32_t lb = ctx->rank->par.layer_begin;
     uint64_t total = 0, piece_max = KVW_MIN(peer->staging_len / 4, 16ull << 20);
     for (uint32_t i = 0; i < plan->num_segs; i++)
         if (kvw_seg_taken(&plan->segs[i], take, lb))
             total += kvw__seg_bytes(&plan->segs[i]);
-    *bytes_p = total;
+    out->bytes = total;
     if (total == 0) {
         /* None of this step's layers holds bytes for this decode rank (SWA layers of an
          * early chunk): only the completion goes, which may be the final one. */
         kvw_wbuf_t w;
-        kvw_put_done(&w, r->id, peer->id_at_remote, c, 0, false, 0, 0, 0, final, meta_len);
-        return kvw_notify_done(ctx, peer, &w, out_ns_p);
+        kvw_done_msg_t dm = kvw_step_done(s, c, 0, s->final);
+        kvw__done_encode(&w, &dm);
+        return kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
     /* The chunk's plan is prepared once for all its windows (on a GPU: uploaded once).
      * Host memory is gathered on the CPU after each grant; on a GPU the gather of window
@@ -237,10 +254,11 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             break;
         sent += len;
         kvw_wbuf_t dw;
-        kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, wb, len, (uint64_t)goff,
-                     final && sent == total, meta_len);
-        st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
-        (*runs_p)++;
+        kvw_done_msg_t dm = kvw_step_done(s, c, len, s->final && sent == total);
+        dm.staged = true, dm.soff = wb, dm.slen = len, dm.goff = (uint64_t)goff;
+        kvw__done_encode(&dw, &dm);
+        st = kvw_notify_done(ctx, peer, &dw, &out->out_ns);
+        out->runs++;
     }
     kvw__staged_close(sg);
     return st;
@@ -317,15 +335,17 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
     }
 }
 
-/* `take` (NULL: every layer) names the layers this step moves, one byte per layer of
- * this rank's stage; `final`: the step completes the chunk for this decode rank. */
-static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
-                                    const kvw_room_dst_t *d, const kvw_qchunk_t *q,
-                                    const uint8_t *take, bool final, kvw_peer_t *peer,
-                                    uint64_t *bytes_p, uint64_t *runs_p, bool *staged_p,
-                                    uint64_t *out_ns_p, uint32_t meta_len, kvw_gpu_q_t *g,
-                                    uint64_t *seq_p)
+/* Runs step s (mu not held; the room is pinned by inflight) on the mapped, staged or
+ * direct path; *out says what it did (zeroed by the caller). */
+static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kvw_gpu_q_t *g,
+                                    kvw_step_out_t *out)
 {
+    kvw_room_t *r = s->r;
+    uint32_t di = s->di;
+    kvw_peer_t *peer = s->peer;
+    const kvw_room_dst_t *d = s->d;
+    const kvw_qchunk_t *q = s->q;
+    const uint8_t *take = s->take;
     uint32_t lb = ctx->rank->par.layer_begin, nl = ctx->rank->par.layer_end - lb;
     kvw_chunk_t c = q->c;
     c.prefix_len = d->prefix_len;
@@ -343,8 +363,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             return st;
         if (take)
             kvw__plan_keep_layers(plan, take, lb, nl);
-        *bytes_p = plan->bytes;
-        *runs_p = plan->num_segs;
+        out->bytes = plan->bytes;
+        out->runs = plan->num_segs;
         /* Launched on this worker's executor (a GPU stream; host memory is copied before
          * the launch returns) with the DONE queued behind it: kvw_gpu_reap sends it once
          * the bytes have landed, in launch order. */
@@ -357,8 +377,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         if ((st = ctx->mem->select(ctx->mem_dev)) == KVW_OK)
             st = ctx->mem->step_launch(plan, &e->slot, &prof);
         if (st == KVW_OK) {
-            kvw_put_done(&e->done, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
-                         final, meta_len);
+            kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+            kvw__done_encode(&e->done, &dm);
             if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
                 kvw__wb_free(&e->done);
         }
@@ -374,7 +394,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             return st;
         }
         e->seq = ++g->seq;
-        *seq_p = e->seq;
+        out->seq = e->seq;
         g->n++;
         if (e->slot < 0)
             kvw_gpu_reap(ctx, g, false); /* nothing in flight for it: its DONE goes in turn */
@@ -385,16 +405,15 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         return st;
     /* Staged or direct is decided on the whole chunk's plan, so that every step of a
      * streamed chunk takes the same path. */
-    *staged_p = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
-    if (*staged_p) {
-        st = kvw_send_staged(ctx, r, di, peer, plan, &c, take, final, bytes_p, runs_p, out_ns_p,
-                             meta_len);
+    out->staged = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
+    if (out->staged) {
+        st = kvw_send_staged(ctx, s, plan, &c, out);
         kvw_plan_destroy(plan);
         return st;
     }
     if (take)
         kvw__plan_keep_layers(plan, take, lb, nl);
-    *bytes_p = plan->bytes;
+    out->bytes = plan->bytes;
     kvw_put_ctx_t *pc = malloc(sizeof(*pc));
     if (pc == NULL) {
         kvw_plan_destroy(plan);
@@ -406,11 +425,11 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         st = kvw_put_flush(pc);
     if (st == KVW_OK) {
         kvw_wbuf_t w;
-        kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, final,
-                     meta_len);
-        st = kvw_notify_done(ctx, peer, &w, out_ns_p);
+        kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+        kvw__done_encode(&w, &dm);
+        st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
-    *runs_p = pc->runs;
+    out->runs = pc->runs;
     free(pc);
     kvw_plan_destroy(plan);
     return st;
@@ -483,13 +502,12 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
             kvw__peer_send(ctx, peer, &mw);
         }
         pthread_mutex_unlock(&ctx->mu);
-        uint64_t bytes = 0, runs = 0, out_ns = 0;
-        bool staged = false;
-        uint64_t seq = 0;
-        kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, take, final, peer, &bytes,
-                                          &runs, &staged, &out_ns, meta_len, gq, &seq);
-        if (seq)
-            job_seq = seq;
+        kvw_step_t step = {.r = r, .di = i, .peer = peer, .d = &dcopy, .q = &q, .take = take,
+                           .final = final, .meta_len = meta_len};
+        kvw_step_out_t so = {0};
+        kvw_status_t st = kvw_worker_step(ctx, &step, gq, &so);
+        if (so.seq)
+            job_seq = so.seq;
         char msg[512];
         snprintf(msg, sizeof(msg), "%s", kvw_last_error());
         pthread_mutex_lock(&ctx->mu);
@@ -509,11 +527,11 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
             if (final)
                 memset(d->sent, 0, nl); /* the next chunk starts with none sent */
         }
-        r->bytes += bytes;
-        r->runs += runs;
-        r->path = staged ? "staged" : "direct";
-        if (out_ns) /* GPU steps stamp it when their completion goes out */
-            r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
+        r->bytes += so.bytes;
+        r->runs += so.runs;
+        r->path = so.staged ? "staged" : "direct";
+        if (so.out_ns) /* GPU steps stamp it when their completion goes out */
+            r->hop_ns[KVW_HOP_BYTES_OUT] = so.out_ns;
         kvw__room_touch(ctx, r);
         if (!final)
             continue;
