@@ -221,7 +221,7 @@ void *kvw__ctrl_main(void *arg)
              * no room refers to them: under decode churn a prefill context must not
              * keep every departed peer's resources until it is destroyed. */
             if (now - last_reap > 100000000ull) {
-                reaped = kvw__peers_reap(ctx);
+                reaped = kvw__peers_reap(ctx, kvw__stage_peer_waits);
                 last_reap = now;
             }
         }

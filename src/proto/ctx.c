@@ -209,6 +209,7 @@ static kvw_status_t kvw_ctx_decode_mem_reg(struct kvw_ctx *ctx)
     rkeys = NULL, rkey_lens = NULL;
     memcpy(ctx->hello_addr, addr, addr_len);
     ctx->hello_addr_len = addr_len;
+    ctx->hello_staging_len = ctx->stage.len;
 out:
     free(rkeys);
     free(rkey_lens);

@@ -173,7 +173,7 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
              (unsigned long long)room->id, kvw_status_string(status), room->reason);
     kvw_room_effect_t *e = kvw_effect_new(room);
     if (e)
-        e->release_stage = !room->is_sender && kvw__stage_present(ctx);
+        e->release_stage = !room->is_sender; /* a no-op without a staging area */
     pthread_cond_broadcast(&ctx->cv);
     atomic_fetch_add_explicit(&ctx->done_gen, 1, memory_order_release);
     pthread_cond_broadcast(&ctx->done_cv);

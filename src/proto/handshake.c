@@ -124,8 +124,8 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
     uint32_t nb = kvw_rank_num_buffers(ctx->rank);
     for (uint32_t i = 0; i < nb; i++)
         kvw__wb_bytes(w, rkeys + (size_t)i * KVW_TL_MAX_RKEY, rkey_lens[i]);
-    kvw__wb_u64(w, kvw__stage_len(ctx));
-    if (kvw__stage_len(ctx))
+    kvw__wb_u64(w, ctx->hello_staging_len);
+    if (ctx->hello_staging_len)
         kvw__wb_bytes(w, rkeys + (size_t)nb * KVW_TL_MAX_RKEY, rkey_lens[nb]);
 }
 
@@ -442,7 +442,7 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
         kvw_peer_t *o = kvw__peer_at(ctx, i);
         if (!o->dead && o->instance == h->instance && o->dp == rpar->dp_rank &&
             o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
-            kvw__peer_dead(ctx, o, KVW_ERR_PEER_DEAD,
+            kvw__peer_doom(ctx, o, KVW_ERR_PEER_DEAD,
                            "replaced by a new registration of the same rank (two decode "
                            "instances need distinct instance ids)");
     }

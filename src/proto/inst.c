@@ -120,7 +120,7 @@ static void *kvw_inst_connect_main(void *arg)
             /* Ranks of a half-connected instance are not used: drop them. */
             for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
                 if (kvw__peer_at(ctx, i)->inst == a->inst && kvw__peer_at(ctx, i)->inst_gen == a->gen)
-                    kvw__peer_dead(ctx, kvw__peer_at(ctx, i), st, "its instance failed to connect");
+                    kvw__peer_doom(ctx, kvw__peer_at(ctx, i), st, "its instance failed to connect");
         }
         a->settle(ctx, a->inst, st, why);
         kvw__late_aborts_flush(ctx, a->inst, a->gen, st == KVW_OK);

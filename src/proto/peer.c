@@ -247,12 +247,12 @@ kvw_peer_t *kvw__peer_add(struct kvw_ctx *ctx, int fd)
 /* Whether a dead peer can give up its resources: no room still names it (as a decode
  * rank it writes or a prefill rank it reads from), no staging request of its waits,
  * nothing of it is being written. mu held. */
-static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p)
+static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p, kvw_peer_busy_fn busy)
 {
     KVW_ASSERT_HELD(&ctx->mu);
     if (!p->dead || p->reaped || p->registering || p->tx_busy)
         return false;
-    if (kvw__stage_peer_waits(ctx, p->id))
+    if (busy && busy(ctx, p->id))
         return false;
     for (const kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
         for (uint32_t i = 0; i < r->num_dsts; i++)
@@ -298,13 +298,13 @@ static void kvw_peer_res_close(struct kvw_ctx *ctx, kvw_peer_res_t *res)
 /* Detaches the resources of every dead peer nothing refers to any more (mu held);
  * the caller releases the list with kvw__peer_res_release after unlocking. The peer's
  * small record stays (its id indexes the peer table). */
-kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx)
+kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx, kvw_peer_busy_fn busy)
 {
     KVW_ASSERT_HELD(&ctx->mu);
     kvw_peer_res_t *list = NULL;
     for (uint32_t i = 0; i < ctx->peers.num; i++) {
         kvw_peer_t *p = ctx->peers.tab[i];
-        if (!kvw_peer_reapable(ctx, p))
+        if (!kvw_peer_reapable(ctx, p, busy))
             continue;
         kvw_peer_res_t *res = calloc(1, sizeof(*res));
         if (res == NULL)

@@ -147,10 +147,12 @@ bool kvw__peer_tx_stalled(const kvw_peer_t *p, uint64_t now, uint32_t limit_ms, 
 
 kvw_peer_t *kvw__peer_add(struct kvw_ctx *ctx, int fd);
 
-/* Detaches the resources of every dead peer nothing refers to any more (mu held);
- * the caller releases the list with kvw__peer_res_release after unlocking. The peer's
- * small record stays (its id indexes the peer table). */
-kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx);
+/* Detaches the resources of every dead peer nothing refers to any more (mu held): no
+ * room names it and `busy` (when given: the staging credits' waiters) does not; the
+ * caller releases the list with kvw__peer_res_release after unlocking. The peer's small
+ * record stays (its id indexes the peer table). */
+typedef bool (*kvw_peer_busy_fn)(const struct kvw_ctx *ctx, uint32_t peer);
+kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx, kvw_peer_busy_fn busy);
 
 void kvw__peer_res_release(struct kvw_ctx *ctx, kvw_peer_res_t *list);
 

@@ -1,29 +1,34 @@
 /*
  * Protocol internals: contexts, peers, rooms, the bootstrap endpoint.
  *
- * The files of src/proto, one job each, by layer: a file calls functions of
- * files in lower layers only (every layer takes ctx->mu and reads the shared
- * structs below; only the calls are layered).
+ * The files of src/proto, one job each, by layer: a file calls functions of files in
+ * lower layers only. The context's state is layered too: each sub-struct of struct
+ * kvw_ctx has one owner file (the table at struct kvw_ctx), and the types of each
+ * object have their own header (room.h, peer.h, stage.h, inst.h, bootstrap.h). Failure
+ * runs one way: a peer that cannot take a frame is doomed and a failed room queues its
+ * effects; the control thread runs both (kvw__run_deferred).
  *
- *   7 ctx.c        context create and destroy
- *   6 ctrl.c       the control thread: socket reads and writes, heartbeats, timeout scans
- *   6 sender.c     the prefill engine's kvw_sender_* calls
- *   5 dispatch.c   control frames, dispatched by type
- *   5 worker.c     prefill workers: mapped, direct and staged paths, GPU steps
- *   5 events.c     layer marks that wait on CUDA events
- *   4 sched.c      prefill rooms: REQs, which decode rank has work, layer marks
- *   4 recv.c       decode: kvw_receiver_* calls, post, page grants
- *   4 land.c       decode: completions, staged scatter, write checks, accounting
- *   3 room.c       room state machine, timeouts, the handle calls (poll, wait, ...)
+ *  10 ctx.c        context create and destroy
+ *   9 ctrl.c       the control thread: socket reads, deferred deaths and effects,
+ *                  heartbeats, timeout scans, reaping
+ *   9 sender.c     the prefill engine's kvw_sender_* calls
+ *   8 dispatch.c   control frames, dispatched by type
+ *   8 worker.c     prefill workers: mapped, direct and staged paths, GPU steps
+ *   8 events.c     layer marks that wait on CUDA events
+ *   7 sched.c      prefill rooms: REQs, which decode rank has work, layer marks
+ *   7 recv.c       decode: kvw_receiver_* calls, post, page grants
+ *   7 land.c       decode: completions, staged scatter, write checks, accounting
+ *   6 room.c       room state machine, timeouts, the handle calls (poll, wait, ...)
+ *   6 stage.c      decode: the staging area and its credits
+ *   5 fail.c       peer death and room failure (marks, and the queue of their effects)
+ *   4 inst.c       decode: prefill instances, their connecting threads, late aborts
  *   3 handshake.c  registration: HELLO/ACCEPT, authentication, decode connect
- *   3 inst.c       decode: prefill instances, their connecting threads, late aborts
- *   2 fail.c       one recursion: peer death, room failure, staging credits (stage.c)
- *   2 stage.c      decode: the staging area and its credits
+ *   2 peer.c       peer records: add, free, reap; the outgoing frame queue (send, doom,
+ *                  flush); session tags; control wake-up
  *   1 roomtab.c    room table: find, new, unlink, free
- *   1 peer.c       peer records: add, free, reap; the outgoing frame queue (send, flush);
- *                  session tags; control wake-up
  *   1 bootstrap.c  the bootstrap endpoint and its client
- *   1 codec.c      rank descriptions and page lists in frames
+ *   1 codec.c      rank descriptions, page lists and the DONE frame
+ *   0 workq.c      the workers' room queue
  *   0 ivlog.c      the log of written byte ranges (page-exact accounting)
  *   0 wire.c       frame buffers, blocking socket helpers
  */
@@ -124,7 +129,7 @@ typedef struct kvw_evwatch_set {
  *   stage  stage.c     staging area and credits (decode)
  *   peers  peer.c      the peer table; each peer's outgoing frame queue
  *   insts  inst.c      prefill instances, their connecting threads, late aborts (decode)
- *   q      sched.c     the workers' room queue (prefill)
+ *   q      workq.c     the workers' room queue (prefill)
  *   binds  land.c      data connections bound to peers (decode)
  *   hs     handshake.c registration slots (prefill)
  *   evw    events.c    layer marks waiting on CUDA events
@@ -179,6 +184,7 @@ struct kvw_ctx {
     size_t *hello_rkey_lens;
     uint8_t hello_addr[KVW_TL_MAX_ADDR];
     size_t hello_addr_len;
+    uint64_t hello_staging_len; /* the staging area's size (0: none) */
 
     kvw_stage_t stage;
     kvw_peers_t peers;
@@ -259,7 +265,7 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                        uint32_t len);
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now);
 void *kvw__worker_main(void *arg);
-/* The workers' room queue (sched.c; mu held, the queue's own lock taken inside): queue a
+/* The workers' room queue (workq.c; mu held, the queue's own lock taken inside): queue a
  * room (once), drop it, take the head (NULL: empty), whether it is empty; wait until a
  * room is queued or the queue is stopped (drops mu meanwhile); stop or restart the
  * workers' waits; its generation, bumped on every queueing, and a spin until it moves

@@ -145,7 +145,7 @@ typedef struct kvw_effects {
     kvw_room_effect_t *head, *tail;
 } kvw_effects_t;
 
-/* Prefill: the rooms with work for the workers, in order (ctx->q; sched.c). Its own
+/* Prefill: the rooms with work for the workers, in order (ctx->q; workq.c). Its own
  * lock and condition variable guard it (taken after ctx->mu, never before). */
 typedef struct kvw_workq {
     pthread_mutex_t mu;
