@@ -97,8 +97,9 @@ void kvw__run_deferred(struct kvw_ctx *ctx)
                 again = true;
             }
         }
-        kvw_room_effect_t *e;
-        while ((e = kvw__room_effects_take(ctx)) != NULL) {
+        kvw_room_effect_t *e = kvw__room_effects_take(ctx);
+        while (e) {
+            kvw_room_effect_t *next = e->next;
             if (e->release_stage)
                 kvw__stage_release_room(ctx, e->room);
             for (uint32_t i = 0; i < e->num_frames; i++) {
@@ -108,6 +109,7 @@ void kvw__run_deferred(struct kvw_ctx *ctx)
                                        f->status, f->stopped ? "stopped" : e->reason);
             }
             kvw__room_effect_free(e);
+            e = next;
             again = true;
         }
     }

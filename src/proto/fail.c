@@ -99,14 +99,9 @@ static void kvw_effect_push(struct kvw_ctx *ctx, kvw_room_effect_t *e)
 kvw_room_effect_t *kvw__room_effects_take(struct kvw_ctx *ctx)
 {
     KVW_ASSERT_HELD(&ctx->mu);
-    kvw_room_effect_t *e = ctx->defer.head;
-    if (e) {
-        ctx->defer.head = e->next;
-        if (ctx->defer.head == NULL)
-            ctx->defer.tail = NULL;
-        e->next = NULL;
-    }
-    return e;
+    kvw_room_effect_t *list = ctx->defer.head;
+    ctx->defer.head = ctx->defer.tail = NULL;
+    return list;
 }
 
 void kvw__room_effect_free(kvw_room_effect_t *e)

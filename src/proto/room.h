@@ -205,8 +205,8 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state);
  */
 void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r);
 
-/* The control thread takes the queued effects, oldest first (NULL: none; mu held), and
- * frees each it ran; the context's destroy drops what is left. */
+/* The control thread takes the queued effects, a list oldest first (NULL: none; mu
+ * held), and frees each it ran; the context's destroy drops what is left. */
 kvw_room_effect_t *kvw__room_effects_take(struct kvw_ctx *ctx);
 void kvw__room_effect_free(kvw_room_effect_t *e);
 void kvw__room_effects_fini(struct kvw_ctx *ctx);
