@@ -358,6 +358,7 @@ __attribute__((unused)) static struct kvw_ctx *fzc_ctx_new(kvw_side_t side, kvw_
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
     kvw__queue_init(ctx);
+    kvw__ctx_cfg_read(ctx); /* the KVW_* variables, as kvw_ctx_create reads them */
     pthread_cond_init(&ctx->done_cv, NULL);
     if (side == KVW_SIDE_DECODE) {
         /* The context's own prefill instance, connected (its peers are added below). */

@@ -61,6 +61,19 @@ static kvw_status_t kvw_ctx_params_check(const kvw_ctx_params_t *params, kvw_ctx
     return kvw__config_check();
 }
 
+void kvw__ctx_cfg_read(struct kvw_ctx *ctx)
+{
+    kvw__config_u64("KVW_WORKERS", &ctx->cfg.workers);
+    kvw__config_u64("KVW_GPU_INFLIGHT", &ctx->cfg.gpu_inflight);
+    kvw__config_u64("KVW_STAGING_MB", &ctx->cfg.staging_mb);
+    kvw__config_u64("KVW_BUSY_POLL_US", &ctx->cfg.busy_poll_us);
+    const char *path;
+    kvw__config_str("KVW_PATH", &path);
+    ctx->cfg.path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT
+                         : path && !strcmp(path, "staged") ? KVW_PATH_STAGED
+                                                           : KVW_PATH_AUTO;
+}
+
 /* The context's settings from the parameters (defaults for what they leave out) and the
  * environment, and its locks. */
 static void kvw_ctx_params_resolve(struct kvw_ctx *ctx, const kvw_ctx_params_t *params,
@@ -87,15 +100,11 @@ static void kvw_ctx_params_resolve(struct kvw_ctx *ctx, const kvw_ctx_params_t *
     ctx->peer_timeout_ms = t && params->peer_timeout_ms ? params->peer_timeout_ms : 3000;
     ctx->bootstrap_timeout_ms = t && params->bootstrap_timeout_ms ? params->bootstrap_timeout_ms : 10000;
     ctx->wait_timeout_ms = t && params->wait_timeout_ms ? params->wait_timeout_ms : 30000;
-    uint64_t bp; /* the getters cannot fail after kvw__config_check */
-    kvw__config_u64("KVW_BUSY_POLL_US", &bp);
-    uint64_t busy_us = (fm & KVW_CTX_FIELD_BUSY_POLL) ? params->busy_poll_us : bp;
+    kvw__ctx_cfg_read(ctx);
+    uint64_t busy_us = (fm & KVW_CTX_FIELD_BUSY_POLL) ? params->busy_poll_us
+                                                      : ctx->cfg.busy_poll_us;
     ctx->busy_poll_ns = KVW_MIN(busy_us, 1000000ull) * 1000ull; /* at most 1 s */
-    const char *path;
-    kvw__config_str("KVW_PATH", &path);
-    ctx->path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT
-                     : path && !strcmp(path, "staged") ? KVW_PATH_STAGED
-                                                       : KVW_PATH_AUTO;
+    ctx->path_mode = ctx->cfg.path_mode;
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
     kvw__queue_init(ctx);
@@ -145,9 +154,7 @@ static kvw_status_t kvw_ctx_prefill_start(struct kvw_ctx *ctx, const kvw_ctx_par
     if ((st = kvw__tcp_listen(ctx->listen_host, 0, &ctx->listen_fd, &ctx->listen_port)) != KVW_OK)
         return st;
     /* Workers send to different decode ranks in parallel (KVW_WORKERS, default 4). */
-    uint64_t nw;
-    kvw__config_u64("KVW_WORKERS", &nw);
-    nw = KVW_MAX(1, KVW_MIN(nw, KVW_ARRAY_SIZE(ctx->workers)));
+    uint64_t nw = KVW_MAX(1, KVW_MIN(ctx->cfg.workers, KVW_ARRAY_SIZE(ctx->workers)));
     for (uint32_t i = 0; i < nw; i++) {
         if (pthread_create(&ctx->workers[i], NULL, kvw__worker_main, ctx) != 0)
             return kvw__error(KVW_ERR_IO, "cannot start worker thread %u", i);

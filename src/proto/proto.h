@@ -175,6 +175,15 @@ struct kvw_ctx {
      * are gathered (prefill) or scattered (decode) on the device through host staging. */
     bool staged_dev;
     int path_mode; /* 0 auto, 1 always direct, 2 always staged */
+    /* The KVW_* variables the context uses, read once when it is created
+     * (kvw__ctx_cfg_read; core/config.c checks and documents them). */
+    struct {
+        uint64_t workers;      /* KVW_WORKERS */
+        uint64_t gpu_inflight; /* KVW_GPU_INFLIGHT */
+        uint64_t staging_mb;   /* KVW_STAGING_MB */
+        uint64_t busy_poll_us; /* KVW_BUSY_POLL_US */
+        int path_mode;         /* KVW_PATH */
+    } cfg;
     uint64_t room_serial;
     char secret[256]; /* shared secret, "" when none */
     uint64_t instance_id;
@@ -326,6 +335,10 @@ void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
 
 /* Context destroy: forgets the data connections' bindings. */
 void kvw__binds_fini(struct kvw_ctx *ctx);
+
+/* ctx.c: reads the context's KVW_* variables into ctx->cfg (after kvw__config_check,
+ * so that the getters cannot fail). */
+void kvw__ctx_cfg_read(struct kvw_ctx *ctx);
 
 /* ctrl.c */
 

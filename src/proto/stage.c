@@ -5,7 +5,6 @@
  * fit between the spans already granted; a request that does not fit waits, in FIFO
  * order, until spans are given back. This file alone reads and writes ctx->stage.
  */
-#include "core/config.h"
 #include "proto/proto.h"
 
 #include <kvwire/mem.h>
@@ -16,9 +15,7 @@
 
 kvw_status_t kvw__stage_init(struct kvw_ctx *ctx)
 {
-    uint64_t smb;
-    kvw__config_u64("KVW_STAGING_MB", &smb);
-    ctx->stage.len = smb << 20;
+    ctx->stage.len = ctx->cfg.staging_mb << 20;
     if (ctx->staged_dev && ctx->stage.len == 0)
         return kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are %s memory, which "
                           "'%s' writes through the staging area, but KVW_STAGING_MB=0 "

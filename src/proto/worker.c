@@ -6,7 +6,6 @@
  * is exec/staged.c's). Steps in flight per worker on its executor, and the DONE that
  * ends each step.
  */
-#include "core/config.h"
 #include "cuda/module.h"
 #include "plan/walk.h"
 #include "proto/proto.h"
@@ -556,8 +555,7 @@ void *kvw__worker_main(void *arg)
     memset(&g, 0, sizeof(g));
     /* Kernels in flight per worker (default all slots); 1 waits for each kernel before
      * the next launch, as a step that synchronises would. */
-    uint64_t depth; /* checked when the context was created */
-    kvw__config_u64("KVW_GPU_INFLIGHT", &depth);
+    uint64_t depth = ctx->cfg.gpu_inflight; /* checked when the context was created */
     g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
