@@ -69,7 +69,7 @@ typedef struct kvw_tl_params {
     const char *listen_host; /* NULL: 127.0.0.1; receivers listen, senders may not */
     uint16_t listen_port;    /* 0: any free port */
     kvw_tl_callbacks_t cb;
-    /* Added after the first draft; 0 keeps the default. Bound, in milliseconds, on
+    /* 0 keeps the default. Bound, in milliseconds, on
      * every blocking step: connect, a send that makes no progress, an rkey fetch, and
      * (receive side) a peer that stalls in the middle of a frame. */
     uint32_t timeout_ms;
@@ -148,7 +148,7 @@ typedef struct kvw_tl_ops {
      * every handle of the instance is invalid afterwards. */
     void (*fini)(kvw_tl_h tl);
 
-    /* Added after the first draft: KVW_TL_CAP_* bits (0 when a table leaves it out). */
+    /* KVW_TL_CAP_* bits (0 when a table leaves it out). */
     uint64_t caps;
 
     /* Optional (NULL when absent): a pointer through which this process can write the
