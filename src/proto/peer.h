@@ -43,7 +43,7 @@ typedef struct kvw_peer {
      * dropped meanwhile. */
     bool doomed;
     kvw_status_t doom_status;
-    char doom_why[160];
+    char doom_why[400];
     /* Decode side: the prefill instance (index into ctx->insts, and its connection
      * generation) this peer belongs to; registering: the handshake still runs on its
      * connecting thread, nobody else touches the socket. */
