@@ -357,14 +357,16 @@ __attribute__((unused)) static struct kvw_ctx *fzc_ctx_new(kvw_side_t side, kvw_
         fzc_fail("pipe2 failed");
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
+    kvw__queue_init(ctx);
+    kvw__ctx_cfg_read(ctx); /* the KVW_* variables, as kvw_ctx_create reads them */
     pthread_cond_init(&ctx->done_cv, NULL);
     if (side == KVW_SIDE_DECODE) {
         /* The context's own prefill instance, connected (its peers are added below). */
         int i0 = kvw__inst_find_or_add(ctx, ctx->bootstrap_addr);
         if (i0 != 0)
             fzc_fail("harness: no prefill instance");
-        ctx->insts[0].gen = 1;
-        ctx->insts[0].state = KVW_INST_READY;
+        ctx->insts.tab[0].gen = 1;
+        ctx->insts.tab[0].state = KVW_INST_READY;
     }
     return ctx;
 }
@@ -380,18 +382,18 @@ __attribute__((unused)) static void fzc_ctx_drain_wake(struct kvw_ctx *ctx)
  * does). Prefill side: gives it a data endpoint and one stub key per remote buffer. */
 __attribute__((unused)) static kvw_peer_t *fzc_peer_add(struct kvw_ctx *ctx, kvw_rank_h remote)
 {
-    if (ctx->num_peers == ctx->cap_peers) {
-        uint32_t cap = ctx->cap_peers ? ctx->cap_peers * 2 : 4;
-        kvw_peer_t **n = realloc(ctx->peers, sizeof(*n) * cap);
+    if (ctx->peers.num == ctx->peers.cap) {
+        uint32_t cap = ctx->peers.cap ? ctx->peers.cap * 2 : 4;
+        kvw_peer_t **n = realloc(ctx->peers.tab, sizeof(*n) * cap);
         if (n == NULL)
             fzc_fail("harness out of memory");
-        ctx->peers = n;
-        ctx->cap_peers = cap;
+        ctx->peers.tab = n;
+        ctx->peers.cap = cap;
     }
     kvw_peer_t *p = calloc(1, sizeof(*p));
     if (p == NULL)
         fzc_fail("harness out of memory");
-    p->id = ctx->num_peers;
+    p->id = ctx->peers.num;
     p->fd = -1;
     p->last_rx_ns = p->last_tx_ns = kvw__now_ns();
     p->remote = remote;
@@ -424,7 +426,7 @@ __attribute__((unused)) static kvw_peer_t *fzc_peer_add(struct kvw_ctx *ctx, kvw
                 fzc_fail("harness out of memory");
         }
     }
-    ctx->peers[ctx->num_peers++] = p;
+    ctx->peers.tab[ctx->peers.num++] = p;
     return p;
 }
 
@@ -441,7 +443,7 @@ __attribute__((unused)) static int fzc_run_worker(struct kvw_ctx *ctx, unsigned 
     uint64_t deadline = kvw__now_ns() + (uint64_t)ms * 1000000ull;
     while (kvw__now_ns() < deadline) {
         pthread_mutex_lock(&ctx->mu);
-        bool idle = ctx->q_head == NULL;
+        bool idle = kvw__queue_empty(ctx);
         for (kvw_room_t *r = kvw__room_first(ctx); idle && r; r = kvw__room_next(ctx, r))
             idle &= r->inflight == 0;
         pthread_mutex_unlock(&ctx->mu);
@@ -454,9 +456,11 @@ __attribute__((unused)) static int fzc_run_worker(struct kvw_ctx *ctx, unsigned 
     pthread_mutex_lock(&ctx->mu);
     ctx->stopping = true;
     pthread_cond_broadcast(&ctx->cv);
+    kvw__queue_stop(ctx, true);
     pthread_mutex_unlock(&ctx->mu);
     pthread_join(t, NULL);
     ctx->stopping = false;
+    kvw__queue_stop(ctx, false);
     return rc;
 }
 

@@ -211,7 +211,7 @@ static void fzf_prefill(fzc_in_t *in)
 
     uint8_t hdr[KVW_WIRE_HDR];
     for (uint32_t frames = 0; frames < 64 && fzc_left(in) > 0; frames++) {
-        kvw_peer_t *peer = ctx->peers[fzc_u8(in) % ctx->num_peers];
+        kvw_peer_t *peer = ctx->peers.tab[fzc_u8(in) % ctx->peers.num];
         uint8_t *payload = NULL, type = 0;
         size_t len = 0;
         bool ok;
@@ -224,6 +224,7 @@ static void fzf_prefill(fzc_in_t *in)
             kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "bad header");
         else
             kvw__handle_frame(ctx, peer, type, payload, (uint32_t)len);
+        kvw__run_deferred(ctx); /* as the control thread does on every pass */
         pthread_mutex_unlock(&ctx->mu);
         free(payload);
         fzc_ctx_drain_wake(ctx);
@@ -255,8 +256,8 @@ static void fzf_check_accepted(struct kvw_ctx *ctx, kvt_rank_t *me, const fzc_pa
     if (region == nb) {
         bool inside = false;
         pthread_mutex_lock(&ctx->mu);
-        for (uint32_t i = 0; i < ctx->num_spans; i++) {
-            const kvw_stage_span_t *sp = &ctx->spans[i];
+        for (uint32_t i = 0; i < ctx->stage.num_spans; i++) {
+            const kvw_stage_span_t *sp = &ctx->stage.spans[i];
             inside |= sp->room == room && off >= sp->off && off + len <= sp->off + sp->len;
         }
         pthread_mutex_unlock(&ctx->mu);
@@ -310,11 +311,11 @@ static void fzf_decode(fzc_in_t *in)
     uint64_t prefix = (cfg & 8) && n > 5 ? 5 : 0;
     kvt_rank_t *me = rk->d1;
     struct kvw_ctx *ctx = fzc_ctx_new(KVW_SIDE_DECODE, me->h);
-    ctx->staging = malloc(FZF_STAGING);
-    if (ctx->staging == NULL)
+    ctx->stage.buf = malloc(FZF_STAGING);
+    if (ctx->stage.buf == NULL)
         fzc_fail("harness out of memory");
-    memset(ctx->staging, 0x5a, FZF_STAGING);
-    ctx->staging_len = FZF_STAGING;
+    memset(ctx->stage.buf, 0x5a, FZF_STAGING);
+    ctx->stage.len = FZF_STAGING;
     if (two) {
         fzc_peer_add(ctx, fzc_rank_clone(rk->p2[0]->h));
         fzc_peer_add(ctx, fzc_rank_clone(rk->p2[1]->h));
@@ -338,7 +339,7 @@ static void fzf_decode(fzc_in_t *in)
     for (uint32_t items = 0; items < 64 && fzc_left(in) > 0; items++) {
         uint8_t kind = fzc_u8(in);
         if (kind % 4 < 2) {
-            kvw_peer_t *peer = ctx->peers[(kind >> 2) % ctx->num_peers];
+            kvw_peer_t *peer = ctx->peers.tab[(kind >> 2) % ctx->peers.num];
             uint8_t *payload = NULL, type = 0;
             size_t len = 0;
             bool ok;
@@ -351,6 +352,7 @@ static void fzf_decode(fzc_in_t *in)
                 kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "bad header");
             else
                 kvw__handle_frame(ctx, peer, type, payload, (uint32_t)len);
+            kvw__run_deferred(ctx); /* as the control thread does on every pass */
             pthread_mutex_unlock(&ctx->mu);
             free(payload);
         } else if (kind % 4 == 2) {
@@ -370,7 +372,7 @@ static void fzf_decode(fzc_in_t *in)
             }
             /* In contract: the transport itself confines a write to its registered region
              * before it asks (tcp refuses anything else). */
-            uint64_t cap = region < nb ? kvw_rank_buffer(me->h, region)->length : ctx->staging_len;
+            uint64_t cap = region < nb ? kvw_rank_buffer(me->h, region)->length : ctx->stage.len;
             off %= cap + 1;
             len %= cap - off + 1;
             if (kvw__check_write(ctx, room, region, off, len) == KVW_OK && len > 0)

@@ -73,7 +73,7 @@ int main(void)
     kvw__wb_u64(&w, 0); /* swa: empty */
     kvw__wb_u32(&w, 0);
     kvw__wb_u64(&w, (uint64_t)-1); /* no state slot */
-    kvw__peer_send(d, d->peers[0], &w);
+    kvw__peer_send(d, d->peers.tab[0], &w);
     pthread_mutex_unlock(&d->mu);
     kvw_room_state_t st = ip_wait_recv(bad, DEADLINE_NS);
     CHECK(st == KVW_ROOM_FAILED, "the oversized request's room ended %s",

@@ -1872,7 +1872,7 @@ static void di_foreign_abort(drv_t *x)
     kvw__wb_u64(&w, x->v->id);
     kvw__wb_u32(&w, (uint32_t)(int32_t)KVW_ERR_ABORTED);
     kvw__wb_str(&w, "not mine");
-    kvw__peer_send(bc, bc->peers[0], &w);
+    kvw__peer_send(bc, bc->peers.tab[0], &w);
     pthread_mutex_unlock(&bc->mu);
     room_t own = room_def(x->v->id + 500, 5);
     d_open_post(&b, &own, NULL);
@@ -1943,7 +1943,7 @@ static void di_forge(drv_t *x)
     struct kvw_ctx *d = x->d->dec.ctx[0];
     pthread_mutex_lock(&d->mu);
     kvw_room_t *r = kvw__room_find(d, x->v->id);
-    uint32_t npeers = d->num_peers;
+    uint32_t npeers = d->peers.num;
     uint64_t expected = r && r->num_srcs ? r->srcs[0].expected : 0;
     pthread_mutex_unlock(&d->mu);
     CHECK(expected > 0, "the victim expects no bytes");

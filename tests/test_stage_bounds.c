@@ -46,8 +46,8 @@ int main(void)
     kvt_rank_t *p0 = rank_of(2, 0, 2, 0), *p1 = rank_of(2, 1, 2, 0), *q = rank_of(2, 0, 2, 1);
     struct kvw_ctx *ctx = fzc_ctx_new(KVW_SIDE_DECODE, d->h);
     const uint64_t area = 64 << 10;
-    ctx->staging = malloc(area);
-    ctx->staging_len = area;
+    ctx->stage.buf = malloc(area);
+    ctx->stage.len = area;
     kvw_peer_t *a = fzc_peer_add(ctx, fzc_rank_clone(p0->h));
     kvw_peer_t *b = fzc_peer_add(ctx, fzc_rank_clone(p1->h));
     kvw_peer_t *other = fzc_peer_add(ctx, fzc_rank_clone(q->h)); /* DP group 1 */
@@ -74,10 +74,10 @@ int main(void)
      * stays. */
     kvw__stage_ask(ctx, other, 7, 4096);
     CHECK(other->dead, "a rank that does not write the room asked for staging and stayed");
-    CHECK(ctx->num_waits == 0, "its request was queued anyway");
+    CHECK(ctx->stage.num_waits == 0, "its request was queued anyway");
     /* Rank b waits for space (the area is full): one request may wait, not two. */
     kvw__stage_ask(ctx, b, 7, 4096);
-    CHECK(ctx->num_waits == 1 && !b->dead, "rank b's first request: %u waiting", ctx->num_waits);
+    CHECK(ctx->stage.num_waits == 1 && !b->dead, "rank b's first request: %u waiting", ctx->stage.num_waits);
     kvw_room_state_t s = room->state;
     CHECK(s != KVW_ROOM_FAILED, "room failed early: %s", room->reason);
     kvw__stage_ask(ctx, b, 7, 4096);

@@ -237,14 +237,9 @@ static kvw_status_t kvw_side_map(kvw_rank_h rank, const kvw_side_pages_t *pages,
     return st;
 }
 
-/* sp or dp NULL: that side has geometry only (kvw_geometry_map). */
-static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
-                                   const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
-                                   kvw_plan_h *plan_p)
+/* A chunk's token range must fit its request (and kvwire's limit on requests). */
+static kvw_status_t kvw_chunk_check(const kvw_chunk_t *chunk)
 {
-    kvw_status_t st;
-    if (!src || !dst || !chunk || !plan_p)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_create: NULL argument");
     if (chunk->chunk_begin > chunk->chunk_end || chunk->chunk_end > chunk->num_tokens ||
         chunk->prefix_len > chunk->num_tokens)
         return kvw__error(KVW_ERR_INVALID_PARAM,
@@ -260,16 +255,16 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
         return kvw__error(KVW_ERR_INVALID_PARAM, "the last chunk must end at token %llu, not %llu",
                           (unsigned long long)chunk->num_tokens,
                           (unsigned long long)chunk->chunk_end);
-    st = kvw_rank_check_compatible(src, dst);
-    if (st != KVW_OK)
-        return st;
+    return KVW_OK;
+}
 
-    const kvw_model_t *m = &src->model;
-    uint32_t lb = KVW_MAX(src->par.layer_begin, dst->par.layer_begin);
-    uint32_t le = KVW_MIN(src->par.layer_end, dst->par.layer_end);
-
-    /* Token ranges each pool needs over the layers both ranks hold. */
-    uint64_t need_b[KVW_NUM_POOLS], need_e[KVW_NUM_POOLS];
+/* The token range [need_b, need_e) each pool needs over layers [lb, le) of the chunk
+ * (model m, over the layers the destination holds views of; empty: need_b >= need_e);
+ * returns whether state layers move (the last chunk). */
+static bool kvw_pool_needs(const kvw_model_t *m, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                           uint32_t lb, uint32_t le, uint64_t need_b[KVW_NUM_POOLS],
+                           uint64_t need_e[KVW_NUM_POOLS])
+{
     for (int p = 0; p < KVW_NUM_POOLS; p++)
         need_b[p] = UINT64_MAX, need_e[p] = 0;
     bool any_state = false;
@@ -299,6 +294,70 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
             need_e[pool] = KVW_MAX(need_e[pool], e);
         }
     }
+    return any_state;
+}
+
+/* The segments of one state view (buffers sb and db): each group is sharded on its own;
+ * its units sit side by side in a slot. */
+static kvw_status_t kvw_plan_state_segs(struct kvw_plan *plan, uint32_t *seg_cap,
+                                        const kvw_seg_t *base, const kvw_buffer_desc_t *sb,
+                                        const kvw_buffer_desc_t *db, uint32_t *nroutes)
+{
+    kvw_rank_h src = plan->src, dst = plan->dst;
+    uint64_t soff = 0, doff = 0;
+    for (uint32_t g = 0; g < db->num_groups; g++) {
+        kvw_pair_routes_t gr;
+        uint32_t first, scount, dcount;
+        kvw_status_t st = kvw_pair_routes(src, dst, db->groups[g].total_heads, &gr);
+        if (st != KVW_OK)
+            return st;
+        kvw_topo_heads(src->par.tp_size, src->par.tp_rank, sb->groups[g].total_heads,
+                       &first, &scount);
+        kvw_topo_heads(dst->par.tp_size, dst->par.tp_rank, db->groups[g].total_heads,
+                       &first, &dcount);
+        uint32_t hb = db->groups[g].head_bytes;
+        for (uint32_t r = 0; r < gr.n; r++) {
+            kvw_seg_t *s = kvw_plan_push(plan, seg_cap);
+            if (s == NULL)
+                return kvw__error(KVW_ERR_NO_MEMORY, "out of memory building a plan");
+            *s = *base;
+            s->head_bytes = hb;
+            s->num_heads = gr.r[r].num_heads;
+            s->src_head = gr.r[r].src_head_start;
+            s->dst_head = gr.r[r].dst_head_start;
+            s->src.plane_off = soff;
+            s->dst.plane_off = doff;
+            s->src.head_stride = s->dst.head_stride = hb;
+        }
+        *nroutes = KVW_MAX(*nroutes, gr.n);
+        soff += (uint64_t)scount * hb;
+        doff += (uint64_t)dcount * hb;
+    }
+    return KVW_OK;
+}
+
+/* sp or dp NULL: that side has geometry only (kvw_geometry_map). */
+static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chunk_t *chunk,
+                                   const kvw_side_pages_t *sp, const kvw_side_pages_t *dp,
+                                   kvw_plan_h *plan_p)
+{
+    kvw_status_t st;
+    if (!src || !dst || !chunk || !plan_p)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_plan_create: NULL argument");
+    if ((st = kvw_chunk_check(chunk)) != KVW_OK)
+        return st;
+    st = kvw_rank_check_compatible(src, dst);
+    if (st != KVW_OK)
+        return st;
+
+    const kvw_model_t *m = &src->model;
+    uint32_t lb = KVW_MAX(src->par.layer_begin, dst->par.layer_begin);
+    uint32_t le = KVW_MIN(src->par.layer_end, dst->par.layer_end);
+
+    /* Token ranges each pool needs over the layers both ranks hold. */
+    uint64_t need_b[KVW_NUM_POOLS], need_e[KVW_NUM_POOLS];
+    bool any_state = kvw_pool_needs(m, dst, chunk, lb, le, need_b, need_e);
+    uint64_t fb = KVW_MAX(chunk->chunk_begin, chunk->prefix_len), fe = chunk->chunk_end;
     if (any_state && (sp || dp)) {
         /* A side without pages has no slot either: checked as slot 0. */
         int64_t ss = sp ? sp->state_slot : 0, ds = dp ? dp->state_slot : 0;
@@ -387,38 +446,9 @@ static kvw_status_t kvw_plan_build(kvw_rank_h src, kvw_rank_h dst, const kvw_chu
                               .tok_begin = tb, .tok_end = te, .layer = l, .src = sv->view,
                               .dst = dv->view};
             if (dv->comp == KVW_COMP_STATE) {
-                /* Each group is sharded on its own; its units sit side by side in a slot. */
-                const kvw_buffer_desc_t *sb = &src->bufs[sv->buf], *db = &dst->bufs[dv->buf];
-                uint64_t soff = 0, doff = 0;
-                for (uint32_t g = 0; g < db->num_groups; g++) {
-                    kvw_pair_routes_t gr;
-                    uint32_t first, scount, dcount;
-                    if ((st = kvw_pair_routes(src, dst, db->groups[g].total_heads, &gr)) != KVW_OK)
-                        goto err_free;
-                    kvw_topo_heads(src->par.tp_size, src->par.tp_rank, sb->groups[g].total_heads,
-                                   &first, &scount);
-                    kvw_topo_heads(dst->par.tp_size, dst->par.tp_rank, db->groups[g].total_heads,
-                                   &first, &dcount);
-                    uint32_t hb = db->groups[g].head_bytes;
-                    for (uint32_t r = 0; r < gr.n; r++) {
-                        kvw_seg_t *s = kvw_plan_push(plan, &seg_cap);
-                        if (s == NULL) {
-                            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory building a plan");
-                            goto err_free;
-                        }
-                        *s = base;
-                        s->head_bytes = hb;
-                        s->num_heads = gr.r[r].num_heads;
-                        s->src_head = gr.r[r].src_head_start;
-                        s->dst_head = gr.r[r].dst_head_start;
-                        s->src.plane_off = soff;
-                        s->dst.plane_off = doff;
-                        s->src.head_stride = s->dst.head_stride = hb;
-                    }
-                    nroutes = KVW_MAX(nroutes, gr.n);
-                    soff += (uint64_t)scount * hb;
-                    doff += (uint64_t)dcount * hb;
-                }
+                if ((st = kvw_plan_state_segs(plan, &seg_cap, &base, &src->bufs[sv->buf],
+                                              &dst->bufs[dv->buf], &nroutes)) != KVW_OK)
+                    goto err_free;
                 continue;
             }
             const kvw_pair_routes_t *rt = kind == KVW_LAYER_MLA ? &mla : &attn;

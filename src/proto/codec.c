@@ -1,4 +1,5 @@
-/* Encoding of rank descriptions (model, parallel config, buffers) in control frames. */
+/* Encoding of rank descriptions (model, parallel config, buffers) and page lists in control
+ * frames, and the DONE frame of the data path (written by worker.c, read by land.c). */
 #include "proto/proto.h"
 
 #include <stddef.h>
@@ -168,4 +169,57 @@ kvw_status_t kvw__wire_get_pages(kvw_rbuf_t *r, kvw_pages_t *pl, uint32_t **stor
     pl->pages = s;
     *store_p = s;
     return KVW_OK;
+}
+
+/* The DONE frame's fields in wire order, with their width in bytes (1: a bool): one
+ * table for writer and reader. */
+static const struct {
+    size_t off;
+    uint8_t width;
+} kvw_done_fields[] = {
+    {offsetof(kvw_done_msg_t, room), 8},        {offsetof(kvw_done_msg_t, peer), 4},
+    {offsetof(kvw_done_msg_t, chunk_begin), 8}, {offsetof(kvw_done_msg_t, chunk_end), 8},
+    {offsetof(kvw_done_msg_t, bytes), 8},       {offsetof(kvw_done_msg_t, last_chunk), 1},
+    {offsetof(kvw_done_msg_t, staged), 1},      {offsetof(kvw_done_msg_t, soff), 8},
+    {offsetof(kvw_done_msg_t, slen), 8},        {offsetof(kvw_done_msg_t, goff), 8},
+    {offsetof(kvw_done_msg_t, final), 1},       {offsetof(kvw_done_msg_t, meta_len), 4}};
+
+void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m)
+{
+    kvw__wb_init(w, KVW_MSG_DONE);
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(kvw_done_fields); i++) {
+        const char *f = (const char *)m + kvw_done_fields[i].off;
+        if (kvw_done_fields[i].width == 8) {
+            uint64_t v;
+            memcpy(&v, f, sizeof(v));
+            kvw__wb_u64(w, v);
+        } else if (kvw_done_fields[i].width == 4) {
+            uint32_t v;
+            memcpy(&v, f, sizeof(v));
+            kvw__wb_u32(w, v);
+        } else {
+            bool v;
+            memcpy(&v, f, sizeof(v));
+            kvw__wb_u8(w, (uint8_t)v);
+        }
+    }
+}
+
+kvw_status_t kvw__done_decode(kvw_rbuf_t *r, kvw_done_msg_t *m)
+{
+    memset(m, 0, sizeof(*m));
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(kvw_done_fields); i++) {
+        char *f = (char *)m + kvw_done_fields[i].off;
+        if (kvw_done_fields[i].width == 8) {
+            uint64_t v = kvw__rb_u64(r);
+            memcpy(f, &v, sizeof(v));
+        } else if (kvw_done_fields[i].width == 4) {
+            uint32_t v = kvw__rb_u32(r);
+            memcpy(f, &v, sizeof(v));
+        } else {
+            bool v = kvw__rb_u8(r) != 0;
+            memcpy(f, &v, sizeof(v));
+        }
+    }
+    return kvw__rb_done(r, "done");
 }

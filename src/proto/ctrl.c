@@ -14,6 +14,7 @@
 /* Reads what is available on a peer's socket; handles complete frames. mu held. */
 static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     for (;;) {
         ssize_t k;
         if (peer->hdr_got < KVW_WIRE_HDR) {
@@ -84,77 +85,33 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
     }
 }
 
-/* Sends queued frames; called without mu, takes it only to pop. */
-/*
- * Writes a peer's queued frames without blocking: what the socket does not take stays at
- * the head of the queue (m->off) and the control thread polls for POLLOUT. A peer that
- * stops reading therefore never holds the control thread; it is declared dead once its
- * queue made no progress for the peer timeout (see the control loop) or grew past
- * KVW_MAX_OUT_BYTES (kvw__peer_send). `blocking`: at shutdown, finish within the peer
- * timeout instead (the peer must not learn of a completion or an abort only from the
- * closed connection).
- */
-static void kvw_peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
+void kvw__run_deferred(struct kvw_ctx *ctx)
 {
-    for (;;) {
-        /* The head frame leaves the queue while it is written outside mu (a peer's death
-         * meanwhile frees the queue, not this frame); tx_busy keeps direct sends out. */
-        pthread_mutex_lock(&ctx->mu);
-        kvw_outmsg_t *m = peer->dead || peer->fd < 0 ? NULL : peer->out_head;
-        if (m) {
-            peer->out_head = m->next;
-            if (peer->out_head == NULL)
-                peer->out_tail = NULL;
-            peer->tx_busy = true;
-        }
-        pthread_mutex_unlock(&ctx->mu);
-        if (m == NULL)
-            return;
-        size_t left = m->w.len - m->off;
-        kvw_status_t st = KVW_OK;
-        ssize_t k = 0;
-        if (blocking) {
-            st = kvw__sock_send_all(peer->fd, m->w.p + m->off, left,
-                                    kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull);
-            k = st == KVW_OK ? (ssize_t)left : 0;
-        } else {
-            do
-                k = send(peer->fd, m->w.p + m->off, left, MSG_DONTWAIT | MSG_NOSIGNAL);
-            while (k < 0 && errno == EINTR);
-            if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
-                st = kvw__error(KVW_ERR_CONN_CLOSED, "send: %s", strerror(errno));
-        }
-        pthread_mutex_lock(&ctx->mu);
-        peer->tx_busy = false;
-        bool keep = false;
-        if (st != KVW_OK) {
-            kvw__peer_dead(ctx, peer, st, kvw_last_error());
-        } else {
-            if (k > 0) {
-                m->off += (size_t)k;
-                peer->out_bytes -= KVW_MIN((uint64_t)k, peer->out_bytes);
-                peer->tx_stall_ns = 0;
-                peer->last_tx_ns = kvw__now_ns();
-            } else if (peer->tx_stall_ns == 0) {
-                peer->tx_stall_ns = kvw__now_ns(); /* the socket is full: wait for POLLOUT */
-            }
-            if (m->off < m->w.len && !peer->dead) {
-                /* Back at the head, ahead of whatever was queued meanwhile. */
-                m->next = peer->out_head;
-                peer->out_head = m;
-                if (peer->out_tail == NULL)
-                    peer->out_tail = m;
-                keep = true;
+    KVW_ASSERT_HELD(&ctx->mu);
+    for (bool again = true; again;) {
+        again = false;
+        for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+            kvw_peer_t *p = kvw__peer_at(ctx, i);
+            if (p->doomed && !p->dead) {
+                kvw__peer_dead(ctx, p, p->doom_status, p->doom_why);
+                again = true;
             }
         }
-        bool again = st == KVW_OK && !keep;
-        pthread_mutex_unlock(&ctx->mu);
-        if (!keep) {
-            kvw__wb_free(&m->w);
-            free(m);
+        kvw_room_effect_t *e = kvw__room_effects_take(ctx);
+        while (e) {
+            kvw_room_effect_t *next = e->next;
+            if (e->release_stage)
+                kvw__stage_release_room(ctx, e->room);
+            for (uint32_t i = 0; i < e->num_frames; i++) {
+                const kvw_room_frame_t *f = &e->frames[i];
+                if (f->peer < kvw__peer_count(ctx))
+                    kvw__send_room_msg(ctx, kvw__peer_at(ctx, f->peer), f->type, e->room,
+                                       f->status, f->stopped ? "stopped" : e->reason);
+            }
+            kvw__room_effect_free(e);
+            e = next;
+            again = true;
         }
-        if (!again)
-            return;
     }
 }
 
@@ -168,21 +125,22 @@ void *kvw__ctrl_main(void *arg)
     uint64_t last_timeout_scan = 0, last_reap = 0;
     for (;;) {
         pthread_mutex_lock(&ctx->mu);
+        kvw__run_deferred(ctx);
         if (ctx->stopping) {
             /* Send what is queued (a room's completion, an abort) before leaving: the
              * peer must not learn of it only through the closed connection. */
             pthread_mutex_unlock(&ctx->mu);
             for (uint32_t i = 0;; i++) {
                 pthread_mutex_lock(&ctx->mu);
-                kvw_peer_t *p = i < ctx->num_peers ? ctx->peers[i] : NULL;
+                kvw_peer_t *p = i < kvw__peer_count(ctx) ? kvw__peer_at(ctx, i) : NULL;
                 pthread_mutex_unlock(&ctx->mu);
                 if (p == NULL)
                     break;
-                kvw_peer_flush(ctx, p, true);
+                kvw__peer_flush(ctx, p, true);
             }
             break;
         }
-        uint32_t need = ctx->num_peers + 2;
+        uint32_t need = kvw__peer_count(ctx) + 2;
         if (need > cap) {
             cap = need * 2;
             pfd = realloc(pfd, sizeof(*pfd) * cap);
@@ -198,12 +156,12 @@ void *kvw__ctrl_main(void *arg)
         if (ctx->listen_fd >= 0)
             pfd[n++] = (struct pollfd){.fd = ctx->listen_fd, .events = POLLIN};
         uint32_t first_peer = (uint32_t)n;
-        for (uint32_t i = 0; i < ctx->num_peers; i++) {
-            if (ctx->peers[i]->dead || ctx->peers[i]->registering)
+        for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+            if (kvw__peer_at(ctx, i)->dead || kvw__peer_at(ctx, i)->registering)
                 continue;
             pidx[n] = i;
-            pfd[n++] = (struct pollfd){.fd = ctx->peers[i]->fd,
-                                       .events = POLLIN | (ctx->peers[i]->out_head ? POLLOUT : 0)};
+            pfd[n++] = (struct pollfd){.fd = kvw__peer_at(ctx, i)->fd,
+                                       .events = POLLIN | (kvw__peer_tx_queued(kvw__peer_at(ctx, i)) ? POLLOUT : 0)};
         }
         pthread_mutex_unlock(&ctx->mu);
 
@@ -230,18 +188,16 @@ void *kvw__ctrl_main(void *arg)
         }
         pthread_mutex_lock(&ctx->mu);
         for (nfds_t i = first_peer; i < n; i++)
-            if (pfd[i].revents && !ctx->peers[pidx[i]]->dead)
-                kvw_peer_read(ctx, ctx->peers[pidx[i]]);
+            if (pfd[i].revents && !kvw__peer_at(ctx, pidx[i])->dead)
+                kvw_peer_read(ctx, kvw__peer_at(ctx, pidx[i]));
         uint64_t now = kvw__now_ns();
-        for (uint32_t i = 0; i < ctx->num_peers; i++) {
-            kvw_peer_t *p = ctx->peers[i];
+        for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+            kvw_peer_t *p = kvw__peer_at(ctx, i);
             if (p->dead || p->registering)
                 continue;
-            if (p->tx_stall_ns && now - p->tx_stall_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
-                char why[128];
-                snprintf(why, sizeof(why), "stopped reading: %llu bytes of frames waited %u ms",
-                         (unsigned long long)p->out_bytes, ctx->peer_timeout_ms);
-                kvw__peer_dead(ctx, p, KVW_ERR_PEER_DEAD, why);
+            char stall[128];
+            if (kvw__peer_tx_stalled(p, now, ctx->peer_timeout_ms, stall, sizeof(stall))) {
+                kvw__peer_dead(ctx, p, KVW_ERR_PEER_DEAD, stall);
                 continue;
             }
             if (now - p->last_rx_ns > (uint64_t)ctx->peer_timeout_ms * 1000000ull) {
@@ -251,7 +207,7 @@ void *kvw__ctrl_main(void *arg)
                 continue;
             }
             if (now - p->last_tx_ns > (uint64_t)ctx->heartbeat_ms * 1000000ull &&
-                p->out_head == NULL) {
+                !kvw__peer_tx_queued(p)) {
                 kvw_wbuf_t w;
                 kvw__wb_init(&w, KVW_MSG_HEARTBEAT);
                 kvw__peer_send(ctx, p, &w);
@@ -267,20 +223,21 @@ void *kvw__ctrl_main(void *arg)
              * no room refers to them: under decode churn a prefill context must not
              * keep every departed peer's resources until it is destroyed. */
             if (now - last_reap > 100000000ull) {
-                reaped = kvw__peers_reap(ctx);
+                reaped = kvw__peers_reap(ctx, kvw__stage_peer_waits);
                 last_reap = now;
             }
         }
+        kvw__run_deferred(ctx);
         /* Peers with queued frames, copied under the lock: registration threads may
          * grow the peer table meanwhile. Peers are never freed before the context. */
         uint32_t nf = 0;
-        for (uint32_t i = 0; i < ctx->num_peers && nf < cap; i++)
-            if (ctx->peers[i]->out_head && !ctx->peers[i]->dead)
-                flush[nf++] = ctx->peers[i];
+        for (uint32_t i = 0; i < kvw__peer_count(ctx) && nf < cap; i++)
+            if (kvw__peer_tx_queued(kvw__peer_at(ctx, i)) && !kvw__peer_at(ctx, i)->dead)
+                flush[nf++] = kvw__peer_at(ctx, i);
         pthread_mutex_unlock(&ctx->mu);
         kvw__peer_res_release(ctx, reaped);
         for (uint32_t i = 0; i < nf; i++)
-            kvw_peer_flush(ctx, flush[i], false);
+            kvw__peer_flush(ctx, flush[i], false);
     }
     free(pfd);
     free(pidx);

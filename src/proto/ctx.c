@@ -24,7 +24,7 @@
  * its own rule (checked at registration). */
 static kvw_status_t kvw_check_mem_kinds(struct kvw_ctx *ctx)
 {
-    bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
+    bool gpu_tl = (ctx->tl_ops->caps & KVW_TL_CAP_DEVICE_MEM) != 0;
     kvw_status_t st = kvw__rank_memops(ctx->rank, gpu_tl ? NULL : ctx->tl_ops->name, &ctx->mem,
                                        &ctx->mem_dev);
     if (st != KVW_OK || gpu_tl || !ctx->mem->is_device)
@@ -37,7 +37,10 @@ static kvw_status_t kvw_check_mem_kinds(struct kvw_ctx *ctx)
     return KVW_OK;
 }
 
-kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
+/* Checks the caller's parameters and the environment (every KVW_* variable, once per
+ * context); *has_bs: a bootstrap address is given. */
+static kvw_status_t kvw_ctx_params_check(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p,
+                                         bool *has_bs)
 {
     const uint64_t need = KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK;
     kvw_status_t st;
@@ -46,20 +49,37 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     if (params && (st = kvw__mask_check(&kvw__spec_ctx_params, params->field_mask,
                                         "kvw_ctx_create: params")) != KVW_OK)
         return st;
-    bool has_bs = params && (params->field_mask & KVW_CTX_FIELD_BOOTSTRAP) &&
-                  params->bootstrap_addr && params->bootstrap_addr[0];
+    *has_bs = params && (params->field_mask & KVW_CTX_FIELD_BOOTSTRAP) &&
+              params->bootstrap_addr && params->bootstrap_addr[0];
     if (params == NULL || ctx_p == NULL || (params->field_mask & need) != need ||
-        params->rank == NULL || (!has_bs && params->side != KVW_SIDE_DECODE))
+        params->rank == NULL || (!*has_bs && params->side != KVW_SIDE_DECODE))
         return kvw__error(KVW_ERR_INVALID_PARAM,
                           "context params need a side, a rank and (prefill) a bootstrap address");
     uint64_t fm = params->field_mask;
     if ((fm & KVW_CTX_FIELD_SECRET) && params->secret && strlen(params->secret) >= 256)
         return kvw__error(KVW_ERR_INVALID_PARAM, "the shared secret is longer than 255 bytes");
-    if ((st = kvw__config_check()) != KVW_OK) /* every KVW_* variable, once per context */
-        return st;
-    struct kvw_ctx *ctx = calloc(1, sizeof(*ctx));
-    if (ctx == NULL)
-        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a context");
+    return kvw__config_check();
+}
+
+void kvw__ctx_cfg_read(struct kvw_ctx *ctx)
+{
+    kvw__config_u64("KVW_WORKERS", &ctx->cfg.workers);
+    kvw__config_u64("KVW_GPU_INFLIGHT", &ctx->cfg.gpu_inflight);
+    kvw__config_u64("KVW_STAGING_MB", &ctx->cfg.staging_mb);
+    kvw__config_u64("KVW_BUSY_POLL_US", &ctx->cfg.busy_poll_us);
+    const char *path;
+    kvw__config_str("KVW_PATH", &path);
+    ctx->cfg.path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT
+                         : path && !strcmp(path, "staged") ? KVW_PATH_STAGED
+                                                           : KVW_PATH_AUTO;
+}
+
+/* The context's settings from the parameters (defaults for what they leave out) and the
+ * environment, and its locks. */
+static void kvw_ctx_params_resolve(struct kvw_ctx *ctx, const kvw_ctx_params_t *params,
+                                   bool has_bs)
+{
+    uint64_t fm = params->field_mask;
     ctx->side = params->side;
     ctx->rank = params->rank;
     if ((fm & KVW_CTX_FIELD_SECRET) && params->secret)
@@ -68,8 +88,7 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
         ctx->instance_id = params->instance_id;
     ctx->listen_fd = -1;
     ctx->bs_fd = -1;
-    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
-        ctx->hs[i].fd = -1;
+    kvw__hs_init(ctx);
     ctx->wake_fd[0] = ctx->wake_fd[1] = -1;
     snprintf(ctx->listen_host, sizeof(ctx->listen_host), "%s",
              (fm & KVW_CTX_FIELD_LISTEN_HOST) && params->listen_host ? params->listen_host
@@ -82,195 +101,195 @@ kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
     ctx->peer_timeout_ms = t && params->peer_timeout_ms ? params->peer_timeout_ms : 3000;
     ctx->bootstrap_timeout_ms = t && params->bootstrap_timeout_ms ? params->bootstrap_timeout_ms : 10000;
     ctx->wait_timeout_ms = t && params->wait_timeout_ms ? params->wait_timeout_ms : 30000;
-    uint64_t bp; /* the getters cannot fail after kvw__config_check */
-    kvw__config_u64("KVW_BUSY_POLL_US", &bp);
-    uint64_t busy_us = (fm & KVW_CTX_FIELD_BUSY_POLL) ? params->busy_poll_us : bp;
+    kvw__ctx_cfg_read(ctx);
+    uint64_t busy_us = (fm & KVW_CTX_FIELD_BUSY_POLL) ? params->busy_poll_us
+                                                      : ctx->cfg.busy_poll_us;
     ctx->busy_poll_ns = KVW_MIN(busy_us, 1000000ull) * 1000ull; /* at most 1 s */
-    const char *path;
-    kvw__config_str("KVW_PATH", &path);
-    ctx->path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT
-                     : path && !strcmp(path, "staged") ? KVW_PATH_STAGED
-                                                       : KVW_PATH_AUTO;
+    ctx->path_mode = ctx->cfg.path_mode;
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
+    kvw__queue_init(ctx);
     kvw__cond_init_monotonic(&ctx->done_cv);
-    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
+}
 
+/* The transport: found by name, started with the context's callbacks, and the memory
+ * kinds of this rank's buffers checked against it; the control thread's wake-up pipe. */
+static kvw_status_t kvw_ctx_tl_open(struct kvw_ctx *ctx, const kvw_ctx_params_t *params)
+{
+    uint64_t fm = params->field_mask;
     const char *tl_name = (fm & KVW_CTX_FIELD_TRANSPORT) && params->transport ? params->transport
                                                                                : "tcp";
     ctx->tl_ops = kvw__tl_find(tl_name);
-    if (ctx->tl_ops == NULL) {
-        st = kvw__error(KVW_ERR_UNSUPPORTED, "unknown transport '%s'", tl_name);
-        goto err;
-    }
-    if (pipe2(ctx->wake_fd, O_CLOEXEC | O_NONBLOCK) < 0) {
-        st = kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
-        goto err;
-    }
+    if (ctx->tl_ops == NULL)
+        return kvw__error(KVW_ERR_UNSUPPORTED, "unknown transport '%s'", tl_name);
+    if (pipe2(ctx->wake_fd, O_CLOEXEC | O_NONBLOCK) < 0)
+        return kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
     kvw_tl_params_t tp = {.listen_host = ctx->side == KVW_SIDE_DECODE ? ctx->listen_host : NULL,
                           .listen_port = 0,
                           .cb = {.arg = ctx, .on_notify = kvw__on_notify,
                                  .check_write = kvw__check_write,
                                  .on_ep_error = kvw__on_ep_error}};
-    if ((st = ctx->tl_ops->init(&tp, &ctx->tl)) != KVW_OK)
-        goto err;
-    if ((st = kvw_check_mem_kinds(ctx)) != KVW_OK)
-        goto err;
+    kvw_status_t st = ctx->tl_ops->init(&tp, &ctx->tl);
+    if (st != KVW_OK)
+        return st;
+    return kvw_check_mem_kinds(ctx);
+}
 
-    if (ctx->side == KVW_SIDE_PREFILL) {
-        const kvw_parallel_t *par = kvw_rank_parallel(ctx->rank);
-        if (params->host_bootstrap && (fm & KVW_CTX_FIELD_HOST_BOOTSTRAP)) {
-            char host[128];
-            uint16_t port;
-            if ((st = kvw__parse_hostport(params->bootstrap_addr, host, sizeof(host), &port)) != KVW_OK ||
-                (st = kvw__bootstrap_start(host, port, ctx->secret, &ctx->bs)) != KVW_OK)
-                goto err;
-            snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s",
-                     kvw__bootstrap_addr(ctx->bs));
-        }
-        if ((st = kvw__tcp_listen(ctx->listen_host, 0, &ctx->listen_fd, &ctx->listen_port)) != KVW_OK)
-            goto err;
-        /* Workers send to different decode ranks in parallel (KVW_WORKERS, default 4). */
-        uint64_t nw;
-        kvw__config_u64("KVW_WORKERS", &nw);
-        nw = KVW_MAX(1, KVW_MIN(nw, KVW_ARRAY_SIZE(ctx->workers)));
-        for (uint32_t i = 0; i < nw; i++) {
-            if (pthread_create(&ctx->workers[i], NULL, kvw__worker_main, ctx) != 0) {
-                st = kvw__error(KVW_ERR_IO, "cannot start worker thread %u", i);
-                goto err;
-            }
-            ctx->num_workers = i + 1;
-        }
-        if (pthread_create(&ctx->ctrl_thread, NULL, kvw__ctrl_main, ctx) != 0) {
-            st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
-            goto err;
-        }
-        ctx->ctrl_started = true;
-        kvw_bs_entry_t e = {.dp = par->dp_rank, .tp = par->tp_rank, .pp = par->pp_rank,
-                            .dp_size = KVW_MAX(par->dp_size, 1), .tp_size = par->tp_size,
-                            .pp_size = KVW_MAX(par->pp_size, 1)};
-        kvw__format_hostport(ctx->listen_host, ctx->listen_port, e.addr, sizeof(e.addr));
-        if ((st = kvw__bootstrap_hold(ctx->bootstrap_addr, &e, ctx->secret, deadline,
-                                       &ctx->bs_fd)) != KVW_OK)
-            goto err;
-    } else {
-        /* Register every buffer, then register with every prefill rank. */
-        uint32_t nb = kvw_rank_num_buffers(ctx->rank);
-        uint8_t *rkeys = calloc(nb + 1, KVW_TL_MAX_RKEY);
-        size_t *rkey_lens = calloc(nb + 1, sizeof(size_t));
-        ctx->mems = calloc(nb + 1, sizeof(*ctx->mems));
-        uint8_t addr[KVW_TL_MAX_ADDR];
-        size_t addr_len = sizeof(addr);
-        kvw_bs_entry_t *entries = NULL;
-        uint32_t ne = 0;
-        if (!rkeys || !rkey_lens || !ctx->mems) {
-            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory registering buffers");
-            goto err_decode;
-        }
-        for (uint32_t i = 0; i < nb; i++) {
-            const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
-            ctx->num_mems = i + 1;
-            if (ctx->staged_dev)
-                continue; /* no remote writes into device memory: an empty key */
-            if ((st = ctx->tl_ops->mem_reg(ctx->tl, b->addr, b->length, b->mem_kind, i,
-                                           &ctx->mems[i], rkeys + (size_t)i * KVW_TL_MAX_RKEY,
-                                           &rkey_lens[i])) != KVW_OK) {
-                ctx->num_mems = i;
-                goto err_decode;
-            }
-        }
-        /* The staging area receives gathered head slices in one bulk write each. */
-        uint64_t smb;
-        kvw__config_u64("KVW_STAGING_MB", &smb);
-        ctx->staging_len = smb << 20;
-        if (ctx->staged_dev && ctx->staging_len == 0) {
-            st = kvw__error(KVW_ERR_INVALID_PARAM, "this rank's buffers are %s memory, which "
-                            "'%s' writes through the staging area, but KVW_STAGING_MB=0 "
-                            "leaves none", ctx->mem->name, ctx->tl_ops->name);
-            goto err_decode;
-        }
-        if (ctx->staging_len) {
-            void *sa = NULL;
-            if (kvw_mem_alloc_shared(ctx->staging_len, &sa) == KVW_OK) {
-                ctx->staging_shared = true;
-            } else if (posix_memalign(&sa, 4096, ctx->staging_len) != 0) {
-                st = kvw__error(KVW_ERR_NO_MEMORY, "cannot allocate %llu bytes of staging",
-                                (unsigned long long)ctx->staging_len);
-                goto err_decode;
-            }
-            ctx->staging = sa;
-            /* Page-locked for the copies of staged windows to the device; without it they
-             * still work, through the driver's own bounce buffers. */
-            if (ctx->staged_dev)
-                ctx->staging_pinned = ctx->mem->pin(ctx->staging, ctx->staging_len) == KVW_OK;
-            if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->staging, ctx->staging_len, KVW_MEM_HOST,
-                                           nb, &ctx->mems[nb],
-                                           rkeys + (size_t)nb * KVW_TL_MAX_RKEY,
-                                           &rkey_lens[nb])) != KVW_OK)
-                goto err_decode;
-            ctx->num_mems = nb + 1;
-        }
-        if ((st = ctx->tl_ops->address(ctx->tl, addr, &addr_len)) != KVW_OK)
-            goto err_decode;
-        /* Kept for registrations with prefill instances connected later. */
-        ctx->hello_rkeys = rkeys, ctx->hello_rkey_lens = rkey_lens;
-        rkeys = NULL, rkey_lens = NULL;
-        memcpy(ctx->hello_addr, addr, addr_len);
-        ctx->hello_addr_len = addr_len;
-        if (has_bs) {
-            /* The context's own prefill instance is connected now, and its geometry
-             * checked against what the caller expects: creation fails if it does not
-             * fit. */
-            int i0 = kvw__inst_find_or_add(ctx, ctx->bootstrap_addr);
-            if (i0 < 0) {
-                st = KVW_ERR_INVALID_PARAM;
-                goto err_decode;
-            }
-            ctx->insts[i0].gen = 1;
-            ctx->insts[i0].state = KVW_INST_CONNECTING;
-            if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
-                                            params->prefill_pp, params->prefill_dp,
-                                            ctx->secret, deadline, &entries, &ne)) != KVW_OK)
-                goto err_decode;
-            for (uint32_t i = 0; i < ne; i++)
-                if ((st = kvw__decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
-                                                    deadline)) != KVW_OK)
-                    goto err_decode;
-            ctx->insts[i0].state = KVW_INST_READY;
-        }
-        if (pthread_create(&ctx->ctrl_thread, NULL, kvw__ctrl_main, ctx) != 0)
-            st = kvw__error(KVW_ERR_IO, "cannot start the control thread");
-        else
-            ctx->ctrl_started = true;
-    err_decode:
-        free(rkeys);
-        free(rkey_lens);
-        free(entries);
-        if (st != KVW_OK)
-            goto err;
+/* Prefill: the bootstrap endpoint when this rank hosts it, the control listener, the
+ * workers and the control thread, then this rank's entry in the bootstrap table. */
+static kvw_status_t kvw_ctx_prefill_start(struct kvw_ctx *ctx, const kvw_ctx_params_t *params,
+                                          uint64_t deadline)
+{
+    uint64_t fm = params->field_mask;
+    kvw_status_t st;
+    const kvw_parallel_t *par = kvw_rank_parallel(ctx->rank);
+    if (params->host_bootstrap && (fm & KVW_CTX_FIELD_HOST_BOOTSTRAP)) {
+        char host[128];
+        uint16_t port;
+        if ((st = kvw__parse_hostport(params->bootstrap_addr, host, sizeof(host), &port)) != KVW_OK ||
+            (st = kvw__bootstrap_start(host, port, ctx->secret, &ctx->bs)) != KVW_OK)
+            return st;
+        snprintf(ctx->bootstrap_addr, sizeof(ctx->bootstrap_addr), "%s",
+                 kvw__bootstrap_addr(ctx->bs));
     }
-    *ctx_p = ctx;
+    if ((st = kvw__tcp_listen(ctx->listen_host, 0, &ctx->listen_fd, &ctx->listen_port)) != KVW_OK)
+        return st;
+    /* Workers send to different decode ranks in parallel (KVW_WORKERS, default 4). */
+    uint64_t nw = KVW_MAX(1, KVW_MIN(ctx->cfg.workers, KVW_ARRAY_SIZE(ctx->workers)));
+    for (uint32_t i = 0; i < nw; i++) {
+        if (pthread_create(&ctx->workers[i], NULL, kvw__worker_main, ctx) != 0)
+            return kvw__error(KVW_ERR_IO, "cannot start worker thread %u", i);
+        ctx->num_workers = i + 1;
+    }
+    if (pthread_create(&ctx->ctrl_thread, NULL, kvw__ctrl_main, ctx) != 0)
+        return kvw__error(KVW_ERR_IO, "cannot start the control thread");
+    ctx->ctrl_started = true;
+    kvw_bs_entry_t e = {.dp = par->dp_rank, .tp = par->tp_rank, .pp = par->pp_rank,
+                        .dp_size = KVW_MAX(par->dp_size, 1), .tp_size = par->tp_size,
+                        .pp_size = KVW_MAX(par->pp_size, 1)};
+    kvw__format_hostport(ctx->listen_host, ctx->listen_port, e.addr, sizeof(e.addr));
+    return kvw__bootstrap_hold(ctx->bootstrap_addr, &e, ctx->secret, deadline, &ctx->bs_fd);
+}
+
+/* Decode: registers every buffer and the staging area with the transport, and keeps
+ * what a registration sends (the keys, the data address) for every prefill instance
+ * connected later. */
+static kvw_status_t kvw_ctx_decode_mem_reg(struct kvw_ctx *ctx)
+{
+    kvw_status_t st = KVW_OK;
+    uint32_t nb = kvw_rank_num_buffers(ctx->rank);
+    uint8_t *rkeys = calloc(nb + 1, KVW_TL_MAX_RKEY);
+    size_t *rkey_lens = calloc(nb + 1, sizeof(size_t));
+    ctx->mems = calloc(nb + 1, sizeof(*ctx->mems));
+    uint8_t addr[KVW_TL_MAX_ADDR];
+    size_t addr_len = sizeof(addr);
+    if (!rkeys || !rkey_lens || !ctx->mems) {
+        st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory registering buffers");
+        goto out;
+    }
+    for (uint32_t i = 0; i < nb; i++) {
+        const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, i);
+        ctx->num_mems = i + 1;
+        if (ctx->staged_dev)
+            continue; /* no remote writes into device memory: an empty key */
+        if ((st = ctx->tl_ops->mem_reg(ctx->tl, b->addr, b->length, b->mem_kind, i,
+                                       &ctx->mems[i], rkeys + (size_t)i * KVW_TL_MAX_RKEY,
+                                       &rkey_lens[i])) != KVW_OK) {
+            ctx->num_mems = i;
+            goto out;
+        }
+    }
+    /* The staging area receives gathered head slices in one bulk write each. */
+    if ((st = kvw__stage_init(ctx)) != KVW_OK)
+        goto out;
+    if (ctx->stage.len) {
+        if ((st = ctx->tl_ops->mem_reg(ctx->tl, ctx->stage.buf, ctx->stage.len, KVW_MEM_HOST,
+                                       nb, &ctx->mems[nb],
+                                       rkeys + (size_t)nb * KVW_TL_MAX_RKEY,
+                                       &rkey_lens[nb])) != KVW_OK)
+            goto out;
+        ctx->num_mems = nb + 1;
+    }
+    if ((st = ctx->tl_ops->address(ctx->tl, addr, &addr_len)) != KVW_OK)
+        goto out;
+    /* Kept for registrations with prefill instances connected later. */
+    ctx->hello_rkeys = rkeys, ctx->hello_rkey_lens = rkey_lens;
+    rkeys = NULL, rkey_lens = NULL;
+    memcpy(ctx->hello_addr, addr, addr_len);
+    ctx->hello_addr_len = addr_len;
+    ctx->hello_staging_len = ctx->stage.len;
+out:
+    free(rkeys);
+    free(rkey_lens);
+    return st;
+}
+
+/* Decode: the context's own prefill instance is connected now, and its geometry checked
+ * against what the caller expects: creation fails if it does not fit. */
+static kvw_status_t kvw_ctx_decode_own_instance(struct kvw_ctx *ctx,
+                                                const kvw_ctx_params_t *params,
+                                                uint64_t deadline)
+{
+    kvw_bs_entry_t *entries = NULL;
+    uint32_t ne = 0;
+    kvw_status_t st;
+    int i0 = kvw__inst_find_or_add(ctx, ctx->bootstrap_addr);
+    if (i0 < 0)
+        return KVW_ERR_INVALID_PARAM;
+    kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_CONNECTING);
+    if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
+                                    params->prefill_pp, params->prefill_dp,
+                                    ctx->secret, deadline, &entries, &ne)) != KVW_OK)
+        goto out;
+    for (uint32_t i = 0; i < ne; i++)
+        if ((st = kvw__decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
+                                            deadline)) != KVW_OK)
+            goto out;
+    kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_READY);
+out:
+    free(entries);
+    return st;
+}
+
+/* Decode: register every buffer, then register with every prefill rank of the context's
+ * own instance (when it names one), then start the control thread. */
+static kvw_status_t kvw_ctx_decode_start(struct kvw_ctx *ctx, const kvw_ctx_params_t *params,
+                                         bool has_bs, uint64_t deadline)
+{
+    kvw_status_t st;
+    if ((st = kvw_ctx_decode_mem_reg(ctx)) != KVW_OK)
+        return st;
+    if (has_bs && (st = kvw_ctx_decode_own_instance(ctx, params, deadline)) != KVW_OK)
+        return st;
+    if (pthread_create(&ctx->ctrl_thread, NULL, kvw__ctrl_main, ctx) != 0)
+        return kvw__error(KVW_ERR_IO, "cannot start the control thread");
+    ctx->ctrl_started = true;
     return KVW_OK;
-err:
-    {
+}
+
+kvw_status_t kvw_ctx_create(const kvw_ctx_params_t *params, kvw_ctx_h *ctx_p)
+{
+    bool has_bs = false;
+    kvw_status_t st = kvw_ctx_params_check(params, ctx_p, &has_bs);
+    if (st != KVW_OK)
+        return st;
+    struct kvw_ctx *ctx = calloc(1, sizeof(*ctx));
+    if (ctx == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a context");
+    kvw_ctx_params_resolve(ctx, params, has_bs);
+    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
+    if ((st = kvw_ctx_tl_open(ctx, params)) == KVW_OK)
+        st = ctx->side == KVW_SIDE_PREFILL ? kvw_ctx_prefill_start(ctx, params, deadline)
+                                           : kvw_ctx_decode_start(ctx, params, has_bs, deadline);
+    if (st != KVW_OK) {
         /* Keep the first error's message across the teardown. */
         char msg[512];
         snprintf(msg, sizeof(msg), "%s", kvw_last_error());
         kvw_ctx_destroy(ctx);
         return kvw__error(st, "%s", msg);
     }
-}
-
-uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap)
-{
-    if (ctx == NULL)
-        return 0;
-    pthread_mutex_lock(&ctx->mu);
-    uint64_t n = ctx->refusals;
-    if (buf && cap)
-        snprintf(buf, cap, "%s", ctx->last_refusal);
-    pthread_mutex_unlock(&ctx->mu);
-    return n;
+    *ctx_p = ctx;
+    return KVW_OK;
 }
 
 const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx)
@@ -287,6 +306,7 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     for (kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r))
         kvw__room_fail(ctx, r, KVW_ERR_SHUTDOWN, false, "the context was destroyed");
     pthread_cond_broadcast(&ctx->cv);
+    kvw__queue_stop(ctx, true);
     pthread_mutex_unlock(&ctx->mu);
     if (ctx->wake_fd[1] >= 0)
         kvw__ctx_wake(ctx);
@@ -295,41 +315,37 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     kvw__event_stop(ctx);
     /* Registration and connecting threads end within their timeouts (connecting ones
      * sooner: cancelled); wait for them. */
-    atomic_store(&ctx->cancel_connects, true);
+    atomic_store(&ctx->insts.cancel, true);
     pthread_mutex_lock(&ctx->mu);
-    while (ctx->handshakes || ctx->connecting)
+    while (kvw__hs_running(ctx) || ctx->insts.connecting)
         pthread_cond_wait(&ctx->cv, &ctx->mu);
     pthread_mutex_unlock(&ctx->mu);
     for (uint32_t i = 0; i < ctx->num_workers; i++)
         pthread_join(ctx->workers[i], NULL);
+    /* What failures since the control thread left still have to do (a worker's last
+     * step quiescing its room): frames go out as direct writes, if the socket takes them. */
+    pthread_mutex_lock(&ctx->mu);
+    kvw__run_deferred(ctx);
+    pthread_mutex_unlock(&ctx->mu);
     if (ctx->tl) {
         ctx->tl_ops->close(ctx->tl);
         ctx->tl_ops->stop(ctx->tl);
     }
-    for (uint32_t i = 0; i < ctx->num_peers; i++)
-        kvw__peer_free(ctx, ctx->peers[i]);
-    free(ctx->peers);
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
+        kvw__peer_free(ctx, kvw__peer_at(ctx, i));
+    free(ctx->peers.tab);
     for (uint32_t i = 0; i < ctx->num_mems; i++)
         if (ctx->mems[i])
             ctx->tl_ops->mem_dereg(ctx->tl, ctx->mems[i]);
     free(ctx->mems);
     if (ctx->tl)
         ctx->tl_ops->fini(ctx->tl);
-    if (ctx->staging) {
-        if (ctx->staging_pinned)
-            ctx->mem->unpin(ctx->staging);
-        if (ctx->staging_shared)
-            kvw_mem_free_shared(ctx->staging);
-        else
-            free(ctx->staging);
-    }
-    free(ctx->spans);
-    free(ctx->waits);
-    free(ctx->insts);
-    free(ctx->late);
+    kvw__stage_fini(ctx);
+    kvw__insts_fini(ctx);
+    kvw__room_effects_fini(ctx);
     free(ctx->hello_rkeys);
     free(ctx->hello_rkey_lens);
-    free(ctx->binds);
+    kvw__binds_fini(ctx);
     /* Rooms still owned by handles are freed by their destroy calls; orphans here. */
     kvw__rooms_release(ctx);
     if (ctx->bs_fd >= 0)
@@ -344,5 +360,6 @@ void kvw_ctx_destroy(kvw_ctx_h ctx)
     pthread_mutex_destroy(&ctx->mu);
     pthread_cond_destroy(&ctx->cv);
     pthread_cond_destroy(&ctx->done_cv);
+    kvw__queue_fini(ctx);
     free(ctx);
 }

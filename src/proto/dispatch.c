@@ -6,6 +6,7 @@
 void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, const uint8_t *p,
                        uint32_t len)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_rbuf_t rb;
     kvw__rb_init(&rb, p, len);
     switch (type) {

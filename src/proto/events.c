@@ -37,11 +37,11 @@ typedef struct kvw_evwatch {
 /* Drops entry i (mu held), keeping the others in order. */
 static void kvw_evw_drop(struct kvw_ctx *ctx, uint32_t i)
 {
-    kvw_room_t *r = kvw__room_find(ctx, ctx->evw[i].room);
-    if (r && r->serial == ctx->evw[i].serial && r->event_waits)
+    kvw_room_t *r = kvw__room_find(ctx, ctx->evw.tab[i].room);
+    if (r && r->serial == ctx->evw.tab[i].serial && r->event_waits)
         r->event_waits--;
-    memmove(&ctx->evw[i], &ctx->evw[i + 1], sizeof(*ctx->evw) * (ctx->num_evw - i - 1));
-    ctx->num_evw--;
+    memmove(&ctx->evw.tab[i], &ctx->evw.tab[i + 1], sizeof(*ctx->evw.tab) * (ctx->evw.num - i - 1));
+    ctx->evw.num--;
 }
 
 static void *kvw_event_main(void *arg)
@@ -54,12 +54,12 @@ static void *kvw_event_main(void *arg)
     uint32_t cap = 0;
     pthread_mutex_lock(&ctx->mu);
     while (!ctx->stopping) {
-        if (ctx->num_evw == 0) {
-            pthread_cond_wait(&ctx->evw_cv, &ctx->mu);
+        if (ctx->evw.num == 0) {
+            pthread_cond_wait(&ctx->evw.cv, &ctx->mu);
             continue;
         }
         /* Query outside the lock: a snapshot of the entries. */
-        uint32_t n = ctx->num_evw;
+        uint32_t n = ctx->evw.num;
         if (n > cap) {
             kvw_evwatch_t *m = realloc(snap, sizeof(*snap) * n);
             if (m == NULL) {
@@ -71,7 +71,7 @@ static void *kvw_event_main(void *arg)
             snap = m;
             cap = n;
         }
-        memcpy(snap, ctx->evw, sizeof(*snap) * n);
+        memcpy(snap, ctx->evw.tab, sizeof(*snap) * n);
         pthread_mutex_unlock(&ctx->mu);
         bool any = false;
         for (uint32_t i = 0; i < n; i++) {
@@ -84,12 +84,12 @@ static void *kvw_event_main(void *arg)
         pthread_mutex_lock(&ctx->mu);
         /* Apply in snapshot order; entries added meanwhile sit after the snapshot's. */
         for (uint32_t i = 0, k = 0; any && i < n; i++) {
-            while (k < ctx->num_evw && (ctx->evw[k].room != snap[i].room ||
-                                        ctx->evw[k].serial != snap[i].serial ||
-                                        ctx->evw[k].event != snap[i].event ||
-                                        ctx->evw[k].begin != snap[i].begin))
+            while (k < ctx->evw.num && (ctx->evw.tab[k].room != snap[i].room ||
+                                        ctx->evw.tab[k].serial != snap[i].serial ||
+                                        ctx->evw.tab[k].event != snap[i].event ||
+                                        ctx->evw.tab[k].begin != snap[i].begin))
                 k++;
-            if (k == ctx->num_evw || snap[i].done == 0)
+            if (k == ctx->evw.num || snap[i].done == 0)
                 continue;
             kvw_room_t *r = kvw__room_find(ctx, snap[i].room);
             bool live = r && r->serial == snap[i].serial && r->state != KVW_ROOM_FAILED &&
@@ -107,15 +107,15 @@ static void *kvw_event_main(void *arg)
                                snap[i].why);
         }
         /* Rooms that ended meanwhile drop their entries: their events may be gone. */
-        for (uint32_t i = 0; i < ctx->num_evw;) {
-            kvw_room_t *r = kvw__room_find(ctx, ctx->evw[i].room);
-            if (r == NULL || r->serial != ctx->evw[i].serial || r->state == KVW_ROOM_FAILED ||
+        for (uint32_t i = 0; i < ctx->evw.num;) {
+            kvw_room_t *r = kvw__room_find(ctx, ctx->evw.tab[i].room);
+            if (r == NULL || r->serial != ctx->evw.tab[i].serial || r->state == KVW_ROOM_FAILED ||
                 r->state == KVW_ROOM_SUCCESS)
                 kvw_evw_drop(ctx, i);
             else
                 i++;
         }
-        if (ctx->num_evw && !ctx->stopping) {
+        if (ctx->evw.num && !ctx->stopping) {
             pthread_mutex_unlock(&ctx->mu);
             nanosleep(&(struct timespec){0, (long)KVW_EVENT_POLL_NS}, NULL);
             pthread_mutex_lock(&ctx->mu);
@@ -129,6 +129,7 @@ static void *kvw_event_main(void *arg)
 kvw_status_t kvw__event_watch(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t b, uint32_t e,
                               void *cuda_event)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_status_t st = kvw__cuda_event_query(cuda_event);
     if (st == KVW_OK) {
         /* Already complete: no need for the thread. */
@@ -137,41 +138,41 @@ kvw_status_t kvw__event_watch(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t b, ui
     }
     if (st != KVW_INPROGRESS)
         return st;
-    if (!ctx->evw_started) {
-        pthread_cond_init(&ctx->evw_cv, NULL);
-        if (pthread_create(&ctx->evw_thread, NULL, kvw_event_main, ctx) != 0) {
-            pthread_cond_destroy(&ctx->evw_cv);
+    if (!ctx->evw.started) {
+        pthread_cond_init(&ctx->evw.cv, NULL);
+        if (pthread_create(&ctx->evw.thread, NULL, kvw_event_main, ctx) != 0) {
+            pthread_cond_destroy(&ctx->evw.cv);
             return kvw__error(KVW_ERR_IO, "cannot start the CUDA event thread");
         }
-        ctx->evw_started = true;
+        ctx->evw.started = true;
     }
-    if (ctx->num_evw == ctx->cap_evw) {
-        uint32_t cap = ctx->cap_evw ? ctx->cap_evw * 2 : 16;
-        kvw_evwatch_t *n = realloc(ctx->evw, sizeof(*n) * cap);
+    if (ctx->evw.num == ctx->evw.cap) {
+        uint32_t cap = ctx->evw.cap ? ctx->evw.cap * 2 : 16;
+        kvw_evwatch_t *n = realloc(ctx->evw.tab, sizeof(*n) * cap);
         if (n == NULL)
             return kvw__error(KVW_ERR_NO_MEMORY, "out of memory watching a CUDA event");
-        ctx->evw = n;
-        ctx->cap_evw = cap;
+        ctx->evw.tab = n;
+        ctx->evw.cap = cap;
     }
-    ctx->evw[ctx->num_evw++] = (kvw_evwatch_t){.room = r->id, .serial = r->serial,
+    ctx->evw.tab[ctx->evw.num++] = (kvw_evwatch_t){.room = r->id, .serial = r->serial,
                                                .chunk = r->stream_chunk, .begin = b, .end = e,
                                                .event = cuda_event};
     r->event_waits++;
-    pthread_cond_signal(&ctx->evw_cv);
+    pthread_cond_signal(&ctx->evw.cv);
     return KVW_OK;
 }
 
 void kvw__event_stop(struct kvw_ctx *ctx)
 {
-    if (!ctx->evw_started)
+    if (!ctx->evw.started)
         return;
     pthread_mutex_lock(&ctx->mu);
-    pthread_cond_broadcast(&ctx->evw_cv);
+    pthread_cond_broadcast(&ctx->evw.cv);
     pthread_mutex_unlock(&ctx->mu);
-    pthread_join(ctx->evw_thread, NULL);
-    pthread_cond_destroy(&ctx->evw_cv);
-    ctx->evw_started = false;
-    free(ctx->evw);
-    ctx->evw = NULL;
-    ctx->num_evw = ctx->cap_evw = 0;
+    pthread_join(ctx->evw.thread, NULL);
+    pthread_cond_destroy(&ctx->evw.cv);
+    ctx->evw.started = false;
+    free(ctx->evw.tab);
+    ctx->evw.tab = NULL;
+    ctx->evw.num = ctx->evw.cap = 0;
 }

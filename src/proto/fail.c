@@ -1,92 +1,25 @@
 /*
- * One recursion, kept in one file because its functions call each other in a circle:
- *  - frames out to a peer (kvw__peer_send): a peer that cannot take one more is dead;
+ * Peer death and room failure, one way:
  *  - a peer's death (kvw__peer_dead) fails the rooms that involve it;
- *  - a room's failure (kvw__room_fail) tells its peers, by frames, and gives back the
- *    room's staging spans (decode);
- *  - the staging credits (decode): a span given back goes to the next waiter, by a
- *    frame (STAGE_GRANT); a STAGE_ASK that breaks the rules fails its room or peer.
- * Every other file of proto sits above or below this one (see proto.h).
+ *  - a room's failure (kvw__room_fail) marks the room and queues what is left to do
+ *    (give back its staging spans, tell its peers), which the control thread runs
+ *    (kvw__run_deferred, ctrl.c). Nothing here sends a frame or touches the staging
+ *    credits, so nothing below can fail a room or a peer in turn.
  */
 #include "proto/proto.h"
 
 #include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-
-/*
- * Queues a frame for a peer (mu held). When nothing is queued or being written for
- * that peer, the frame is first written right here with one non-blocking send: the
- * hop through the control thread (a wake-up and a context switch on each side of every
- * request and confirmation) is the largest part of a small room's latency. Whatever
- * the socket does not take at once is queued, and the control thread writes the rest,
- * in order: frames of one peer never interleave, because a direct write happens only
- * when the queue is empty and the control thread is not inside a write (tx_busy), both
- * checked under mu.
- */
-void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
-{
-    if (peer->authed && !peer->dead && !w->oom) {
-        uint8_t tag[32];
-        kvw__frame_tag(peer, peer->tx_dir, peer->tx_seq++, w->p[5], w->p + KVW_WIRE_HDR,
-                       w->len - KVW_WIRE_HDR, tag);
-        for (int i = 0; i < KVW_TAG; i++)
-            kvw__wb_u8(w, tag[i]);
-    }
-    if (peer->dead || kvw__wb_finish(w) != KVW_OK) {
-        kvw__wb_free(w);
-        return;
-    }
-    size_t off = 0;
-    if (peer->out_head == NULL && !peer->tx_busy && peer->fd >= 0) {
-        while (off < w->len) {
-            ssize_t k = send(peer->fd, w->p + off, w->len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
-            if (k > 0) {
-                off += (size_t)k;
-                continue;
-            }
-            if (k < 0 && errno == EINTR)
-                continue;
-            /* EAGAIN: the rest waits for the control thread; a real error shows there
-             * too (the next write fails and declares the peer dead). */
-            break;
-        }
-        if (off == w->len) {
-            peer->last_tx_ns = kvw__now_ns();
-            kvw__wb_free(w);
-            return;
-        }
-    }
-    kvw_outmsg_t *m = malloc(sizeof(*m));
-    bool full = peer->out_bytes + (w->len - off) > KVW_MAX_OUT_BYTES;
-    if (m == NULL || full) {
-        char why[160];
-        snprintf(why, sizeof(why), full ? "stopped reading: more than %u MiB of frames queued"
-                                        : "out of memory queueing a frame",
-                 KVW_MAX_OUT_BYTES >> 20);
-        free(m);
-        kvw__wb_free(w);
-        kvw__peer_dead(ctx, peer, full ? KVW_ERR_PEER_DEAD : KVW_ERR_NO_MEMORY, why);
-        return;
-    }
-    m->w = *w;
-    m->off = off;
-    m->next = NULL;
-    peer->out_bytes += w->len - off;
-    if (peer->out_tail)
-        peer->out_tail->next = m;
-    else
-        peer->out_head = m;
-    peer->out_tail = m;
-    kvw__ctx_wake(ctx);
-}
 
 /* Marks a peer dead and fails every room that involves it. mu held. */
 void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
                     const char *reason)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (peer->dead)
         return;
     peer->dead = true;
@@ -97,13 +30,8 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     }
     /* Decode: a prefill instance with a dead rank is down; the next room that names it
      * connects again (a restarted instance). */
-    if (ctx->side == KVW_SIDE_DECODE && peer->inst < ctx->num_insts) {
-        kvw_inst_t *in = &ctx->insts[peer->inst];
-        if (in->gen == peer->inst_gen && in->state == KVW_INST_READY) {
-            in->state = KVW_INST_DOWN;
-            snprintf(in->why, sizeof(in->why), "%s: %s", peer->desc, reason);
-        }
-    }
+    if (ctx->side == KVW_SIDE_DECODE)
+        kvw__inst_peer_down(ctx, peer, reason);
     kvw__peer_drop_out(peer);
     for (kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
         bool involved = false;
@@ -117,151 +45,116 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     }
 }
 
-static bool kvw_stage_try(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len)
+/* A new effect of room `r` (NULL: out of memory; the peers then learn of the failure
+ * through their own timeouts). */
+static kvw_room_effect_t *kvw_effect_new(const kvw_room_t *r)
 {
-    /* First fit between the sorted spans; 64-byte aligned offsets keep copies fast. */
-    uint64_t at = 0;
-    uint32_t i = 0;
-    for (; i <= ctx->num_spans; i++) {
-        uint64_t end = i < ctx->num_spans ? ctx->spans[i].off : ctx->staging_len;
-        if (end >= at && end - at >= len)
-            break;
-        if (i < ctx->num_spans)
-            at = (ctx->spans[i].off + ctx->spans[i].len + 63) & ~(uint64_t)63;
+    kvw_room_effect_t *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        kvw__log(KVW_LOG_WARN, "room %llu: out of memory queueing its failure's effects",
+                 (unsigned long long)r->id);
+        return NULL;
     }
-    if (i > ctx->num_spans)
-        return false;
-    if (ctx->num_spans == ctx->cap_spans) {
-        uint32_t cap = ctx->cap_spans ? ctx->cap_spans * 2 : 16;
-        kvw_stage_span_t *n = realloc(ctx->spans, sizeof(*n) * cap);
-        if (n == NULL)
-            return false;
-        ctx->spans = n;
-        ctx->cap_spans = cap;
-    }
-    memmove(&ctx->spans[i + 1], &ctx->spans[i], sizeof(*ctx->spans) * (ctx->num_spans - i));
-    ctx->spans[i] = (kvw_stage_span_t){.off = at, .len = len, .room = room};
-    ctx->num_spans++;
-    kvw_wbuf_t w;
-    kvw__wb_init(&w, KVW_MSG_STAGE_GRANT);
-    kvw__wb_u64(&w, room);
-    kvw__wb_u64(&w, at);
-    kvw__wb_u64(&w, len);
-    kvw__peer_send(ctx, peer, &w);
-    return true;
+    e->room = r->id;
+    snprintf(e->reason, sizeof(e->reason), "%s", r->reason);
+    return e;
 }
 
-void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64_t len)
+static void kvw_effect_frame(kvw_room_effect_t *e, uint32_t peer, uint8_t type,
+                             kvw_status_t status, bool stopped)
 {
-    kvw_room_t *r = kvw__room_find(ctx, room);
-    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || len == 0 ||
-        len > ctx->staging_len) {
-        if (r && !r->is_sender)
-            kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
-                           "%s asked for %llu bytes of staging (the area has %llu)", peer->desc,
-                           (unsigned long long)len, (unsigned long long)ctx->staging_len);
-        return;
-    }
-    /* Only a prefill rank that writes this room may ask for space for it (anyone else is
-     * not speaking the protocol: its connection goes), and it asks for one window at a
-     * time: a second request before the first was granted fails the room. This bounds
-     * the waiting list by the rooms' sources. */
-    bool src = false;
-    for (uint32_t i = 0; i < r->num_srcs; i++)
-        src |= r->srcs[i].peer == peer->id;
-    if (!src) {
-        char why[96];
-        snprintf(why, sizeof(why), "asked for staging space for room %llu, which it does not "
-                 "write", (unsigned long long)room);
-        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
-        return;
-    }
-    for (uint32_t i = 0; i < ctx->num_waits; i++)
-        if (ctx->waits[i].room == room && ctx->waits[i].peer == peer->id) {
-            kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true,
-                           "%s asked for staging space for room %llu again before its previous "
-                           "request was granted", peer->desc, (unsigned long long)room);
-            return;
-        }
-    /* Waiters are served in order, so a large request is not starved by small ones. */
-    if (ctx->num_waits == 0 && kvw_stage_try(ctx, peer, room, len))
-        return;
-    if (ctx->num_waits == ctx->cap_waits) {
-        uint32_t cap = ctx->cap_waits ? ctx->cap_waits * 2 : 16;
-        kvw_stage_wait_t *n = realloc(ctx->waits, sizeof(*n) * cap);
+    if (e->num_frames == e->cap_frames) {
+        uint32_t cap = e->cap_frames ? e->cap_frames * 2 : 4;
+        kvw_room_frame_t *n = realloc(e->frames, sizeof(*n) * cap);
         if (n == NULL) {
-            kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory queuing staging");
+            kvw__log(KVW_LOG_WARN, "room %llu: out of memory queueing a frame of its failure",
+                     (unsigned long long)e->room);
             return;
         }
-        ctx->waits = n;
-        ctx->cap_waits = cap;
+        e->frames = n;
+        e->cap_frames = cap;
     }
-    ctx->waits[ctx->num_waits++] = (kvw_stage_wait_t){.peer = peer->id, .room = room, .len = len};
+    e->frames[e->num_frames++] =
+        (kvw_room_frame_t){.peer = peer, .type = type, .status = status, .stopped = stopped};
 }
 
-void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off)
+/* Queues an effect (mu held) and wakes the control thread to run it. */
+static void kvw_effect_push(struct kvw_ctx *ctx, kvw_room_effect_t *e)
 {
-    for (uint32_t i = 0; i < ctx->num_spans; i++)
-        if (ctx->spans[i].off == off) {
-            memmove(&ctx->spans[i], &ctx->spans[i + 1],
-                    sizeof(*ctx->spans) * (ctx->num_spans - i - 1));
-            ctx->num_spans--;
-            break;
-        }
-    while (ctx->num_waits) {
-        kvw_stage_wait_t w = ctx->waits[0];
-        kvw_room_t *r = kvw__room_find(ctx, w.room);
-        bool live = r && r->state != KVW_ROOM_FAILED && !ctx->peers[w.peer]->dead;
-        if (live && !kvw_stage_try(ctx, ctx->peers[w.peer], w.room, w.len))
-            break;
-        memmove(&ctx->waits[0], &ctx->waits[1], sizeof(*ctx->waits) * (ctx->num_waits - 1));
-        ctx->num_waits--;
+    KVW_ASSERT_HELD(&ctx->mu);
+    if (e == NULL)
+        return;
+    if (!e->release_stage && e->num_frames == 0) {
+        kvw__room_effect_free(e);
+        return;
+    }
+    if (ctx->defer.tail)
+        ctx->defer.tail->next = e;
+    else
+        ctx->defer.head = e;
+    ctx->defer.tail = e;
+    kvw__ctx_wake(ctx);
+}
+
+kvw_room_effect_t *kvw__room_effects_take(struct kvw_ctx *ctx)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    kvw_room_effect_t *list = ctx->defer.head;
+    ctx->defer.head = ctx->defer.tail = NULL;
+    return list;
+}
+
+void kvw__room_effect_free(kvw_room_effect_t *e)
+{
+    if (e) {
+        free(e->frames);
+        free(e);
     }
 }
 
-/* Frees every span a room holds (when it ends). */
-static void kvw_stage_release_room(struct kvw_ctx *ctx, uint64_t room)
+void kvw__room_effects_fini(struct kvw_ctx *ctx)
 {
-    for (uint32_t i = 0; i < ctx->num_spans;) {
-        if (ctx->spans[i].room == room) {
-            kvw__stage_free(ctx, ctx->spans[i].off);
-            i = 0;
-        } else {
-            i++;
-        }
+    while (ctx->defer.head) {
+        kvw_room_effect_t *e = ctx->defer.head;
+        ctx->defer.head = e->next;
+        kvw__room_effect_free(e);
     }
+    ctx->defer.tail = NULL;
 }
 
-void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
-                        kvw_status_t status, const char *reason)
+/* The ABORT_ACKs of kvw__room_quiesce, into effect e. */
+static void kvw_quiesce_into(kvw_room_t *r, kvw_room_effect_t *e)
 {
-    kvw_wbuf_t w;
-    kvw__wb_init(&w, type);
-    kvw__wb_u64(&w, room);
-    kvw__wb_u32(&w, (uint32_t)(int32_t)status);
-    kvw__wb_str(&w, reason);
-    kvw__peer_send(ctx, peer, &w);
+    if (!r->is_sender || r->state != KVW_ROOM_FAILED || r->inflight || r->quiesce_sent)
+        return;
+    r->quiesce_sent = true;
+    for (uint32_t i = 0; e && i < r->num_dsts; i++)
+        kvw_effect_frame(e, r->dsts[i].peer, KVW_MSG_ABORT_ACK, KVW_ERR_ABORTED, true);
 }
 
 /*
  * A failed prefill room tells its decode ranks, once no worker step runs on it any
  * more, that it will not write their pages again (ABORT_ACK). A decode rank destroying
  * a room waits for that before the engine may reuse the pages: one-sided transports
- * cannot be stopped by the receiver.
+ * cannot be stopped by the receiver. The frames go through the effects queue, behind
+ * the room's FAILED frames.
  */
 void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (!r->is_sender || r->state != KVW_ROOM_FAILED || r->inflight || r->quiesce_sent)
         return;
-    r->quiesce_sent = true;
-    for (uint32_t i = 0; i < r->num_dsts; i++)
-        kvw__send_room_msg(ctx, ctx->peers[r->dsts[i].peer], KVW_MSG_ABORT_ACK, r->id,
-                           KVW_ERR_ABORTED, "stopped");
+    kvw_room_effect_t *e = kvw_effect_new(r);
+    kvw_quiesce_into(r, e);
+    kvw_effect_push(ctx, e);
 }
 
+/* Marks the room failed and queues its effects: the control thread gives back its
+ * staging spans and sends its frames (kvw__run_deferred). */
 void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
                     const char *fmt, ...)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS)
         return;
     room->state = KVW_ROOM_FAILED;
@@ -273,52 +166,41 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     va_end(ap);
     kvw__log(KVW_LOG_WARN, "%s room %llu failed (%s): %s", room->is_sender ? "prefill" : "decode",
              (unsigned long long)room->id, kvw_status_string(status), room->reason);
-    if (!room->is_sender && ctx->staging)
-        kvw_stage_release_room(ctx, room->id);
+    kvw_room_effect_t *e = kvw_effect_new(room);
+    if (e)
+        e->release_stage = !room->is_sender; /* a no-op without a staging area */
     pthread_cond_broadcast(&ctx->cv);
     atomic_fetch_add_explicit(&ctx->done_gen, 1, memory_order_release);
     pthread_cond_broadcast(&ctx->done_cv);
-    if (!notify) {
-        kvw__room_quiesce(ctx, room);
-        return;
-    }
     /* Tell the other side: prefill reports FAILED to its decode ranks; decode aborts
      * the room on its prefill ranks. */
-    if (room->is_sender) {
-        for (uint32_t i = 0; i < room->num_dsts; i++)
-            kvw__send_room_msg(ctx, ctx->peers[room->dsts[i].peer], KVW_MSG_FAILED, room->id, status,
-                               room->reason);
-        kvw__room_quiesce(ctx, room);
-    } else if (room->num_srcs == 0 && room->inst < ctx->num_insts) {
+    if (notify && room->is_sender) {
+        for (uint32_t i = 0; e && i < room->num_dsts; i++)
+            kvw_effect_frame(e, room->dsts[i].peer, KVW_MSG_FAILED, status, false);
+    } else if (notify && room->num_srcs == 0 && room->inst < ctx->insts.num) {
         /* Not posted yet, or posted while its instance is being connected: no prefill
          * rank knows the room from this rank, but its sender may be waiting for it.
          * The ranks of the room's DP group hear of the abort now, or, while the
          * instance is being connected, once the connection is up. */
-        kvw_inst_t *in = &ctx->insts[room->inst];
+        const kvw_inst_t *in = kvw__inst_at(ctx, room->inst);
         uint32_t gen = room->pending ? room->inst_gen : in->gen;
         bool later = room->pending || in->state == KVW_INST_CONNECTING;
-        for (uint32_t i = 0; !later && in->state == KVW_INST_READY && i < ctx->num_peers; i++) {
-            kvw_peer_t *p = ctx->peers[i];
+        for (uint32_t i = 0; e && !later && in->state == KVW_INST_READY && i < ctx->peers.num;
+             i++) {
+            const kvw_peer_t *p = ctx->peers.tab[i];
             if (p->dp == room->src_dp && p->inst == room->inst && p->inst_gen == gen &&
                 !p->dead && !p->registering)
-                kvw__send_room_msg(ctx, p, KVW_MSG_ABORT, room->id, status, room->reason);
+                kvw_effect_frame(e, i, KVW_MSG_ABORT, status, false);
         }
-        if (later && ctx->num_late == ctx->cap_late) {
-            uint32_t cap = ctx->cap_late ? ctx->cap_late * 2 : 16;
-            kvw_late_abort_t *n = cap <= 65536 ? realloc(ctx->late, sizeof(*n) * cap) : NULL;
-            if (n)
-                ctx->late = n, ctx->cap_late = cap;
-        }
-        if (later && ctx->num_late < ctx->cap_late) {
-            kvw_late_abort_t *a = &ctx->late[ctx->num_late++];
-            *a = (kvw_late_abort_t){.inst = room->inst, .gen = gen,
-                                    .dp = room->src_dp, .room = room->id, .status = status};
-            snprintf(a->reason, sizeof(a->reason), "%.150s", room->reason);
-        }
-    } else {
-        for (uint32_t i = 0; i < room->num_srcs; i++)
-            kvw__send_room_msg(ctx, ctx->peers[room->srcs[i].peer], KVW_MSG_ABORT, room->id, status,
-                               room->reason);
+        if (later)
+            kvw__late_abort_add(ctx, room->inst, gen, room->src_dp, room->id, status,
+                                room->reason);
+    } else if (notify) {
+        for (uint32_t i = 0; e && i < room->num_srcs; i++)
+            kvw_effect_frame(e, room->srcs[i].peer, KVW_MSG_ABORT, status, false);
     }
-    pthread_cond_broadcast(&ctx->cv);
+    kvw_quiesce_into(room, e);
+    kvw_effect_push(ctx, e);
+    if (notify)
+        pthread_cond_broadcast(&ctx->cv);
 }

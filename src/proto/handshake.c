@@ -124,216 +124,261 @@ static void kvw_put_hello(struct kvw_ctx *ctx, kvw_wbuf_t *w, uint32_t peer_id,
     uint32_t nb = kvw_rank_num_buffers(ctx->rank);
     for (uint32_t i = 0; i < nb; i++)
         kvw__wb_bytes(w, rkeys + (size_t)i * KVW_TL_MAX_RKEY, rkey_lens[i]);
-    kvw__wb_u64(w, ctx->staging_len);
-    if (ctx->staging_len)
+    kvw__wb_u64(w, ctx->hello_staging_len);
+    if (ctx->hello_staging_len)
         kvw__wb_bytes(w, rkeys + (size_t)nb * KVW_TL_MAX_RKEY, rkey_lens[nb]);
 }
 
-/* Prefill side of the registration, on a fresh connection (control thread). */
-kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p)
+/* The prefill side of one registration, as it goes: what the HELLO said and what was
+ * set up for it. `reason` is what a refusal tells the decode rank. */
+typedef struct kvw_hs {
+    uint8_t *p; /* the HELLO frame's payload */
+    uint32_t len;
+    kvw_rbuf_t r; /* reading it */
+    uint64_t deadline;
+    uint8_t nonce[KVW_NONCE]; /* our challenge */
+    uint8_t has_mac;
+    uint8_t mac[32], dnonce[KVW_NONCE];
+    uint32_t id_at_remote;
+    uint64_t instance;
+    char tl_name[32];
+    const void *addr;
+    size_t addr_len;
+    uint8_t hello_hash[32];
+    kvw_rank_h remote, mapped;
+    kvw_tl_ep_h ep;
+    kvw_tl_rkey_h *rkeys;
+    uint32_t nb;
+    bool gpu_tl, must_stage;
+    uint64_t staging_len;
+    kvw_tl_rkey_h staging_rkey;
+    char reason[400];
+} kvw_hs_t;
+
+/* Sends the challenge and reads the registration frame (HELLO). */
+static kvw_status_t kvw_hs_challenge(struct kvw_ctx *ctx, int fd, kvw_hs_t *h)
 {
-    uint8_t type, *p = NULL;
-    uint32_t len = 0;
-    kvw_rank_h remote = NULL;
-    kvw_tl_ep_h ep = NULL;
-    kvw_tl_rkey_h *rkeys = NULL;
-    uint32_t nb = 0;
-    kvw_rank_h mapped = NULL;
-    char reason[400] = "";
-    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
-    uint8_t nonce[KVW_NONCE];
+    uint8_t type;
     kvw_wbuf_t cw;
-    if (kvw__random_bytes(nonce, sizeof(nonce)) != 0)
+    if (kvw__random_bytes(h->nonce, sizeof(h->nonce)) != 0)
         return kvw__error(KVW_ERR_IO, "no random bytes for the handshake challenge");
     kvw__wb_init(&cw, KVW_MSG_CHALLENGE);
-    kvw_wb_raw(&cw, nonce, KVW_NONCE);
+    kvw_wb_raw(&cw, h->nonce, KVW_NONCE);
     kvw_status_t st = kvw__wb_finish(&cw);
     if (st == KVW_OK)
-        st = kvw__sock_send_all(fd, cw.p, cw.len, deadline);
+        st = kvw__sock_send_all(fd, cw.p, cw.len, h->deadline);
     kvw__wb_free(&cw);
     if (st != KVW_OK)
         return st;
-    st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
+    st = kvw__sock_recv_frame(fd, h->deadline, &type, &h->p, &h->len);
     if (st != KVW_OK)
         return st;
     kvw__handshake_heard(ctx, fd);
     if (type != KVW_MSG_HELLO) {
-        free(p);
+        free(h->p);
+        h->p = NULL;
         return kvw__error(KVW_ERR_MALFORMED, "expected a registration, got frame type %u", type);
     }
-    kvw_rbuf_t r;
-    kvw__rb_init(&r, p, len);
-    uint8_t has_mac = kvw__rb_u8(&r);
-    uint8_t mac[32], dnonce[KVW_NONCE];
-    kvw_rb_raw(&r, mac, sizeof(mac));
-    kvw_rb_raw(&r, dnonce, sizeof(dnonce));
-    uint32_t id_at_remote = kvw__rb_u32(&r);
-    uint64_t instance = kvw__rb_u64(&r);
-    char tl_name[32];
-    kvw__rb_str(&r, tl_name, sizeof(tl_name));
-    size_t addr_len = 0;
-    const void *addr = kvw__rb_bytes(&r, KVW_TL_MAX_ADDR, &addr_len);
-    if (r.bad) {
+    return KVW_OK;
+}
+
+/* The HELLO's head: the decode's MAC and challenge, its id for us, its instance, its
+ * transport and data address. */
+static kvw_status_t kvw_hs_read_hello(kvw_hs_t *h)
+{
+    kvw__rb_init(&h->r, h->p, h->len);
+    h->has_mac = kvw__rb_u8(&h->r);
+    kvw_rb_raw(&h->r, h->mac, sizeof(h->mac));
+    kvw_rb_raw(&h->r, h->dnonce, sizeof(h->dnonce));
+    h->id_at_remote = kvw__rb_u32(&h->r);
+    h->instance = kvw__rb_u64(&h->r);
+    kvw__rb_str(&h->r, h->tl_name, sizeof(h->tl_name));
+    h->addr = kvw__rb_bytes(&h->r, KVW_TL_MAX_ADDR, &h->addr_len);
+    if (h->r.bad) {
         /* Answer with the reason: a peer speaking another version learns why. */
-        st = KVW_ERR_MALFORMED;
-        snprintf(reason, sizeof(reason), "the registration frame is truncated (a different "
-                 "kvwire version?)");
-        goto reply;
+        snprintf(h->reason, sizeof(h->reason), "the registration frame is truncated (a "
+                 "different kvwire version?)");
+        return KVW_ERR_MALFORMED;
     }
+    return KVW_OK;
+}
+
+/* With a shared secret, the HELLO must carry the MAC over our challenge and its body. */
+static kvw_status_t kvw_hs_verify_mac(struct kvw_ctx *ctx, kvw_hs_t *h)
+{
     /* The body the MAC covers: everything after has_mac, mac and dnonce. */
-    const uint8_t *hello_body = p + 1 + 32 + KVW_NONCE;
-    size_t hello_body_len = len - (1 + 32 + KVW_NONCE);
-    uint8_t hello_hash[32];
-    kvw_sha256(hello_body, hello_body_len, hello_hash);
+    const uint8_t *hello_body = h->p + 1 + 32 + KVW_NONCE;
+    size_t hello_body_len = h->len - (1 + 32 + KVW_NONCE);
+    kvw_sha256(hello_body, hello_body_len, h->hello_hash);
     if (ctx->secret[0]) {
         uint8_t want[32];
-        kvw_auth_mac(ctx, "kvwire-hello-2", nonce, dnonce, hello_body, hello_body_len, NULL, 0,
-                     want);
-        if (!has_mac || !kvw__ct_equal(mac, want, 32)) {
-            st = KVW_ERR_AUTH;
-            snprintf(reason, sizeof(reason), has_mac ? "authentication failed: the shared secret "
-                     "does not match" : "authentication failed: this prefill rank requires a "
-                     "shared secret and the decode rank proved none");
-            goto reply;
+        kvw_auth_mac(ctx, "kvwire-hello-2", h->nonce, h->dnonce, hello_body, hello_body_len,
+                     NULL, 0, want);
+        if (!h->has_mac || !kvw__ct_equal(h->mac, want, 32)) {
+            snprintf(h->reason, sizeof(h->reason), h->has_mac ? "authentication failed: the "
+                     "shared secret does not match" : "authentication failed: this prefill "
+                     "rank requires a shared secret and the decode rank proved none");
+            return KVW_ERR_AUTH;
         }
     }
-    st = kvw__wire_get_rank(&r, &remote);
-    if (st != KVW_OK) {
-        snprintf(reason, sizeof(reason), "bad registration: %s", kvw_last_error());
-        goto reply;
-    }
-    nb = kvw_rank_num_buffers(remote);
-    rkeys = calloc(nb ? nb : 1, sizeof(*rkeys));
-    if (strcmp(tl_name, ctx->tl_ops->name) != 0) {
-        st = KVW_ERR_INCOMPATIBLE;
-        snprintf(reason, sizeof(reason), "transport mismatch: decode uses '%s', this prefill rank "
-                 "uses '%s'", tl_name, ctx->tl_ops->name);
-        goto reply;
-    }
-    if ((st = kvw_rank_check_compatible(ctx->rank, remote)) != KVW_OK) {
-        snprintf(reason, sizeof(reason), "%s", kvw_last_error());
-        goto reply;
-    }
-    /* Memory kinds: cuda_ipc moves GPU memory to GPU memory. The other transports read
-     * and write host memory; GPU memory on either side goes through the decode's host
-     * staging area (gathered and scattered on the GPUs), checked once the registration
-     * says whether there is one. Anything else is refused here, not at the first
-     * request. */
-    bool gpu_tl = strcmp(ctx->tl_ops->name, "cuda_ipc") == 0;
+    return KVW_OK;
+}
+
+/* Memory kinds: cuda_ipc moves GPU memory to GPU memory. The other transports read and
+ * write host memory; GPU memory on either side goes through the decode's host staging
+ * area (gathered and scattered on the GPUs), checked once the registration says whether
+ * there is one. Anything else is refused here, not at the first request. */
+static kvw_status_t kvw_hs_mem_kinds(struct kvw_ctx *ctx, kvw_hs_t *h)
+{
+    h->gpu_tl = (ctx->tl_ops->caps & KVW_TL_CAP_DEVICE_MEM) != 0;
     bool remote_gpu = false;
-    for (uint32_t i = 0; i < nb; i++) {
-        bool dev = kvw__memops(kvw_rank_buffer(remote, i)->mem_kind)->is_device;
+    for (uint32_t i = 0; i < h->nb; i++) {
+        bool dev = kvw__memops(kvw_rank_buffer(h->remote, i)->mem_kind)->is_device;
         remote_gpu |= dev;
-        if (gpu_tl && !dev) {
-            st = KVW_ERR_UNSUPPORTED;
-            snprintf(reason, sizeof(reason), "decode buffer %u is host memory, which transport "
-                     "'cuda_ipc' cannot write (cuda_ipc needs GPU buffers on both sides)", i);
-            goto reply;
+        if (h->gpu_tl && !dev) {
+            snprintf(h->reason, sizeof(h->reason), "decode buffer %u is host memory, which "
+                     "transport 'cuda_ipc' cannot write (cuda_ipc needs GPU buffers on both "
+                     "sides)", i);
+            return KVW_ERR_UNSUPPORTED;
         }
     }
-    for (uint32_t i = 0; gpu_tl && i < kvw_rank_num_buffers(ctx->rank); i++) {
+    for (uint32_t i = 0; h->gpu_tl && i < kvw_rank_num_buffers(ctx->rank); i++) {
         if (!kvw__memops(kvw_rank_buffer(ctx->rank, i)->mem_kind)->is_device) {
-            st = KVW_ERR_UNSUPPORTED;
-            snprintf(reason, sizeof(reason), "prefill buffer %u is host memory, which transport "
-                     "'cuda_ipc' cannot read (cuda_ipc needs GPU buffers on both sides)", i);
-            goto reply;
+            snprintf(h->reason, sizeof(h->reason), "prefill buffer %u is host memory, which "
+                     "transport 'cuda_ipc' cannot read (cuda_ipc needs GPU buffers on both "
+                     "sides)", i);
+            return KVW_ERR_UNSUPPORTED;
         }
     }
-    bool must_stage = !gpu_tl && (ctx->staged_dev || remote_gpu);
+    h->must_stage = !h->gpu_tl && (ctx->staged_dev || remote_gpu);
+    return KVW_OK;
+}
+
+/* Whether this prefill rank takes the registration: the decode rank's description, the
+ * transport, compatibility, memory kinds and identity. */
+static kvw_status_t kvw_hs_admit(struct kvw_ctx *ctx, kvw_hs_t *h)
+{
+    kvw_status_t st = kvw__wire_get_rank(&h->r, &h->remote);
+    if (st != KVW_OK) {
+        snprintf(h->reason, sizeof(h->reason), "bad registration: %s", kvw_last_error());
+        return st;
+    }
+    h->nb = kvw_rank_num_buffers(h->remote);
+    h->rkeys = calloc(h->nb ? h->nb : 1, sizeof(*h->rkeys));
+    if (strcmp(h->tl_name, ctx->tl_ops->name) != 0) {
+        snprintf(h->reason, sizeof(h->reason), "transport mismatch: decode uses '%s', this "
+                 "prefill rank uses '%s'", h->tl_name, ctx->tl_ops->name);
+        return KVW_ERR_INCOMPATIBLE;
+    }
+    if ((st = kvw_rank_check_compatible(ctx->rank, h->remote)) != KVW_OK) {
+        snprintf(h->reason, sizeof(h->reason), "%s", kvw_last_error());
+        return st;
+    }
+    if ((st = kvw_hs_mem_kinds(ctx, h)) != KVW_OK)
+        return st;
     /* A registration may not take over an identity (instance and rank) whose peer is
      * still alive: that cut the live one off. A restarted rank whose old connection has
      * not been noticed dead yet retries until it is (BUSY). */
-    {
-        const kvw_parallel_t *ip = kvw_rank_parallel(remote);
-        pthread_mutex_lock(&ctx->mu);
-        for (uint32_t i = 0; i < ctx->num_peers && st == KVW_OK; i++) {
-            const kvw_peer_t *o = ctx->peers[i];
-            if (!o->dead && o->instance == instance && o->dp == ip->dp_rank &&
-                o->tp == ip->tp_rank && o->pp == ip->pp_rank) {
-                st = KVW_ERR_BUSY;
-                snprintf(reason, sizeof(reason), "%.200s is already registered here and alive "
-                         "(two decode instances need distinct instance ids)", o->desc);
-            }
+    const kvw_parallel_t *ip = kvw_rank_parallel(h->remote);
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t i = 0; i < kvw__peer_count(ctx) && st == KVW_OK; i++) {
+        const kvw_peer_t *o = kvw__peer_at(ctx, i);
+        if (!o->dead && o->instance == h->instance && o->dp == ip->dp_rank &&
+            o->tp == ip->tp_rank && o->pp == ip->pp_rank) {
+            st = KVW_ERR_BUSY;
+            snprintf(h->reason, sizeof(h->reason), "%.200s is already registered here and "
+                     "alive (two decode instances need distinct instance ids)", o->desc);
         }
-        pthread_mutex_unlock(&ctx->mu);
-        if (st != KVW_OK)
-            goto reply;
     }
+    pthread_mutex_unlock(&ctx->mu);
+    return st;
+}
+
+/* The data path to the decode rank: its endpoint, bound to this session (BIND), the
+ * keys of its buffers and of its staging area, and (cuda_ipc) its buffers mapped here. */
+static kvw_status_t kvw_hs_connect_data(struct kvw_ctx *ctx, kvw_hs_t *h)
+{
+    kvw_status_t st;
     /* GPU handles open in the current device's context: the one holding our buffers. */
     if ((st = ctx->mem->select(ctx->mem_dev)) != KVW_OK) {
-        snprintf(reason, sizeof(reason), "cannot select %s %d: %s", ctx->mem->name, ctx->mem_dev,
-                 kvw_last_error());
-        goto reply;
+        snprintf(h->reason, sizeof(h->reason), "cannot select %s %d: %s", ctx->mem->name,
+                 ctx->mem_dev, kvw_last_error());
+        return st;
     }
-    if ((st = ctx->tl_ops->connect(ctx->tl, addr, addr_len, &ep)) != KVW_OK) {
-        snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
-        goto reply;
+    if ((st = ctx->tl_ops->connect(ctx->tl, h->addr, h->addr_len, &h->ep)) != KVW_OK) {
+        snprintf(h->reason, sizeof(h->reason), "cannot open the data path: %s",
+                 kvw_last_error());
+        return st;
     }
     /* Bind the data connection to this session first: completions that arrive on a
      * connection that never proved it read this registration's challenge are refused. */
-    {
-        kvw_wbuf_t bw;
-        kvw__wb_init(&bw, KVW_MSG_BIND);
-        kvw__wb_u32(&bw, id_at_remote);
-        kvw_wb_raw(&bw, dnonce, sizeof(dnonce));
-        if ((st = kvw__wb_finish(&bw)) == KVW_OK)
-            st = ctx->tl_ops->notify(ep, bw.p, bw.len);
-        kvw__wb_free(&bw);
-        if (st != KVW_OK) {
-            snprintf(reason, sizeof(reason), "cannot open the data path: %s", kvw_last_error());
-            goto reply;
-        }
+    kvw_wbuf_t bw;
+    kvw__wb_init(&bw, KVW_MSG_BIND);
+    kvw__wb_u32(&bw, h->id_at_remote);
+    kvw_wb_raw(&bw, h->dnonce, sizeof(h->dnonce));
+    if ((st = kvw__wb_finish(&bw)) == KVW_OK)
+        st = ctx->tl_ops->notify(h->ep, bw.p, bw.len);
+    kvw__wb_free(&bw);
+    if (st != KVW_OK) {
+        snprintf(h->reason, sizeof(h->reason), "cannot open the data path: %s",
+                 kvw_last_error());
+        return st;
     }
-    for (uint32_t i = 0; i < nb; i++) {
+    for (uint32_t i = 0; i < h->nb; i++) {
         size_t kl = 0;
-        const void *k = kvw__rb_bytes(&r, KVW_TL_MAX_RKEY, &kl);
+        const void *k = kvw__rb_bytes(&h->r, KVW_TL_MAX_RKEY, &kl);
         if (k == NULL) {
-            st = KVW_ERR_MALFORMED;
-            snprintf(reason, sizeof(reason), "registration lacks the key of buffer %u", i);
-            goto reply;
+            snprintf(h->reason, sizeof(h->reason), "registration lacks the key of buffer %u", i);
+            return KVW_ERR_MALFORMED;
         }
         /* GPU buffers behind a host transport are written only through staging: they
          * come without a key, and no direct write can name them. */
-        if (kl == 0 && !gpu_tl && kvw__memops(kvw_rank_buffer(remote, i)->mem_kind)->is_device)
+        if (kl == 0 && !h->gpu_tl &&
+            kvw__memops(kvw_rank_buffer(h->remote, i)->mem_kind)->is_device)
             continue;
-        if ((st = ctx->tl_ops->rkey_unpack(ep, k, kl, &rkeys[i])) != KVW_OK) {
-            snprintf(reason, sizeof(reason), "bad remote key for buffer %u: %s", i,
+        if ((st = ctx->tl_ops->rkey_unpack(h->ep, k, kl, &h->rkeys[i])) != KVW_OK) {
+            snprintf(h->reason, sizeof(h->reason), "bad remote key for buffer %u: %s", i,
                      kvw_last_error());
-            goto reply;
+            return st;
         }
     }
-    uint64_t staging_len = kvw__rb_u64(&r);
-    kvw_tl_rkey_h staging_rkey = NULL;
-    if (staging_len) {
+    h->staging_len = kvw__rb_u64(&h->r);
+    if (h->staging_len) {
         size_t kl = 0;
-        const void *k = kvw__rb_bytes(&r, KVW_TL_MAX_RKEY, &kl);
-        if (k == NULL || ctx->tl_ops->rkey_unpack(ep, k, kl, &staging_rkey) != KVW_OK) {
-            st = KVW_ERR_MALFORMED;
-            snprintf(reason, sizeof(reason), "bad staging key in the registration");
-            goto reply;
+        const void *k = kvw__rb_bytes(&h->r, KVW_TL_MAX_RKEY, &kl);
+        if (k == NULL || ctx->tl_ops->rkey_unpack(h->ep, k, kl, &h->staging_rkey) != KVW_OK) {
+            snprintf(h->reason, sizeof(h->reason), "bad staging key in the registration");
+            return KVW_ERR_MALFORMED;
         }
     }
-    if (must_stage && staging_len == 0) {
-        st = KVW_ERR_UNSUPPORTED;
-        snprintf(reason, sizeof(reason), "GPU memory on %s goes through the decode rank's "
-                 "staging area over '%s', and the decode rank has none (KVW_STAGING_MB=0)",
-                 ctx->staged_dev ? "this prefill rank" : "the decode rank", ctx->tl_ops->name);
-        goto reply;
+    if (h->must_stage && h->staging_len == 0) {
+        snprintf(h->reason, sizeof(h->reason), "GPU memory on %s goes through the decode "
+                 "rank's staging area over '%s', and the decode rank has none "
+                 "(KVW_STAGING_MB=0)", ctx->staged_dev ? "this prefill rank" : "the decode rank",
+                 ctx->tl_ops->name);
+        return KVW_ERR_UNSUPPORTED;
     }
-    if (st == KVW_OK && gpu_tl && (mapped = kvw_mapped_rank(ctx, remote, rkeys)) == NULL) {
-        st = KVW_ERR_UNSUPPORTED;
-        snprintf(reason, sizeof(reason), "cannot map the decode rank's GPU buffers here");
-        goto reply;
+    if (h->gpu_tl && (h->mapped = kvw_mapped_rank(ctx, h->remote, h->rkeys)) == NULL) {
+        snprintf(h->reason, sizeof(h->reason), "cannot map the decode rank's GPU buffers here");
+        return KVW_ERR_UNSUPPORTED;
     }
-    if (kvw__rb_done(&r, "registration") != KVW_OK) {
-        if (staging_rkey)
-            ctx->tl_ops->rkey_release(staging_rkey);
-        staging_rkey = NULL;
-        st = KVW_ERR_MALFORMED;
-        snprintf(reason, sizeof(reason), "%s", kvw_last_error());
+    if (kvw__rb_done(&h->r, "registration") != KVW_OK) {
+        if (h->staging_rkey)
+            ctx->tl_ops->rkey_release(h->staging_rkey);
+        h->staging_rkey = NULL;
+        snprintf(h->reason, sizeof(h->reason), "%s", kvw_last_error());
+        return KVW_ERR_MALFORMED;
     }
-reply:
-    free(p);
+    return KVW_OK;
+}
+
+/* Answers the registration: ACCEPT (with its proof under the shared secret) or REJECT
+ * with the reason, counted as a refusal first. Returns st, or why the answer could not
+ * be sent. */
+static kvw_status_t kvw_hs_reply(struct kvw_ctx *ctx, int fd, kvw_hs_t *h, kvw_status_t st)
+{
+    free(h->p);
+    h->p = NULL;
     kvw_wbuf_t w;
     kvw__wb_init(&w, st == KVW_OK ? KVW_MSG_ACCEPT : KVW_MSG_REJECT);
     if (st == KVW_OK) {
@@ -343,98 +388,128 @@ reply:
         size_t body_at = w.len;
         kvw__wire_put_rank(&w, ctx->rank);
         if (ctx->secret[0] && !w.oom) {
-            kvw_auth_mac(ctx, "kvwire-accept-2", nonce, dnonce, hello_hash, 32, w.p + body_at,
-                         w.len - body_at, proof);
+            kvw_auth_mac(ctx, "kvwire-accept-2", h->nonce, h->dnonce, h->hello_hash, 32,
+                         w.p + body_at, w.len - body_at, proof);
             memcpy(w.p + body_at - sizeof(proof), proof, sizeof(proof));
         }
-    }
-    else {
+    } else {
         kvw__wb_u32(&w, (uint32_t)(int32_t)st);
-        kvw__wb_str(&w, reason);
+        kvw__wb_str(&w, h->reason);
     }
-    if (st != KVW_OK && reason[0]) {
+    if (st != KVW_OK && h->reason[0]) {
         /* The engine on this side can ask why a decode rank could not register (counted
          * before the refusal goes out, so the refused side never sees it first). */
         pthread_mutex_lock(&ctx->mu);
-        ctx->refusals++;
-        snprintf(ctx->last_refusal, sizeof(ctx->last_refusal), "decode instance %llu: %s",
-                 (unsigned long long)instance, reason);
+        ctx->hs.refusals++;
+        snprintf(ctx->hs.last_refusal, sizeof(ctx->hs.last_refusal), "decode instance %llu: %s",
+                 (unsigned long long)h->instance, h->reason);
         kvw__log(KVW_LOG_WARN, "refused a registration of decode instance %llu: %s",
-                 (unsigned long long)instance, reason);
+                 (unsigned long long)h->instance, h->reason);
         pthread_mutex_unlock(&ctx->mu);
     }
     kvw_status_t sst = kvw__wb_finish(&w);
     if (sst == KVW_OK)
-        sst = kvw__sock_send_all(fd, w.p, w.len, deadline);
+        sst = kvw__sock_send_all(fd, w.p, w.len, h->deadline);
     kvw__wb_free(&w);
     if (st == KVW_OK && sst != KVW_OK)
         st = sst;
-    if (st != KVW_OK) {
-        for (uint32_t i = 0; rkeys && i < nb; i++)
-            if (rkeys[i])
-                ctx->tl_ops->rkey_release(rkeys[i]);
-        free(rkeys);
-        if (ep)
-            ctx->tl_ops->ep_close(ep);
-        kvw_rank_destroy(mapped);
-        kvw_rank_destroy(remote);
-        return reason[0] ? kvw__error(st, "%s", reason) : st;
-    }
+    return st;
+}
+
+/* Gives back what a refused (or unanswered) registration had set up. */
+static void kvw_hs_release(struct kvw_ctx *ctx, kvw_hs_t *h)
+{
+    for (uint32_t i = 0; h->rkeys && i < h->nb; i++)
+        if (h->rkeys[i])
+            ctx->tl_ops->rkey_release(h->rkeys[i]);
+    free(h->rkeys);
+    if (h->ep)
+        ctx->tl_ops->ep_close(h->ep);
+    kvw_rank_destroy(h->mapped);
+    kvw_rank_destroy(h->remote);
+}
+
+/* The accepted registration becomes a peer (replacing a registration of the same rank
+ * of the same decode instance), which takes over the data path. */
+static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
+                                    kvw_peer_t **peer_p)
+{
     pthread_mutex_lock(&ctx->mu);
-    const kvw_parallel_t *rpar = kvw_rank_parallel(remote);
+    const kvw_parallel_t *rpar = kvw_rank_parallel(h->remote);
     /* The same rank of the same decode instance registering again replaces the old
      * registration (a restarted process whose death was not noticed yet). */
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *o = ctx->peers[i];
-        if (!o->dead && o->instance == instance && o->dp == rpar->dp_rank &&
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+        kvw_peer_t *o = kvw__peer_at(ctx, i);
+        if (!o->dead && o->instance == h->instance && o->dp == rpar->dp_rank &&
             o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
-            kvw__peer_dead(ctx, o, KVW_ERR_PEER_DEAD,
+            kvw__peer_doom(ctx, o, KVW_ERR_PEER_DEAD,
                            "replaced by a new registration of the same rank (two decode "
                            "instances need distinct instance ids)");
     }
     kvw_peer_t *peer = kvw__peer_add(ctx, fd);
     if (peer == NULL) {
         pthread_mutex_unlock(&ctx->mu);
-        if (staging_rkey)
-            ctx->tl_ops->rkey_release(staging_rkey);
-        for (uint32_t i = 0; i < nb; i++)
-            ctx->tl_ops->rkey_release(rkeys[i]);
-        free(rkeys);
-        ctx->tl_ops->ep_close(ep);
-        kvw_rank_destroy(mapped);
-        kvw_rank_destroy(remote);
+        if (h->staging_rkey)
+            ctx->tl_ops->rkey_release(h->staging_rkey);
+        for (uint32_t i = 0; i < h->nb; i++)
+            ctx->tl_ops->rkey_release(h->rkeys[i]);
+        free(h->rkeys);
+        ctx->tl_ops->ep_close(h->ep);
+        kvw_rank_destroy(h->mapped);
+        kvw_rank_destroy(h->remote);
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
     }
-    const kvw_parallel_t *rp = kvw_rank_parallel(remote);
-    peer->remote = remote;
-    peer->ep = ep;
-    peer->rkeys = rkeys;
-    peer->num_rkeys = nb;
-    peer->id_at_remote = id_at_remote;
-    peer->mapped = mapped;
-    peer->instance = instance;
-    peer->staging_rkey = staging_rkey;
-    peer->staging_len = staging_len;
-    peer->must_stage = must_stage;
+    const kvw_parallel_t *rp = kvw_rank_parallel(h->remote);
+    peer->remote = h->remote;
+    peer->ep = h->ep;
+    peer->rkeys = h->rkeys;
+    peer->num_rkeys = h->nb;
+    peer->id_at_remote = h->id_at_remote;
+    peer->mapped = h->mapped;
+    peer->instance = h->instance;
+    peer->staging_rkey = h->staging_rkey;
+    peer->staging_len = h->staging_len;
+    peer->must_stage = h->must_stage;
     if (ctx->secret[0]) {
         peer->authed = true;
         peer->tx_dir = 1; /* prefill -> decode */
-        kvw_auth_mac(ctx, "kvwire-session-2", nonce, dnonce, mac, sizeof(mac), NULL, 0,
-                     peer->skey);
+        kvw_auth_mac(ctx, "kvwire-session-2", h->nonce, h->dnonce, h->mac, sizeof(h->mac),
+                     NULL, 0, peer->skey);
     }
     peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
     peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
     peer->remote_pp_size = KVW_MAX(rp->pp_size, 1);
-    peer->needed = kvw_pair_needed(ctx->rank, remote);
-    if (instance)
+    peer->needed = kvw_pair_needed(ctx->rank, h->remote);
+    if (h->instance)
         snprintf(peer->desc, sizeof(peer->desc), "decode instance %llu rank dp%u/tp%u/pp%u",
-                 (unsigned long long)instance, peer->dp, peer->tp, peer->pp);
+                 (unsigned long long)h->instance, peer->dp, peer->tp, peer->pp);
     else
         snprintf(peer->desc, sizeof(peer->desc), "decode rank dp%u/tp%u/pp%u", peer->dp, peer->tp,
                  peer->pp);
     pthread_mutex_unlock(&ctx->mu);
     *peer_p = peer;
     return KVW_OK;
+}
+
+/* Prefill side of the registration, on a fresh connection (control thread): challenge,
+ * HELLO, MAC, admission, data path, answer, peer. */
+kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **peer_p)
+{
+    kvw_hs_t h;
+    memset(&h, 0, sizeof(h));
+    h.deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
+    kvw_status_t st = kvw_hs_challenge(ctx, fd, &h);
+    if (st != KVW_OK)
+        return st;
+    if ((st = kvw_hs_read_hello(&h)) == KVW_OK && (st = kvw_hs_verify_mac(ctx, &h)) == KVW_OK &&
+        (st = kvw_hs_admit(ctx, &h)) == KVW_OK)
+        st = kvw_hs_connect_data(ctx, &h);
+    st = kvw_hs_reply(ctx, fd, &h, st);
+    if (st != KVW_OK) {
+        kvw_hs_release(ctx, &h);
+        return h.reason[0] ? kvw__error(st, "%s", h.reason) : st;
+    }
+    return kvw_hs_add_peer(ctx, fd, &h, peer_p);
 }
 
 /* A registration that failed: its reserved peer slot becomes a dead peer (no room
@@ -587,7 +662,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     peer->dp = e->dp, peer->tp = e->tp, peer->pp = e->pp;
     peer->needed = kvw_pair_needed(remote, ctx->rank);
     snprintf(peer->desc, sizeof(peer->desc), "prefill rank dp%u/tp%u/pp%u at %s (instance %.60s)",
-             e->dp, e->tp, e->pp, e->addr, inst < ctx->num_insts ? ctx->insts[inst].addr : "?");
+             e->dp, e->tp, e->pp, e->addr, kvw__inst_name(ctx, inst));
     pthread_mutex_unlock(&ctx->mu);
     return KVW_OK;
 }
@@ -600,7 +675,7 @@ kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t
     uint64_t backoff_ms = 20;
     kvw_status_t st;
     while ((st = kvw_decode_connect(ctx, e, inst, gen, deadline)) == KVW_ERR_BUSY &&
-           !atomic_load(&ctx->cancel_connects) &&
+           !kvw__insts_cancelled(ctx) &&
            kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
         usleep((useconds_t)(backoff_ms * 1000));
         backoff_ms = KVW_MIN(backoff_ms * 2, 500);
@@ -619,9 +694,9 @@ typedef struct kvw_hs_arg {
 void kvw__handshake_heard(struct kvw_ctx *ctx, int fd)
 {
     pthread_mutex_lock(&ctx->mu);
-    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++)
-        if (ctx->hs[i].fd == fd)
-            ctx->hs[i].heard = true;
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++)
+        if (ctx->hs.slot[i].fd == fd)
+            ctx->hs.slot[i].heard = true;
     pthread_mutex_unlock(&ctx->mu);
 }
 
@@ -634,7 +709,7 @@ static void *kvw_handshake_main(void *arg)
     /* Free the slot before the fd can be closed: the control thread only shuts down
      * fds that are still in a slot, so it never touches a reused descriptor. */
     pthread_mutex_lock(&ctx->mu);
-    ctx->hs[a->slot].fd = -1;
+    ctx->hs.slot[a->slot].fd = -1;
     pthread_mutex_unlock(&ctx->mu);
     /* A bad or refused registration only closes this connection. */
     if (st != KVW_OK)
@@ -647,7 +722,7 @@ static void *kvw_handshake_main(void *arg)
      * frees the context, so this thread must not touch ctx after the unlock below. */
     pthread_mutex_lock(&ctx->mu);
     kvw__ctx_wake(ctx);
-    ctx->handshakes--;
+    ctx->hs.running--;
     pthread_cond_broadcast(&ctx->cv);
     pthread_mutex_unlock(&ctx->mu);
     return NULL;
@@ -664,30 +739,30 @@ void kvw__start_handshake(struct kvw_ctx *ctx, int fd)
      * would time out anyway): silent connections cannot lock honest peers out. Threads
      * of displaced connections still hold one of the spare slots until they leave. */
     uint32_t live = 0, free_slot = UINT32_MAX, oldest = UINT32_MAX;
-    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs); i++) {
-        if (ctx->hs[i].fd < 0) {
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++) {
+        if (ctx->hs.slot[i].fd < 0) {
             free_slot = free_slot == UINT32_MAX ? i : free_slot;
             continue;
         }
-        if (ctx->hs[i].evicted)
+        if (ctx->hs.slot[i].evicted)
             continue;
         live++;
-        if (!ctx->hs[i].heard &&
-            (oldest == UINT32_MAX || ctx->hs[i].started_ns < ctx->hs[oldest].started_ns))
+        if (!ctx->hs.slot[i].heard &&
+            (oldest == UINT32_MAX || ctx->hs.slot[i].started_ns < ctx->hs.slot[oldest].started_ns))
             oldest = i;
     }
     bool refuse = ctx->stopping || a == NULL || free_slot == UINT32_MAX ||
                   (live >= KVW_MAX_HANDSHAKES && oldest == UINT32_MAX);
     if (!refuse && live >= KVW_MAX_HANDSHAKES) {
-        shutdown(ctx->hs[oldest].fd, SHUT_RDWR);
-        ctx->hs[oldest].evicted = true;
+        shutdown(ctx->hs.slot[oldest].fd, SHUT_RDWR);
+        ctx->hs.slot[oldest].evicted = true;
     }
     if (!refuse) {
-        ctx->handshakes++;
-        ctx->hs[free_slot].fd = fd;
-        ctx->hs[free_slot].started_ns = kvw__now_ns();
-        ctx->hs[free_slot].heard = false;
-        ctx->hs[free_slot].evicted = false;
+        ctx->hs.running++;
+        ctx->hs.slot[free_slot].fd = fd;
+        ctx->hs.slot[free_slot].started_ns = kvw__now_ns();
+        ctx->hs.slot[free_slot].heard = false;
+        ctx->hs.slot[free_slot].evicted = false;
     }
     pthread_mutex_unlock(&ctx->mu);
     if (refuse) {
@@ -702,11 +777,34 @@ void kvw__start_handshake(struct kvw_ctx *ctx, int fd)
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     if (pthread_create(&t, &attr, kvw_handshake_main, a) != 0) {
         pthread_mutex_lock(&ctx->mu);
-        ctx->hs[free_slot].fd = -1;
-        ctx->handshakes--;
+        ctx->hs.slot[free_slot].fd = -1;
+        ctx->hs.running--;
         pthread_mutex_unlock(&ctx->mu);
         free(a);
         close(fd);
     }
     pthread_attr_destroy(&attr);
+}
+
+void kvw__hs_init(struct kvw_ctx *ctx)
+{
+    for (uint32_t i = 0; i < KVW_ARRAY_SIZE(ctx->hs.slot); i++)
+        ctx->hs.slot[i].fd = -1;
+}
+
+uint32_t kvw__hs_running(const struct kvw_ctx *ctx)
+{
+    return ctx->hs.running;
+}
+
+uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap)
+{
+    if (ctx == NULL)
+        return 0;
+    pthread_mutex_lock(&ctx->mu);
+    uint64_t n = ctx->hs.refusals;
+    if (buf && cap)
+        snprintf(buf, cap, "%s", ctx->hs.last_refusal);
+    pthread_mutex_unlock(&ctx->mu);
+    return n;
 }

@@ -4,9 +4,31 @@
  * granted, and page-exact accounting before Success; a prefill rank's metadata. */
 #include "proto/proto.h"
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+/* A room's failure, decided on the way and run once at the end of a walk (the landing of
+ * a completion enters fail.c once). */
+typedef struct kvw_fail {
+    kvw_status_t status; /* KVW_OK: none */
+    char why[320];
+} kvw_fail_t;
+
+static void kvw_fail_set(kvw_fail_t *f, kvw_status_t status, const char *fmt, ...)
+    KVW_PRINTF(3, 4);
+
+static void kvw_fail_set(kvw_fail_t *f, kvw_status_t status, const char *fmt, ...)
+{
+    if (f->status != KVW_OK)
+        return; /* the first reason stays, as kvw__room_fail keeps it */
+    f->status = status;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(f->why, sizeof(f->why), fmt, ap);
+    va_end(ap);
+}
 
 static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r);
 
@@ -18,13 +40,14 @@ static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_
 {
     if (s->done && s->got == s->expected && (!s->meta_expected || s->meta_got) &&
         !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
-        kvw__send_room_msg(ctx, ctx->peers[s->peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
+        kvw__send_room_msg(ctx, kvw__peer_at(ctx, s->peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
 }
 
 /* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
  * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
 void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     uint64_t id = kvw__rb_u64(rb);
     size_t got = 0;
     const void *data = kvw__rb_bytes(rb, KVW_MAX_ROOM_METADATA, &got);
@@ -68,7 +91,9 @@ void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     kvw_receiver_done(ctx, r);
 }
 
-static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
+/* Completes a room whose every source is done (mu held); a room whose bytes do not add
+ * up is not completed, and *f says why. */
+static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
 {
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got))
@@ -85,48 +110,56 @@ static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
         kvw_iv_t a, b;
         uint64_t distinct = 0;
         if (!kvw__ivlog_check(&r->writes, &a, &b, &distinct)) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "room %llu: buffer %llu bytes [%llu, %llu) were written twice "
-                           "(overlapping writes [%llu, %llu) and [%llu, %llu))",
-                           (unsigned long long)r->id, (unsigned long long)b.region,
-                           (unsigned long long)b.lo,
-                           (unsigned long long)(b.hi < a.hi ? b.hi : a.hi),
-                           (unsigned long long)a.lo, (unsigned long long)a.hi,
-                           (unsigned long long)b.lo, (unsigned long long)b.hi);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "room %llu: buffer %llu bytes [%llu, %llu) were written twice "
+                         "(overlapping writes [%llu, %llu) and [%llu, %llu))",
+                         (unsigned long long)r->id, (unsigned long long)b.region,
+                         (unsigned long long)b.lo,
+                         (unsigned long long)(b.hi < a.hi ? b.hi : a.hi),
+                         (unsigned long long)a.lo, (unsigned long long)a.hi,
+                         (unsigned long long)b.lo, (unsigned long long)b.hi);
             return;
         }
         if (distinct + r->staged_exact != want) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "room %llu: %llu distinct bytes landed, the plans expect %llu "
-                           "(part of the room's pages was never written)",
-                           (unsigned long long)r->id,
-                           (unsigned long long)(distinct + r->staged_exact),
-                           (unsigned long long)want);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "room %llu: %llu distinct bytes landed, the plans expect %llu "
+                         "(part of the room's pages was never written)",
+                         (unsigned long long)r->id,
+                         (unsigned long long)(distinct + r->staged_exact),
+                         (unsigned long long)want);
             return;
         }
         if (r->landed != want) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "room %llu: %llu bytes landed, the plans expect %llu",
-                           (unsigned long long)r->id, (unsigned long long)r->landed,
-                           (unsigned long long)want);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "room %llu: %llu bytes landed, the plans expect %llu",
+                         (unsigned long long)r->id, (unsigned long long)r->landed,
+                         (unsigned long long)want);
             return;
         }
     }
     /* Fail closed: every sender's byte count must be exactly what the plan implies. */
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].got != r->srcs[i].expected) {
-            kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                           "%s delivered %llu bytes, the plan expects %llu",
-                           ctx->peers[r->srcs[i].peer]->desc,
-                           (unsigned long long)r->srcs[i].got,
-                           (unsigned long long)r->srcs[i].expected);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH,
+                         "%s delivered %llu bytes, the plan expects %llu",
+                         kvw__peer_at(ctx, r->srcs[i].peer)->desc,
+                         (unsigned long long)r->srcs[i].got,
+                         (unsigned long long)r->srcs[i].expected);
             return;
         }
     if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED)
         for (uint32_t i = 0; i < r->num_srcs; i++)
-            kvw__send_room_msg(ctx, ctx->peers[r->srcs[i].peer], KVW_MSG_ROOM_DONE, r->id, KVW_OK,
+            kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->srcs[i].peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK,
                                "");
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
+}
+
+static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    kvw_fail_t f = {KVW_OK, ""};
+    kvw_receiver_check(ctx, r, &f);
+    if (f.status != KVW_OK)
+        kvw__room_fail(ctx, r, f.status, true, "%s", f.why);
 }
 
 /* Scatters one staged window of a room's chunk from the staging area (no mu held; the
@@ -137,7 +170,8 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
                                 const kvw_chunk_t *c, uint64_t soff, uint64_t slen, uint64_t goff,
                                 kvw_staged_t **sg_p)
 {
-    if (goff > ctx->staging_len || slen > ctx->staging_len - goff)
+    uint8_t *win = NULL;
+    if (!kvw__stage_window(ctx, goff, slen, &win))
         return kvw__error(KVW_ERR_OUT_OF_RANGE, "staged window [%llu, +%llu) outside the staging "
                           "area", (unsigned long long)goff, (unsigned long long)slen);
     if (*sg_p == NULL) {
@@ -148,7 +182,7 @@ static kvw_status_t kvw_scatter(struct kvw_ctx *ctx, kvw_rank_h src, kvw_room_t 
         if (st != KVW_OK)
             return st;
     }
-    return kvw__staged_scatter(*sg_p, ctx->staging + goff, soff, soff + slen);
+    return kvw__staged_scatter(*sg_p, win, soff, soff + slen);
 }
 
 /* A data connection says which peer it belongs to (KVW_MSG_BIND, its first message).
@@ -164,30 +198,30 @@ static void kvw_on_bind(struct kvw_ctx *ctx, kvw_tl_ep_h ep, kvw_rbuf_t *rb)
         return;
     pthread_mutex_lock(&ctx->mu);
     bool known = false;
-    for (uint32_t i = 0; i < ctx->num_binds; i++)
-        known |= ctx->binds[i].ep == ep;
-    if (!known && ctx->num_binds == ctx->cap_binds) {
-        uint32_t cap = ctx->cap_binds ? ctx->cap_binds * 2 : 16;
-        kvw_bind_t *v = realloc(ctx->binds, sizeof(*v) * cap);
+    for (uint32_t i = 0; i < ctx->binds.num; i++)
+        known |= ctx->binds.tab[i].ep == ep;
+    if (!known && ctx->binds.num == ctx->binds.cap) {
+        uint32_t cap = ctx->binds.cap ? ctx->binds.cap * 2 : 16;
+        kvw_bind_t *v = realloc(ctx->binds.tab, sizeof(*v) * cap);
         if (v) {
-            ctx->binds = v;
-            ctx->cap_binds = cap;
+            ctx->binds.tab = v;
+            ctx->binds.cap = cap;
         }
     }
     /* One claim per connection: a second BIND cannot re-point it. */
-    if (!known && ctx->num_binds < ctx->cap_binds)
-        ctx->binds[ctx->num_binds++] = b;
+    if (!known && ctx->binds.num < ctx->binds.cap)
+        ctx->binds.tab[ctx->binds.num++] = b;
     pthread_mutex_unlock(&ctx->mu);
 }
 
 /* Whether `ep` is the data connection of peer `peer_id` (mu held). */
 static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
 {
-    if (peer_id >= ctx->num_peers)
+    if (peer_id >= kvw__peer_count(ctx))
         return false;
-    const kvw_peer_t *p = ctx->peers[peer_id];
-    for (uint32_t i = 0; i < ctx->num_binds; i++) {
-        const kvw_bind_t *b = &ctx->binds[i];
+    const kvw_peer_t *p = kvw__peer_at(ctx, peer_id);
+    for (uint32_t i = 0; i < ctx->binds.num; i++) {
+        const kvw_bind_t *b = &ctx->binds.tab[i];
         if (b->ep != ep)
             continue;
         uint8_t diff = (uint8_t)(b->peer != peer_id);
@@ -215,23 +249,23 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         kvw_on_bind(ctx, ep, &rb);
         return;
     }
-    uint64_t id = kvw__rb_u64(&rb);
-    uint32_t peer_id = kvw__rb_u32(&rb);
-    kvw_chunk_t c = {0};
-    c.chunk_begin = kvw__rb_u64(&rb);
-    c.chunk_end = kvw__rb_u64(&rb);
-    uint64_t bytes = kvw__rb_u64(&rb);
-    c.last_chunk = kvw__rb_u8(&rb) != 0;
-    bool staged = kvw__rb_u8(&rb) != 0;
-    uint64_t soff = kvw__rb_u64(&rb), slen = kvw__rb_u64(&rb), goff = kvw__rb_u64(&rb);
-    bool final = kvw__rb_u8(&rb) != 0;
-    uint32_t meta_len = kvw__rb_u32(&rb);
-    if (kvw__rb_done(&rb, "done") != KVW_OK || meta_len > KVW_MAX_ROOM_METADATA)
+    kvw_done_msg_t dm;
+    if (kvw__done_decode(&rb, &dm) != KVW_OK || dm.meta_len > KVW_MAX_ROOM_METADATA)
         return;
+    uint64_t id = dm.room;
+    uint32_t peer_id = dm.peer;
+    kvw_chunk_t c = {.chunk_begin = dm.chunk_begin, .chunk_end = dm.chunk_end,
+                     .last_chunk = dm.last_chunk};
+    uint64_t bytes = dm.bytes;
+    bool staged = dm.staged;
+    uint64_t soff = dm.soff, slen = dm.slen, goff = dm.goff;
+    bool final = dm.final;
+    uint32_t meta_len = dm.meta_len;
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, id);
     kvw_room_src_t *s = NULL;
     kvw_staged_t *drop = NULL; /* a staged stream to release once mu is dropped */
+    kvw_fail_t f = {KVW_OK, ""}; /* why the room fails, if it does (once, at the end) */
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
         goto out;
     /* A completion counts only on the data connection its peer bound (any local process
@@ -244,10 +278,10 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             s = &r->srcs[i];
     if (s == NULL || s->done || c.chunk_begin > c.chunk_end || c.chunk_end > r->num_tokens ||
         (c.last_chunk && c.chunk_end != r->num_tokens)) {
-        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true,
-                       "room %llu: bad completion from peer %u (chunk [%llu, %llu))",
-                       (unsigned long long)id, peer_id, (unsigned long long)c.chunk_begin,
-                       (unsigned long long)c.chunk_end);
+        kvw_fail_set(&f, KVW_ERR_MALFORMED,
+                     "room %llu: bad completion from peer %u (chunk [%llu, %llu))",
+                     (unsigned long long)id, peer_id, (unsigned long long)c.chunk_begin,
+                     (unsigned long long)c.chunk_end);
         goto out;
     }
     kvw__room_hop(r, KVW_HOP_DONE_RX, false);
@@ -255,14 +289,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw__room_touch(ctx, r);
     if (staged) {
         /* The window must be exactly a span this room was granted. */
-        bool ok = false;
-        for (uint32_t i = 0; i < ctx->num_spans; i++)
-            ok |= ctx->spans[i].off == goff && ctx->spans[i].len == slen && ctx->spans[i].room == id;
-        if (!ok) {
-            kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
-                           "room %llu: staged data at [%llu, +%llu) was never granted",
-                           (unsigned long long)id, (unsigned long long)goff,
-                           (unsigned long long)slen);
+        if (!kvw__stage_is_span(ctx, id, goff, slen)) {
+            kvw_fail_set(&f, KVW_ERR_OUT_OF_RANGE,
+                         "room %llu: staged data at [%llu, +%llu) was never granted",
+                         (unsigned long long)id, (unsigned long long)goff,
+                         (unsigned long long)slen);
             goto out;
         }
         /* On tcp the window must have been written exactly once, all of it, before it is
@@ -271,18 +302,18 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             uint64_t got = 0;
             if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
                 got != slen) {
-                kvw__room_fail(ctx, r, KVW_ERR_BYTE_MISMATCH, true,
-                               "room %llu: staged window [%llu, +%llu) was %s",
-                               (unsigned long long)id, (unsigned long long)goff,
-                               (unsigned long long)slen,
-                               got == slen ? "partly written twice" : "not written exactly once");
+                kvw_fail_set(&f, KVW_ERR_BYTE_MISMATCH,
+                             "room %llu: staged window [%llu, +%llu) was %s",
+                             (unsigned long long)id, (unsigned long long)goff,
+                             (unsigned long long)slen,
+                             got == slen ? "partly written twice" : "not written exactly once");
                 goto out;
             }
             r->staged_exact += slen;
         }
         c.num_tokens = r->num_tokens;
         c.prefix_len = r->prefix_len;
-        kvw_rank_h src = ctx->peers[peer_id]->remote;
+        kvw_rank_h src = kvw__peer_at(ctx, peer_id)->remote;
         /* The stream of this source's chunk, when it is the one of the window before;
          * taken out while in use (another window of the source meanwhile opens its own). */
         kvw_staged_t *sg = s->scatter;
@@ -313,8 +344,8 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             drop = sg;
         }
         if (st != KVW_OK) {
-            kvw__room_fail(ctx, r, st, true, "room %llu: scattering staged data failed: %s",
-                           (unsigned long long)id, why);
+            kvw_fail_set(&f, st, "room %llu: scattering staged data failed: %s",
+                         (unsigned long long)id, why);
             goto out;
         }
         if (r->state == KVW_ROOM_FAILED)
@@ -332,8 +363,10 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             s->meta_expected = meta_len;
     }
     kvw_src_confirm(ctx, r, s);
-    kvw_receiver_done(ctx, r);
+    kvw_receiver_check(ctx, r, &f);
 out:
+    if (f.status != KVW_OK)
+        kvw__room_fail(ctx, r, f.status, true, "%s", f.why);
     pthread_mutex_unlock(&ctx->mu);
     kvw__staged_close(drop);
 }
@@ -359,6 +392,7 @@ static bool kvw_granted(const kvw_room_t *r, int pool, uint32_t page)
 static kvw_status_t kvw_note_write(struct kvw_ctx *ctx, kvw_room_t *r, uint64_t key,
                                    uint64_t off, uint64_t len)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     uint64_t want = 0;
     for (uint32_t i = 0; i < r->num_srcs; i++)
         want += r->srcs[i].expected;
@@ -384,7 +418,7 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, room);
     const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, (uint32_t)region);
-    bool staging = region == ctx->rank->num_bufs && ctx->staging;
+    bool staging = region == ctx->rank->num_bufs && kvw__stage_present(ctx);
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED ||
         r->state == KVW_ROOM_SUCCESS || r->state == KVW_ROOM_BOOTSTRAPPING ||
         (b == NULL && !staging)) {
@@ -394,15 +428,13 @@ kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_
                            (unsigned long long)room, kvw_room_state_string(r->state));
         goto out;
     }
-    if (region == ctx->rank->num_bufs && ctx->staging) {
+    if (staging) {
         /* The staging area: only inside a span granted to this room. */
-        for (uint32_t i = 0; i < ctx->num_spans; i++)
-            if (ctx->spans[i].room == room && off >= ctx->spans[i].off &&
-                off - ctx->spans[i].off <= ctx->spans[i].len &&
-                len <= ctx->spans[i].len - (off - ctx->spans[i].off)) {
-                st = kvw_note_write(ctx, r, KVW_IV_STAGED | ctx->spans[i].off, off, len);
-                goto out;
-            }
+        int64_t span = kvw__stage_span_of(ctx, room, off, len);
+        if (span >= 0) {
+            st = kvw_note_write(ctx, r, KVW_IV_STAGED | (uint64_t)span, off, len);
+            goto out;
+        }
         st = KVW_ERR_OUT_OF_RANGE;
         kvw__room_fail(ctx, r, st, true, "room %llu: a staged write to [%llu, +%llu) lies outside "
                        "its staging grant", (unsigned long long)room, (unsigned long long)off,
@@ -447,10 +479,17 @@ void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char
     (void)status;
     (void)reason;
     pthread_mutex_lock(&ctx->mu);
-    for (uint32_t i = 0; i < ctx->num_binds; i++)
-        if (ctx->binds[i].ep == ep) {
-            ctx->binds[i] = ctx->binds[--ctx->num_binds];
+    for (uint32_t i = 0; i < ctx->binds.num; i++)
+        if (ctx->binds.tab[i].ep == ep) {
+            ctx->binds.tab[i] = ctx->binds.tab[--ctx->binds.num];
             break;
         }
     pthread_mutex_unlock(&ctx->mu);
+}
+
+void kvw__binds_fini(struct kvw_ctx *ctx)
+{
+    free(ctx->binds.tab);
+    ctx->binds.tab = NULL;
+    ctx->binds.num = ctx->binds.cap = 0;
 }

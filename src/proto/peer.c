@@ -4,8 +4,10 @@
 #include "core/sha256.h"
 #include "proto/proto.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 void kvw__ctx_wake(struct kvw_ctx *ctx)
@@ -13,6 +15,19 @@ void kvw__ctx_wake(struct kvw_ctx *ctx)
     if (write(ctx->wake_fd[1], "w", 1) < 0) {
         /* A full pipe already guarantees a wake-up. */
     }
+}
+
+void kvw__peer_doom(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
+                    const char *reason)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    if (peer->dead || peer->doomed)
+        return;
+    peer->doomed = true;
+    peer->doom_status = status;
+    snprintf(peer->doom_why, sizeof(peer->doom_why), "%s", reason ? reason : "");
+    kvw__peer_drop_out(peer);
+    kvw__ctx_wake(ctx);
 }
 
 /* Tag of one control frame under a peer's session key: direction, sequence number,
@@ -33,6 +48,170 @@ void kvw__frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t t
     kvw__hmac_final(&h, out);
 }
 
+/*
+ * Queues a frame for a peer (mu held). When nothing is queued or being written for
+ * that peer, the frame is first written right here with one non-blocking send: the
+ * hop through the control thread (a wake-up and a context switch on each side of every
+ * request and confirmation) is the largest part of a small room's latency. Whatever
+ * the socket does not take at once is queued, and the control thread writes the rest,
+ * in order: frames of one peer never interleave, because a direct write happens only
+ * when the queue is empty and the control thread is not inside a write (tx_busy), both
+ * checked under mu.
+ */
+void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    if (peer->authed && !peer->dead && !w->oom) {
+        uint8_t tag[32];
+        kvw__frame_tag(peer, peer->tx_dir, peer->tx_seq++, w->p[5], w->p + KVW_WIRE_HDR,
+                       w->len - KVW_WIRE_HDR, tag);
+        for (int i = 0; i < KVW_TAG; i++)
+            kvw__wb_u8(w, tag[i]);
+    }
+    if (peer->dead || peer->doomed || kvw__wb_finish(w) != KVW_OK) {
+        kvw__wb_free(w);
+        return;
+    }
+    size_t off = 0;
+    if (peer->out_head == NULL && !peer->tx_busy && peer->fd >= 0) {
+        while (off < w->len) {
+            ssize_t k = send(peer->fd, w->p + off, w->len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (k > 0) {
+                off += (size_t)k;
+                continue;
+            }
+            if (k < 0 && errno == EINTR)
+                continue;
+            /* EAGAIN: the rest waits for the control thread; a real error shows there
+             * too (the next write fails and declares the peer dead). */
+            break;
+        }
+        if (off == w->len) {
+            peer->last_tx_ns = kvw__now_ns();
+            kvw__wb_free(w);
+            return;
+        }
+    }
+    kvw_outmsg_t *m = malloc(sizeof(*m));
+    bool full = peer->out_bytes + (w->len - off) > KVW_MAX_OUT_BYTES;
+    if (m == NULL || full) {
+        char why[160];
+        snprintf(why, sizeof(why), full ? "stopped reading: more than %u MiB of frames queued"
+                                        : "out of memory queueing a frame",
+                 KVW_MAX_OUT_BYTES >> 20);
+        free(m);
+        kvw__wb_free(w);
+        kvw__peer_doom(ctx, peer, full ? KVW_ERR_PEER_DEAD : KVW_ERR_NO_MEMORY, why);
+        return;
+    }
+    m->w = *w;
+    m->off = off;
+    m->next = NULL;
+    peer->out_bytes += w->len - off;
+    if (peer->out_tail)
+        peer->out_tail->next = m;
+    else
+        peer->out_head = m;
+    peer->out_tail = m;
+    kvw__ctx_wake(ctx);
+}
+
+void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
+                        kvw_status_t status, const char *reason)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    kvw_wbuf_t w;
+    kvw__wb_init(&w, type);
+    kvw__wb_u64(&w, room);
+    kvw__wb_u32(&w, (uint32_t)(int32_t)status);
+    kvw__wb_str(&w, reason);
+    kvw__peer_send(ctx, peer, &w);
+}
+
+/* Sends queued frames; called without mu, takes it only to pop. */
+/*
+ * Writes a peer's queued frames without blocking: what the socket does not take stays at
+ * the head of the queue (m->off) and the control thread polls for POLLOUT. A peer that
+ * stops reading therefore never holds the control thread; it is declared dead once its
+ * queue made no progress for the peer timeout (see the control loop) or grew past
+ * KVW_MAX_OUT_BYTES (kvw__peer_send). `blocking`: at shutdown, finish within the peer
+ * timeout instead (the peer must not learn of a completion or an abort only from the
+ * closed connection).
+ */
+void kvw__peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
+{
+    for (;;) {
+        /* The head frame leaves the queue while it is written outside mu (a peer's death
+         * meanwhile frees the queue, not this frame); tx_busy keeps direct sends out. */
+        pthread_mutex_lock(&ctx->mu);
+        kvw_outmsg_t *m = peer->dead || peer->fd < 0 ? NULL : peer->out_head;
+        if (m) {
+            peer->out_head = m->next;
+            if (peer->out_head == NULL)
+                peer->out_tail = NULL;
+            peer->tx_busy = true;
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        if (m == NULL)
+            return;
+        size_t left = m->w.len - m->off;
+        kvw_status_t st = KVW_OK;
+        ssize_t k = 0;
+        if (blocking) {
+            st = kvw__sock_send_all(peer->fd, m->w.p + m->off, left,
+                                    kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull);
+            k = st == KVW_OK ? (ssize_t)left : 0;
+        } else {
+            do
+                k = send(peer->fd, m->w.p + m->off, left, MSG_DONTWAIT | MSG_NOSIGNAL);
+            while (k < 0 && errno == EINTR);
+            if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+                st = kvw__error(KVW_ERR_CONN_CLOSED, "send: %s", strerror(errno));
+        }
+        pthread_mutex_lock(&ctx->mu);
+        peer->tx_busy = false;
+        bool keep = false;
+        if (st != KVW_OK) {
+            kvw__peer_doom(ctx, peer, st, kvw_last_error());
+        } else {
+            if (k > 0) {
+                m->off += (size_t)k;
+                peer->out_bytes -= KVW_MIN((uint64_t)k, peer->out_bytes);
+                peer->tx_stall_ns = 0;
+                peer->last_tx_ns = kvw__now_ns();
+            } else if (peer->tx_stall_ns == 0) {
+                peer->tx_stall_ns = kvw__now_ns(); /* the socket is full: wait for POLLOUT */
+            }
+            if (m->off < m->w.len && !peer->dead && !peer->doomed) {
+                /* Back at the head, ahead of whatever was queued meanwhile. */
+                m->next = peer->out_head;
+                peer->out_head = m;
+                if (peer->out_tail == NULL)
+                    peer->out_tail = m;
+                keep = true;
+            }
+        }
+        bool again = st == KVW_OK && !keep;
+        pthread_mutex_unlock(&ctx->mu);
+        if (!keep) {
+            kvw__wb_free(&m->w);
+            free(m);
+        }
+        if (!again)
+            return;
+    }
+}
+
+bool kvw__peer_tx_stalled(const kvw_peer_t *p, uint64_t now, uint32_t limit_ms, char *why,
+                          size_t cap)
+{
+    if (p->tx_stall_ns == 0 || now - p->tx_stall_ns <= (uint64_t)limit_ms * 1000000ull)
+        return false;
+    snprintf(why, cap, "stopped reading: %llu bytes of frames waited %u ms",
+             (unsigned long long)p->out_bytes, limit_ms);
+    return true;
+}
+
 void kvw__peer_drop_out(kvw_peer_t *peer)
 {
     while (peer->out_head) {
@@ -47,34 +226,34 @@ void kvw__peer_drop_out(kvw_peer_t *peer)
 
 kvw_peer_t *kvw__peer_add(struct kvw_ctx *ctx, int fd)
 {
-    if (ctx->num_peers == ctx->cap_peers) {
-        uint32_t cap = ctx->cap_peers ? ctx->cap_peers * 2 : 16;
-        kvw_peer_t **n = realloc(ctx->peers, sizeof(*n) * cap);
+    if (ctx->peers.num == ctx->peers.cap) {
+        uint32_t cap = ctx->peers.cap ? ctx->peers.cap * 2 : 16;
+        kvw_peer_t **n = realloc(ctx->peers.tab, sizeof(*n) * cap);
         if (n == NULL)
             return NULL;
-        ctx->peers = n;
-        ctx->cap_peers = cap;
+        ctx->peers.tab = n;
+        ctx->peers.cap = cap;
     }
     kvw_peer_t *p = calloc(1, sizeof(*p));
     if (p == NULL)
         return NULL;
-    p->id = ctx->num_peers;
+    p->id = ctx->peers.num;
     p->fd = fd;
     p->last_rx_ns = p->last_tx_ns = kvw__now_ns();
-    ctx->peers[ctx->num_peers++] = p;
+    ctx->peers.tab[ctx->peers.num++] = p;
     return p;
 }
 
 /* Whether a dead peer can give up its resources: no room still names it (as a decode
  * rank it writes or a prefill rank it reads from), no staging request of its waits,
  * nothing of it is being written. mu held. */
-static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p)
+static bool kvw_peer_reapable(struct kvw_ctx *ctx, const kvw_peer_t *p, kvw_peer_busy_fn busy)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (!p->dead || p->reaped || p->registering || p->tx_busy)
         return false;
-    for (uint32_t i = 0; i < ctx->num_waits; i++)
-        if (ctx->waits[i].peer == p->id)
-            return false;
+    if (busy && busy(ctx, p->id))
+        return false;
     for (const kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
         for (uint32_t i = 0; i < r->num_dsts; i++)
             if (r->dsts[i].peer == p->id)
@@ -119,12 +298,13 @@ static void kvw_peer_res_close(struct kvw_ctx *ctx, kvw_peer_res_t *res)
 /* Detaches the resources of every dead peer nothing refers to any more (mu held);
  * the caller releases the list with kvw__peer_res_release after unlocking. The peer's
  * small record stays (its id indexes the peer table). */
-kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx)
+kvw_peer_res_t *kvw__peers_reap(struct kvw_ctx *ctx, kvw_peer_busy_fn busy)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_peer_res_t *list = NULL;
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *p = ctx->peers[i];
-        if (!kvw_peer_reapable(ctx, p))
+    for (uint32_t i = 0; i < ctx->peers.num; i++) {
+        kvw_peer_t *p = ctx->peers.tab[i];
+        if (!kvw_peer_reapable(ctx, p, busy))
             continue;
         kvw_peer_res_t *res = calloc(1, sizeof(*res));
         if (res == NULL)

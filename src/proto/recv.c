@@ -1,12 +1,14 @@
 /* The decode engine's calls on a room (kvw_receiver_create/_from, _post, _metadata):
- * posting the room's pages to its prefill ranks with the pages it may write (grants),
- * and the prefill instances it names: found or added, connected on their own thread on
- * first use and again after they went down; posts made meanwhile go out once connected. */
+ * posting the room's pages to its prefill ranks with the pages it may write (grants).
+ * The prefill instances a room names are inst.c's; a post made while its instance was
+ * being connected goes out once it is (kvw_receiver_settle). */
 #include "proto/proto.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+static void kvw_receiver_settle(struct kvw_ctx *ctx, uint32_t i, kvw_status_t st, const char *why);
 
 kvw_status_t kvw_receiver_metadata(kvw_receiver_h rv, void *buf, size_t cap, size_t *len_p)
 {
@@ -118,8 +120,8 @@ kvw_status_t kvw_receiver_create_from(kvw_ctx_h ctx, uint64_t room, const char *
     r->src_dp = prefill_dp;
     /* The first room naming an instance starts connecting to it, without blocking. */
     r->inst = (uint32_t)inst;
-    kvw__inst_use(ctx, r->inst);
-    r->inst_gen = ctx->insts[r->inst].gen;
+    kvw__inst_use(ctx, r->inst, kvw_receiver_settle);
+    r->inst_gen = kvw__inst_at(ctx, r->inst)->gen;
     pthread_mutex_unlock(&ctx->mu);
     *receiver_p = (kvw_receiver_h)(void *)r;
     return KVW_OK;
@@ -152,10 +154,10 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
         return st;
     }
     /* An instance that went down since the room was created is connected again. */
-    if (kvw__inst_use(ctx, r->inst) == KVW_INST_CONNECTING &&
-        r->inst_gen != ctx->insts[r->inst].gen)
-        r->inst_gen = ctx->insts[r->inst].gen;
-    if (ctx->insts[r->inst].state == KVW_INST_CONNECTING) {
+    if (kvw__inst_use(ctx, r->inst, kvw_receiver_settle) == KVW_INST_CONNECTING &&
+        r->inst_gen != kvw__inst_at(ctx, r->inst)->gen)
+        r->inst_gen = kvw__inst_at(ctx, r->inst)->gen;
+    if (kvw__inst_at(ctx, r->inst)->state == KVW_INST_CONNECTING) {
         /* Kept (pages copied) until the connection is up; the room stays Bootstrapping. */
         size_t nf = post->pages.full.num_pages, ns = post->pages.swa.num_pages;
         r->pend_store = malloc(sizeof(uint32_t) * (nf + ns + 1));
@@ -175,10 +177,10 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
         pthread_mutex_unlock(&ctx->mu);
         return st;
     }
-    if (ctx->insts[r->inst].state == KVW_INST_DOWN) {
+    if (kvw__inst_at(ctx, r->inst)->state == KVW_INST_DOWN) {
         st = kvw__error(KVW_ERR_PEER_DEAD, "room %llu: prefill instance %s is down: %s",
-                        (unsigned long long)r->id, ctx->insts[r->inst].addr,
-                        ctx->insts[r->inst].why);
+                        (unsigned long long)r->id, kvw__inst_at(ctx, r->inst)->addr,
+                        kvw__inst_at(ctx, r->inst)->why);
         kvw__room_fail(ctx, r, st, false, "%s", kvw_last_error());
         pthread_mutex_unlock(&ctx->mu);
         return st;
@@ -191,19 +193,20 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
 kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
                                        const kvw_recv_post_t *post)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_rank_h me = ctx->rank;
     kvw_status_t st = KVW_OK;
     /* Senders: every prefill rank of the chosen DP group that sends this rank bytes. */
     kvw_chunk_t whole = {.num_tokens = post->num_tokens, .chunk_begin = 0,
                          .chunk_end = post->num_tokens, .prefix_len = post->prefix_len,
                          .last_chunk = 1};
-    r->srcs = calloc(ctx->num_peers ? ctx->num_peers : 1, sizeof(*r->srcs));
+    r->srcs = calloc(kvw__peer_count(ctx) ? kvw__peer_count(ctx) : 1, sizeof(*r->srcs));
     if (r->srcs == NULL) {
         st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory posting a room");
         goto out;
     }
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *p = ctx->peers[i];
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+        kvw_peer_t *p = kvw__peer_at(ctx, i);
         if (p->dp != r->src_dp || !p->needed || p->inst != r->inst ||
             p->inst_gen != r->inst_gen || p->registering)
             continue;
@@ -279,8 +282,8 @@ kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
     kvw__room_hop(r, KVW_HOP_POST, false);
     /* Every prefill rank of the group hears of the room, even one that sends this rank
      * nothing: it learns the room's DP group from it. */
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *p = ctx->peers[i];
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+        kvw_peer_t *p = kvw__peer_at(ctx, i);
         if (p->dp != r->src_dp || p->dead || p->inst != r->inst || p->inst_gen != r->inst_gen ||
             p->registering)
             continue;
@@ -293,7 +296,7 @@ kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
         kvw__wire_put_pages(&w, &post->pages.full);
         kvw__wire_put_pages(&w, &post->pages.swa);
         kvw__wb_u64(&w, (uint64_t)post->pages.state_slot);
-        kvw__peer_send(ctx, ctx->peers[i], &w);
+        kvw__peer_send(ctx, kvw__peer_at(ctx, i), &w);
     }
     r->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
     kvw__room_advance(r, KVW_ROOM_WAITING_FOR_INPUT);
@@ -303,125 +306,21 @@ out:
     return st;
 }
 
-int kvw__inst_find_or_add(struct kvw_ctx *ctx, const char *addr)
-{
-    for (uint32_t i = 0; i < ctx->num_insts; i++)
-        if (!strcmp(ctx->insts[i].addr, addr))
-            return (int)i;
-    if (strlen(addr) >= sizeof(ctx->insts[0].addr)) {
-        kvw__error(KVW_ERR_INVALID_PARAM, "bootstrap address '%.64s...' is too long", addr);
-        return -1;
-    }
-    if (ctx->num_insts >= KVW_MAX_INSTANCES) {
-        kvw__error(KVW_ERR_BUSY, "this decode context already talks to %u prefill instances",
-                   KVW_MAX_INSTANCES);
-        return -1;
-    }
-    if (ctx->num_insts == ctx->cap_insts) {
-        uint32_t cap = ctx->cap_insts ? ctx->cap_insts * 2 : 8;
-        kvw_inst_t *n = realloc(ctx->insts, sizeof(*n) * cap);
-        if (n == NULL) {
-            kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a prefill instance");
-            return -1;
-        }
-        ctx->insts = n;
-        ctx->cap_insts = cap;
-    }
-    kvw_inst_t *in = &ctx->insts[ctx->num_insts];
-    memset(in, 0, sizeof(*in));
-    snprintf(in->addr, sizeof(in->addr), "%s", addr);
-    in->state = KVW_INST_DOWN; /* never connected yet */
-    snprintf(in->why, sizeof(in->why), "not connected");
-    return (int)ctx->num_insts++;
-}
-
-typedef struct kvw_conn_arg {
-    struct kvw_ctx *ctx;
-    uint32_t inst, gen;
-    char addr[128];
-} kvw_conn_arg_t;
-
 /* Rooms of instance `i` waiting for its connection: a post made meanwhile goes out now,
- * or, when the connection failed, every such room fails with the reason. mu held. */
-static void kvw_inst_settle(struct kvw_ctx *ctx, uint32_t i, kvw_status_t st, const char *why)
+ * or, when the connection failed, every such room fails with the reason. mu held; called
+ * by the instance's connecting thread (inst.c). */
+static void kvw_receiver_settle(struct kvw_ctx *ctx, uint32_t i, kvw_status_t st, const char *why)
 {
     for (kvw_room_t *r = kvw__room_first(ctx); r; r = kvw__room_next(ctx, r)) {
-        if (r->is_sender || r->inst != i || r->inst_gen != ctx->insts[i].gen ||
+        if (r->is_sender || r->inst != i || r->inst_gen != kvw__inst_at(ctx, i)->gen ||
             r->state != KVW_ROOM_BOOTSTRAPPING)
             continue;
         if (st != KVW_OK) {
-            kvw__room_fail(ctx, r, st, false, "prefill instance %s: %s", ctx->insts[i].addr,
+            kvw__room_fail(ctx, r, st, false, "prefill instance %s: %s", kvw__inst_at(ctx, i)->addr,
                            why);
         } else if (r->pending) {
             r->pending = false;
             kvw__receiver_post_locked(ctx, r, &r->pend);
         }
     }
-}
-
-/* Connects to one prefill instance on its own thread: the caller of kvw_receiver_*
- * never blocks on a bootstrap lookup or a handshake. */
-static void *kvw_inst_connect_main(void *arg)
-{
-    kvw_conn_arg_t *a = arg;
-    struct kvw_ctx *ctx = a->ctx;
-    uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
-    kvw_bs_entry_t *entries = NULL;
-    uint32_t ne = 0;
-    kvw_status_t st = kvw__bootstrap_lookup_ex(a->addr, 0, 0, 0, ctx->secret, deadline, true,
-                                               &ctx->cancel_connects, &entries, &ne);
-    for (uint32_t i = 0; st == KVW_OK && i < ne; i++)
-        st = kvw__decode_connect_retry(ctx, &entries[i], a->inst, a->gen, deadline);
-    free(entries);
-    char why[400];
-    snprintf(why, sizeof(why), "%s", st == KVW_OK ? "" : kvw_last_error());
-    pthread_mutex_lock(&ctx->mu);
-    kvw_inst_t *in = &ctx->insts[a->inst];
-    if (in->gen == a->gen) {
-        if (st == KVW_OK) {
-            in->state = KVW_INST_READY;
-        } else {
-            in->state = KVW_INST_DOWN;
-            snprintf(in->why, sizeof(in->why), "%s", why);
-            /* Ranks of a half-connected instance are not used: drop them. */
-            for (uint32_t i = 0; i < ctx->num_peers; i++)
-                if (ctx->peers[i]->inst == a->inst && ctx->peers[i]->inst_gen == a->gen)
-                    kvw__peer_dead(ctx, ctx->peers[i], st, "its instance failed to connect");
-        }
-        kvw_inst_settle(ctx, a->inst, st, why);
-        kvw__late_aborts_flush(ctx, a->inst, a->gen, st == KVW_OK);
-    }
-    kvw__ctx_wake(ctx); /* poll the new peers' sockets (before the count drops) */
-    ctx->connecting--;
-    pthread_cond_broadcast(&ctx->cv);
-    pthread_mutex_unlock(&ctx->mu);
-    free(a);
-    return NULL;
-}
-
-int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i)
-{
-    kvw_inst_t *in = &ctx->insts[i];
-    if (in->state != KVW_INST_DOWN || ctx->stopping)
-        return in->state;
-    kvw_conn_arg_t *a = malloc(sizeof(*a));
-    pthread_attr_t attr;
-    pthread_t t;
-    if (a == NULL)
-        return KVW_INST_DOWN;
-    in->gen++;
-    in->state = KVW_INST_CONNECTING;
-    *a = (kvw_conn_arg_t){.ctx = ctx, .inst = i, .gen = in->gen};
-    snprintf(a->addr, sizeof(a->addr), "%s", in->addr);
-    ctx->connecting++;
-    pthread_attr_init(&attr);
-    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-    if (pthread_create(&t, &attr, kvw_inst_connect_main, a) != 0) {
-        free(a);
-        ctx->connecting--;
-        in->state = KVW_INST_DOWN;
-        snprintf(in->why, sizeof(in->why), "cannot start a connecting thread");
-    }
-    pthread_attr_destroy(&attr);
-    return in->state;
 }

@@ -1,7 +1,6 @@
 /* Room state machine: the states' names, moving a room forward, its inactivity
- * deadline and timeouts (with what a timed-out room still waited for), the aborts of
- * rooms whose prefill instance was still being connected, and the calls of the engine
- * on any room handle (poll, failure, status, metrics, wait, abort, destroy). A room's
+ * deadline and timeouts (with what a timed-out room still waited for), and the calls of
+ * the engine on any room handle (poll, failure, status, metrics, wait, abort, destroy). A room's
  * failure itself is in fail.c. */
 #include "proto/proto.h"
 
@@ -19,6 +18,7 @@ const char *kvw_room_state_string(kvw_room_state_t s)
 
 void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     room->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
 }
 
@@ -40,25 +40,6 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
     }
 }
 
-void kvw__late_aborts_flush(struct kvw_ctx *ctx, uint32_t inst, uint32_t gen, bool connected)
-{
-    uint32_t kept = 0;
-    for (uint32_t i = 0; i < ctx->num_late; i++) {
-        kvw_late_abort_t *a = &ctx->late[i];
-        if (a->inst != inst || a->gen != gen) {
-            ctx->late[kept++] = *a;
-            continue;
-        }
-        for (uint32_t k = 0; connected && k < ctx->num_peers; k++) {
-            kvw_peer_t *p = ctx->peers[k];
-            if (p->inst == inst && p->inst_gen == gen && p->dp == a->dp && !p->dead &&
-                !p->registering)
-                kvw__send_room_msg(ctx, p, KVW_MSG_ABORT, a->room, a->status, a->reason);
-        }
-    }
-    ctx->num_late = kept;
-}
-
 /* What a prefill room still waits for, for its timeout message. */
 static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size_t cap)
 {
@@ -67,12 +48,12 @@ static void kvw_room_waiting(struct kvw_ctx *ctx, kvw_room_t *r, char *buf, size
         return;
     }
     uint32_t group = 0, connected = 0, needed = 0;
-    for (uint32_t i = 0; i < ctx->num_peers; i++)
-        if (ctx->peers[i]->dp == (uint32_t)r->dst_dp && !ctx->peers[i]->dead &&
-            ctx->peers[i]->instance == r->dst_instance) {
-            group = ctx->peers[i]->remote_group_size;
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
+        if (kvw__peer_at(ctx, i)->dp == (uint32_t)r->dst_dp && !kvw__peer_at(ctx, i)->dead &&
+            kvw__peer_at(ctx, i)->instance == r->dst_instance) {
+            group = kvw__peer_at(ctx, i)->remote_group_size;
             connected++;
-            needed += ctx->peers[i]->needed;
+            needed += kvw__peer_at(ctx, i)->needed;
         }
     snprintf(buf, cap, " (decode DP group %d: %u of %u ranks registered, %u of %u that need this "
              "rank posted)", r->dst_dp, connected, group, r->num_dsts, needed);
@@ -114,6 +95,7 @@ static void kvw_room_unready(struct kvw_ctx *ctx, const kvw_room_t *r, char *buf
 
 void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     for (kvw_room_t *r = kvw__room_first(ctx), *next; r; r = next) {
         next = kvw__room_next(ctx, r);
         bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;
@@ -150,7 +132,7 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
         bool busy = false;
         for (uint32_t i = 0; i < r->num_srcs; i++) {
             kvw_room_src_t *s = &r->srcs[i];
-            busy |= !s->done && !s->quiet && !ctx->peers[s->peer]->dead;
+            busy |= !s->done && !s->quiet && !kvw__peer_at(ctx, s->peer)->dead;
         }
         uint64_t now = kvw__now_ns();
         if (!busy || now >= deadline || ctx->stopping)

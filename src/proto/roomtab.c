@@ -44,16 +44,7 @@ kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender)
 void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room)
 {
     (void)kvw__hmap_remove(&ctx->rooms, &room->hnode);
-    /* Drop it from the worker queue too. */
-    for (kvw_room_t **pp = &ctx->q_head; *pp; pp = &(*pp)->qnext)
-        if (*pp == room) {
-            *pp = room->qnext;
-            break;
-        }
-    ctx->q_tail = NULL;
-    for (kvw_room_t *q = ctx->q_head; q; q = q->qnext)
-        ctx->q_tail = q;
-    room->queued = false;
+    kvw__unqueue_room(ctx, room); /* drop it from the worker queue too */
 }
 
 void kvw__room_free(kvw_room_t *r)

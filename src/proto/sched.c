@@ -1,26 +1,10 @@
 /* Prefill rooms between the engine and the workers: the requests (REQ) that name a
  * room's decode ranks, when those are all known, which decode rank has work next, the
- * room's progress to Success, queueing rooms for the workers, and layers of streamed
- * chunks marked ready. */
+ * room's progress to Success, and layers of streamed chunks marked ready. */
 #include "proto/proto.h"
 
 #include <stdio.h>
 #include <string.h>
-
-void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
-{
-    if (room->queued)
-        return;
-    room->queued = true;
-    room->qnext = NULL;
-    if (ctx->q_tail)
-        ctx->q_tail->qnext = room;
-    else
-        ctx->q_head = room;
-    ctx->q_tail = room;
-    atomic_fetch_add_explicit(&ctx->q_gen, 1, memory_order_release);
-    pthread_cond_broadcast(&ctx->cv);
-}
 
 /* Decode ranks the room must serve are known once every rank position of the decode DP
  * group has registered at least once; until then the room keeps waiting. Positions are
@@ -34,8 +18,8 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
     if (r->dst_dp < 0)
         return false;
     uint32_t group = 0;
-    for (uint32_t i = 0; i < ctx->num_peers && !group; i++) {
-        kvw_peer_t *p = ctx->peers[i];
+    for (uint32_t i = 0; i < kvw__peer_count(ctx) && !group; i++) {
+        kvw_peer_t *p = kvw__peer_at(ctx, i);
         if (p->dp == (uint32_t)r->dst_dp && p->instance == r->dst_instance)
             group = p->remote_group_size;
     }
@@ -51,8 +35,8 @@ static bool kvw_room_dsts_complete(struct kvw_ctx *ctx, kvw_room_t *r)
         memset(stack_bits, 0, sizeof(stack_bits));
     uint64_t *need = seen + words;
     uint32_t positions = 0, needed = 0;
-    for (uint32_t i = 0; i < ctx->num_peers; i++) {
-        kvw_peer_t *p = ctx->peers[i];
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
+        kvw_peer_t *p = kvw__peer_at(ctx, i);
         if (p->dp != (uint32_t)r->dst_dp || p->instance != r->dst_instance ||
             p->remote_group_size != group)
             continue;
@@ -107,6 +91,7 @@ int kvw__room_next_dst(const struct kvw_ctx *ctx, const kvw_room_t *r)
 
 void kvw__sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     if (r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
         return;
     bool complete = kvw_room_dsts_complete(ctx, r);
@@ -131,6 +116,7 @@ void kvw__sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
 
 void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
     uint64_t id = kvw__rb_u64(rb);
     uint32_t dp = kvw__rb_u32(rb);
     kvw_room_dst_t d = {.peer = peer->id};

@@ -6,7 +6,6 @@
  * is exec/staged.c's). Steps in flight per worker on its executor, and the DONE that
  * ends each step.
  */
-#include "core/config.h"
 #include "cuda/module.h"
 #include "plan/walk.h"
 #include "proto/proto.h"
@@ -79,25 +78,39 @@ static bool kvw_choose_staged(struct kvw_ctx *ctx, kvw_peer_t *peer, const struc
     return b.chunk < (16u << 10);
 }
 
-static void kvw_put_done(kvw_wbuf_t *w, uint64_t room, uint32_t id, const kvw_chunk_t *c,
-                         uint64_t bytes, bool staged, uint64_t soff, uint64_t slen, uint64_t goff,
-                         bool final, uint32_t meta_len)
+/* One worker step: room r's decode rank di (its peer, a copy of its half of the room),
+ * chunk q; `take` (NULL: every layer) names the layers the step moves, one byte per layer
+ * of this rank's stage; `final`: the step completes the chunk for this decode rank;
+ * meta_len: the metadata bytes sent ahead of the last chunk's final completion. */
+typedef struct kvw_step {
+    kvw_room_t *r;
+    uint32_t di;
+    kvw_peer_t *peer;
+    const kvw_room_dst_t *d;
+    const kvw_qchunk_t *q;
+    const uint8_t *take;
+    bool final;
+    uint32_t meta_len;
+} kvw_step_t;
+
+/* What a step did: bytes and runs moved, whether staged, when its completion went out
+ * (KVW_HOP_BYTES_OUT; 0: with a GPU step, later), its GPU step's sequence number (0:
+ * none). */
+typedef struct kvw_step_out {
+    uint64_t bytes, runs;
+    bool staged;
+    uint64_t out_ns;
+    uint64_t seq;
+} kvw_step_out_t;
+
+/* The DONE of step s for chunk c, having moved `bytes`, final or not (not staged). */
+static kvw_done_msg_t kvw_step_done(const kvw_step_t *s, const kvw_chunk_t *c, uint64_t bytes,
+                                    bool final)
 {
-    kvw__wb_init(w, KVW_MSG_DONE);
-    kvw__wb_u64(w, room);
-    kvw__wb_u32(w, id);
-    kvw__wb_u64(w, c->chunk_begin);
-    kvw__wb_u64(w, c->chunk_end);
-    kvw__wb_u64(w, bytes);
-    kvw__wb_u8(w, (uint8_t)(c->last_chunk != 0));
-    kvw__wb_u8(w, (uint8_t)staged);
-    kvw__wb_u64(w, soff);
-    kvw__wb_u64(w, slen);
-    kvw__wb_u64(w, goff);
-    kvw__wb_u8(w, (uint8_t)final);
-    /* Metadata bytes this rank sent on the control channel (final completions only):
-     * the decode waits for them before Success. */
-    kvw__wb_u32(w, final && c->last_chunk ? meta_len : 0);
+    return (kvw_done_msg_t){.room = s->r->id, .peer = s->peer->id_at_remote,
+                            .chunk_begin = c->chunk_begin, .chunk_end = c->chunk_end,
+                            .bytes = bytes, .last_chunk = c->last_chunk != 0, .final = final,
+                            .meta_len = final && c->last_chunk ? s->meta_len : 0};
 }
 
 /* Hands a chunk's completion to the transport; *out_ns_p: when (KVW_HOP_BYTES_OUT). */
@@ -163,24 +176,27 @@ static bool kvw_win_next(kvw_win_iter_t *it, uint64_t *b, uint64_t *e)
  * its offset in the chunk's plan and needs to know nothing of the layers. Only the last
  * window of a step that completes the chunk is final.
  */
-static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
-                                    kvw_peer_t *peer, const struct kvw_plan *plan,
-                                    const kvw_chunk_t *c, const uint8_t *take, bool final,
-                                    uint64_t *bytes_p, uint64_t *runs_p, uint64_t *out_ns_p,
-                                    uint32_t meta_len)
+static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, const kvw_step_t *s,
+                                    const struct kvw_plan *plan, const kvw_chunk_t *c,
+                                    kvw_step_out_t *out)
 {
+    kvw_room_t *r = s->r;
+    uint32_t di = s->di;
+    kvw_peer_t *peer = s->peer;
+    const uint8_t *take = s->take;
     uint32_t lb = ctx->rank->par.layer_begin;
     uint64_t total = 0, piece_max = KVW_MIN(peer->staging_len / 4, 16ull << 20);
     for (uint32_t i = 0; i < plan->num_segs; i++)
         if (kvw_seg_taken(&plan->segs[i], take, lb))
             total += kvw__seg_bytes(&plan->segs[i]);
-    *bytes_p = total;
+    out->bytes = total;
     if (total == 0) {
         /* None of this step's layers holds bytes for this decode rank (SWA layers of an
          * early chunk): only the completion goes, which may be the final one. */
         kvw_wbuf_t w;
-        kvw_put_done(&w, r->id, peer->id_at_remote, c, 0, false, 0, 0, 0, final, meta_len);
-        return kvw_notify_done(ctx, peer, &w, out_ns_p);
+        kvw_done_msg_t dm = kvw_step_done(s, c, 0, s->final);
+        kvw__done_encode(&w, &dm);
+        return kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
     /* The chunk's plan is prepared once for all its windows (on a GPU: uploaded once).
      * Host memory is gathered on the CPU after each grant; on a GPU the gather of window
@@ -237,10 +253,11 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             break;
         sent += len;
         kvw_wbuf_t dw;
-        kvw_put_done(&dw, r->id, peer->id_at_remote, c, len, true, wb, len, (uint64_t)goff,
-                     final && sent == total, meta_len);
-        st = kvw_notify_done(ctx, peer, &dw, out_ns_p);
-        (*runs_p)++;
+        kvw_done_msg_t dm = kvw_step_done(s, c, len, s->final && sent == total);
+        dm.staged = true, dm.soff = wb, dm.slen = len, dm.goff = (uint64_t)goff;
+        kvw__done_encode(&dw, &dm);
+        st = kvw_notify_done(ctx, peer, &dw, &out->out_ns);
+        out->runs++;
     }
     kvw__staged_close(sg);
     return st;
@@ -317,15 +334,17 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
     }
 }
 
-/* `take` (NULL: every layer) names the layers this step moves, one byte per layer of
- * this rank's stage; `final`: the step completes the chunk for this decode rank. */
-static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di,
-                                    const kvw_room_dst_t *d, const kvw_qchunk_t *q,
-                                    const uint8_t *take, bool final, kvw_peer_t *peer,
-                                    uint64_t *bytes_p, uint64_t *runs_p, bool *staged_p,
-                                    uint64_t *out_ns_p, uint32_t meta_len, kvw_gpu_q_t *g,
-                                    uint64_t *seq_p)
+/* Runs step s (mu not held; the room is pinned by inflight) on the mapped, staged or
+ * direct path; *out says what it did (zeroed by the caller). */
+static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kvw_gpu_q_t *g,
+                                    kvw_step_out_t *out)
 {
+    kvw_room_t *r = s->r;
+    uint32_t di = s->di;
+    kvw_peer_t *peer = s->peer;
+    const kvw_room_dst_t *d = s->d;
+    const kvw_qchunk_t *q = s->q;
+    const uint8_t *take = s->take;
     uint32_t lb = ctx->rank->par.layer_begin, nl = ctx->rank->par.layer_end - lb;
     kvw_chunk_t c = q->c;
     c.prefix_len = d->prefix_len;
@@ -343,8 +362,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             return st;
         if (take)
             kvw__plan_keep_layers(plan, take, lb, nl);
-        *bytes_p = plan->bytes;
-        *runs_p = plan->num_segs;
+        out->bytes = plan->bytes;
+        out->runs = plan->num_segs;
         /* Launched on this worker's executor (a GPU stream; host memory is copied before
          * the launch returns) with the DONE queued behind it: kvw_gpu_reap sends it once
          * the bytes have landed, in launch order. */
@@ -357,8 +376,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         if ((st = ctx->mem->select(ctx->mem_dev)) == KVW_OK)
             st = ctx->mem->step_launch(plan, &e->slot, &prof);
         if (st == KVW_OK) {
-            kvw_put_done(&e->done, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0,
-                         final, meta_len);
+            kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+            kvw__done_encode(&e->done, &dm);
             if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
                 kvw__wb_free(&e->done);
         }
@@ -374,7 +393,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
             return st;
         }
         e->seq = ++g->seq;
-        *seq_p = e->seq;
+        out->seq = e->seq;
         g->n++;
         if (e->slot < 0)
             kvw_gpu_reap(ctx, g, false); /* nothing in flight for it: its DONE goes in turn */
@@ -385,16 +404,15 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         return st;
     /* Staged or direct is decided on the whole chunk's plan, so that every step of a
      * streamed chunk takes the same path. */
-    *staged_p = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
-    if (*staged_p) {
-        st = kvw_send_staged(ctx, r, di, peer, plan, &c, take, final, bytes_p, runs_p, out_ns_p,
-                             meta_len);
+    out->staged = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
+    if (out->staged) {
+        st = kvw_send_staged(ctx, s, plan, &c, out);
         kvw_plan_destroy(plan);
         return st;
     }
     if (take)
         kvw__plan_keep_layers(plan, take, lb, nl);
-    *bytes_p = plan->bytes;
+    out->bytes = plan->bytes;
     kvw_put_ctx_t *pc = malloc(sizeof(*pc));
     if (pc == NULL) {
         kvw_plan_destroy(plan);
@@ -406,11 +424,11 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t
         st = kvw_put_flush(pc);
     if (st == KVW_OK) {
         kvw_wbuf_t w;
-        kvw_put_done(&w, r->id, peer->id_at_remote, &c, plan->bytes, false, 0, 0, 0, final,
-                     meta_len);
-        st = kvw_notify_done(ctx, peer, &w, out_ns_p);
+        kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+        kvw__done_encode(&w, &dm);
+        st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
-    *runs_p = pc->runs;
+    out->runs = pc->runs;
     free(pc);
     kvw_plan_destroy(plan);
     return st;
@@ -431,6 +449,105 @@ static void kvw_job_release(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di)
     pthread_cond_broadcast(&ctx->cv);
 }
 
+/* One job: worker step after worker step to decode rank `i` of room r, until its chunks
+ * are sent, the room fails or a streamed chunk has no layer ready (mu held, dropped
+ * around each step). The job is released here, or with its last GPU step when that one
+ * is reaped. */
+static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_gpu_q_t *gq)
+{
+    uint64_t job_seq = 0; /* this job's last GPU step still to be reaped, if any */
+    uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
+    while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
+        kvw_room_dst_t *d = &r->dsts[i];
+        kvw_peer_t *peer = kvw__peer_at(ctx, d->peer);
+        kvw_qchunk_t q = r->chunks[d->next_chunk];
+        /* A streamed chunk: take the layers marked ready and not sent to this decode
+         * rank yet, as one step; the step completes the chunk when no layer is left.
+         * With none ready, the job ends here and kvw_sender_layers_ready queues the
+         * room again. */
+        uint8_t *take = NULL;
+        bool final = true;
+        if (q.ready) {
+            if (d->sent == NULL && (d->sent = calloc(nl, 1)) == NULL) {
+                kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
+                break;
+            }
+            if ((take = calloc(nl, 1)) == NULL) {
+                kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
+                break;
+            }
+            uint32_t taken = 0, done = 0;
+            for (uint32_t l = 0; l < nl; l++) {
+                done += d->sent[l];
+                if (q.ready[l] && !d->sent[l])
+                    take[l] = 1, taken++;
+            }
+            if (taken == 0) {
+                free(take);
+                break;
+            }
+            final = done + taken == nl;
+        }
+        kvw_room_dst_t dcopy = *d;
+        /* The room's metadata goes out on the control channel before the last
+         * chunk's final completion, which announces its length. */
+        uint32_t meta_len = 0;
+        if (q.c.last_chunk && final && r->has_meta) {
+            meta_len = r->meta_len;
+            kvw_wbuf_t mw;
+            kvw__wb_init(&mw, KVW_MSG_META);
+            kvw__wb_u64(&mw, r->id);
+            kvw__wb_bytes(&mw, r->meta, r->meta_len);
+            kvw__peer_send(ctx, peer, &mw);
+        }
+        pthread_mutex_unlock(&ctx->mu);
+        kvw_step_t step = {.r = r, .di = i, .peer = peer, .d = &dcopy, .q = &q, .take = take,
+                           .final = final, .meta_len = meta_len};
+        kvw_step_out_t so = {0};
+        kvw_status_t st = kvw_worker_step(ctx, &step, gq, &so);
+        if (so.seq)
+            job_seq = so.seq;
+        char msg[512];
+        snprintf(msg, sizeof(msg), "%s", kvw_last_error());
+        pthread_mutex_lock(&ctx->mu);
+        d = &r->dsts[i];
+        if (st != KVW_OK) {
+            free(take);
+            if (r->state != KVW_ROOM_FAILED)
+                kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc, msg);
+            if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
+                kvw__peer_dead(ctx, peer, st, msg);
+            break;
+        }
+        if (take) {
+            for (uint32_t l = 0; l < nl; l++)
+                d->sent[l] |= take[l];
+            free(take);
+            if (final)
+                memset(d->sent, 0, nl); /* the next chunk starts with none sent */
+        }
+        r->bytes += so.bytes;
+        r->runs += so.runs;
+        r->path = so.staged ? "staged" : "direct";
+        if (so.out_ns) /* GPU steps stamp it when their completion goes out */
+            r->hop_ns[KVW_HOP_BYTES_OUT] = so.out_ns;
+        kvw__room_touch(ctx, r);
+        if (!final)
+            continue;
+        if (q.c.last_chunk)
+            d->last_sent = true;
+        d->next_chunk++;
+    }
+    if (job_seq > gq->reaped) {
+        /* Its last step is still in flight: released when that one is reaped. */
+        for (uint32_t k = 0; k < gq->n; k++)
+            if (gq->q[(gq->head + k) % KVWC_EXEC_SLOTS].seq == job_seq)
+                gq->q[(gq->head + k) % KVWC_EXEC_SLOTS].closes_job = true;
+    } else {
+        kvw_job_release(ctx, r, i);
+    }
+}
+
 void *kvw__worker_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
@@ -438,12 +555,11 @@ void *kvw__worker_main(void *arg)
     memset(&g, 0, sizeof(g));
     /* Kernels in flight per worker (default all slots); 1 waits for each kernel before
      * the next launch, as a step that synchronises would. */
-    uint64_t depth; /* checked when the context was created */
-    kvw__config_u64("KVW_GPU_INFLIGHT", &depth);
+    uint64_t depth = ctx->cfg.gpu_inflight; /* checked when the context was created */
     g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
-        while (!ctx->stopping && ctx->q_head == NULL) {
+        while (!ctx->stopping && kvw__queue_empty(ctx)) {
             if (g.n) {
                 /* Nothing else to do: wait for this worker's oldest kernel. */
                 pthread_mutex_unlock(&ctx->mu);
@@ -452,14 +568,14 @@ void *kvw__worker_main(void *arg)
                 continue;
             }
             if (ctx->busy_poll_ns) {
-                uint32_t seen = atomic_load_explicit(&ctx->q_gen, memory_order_acquire);
+                uint32_t seen = kvw__queue_gen(ctx);
                 pthread_mutex_unlock(&ctx->mu);
-                kvw__busy_wait(ctx, &ctx->q_gen, seen);
+                kvw__queue_spin(ctx, seen);
                 pthread_mutex_lock(&ctx->mu);
-                if (ctx->stopping || ctx->q_head != NULL)
+                if (ctx->stopping || !kvw__queue_empty(ctx))
                     break;
             }
-            pthread_cond_wait(&ctx->cv, &ctx->mu);
+            kvw__queue_wait(ctx);
         }
         if (ctx->stopping) {
             while (g.n) {
@@ -474,14 +590,12 @@ void *kvw__worker_main(void *arg)
             pthread_mutex_unlock(&ctx->mu);
             kvw_gpu_reap(ctx, &g, false);
             pthread_mutex_lock(&ctx->mu);
-            if (ctx->q_head == NULL)
+            if (kvw__queue_empty(ctx))
                 continue;
         }
-        kvw_room_t *r = ctx->q_head;
-        ctx->q_head = r->qnext;
-        if (ctx->q_head == NULL)
-            ctx->q_tail = NULL;
-        r->queued = false;
+        kvw_room_t *r = kvw__dequeue_room(ctx);
+        if (r == NULL)
+            continue;
         int di = kvw__room_next_dst(ctx, r);
         if (di < 0) {
             kvw__sender_update(ctx, r);
@@ -495,98 +609,7 @@ void *kvw__worker_main(void *arg)
             r->start_ns = kvw__now_ns();
         if (kvw__room_next_dst(ctx, r) >= 0)
             kvw__queue_room(ctx, r); /* another worker takes the next decode rank */
-        uint64_t job_seq = 0; /* this job's last GPU step still to be reaped, if any */
-        uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
-        while (r->dsts[i].next_chunk < r->num_chunks && r->state != KVW_ROOM_FAILED) {
-            kvw_room_dst_t *d = &r->dsts[i];
-            kvw_peer_t *peer = ctx->peers[d->peer];
-            kvw_qchunk_t q = r->chunks[d->next_chunk];
-            /* A streamed chunk: take the layers marked ready and not sent to this decode
-             * rank yet, as one step; the step completes the chunk when no layer is left.
-             * With none ready, the job ends here and kvw_sender_layers_ready queues the
-             * room again. */
-            uint8_t *take = NULL;
-            bool final = true;
-            if (q.ready) {
-                if (d->sent == NULL && (d->sent = calloc(nl, 1)) == NULL) {
-                    kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
-                    break;
-                }
-                if ((take = calloc(nl, 1)) == NULL) {
-                    kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory streaming");
-                    break;
-                }
-                uint32_t taken = 0, done = 0;
-                for (uint32_t l = 0; l < nl; l++) {
-                    done += d->sent[l];
-                    if (q.ready[l] && !d->sent[l])
-                        take[l] = 1, taken++;
-                }
-                if (taken == 0) {
-                    free(take);
-                    break;
-                }
-                final = done + taken == nl;
-            }
-            kvw_room_dst_t dcopy = *d;
-            /* The room's metadata goes out on the control channel before the last
-             * chunk's final completion, which announces its length. */
-            uint32_t meta_len = 0;
-            if (q.c.last_chunk && final && r->has_meta) {
-                meta_len = r->meta_len;
-                kvw_wbuf_t mw;
-                kvw__wb_init(&mw, KVW_MSG_META);
-                kvw__wb_u64(&mw, r->id);
-                kvw__wb_bytes(&mw, r->meta, r->meta_len);
-                kvw__peer_send(ctx, peer, &mw);
-            }
-            pthread_mutex_unlock(&ctx->mu);
-            uint64_t bytes = 0, runs = 0, out_ns = 0;
-            bool staged = false;
-            uint64_t seq = 0;
-            kvw_status_t st = kvw_worker_step(ctx, r, i, &dcopy, &q, take, final, peer, &bytes,
-                                              &runs, &staged, &out_ns, meta_len, &g, &seq);
-            if (seq)
-                job_seq = seq;
-            char msg[512];
-            snprintf(msg, sizeof(msg), "%s", kvw_last_error());
-            pthread_mutex_lock(&ctx->mu);
-            d = &r->dsts[i];
-            if (st != KVW_OK) {
-                free(take);
-                if (r->state != KVW_ROOM_FAILED)
-                    kvw__room_fail(ctx, r, st, true, "sending to %s failed: %s", peer->desc, msg);
-                if (st == KVW_ERR_CONN_CLOSED || st == KVW_ERR_IO)
-                    kvw__peer_dead(ctx, peer, st, msg);
-                break;
-            }
-            if (take) {
-                for (uint32_t l = 0; l < nl; l++)
-                    d->sent[l] |= take[l];
-                free(take);
-                if (final)
-                    memset(d->sent, 0, nl); /* the next chunk starts with none sent */
-            }
-            r->bytes += bytes;
-            r->runs += runs;
-            r->path = staged ? "staged" : "direct";
-            if (out_ns) /* GPU steps stamp it when their completion goes out */
-                r->hop_ns[KVW_HOP_BYTES_OUT] = out_ns;
-            kvw__room_touch(ctx, r);
-            if (!final)
-                continue;
-            if (q.c.last_chunk)
-                d->last_sent = true;
-            d->next_chunk++;
-        }
-        if (job_seq > g.reaped) {
-            /* Its last step is still in flight: released when that one is reaped. */
-            for (uint32_t k = 0; k < g.n; k++)
-                if (g.q[(g.head + k) % KVWC_EXEC_SLOTS].seq == job_seq)
-                    g.q[(g.head + k) % KVWC_EXEC_SLOTS].closes_job = true;
-        } else {
-            kvw_job_release(ctx, r, i);
-        }
+        kvw_worker_job(ctx, r, i, &g);
     }
     pthread_mutex_unlock(&ctx->mu);
     return NULL;

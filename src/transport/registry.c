@@ -54,7 +54,39 @@ void kvw__tl_set_resolver(const kvw_tl_resolver_t *resolver)
     __atomic_store_n(&tl_resolver, resolver, __ATOMIC_RELEASE);
 }
 
+/* A table with a required slot left NULL is refused where it is found, not at the first
+ * call through the slot (only rkey_ptr is optional). */
+static const kvw_tl_ops_t *tl_checked(const kvw_tl_ops_t *ops)
+{
+    if (ops == NULL)
+        return NULL;
+    const struct {
+        const char *slot;
+        bool set;
+    } req[] = {{"init", ops->init},           {"address", ops->address},
+               {"mem_reg", ops->mem_reg},     {"mem_dereg", ops->mem_dereg},
+               {"connect", ops->connect},     {"rkey_unpack", ops->rkey_unpack},
+               {"rkey_release", ops->rkey_release}, {"put", ops->put},
+               {"notify", ops->notify},       {"progress", ops->progress},
+               {"ep_close", ops->ep_close},   {"close", ops->close},
+               {"stop", ops->stop},           {"fini", ops->fini}};
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(req); i++)
+        if (!req[i].set) {
+            kvw__error(KVW_ERR_INTERNAL, "transport '%s' leaves its required slot '%s' empty",
+                       ops->name ? ops->name : "?", req[i].slot);
+            return NULL;
+        }
+    return ops;
+}
+
+static const kvw_tl_ops_t *tl_find(const char *name);
+
 const kvw_tl_ops_t *kvw__tl_find(const char *name)
+{
+    return tl_checked(tl_find(name));
+}
+
+static const kvw_tl_ops_t *tl_find(const char *name)
 {
     if (name == NULL) {
         kvw__error(KVW_ERR_INVALID_PARAM, "transport name is NULL");

@@ -69,7 +69,7 @@ typedef struct kvw_tl_params {
     const char *listen_host; /* NULL: 127.0.0.1; receivers listen, senders may not */
     uint16_t listen_port;    /* 0: any free port */
     kvw_tl_callbacks_t cb;
-    /* Added after the first draft; 0 keeps the default. Bound, in milliseconds, on
+    /* 0 keeps the default. Bound, in milliseconds, on
      * every blocking step: connect, a send that makes no progress, an rkey fetch, and
      * (receive side) a peer that stalls in the middle of a frame. */
     uint32_t timeout_ms;
@@ -86,7 +86,10 @@ enum {
     /* Both sides must be processes on one host (shm). */
     KVW_TL_CAP_SAME_HOST = 1u << 1,
     /* The instance runs its own receive thread; progress() is a no-op returning 0. */
-    KVW_TL_CAP_OWN_THREAD = 1u << 2
+    KVW_TL_CAP_OWN_THREAD = 1u << 2,
+    /* It moves device (GPU) memory to device memory itself, and only that: buffers on
+     * both sides are device memory, with no host staging in between (cuda_ipc). */
+    KVW_TL_CAP_DEVICE_MEM = 1u << 3
 };
 
 /* One one-sided write. */
@@ -145,7 +148,7 @@ typedef struct kvw_tl_ops {
      * every handle of the instance is invalid afterwards. */
     void (*fini)(kvw_tl_h tl);
 
-    /* Added after the first draft: KVW_TL_CAP_* bits (0 when a table leaves it out). */
+    /* KVW_TL_CAP_* bits (0 when a table leaves it out). */
     uint64_t caps;
 
     /* Optional (NULL when absent): a pointer through which this process can write the

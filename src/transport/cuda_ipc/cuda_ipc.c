@@ -201,6 +201,6 @@ const kvw_tl_ops_t kvw_tl_cuda_ipc_ops = {
     .name = "cuda_ipc",
     KVW_TL_OPS_SLOTS(cipc),
     KVW_TL_OPS_THREAD_SLOTS(cipc),
-    .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
+    .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD | KVW_TL_CAP_DEVICE_MEM,
     .rkey_ptr = cipc_rkey_ptr,
 };

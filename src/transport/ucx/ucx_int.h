@@ -88,10 +88,11 @@
  * UCX_LOG_LEVEL). A worker address must fit KVW_TL_MAX_ADDR with our 16-byte header;
  * when it does not, init retries with UCX's compact address format (v2).
  *
- * Files: ucx_iface.c (context and worker, progress thread, init and teardown, the ops
- * table), ucx_conn.c (endpoints, control messages, connect and close), ucx_mem.c
- * (regions and remote keys), ucx_put.c (the data paths and notify), module.c (the
- * module's entry point). This header holds what they share: the wire format, the
+ * Files, top down: ucx_iface.c (context and worker, progress thread, init and teardown,
+ * the ops table), ucx_am.c (the active-message dispatcher), ucx_put.c (the data paths
+ * and notify), ucx_mem.c (regions and remote keys), ucx_conn.c (endpoints, control
+ * messages, connect and close), ucx_util.c (header, status mapping, waits); each calls
+ * only the files below it. module.c is the module's entry point. This header holds what they share: the wire format, the
  * structures and the functions one file calls in another.
  */
 #ifndef KVW_TRANSPORT_UCX_UCX_INT_H
@@ -304,7 +305,7 @@ static inline uint64_t deadline_in(uint32_t ms)
 
 typedef bool (*wait_pred_t)(ucx_ep_t *ep, void *arg);
 
-/* ucx_iface.c: context, worker, progress thread, init and teardown */
+/* ucx_util.c: the message header, status mapping, bounded waits */
 
 void ucx_hdr_put(uint8_t *p, const msg_hdr_t *h);
 
@@ -326,10 +327,17 @@ void ucx_cond_wait_ms(ucx_iface_t *tl, unsigned ms);
  */
 ucs_status_t ucx_req_wait(ucx_iface_t *tl, void *req, uint64_t deadline, bool abortable);
 
+/* ucx_conn.c: endpoints, control messages, connect and close */
+
 /* Hands an endpoint over to the closing list (once); the progress thread frees it. */
 void ucx_ep_to_closing(ucx_iface_t *tl, ucx_ep_t *ep, bool graceful);
 
-/* ucx_conn.c: endpoints, control messages, connect and close */
+/* A new endpoint record (accepted: the receiver's side), not linked yet; NULL without
+ * memory. */
+ucx_ep_t *ucx_ep_new(ucx_iface_t *tl, bool accepted);
+
+/* tl->mu held. Links an endpoint into the instance's tables under its id. */
+void ucx_ep_link(ucx_iface_t *tl, ucx_ep_t *ep);
 
 /* Closes a UCX endpoint and waits (bounded) for the close. Returns false when the
  * close did not complete: UCX may still call the endpoint's error handler. */
@@ -369,9 +377,6 @@ void ucx_close_uep_async(ucx_iface_t *tl, ucp_ep_h uep, ucx_ep_t *free_ep,
 /* Progress thread or fini: completes tracked requests. */
 void ucx_poll_ops(ucx_iface_t *tl);
 
-ucs_status_t ucx_am_cb(void *arg, const void *header, size_t header_length, void *data,
-                       size_t length, const ucp_am_recv_param_t *param);
-
 bool ucx_wait_reply(ucx_ep_t *ep, wait_pred_t done, void *arg, uint64_t deadline);
 
 /* Fails a connected endpoint for good after a put/notify error and, when requests
@@ -385,6 +390,11 @@ kvw_status_t ucx_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw_tl_ep_
 kvw_status_t ucx_check_alive(ucx_ep_t *ep, const char *what);
 
 void ucx_ep_close(kvw_tl_ep_h ep_h);
+
+/* ucx_am.c: the active-message dispatcher (registered with the worker by ucx_iface.c) */
+
+ucs_status_t ucx_am_cb(void *arg, const void *header, size_t header_length, void *data,
+                       size_t length, const ucp_am_recv_param_t *param);
 
 /* ucx_mem.c: regions and remote keys */
 
