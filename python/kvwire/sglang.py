@@ -1353,16 +1353,19 @@ class KVReceiver(_Request):
         instead of after its bootstrap timeout. A later init() leaves it Failed."""
         if self._room is None and self._error is None and not self._initialized:
             mgr = self.kv_mgr
-            dp = self.prefill_dp_rank
-            if dp is None:
-                info = mgr.prefill_info_table.get(self.bootstrap_addr)
-                n = info.dp_size if info is not None else _prefill_dp_size(self.bootstrap_addr)
-                dp = self.bootstrap_room % n if n > 1 else 0
             try:
+                dp = self.prefill_dp_rank
+                if dp is None:
+                    info = mgr.prefill_info_table.get(self.bootstrap_addr)
+                    n = info.dp_size if info is not None else \
+                        _prefill_dp_size(self.bootstrap_addr)
+                    dp = self.bootstrap_room % n if n > 1 else 0
                 self._room = mgr.context.receiver(self.bootstrap_room, int(dp),
                                                   self.bootstrap_addr)
-            except KvwireError:
-                self._room = None   # e.g. a malformed address: there is no one to tell
+            except (KvwireError, ValueError):
+                # e.g. a malformed address or KVWIRE_SGLANG_PREFILL_DP_SIZE: no one to
+                # tell; the request still fails here.
+                self._room = None
         super().abort()
 
     def poll(self):

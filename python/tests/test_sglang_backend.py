@@ -805,6 +805,23 @@ class TestSGLangBackendUnits(unittest.TestCase):
                 self.assertEqual(cm.exception.bootstrap_room, room)
                 self.assertFalse(cm.exception.is_from_another_rank)
                 rv.clear()
+            # Aborted before init (no room yet), with an address or a DP-size setting
+            # kvwire cannot use: the request fails here, abort() raises nothing, and
+            # SGLang's later init() leaves it Failed.
+            os.environ["KVWIRE_SGLANG_PREFILL_DP_SIZE"] = "two"
+            try:
+                for room, addr in ((511, "::1:8998"), (512, "127.0.0.1:1")):
+                    rv = KVReceiver(dm, addr, room)
+                    rv.abort()
+                    self.assertEqual(rv.poll(), KVPoll.Failed)
+                    rv.init(0)
+                    self.assertEqual(rv.poll(), KVPoll.Failed)
+                    self.assertEqual(rv.conclude_state, KVPoll.Failed)
+                    with self.assertRaisesRegex(KVTransferError, "aborted locally"):
+                        rv.failure_exception()
+                    rv.clear()
+            finally:
+                del os.environ["KVWIRE_SGLANG_PREFILL_DP_SIZE"]
         finally:
             dm.close()
 
