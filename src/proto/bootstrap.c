@@ -825,6 +825,7 @@ kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t
                                       uint32_t *count_p)
 {
     char last[256] = "no answer yet";
+    char table[256] = ""; /* what the last table that did answer lacked */
     do {
         if (cancel && atomic_load(cancel))
             return kvw__error(KVW_ERR_SHUTDOWN, "bootstrap %s: lookup cancelled", bs_addr);
@@ -858,6 +859,8 @@ kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t
         st = kvw_bs_verify_table(bs_addr, secret, e, n);
         if (st == KVW_OK)
             st = kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, last, sizeof(last));
+        if (st == KVW_INPROGRESS)
+            snprintf(table, sizeof(table), "%s", last);
         if (st == KVW_OK) {
             *entries_p = e;
             *count_p = n;
@@ -868,6 +871,10 @@ kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t
             return st;
         usleep(50000);
     } while (kvw__now_ns() < deadline_ns);
+    /* A last attempt cut off by the deadline does not hide what the table lacked. */
+    if (table[0] && strcmp(table, last) != 0)
+        return kvw__error(KVW_ERR_TIMEOUT, "bootstrap %s: prefill instance incomplete at the "
+                          "timeout (%s; last attempt: %s)", bs_addr, table, last);
     return kvw__error(KVW_ERR_TIMEOUT, "bootstrap %s: prefill instance incomplete at the timeout "
                       "(%s)", bs_addr, last);
 }
