@@ -535,12 +535,8 @@ int kvw_bench_latency(int argc, char **argv)
             return 2;
         }
     }
-    if (bad)
+    if (cli_opts_end(w, "kvwire bench --latency --help", bad, optind, argc, argv))
         return 2;
-    if (optind < argc) {
-        fprintf(stderr, "%s: unexpected argument '%s'\n", w, argv[optind]);
-        return 2;
-    }
     kvt_model_t chk;
     if (kvt_model_load(w, c.model, c.layers, &chk))
         return 2;

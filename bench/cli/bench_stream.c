@@ -324,12 +324,8 @@ int kvw_bench_stream(int argc, char **argv)
             return 2;
         }
     }
-    if (bad)
+    if (cli_opts_end(w, "kvwire bench --stream --help", bad, optind, argc, argv))
         return 2;
-    if (optind < argc) {
-        fprintf(stderr, "%s: unexpected argument '%s'\n", w, argv[optind]);
-        return 2;
-    }
     static stream_env_t e; /* large; one benchmark per process */
     memset(&e, 0, sizeof(e));
     e.cfg = &c;

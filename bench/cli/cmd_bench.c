@@ -1749,13 +1749,8 @@ static int cmd_bench(int argc, char **argv)
             return 2;
         }
     }
-    if (bad)
+    if (cli_opts_end("bench", "kvwire bench --help", bad, optind, argc, argv))
         return 2;
-    if (optind < argc) {
-        fprintf(stderr, "bench: unexpected argument '%s' (kvwire bench --help lists the "
-                "options)\n", argv[optind]);
-        return 2;
-    }
     if (c.quick) {
         if (!set_lengths) {
             static const uint64_t ql[] = {64, 1024, 4096};

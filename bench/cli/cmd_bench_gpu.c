@@ -802,12 +802,8 @@ int kvw_bench_gpu(int argc, char **argv)
             return 2;
         }
     }
-    if (bad)
+    if (cli_opts_end(w, "kvwire bench --gpu --help", bad, optind, argc, argv))
         return 2;
-    if (optind < argc) {
-        fprintf(stderr, "%s: unexpected argument '%s'\n", w, argv[optind]);
-        return 2;
-    }
     if (c.num_topo == 0) {
         c.num_topo = sizeof(g_default_topo) / sizeof(g_default_topo[0]);
         memcpy(c.topo, g_default_topo, sizeof(g_default_topo));

@@ -806,13 +806,8 @@ static int cmd_demo(int argc, char **argv)
             return 2;
         }
     }
-    if (bad)
+    if (cli_opts_end("demo", "kvwire demo --help", bad, optind, argc, argv))
         return 2;
-    if (optind < argc) {
-        fprintf(stderr, "demo: unexpected argument '%s' (kvwire demo --help lists the "
-                "options)\n", argv[optind]);
-        return 2;
-    }
     if (!c.secret[0] && getenv("KVW_SECRET_FILE") && getenv("KVW_SECRET_FILE")[0] &&
         kvw_cli_read_secret("demo", getenv("KVW_SECRET_FILE"), c.secret,
                             sizeof(c.secret)))

@@ -137,6 +137,19 @@ int cli_opt_u64(const char *who, const char *opt, const char *text, uint64_t min
     return 0;
 }
 
+int cli_opts_end(const char *who, const char *help, int bad, int optind_, int argc,
+                 char **argv)
+{
+    if (bad)
+        return 2;
+    if (optind_ < argc) {
+        fprintf(stderr, "%s: unexpected argument '%s' (%s lists the options)\n", who,
+                argv[optind_], help);
+        return 2;
+    }
+    return 0;
+}
+
 int cli_opt_u32(const char *who, const char *opt, const char *text, uint32_t min, uint32_t max,
                 uint32_t *out)
 {

@@ -55,6 +55,11 @@ int cli_opt_u64(const char *who, const char *opt, const char *text, uint64_t min
                 uint64_t *out);
 int cli_opt_u32(const char *who, const char *opt, const char *text, uint32_t min, uint32_t max,
                 uint32_t *out);
+/* After the getopt loop: 2 (the exit status of a usage error) when an option was bad or an
+ * argument is left over ("<who>: unexpected argument 'x' (<help> lists the options)"),
+ * else 0. `help` names the command's help, e.g. "kvwire demo --help". */
+int cli_opts_end(const char *who, const char *help, int bad, int optind_, int argc,
+                 char **argv);
 /* One of `choices` (NULL-terminated), compared without case; *index_p is its position. */
 int cli_opt_choice(const char *who, const char *opt, const char *text,
                    const char *const *choices, int *index_p);
