@@ -328,6 +328,9 @@ static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *bs, bool h
         ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, "tcp", bs, host);
     p.bootstrap_timeout_ms = kvt_tmo_ms(20000);
     p.wait_timeout_ms = kvt_tmo_ms(20000);
+    /* Fields whose bit is clear are never read: junk prefill sizes without
+     * KVW_CTX_FIELD_PREFILL_SIZE must not make the decode wait for a TP 7 instance. */
+    p.prefill_tp = 7, p.prefill_pp = 5, p.prefill_dp = 3;
     return kvw_ctx_create(&p, ctx);
 }
 

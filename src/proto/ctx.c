@@ -237,9 +237,13 @@ static kvw_status_t kvw_ctx_decode_own_instance(struct kvw_ctx *ctx,
     if (i0 < 0)
         return KVW_ERR_INVALID_PARAM;
     kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_CONNECTING);
-    if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, params->prefill_tp,
-                                    params->prefill_pp, params->prefill_dp,
-                                    ctx->secret, deadline, &entries, &ne)) != KVW_OK)
+    /* The sizes are read only with their bit (field-mask contract): clear, all three
+     * come from the bootstrap. */
+    bool sized = params->field_mask & KVW_CTX_FIELD_PREFILL_SIZE;
+    if ((st = kvw__bootstrap_lookup(ctx->bootstrap_addr, sized ? params->prefill_tp : 0,
+                                    sized ? params->prefill_pp : 0,
+                                    sized ? params->prefill_dp : 0, ctx->secret, deadline,
+                                    &entries, &ne)) != KVW_OK)
         goto out;
     for (uint32_t i = 0; i < ne; i++)
         if ((st = kvw__decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
