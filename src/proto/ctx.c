@@ -120,8 +120,12 @@ static kvw_status_t kvw_ctx_tl_open(struct kvw_ctx *ctx, const kvw_ctx_params_t 
     const char *tl_name = (fm & KVW_CTX_FIELD_TRANSPORT) && params->transport ? params->transport
                                                                                : "tcp";
     ctx->tl_ops = kvw__tl_find(tl_name);
-    if (ctx->tl_ops == NULL)
-        return kvw__error(KVW_ERR_UNSUPPORTED, "unknown transport '%s'", tl_name);
+    if (ctx->tl_ops == NULL) {
+        char why[256]; /* the registry's reason (not built in, module not loaded) */
+        snprintf(why, sizeof(why), "%s", kvw_last_error());
+        return kvw__error(KVW_ERR_UNSUPPORTED, "transport '%s' cannot be used: %s", tl_name,
+                          why);
+    }
     if (pipe2(ctx->wake_fd, O_CLOEXEC | O_NONBLOCK) < 0)
         return kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
     kvw_tl_params_t tp = {.listen_host = ctx->side == KVW_SIDE_DECODE ? ctx->listen_host : NULL,

@@ -66,9 +66,9 @@ static bool info_probe_transport(const char *tl, char *why, size_t cap)
 }
 
 /*
- * Why a transport module the library does not offer is missing: the library says only
- * "unknown transport" then, so this looks where the library looks (KVW_TL_MODULE_DIR,
- * else the directory of libkvwire.so) and asks the dynamic loader. Appends to why.
+ * Where a transport module the library does not offer should be: the library gives its
+ * loader's reason; this adds where it looked (KVW_TL_MODULE_DIR, else the directory of
+ * libkvwire.so) and what the dynamic loader says. Appends to why.
  */
 #define KVW_CLI_PRINTF(f, a) __attribute__((format(printf, f, a)))
 
@@ -185,7 +185,7 @@ static int cmd_info(int argc, char **argv)
             snprintf(why, sizeof(why), "%s", ok ? "" : cuda_why);
         } else {
             ok = info_probe_transport(*n, why, sizeof(why));
-            if (!ok && strstr(why, "unknown transport"))
+            if (!ok && strstr(why, "cannot be used"))
                 info_module_hint(*n, why, sizeof(why));
         }
         if (!strcmp(*n, "ucx"))
