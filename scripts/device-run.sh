@@ -21,9 +21,9 @@ if [[ " $STAGES " == *" check "* ]]; then
     tail -40 "$OUT/gpu-check.log"
 fi
 if [[ " $STAGES " == *" bench "* ]]; then
-    "$B/kvwire" bench --gpu --transport tcp --reps "$REPS" --json "$OUT/gpu-tcp.json" >"$OUT/bench-tcp.log" 2>&1
+    "$B/kvwire-bench" --gpu --transport tcp --reps "$REPS" --json "$OUT/gpu-tcp.json" >"$OUT/bench-tcp.log" 2>&1
     echo "bench tcp exit $?"
-    "$B/kvwire" bench --gpu --reps "$REPS" --json "$OUT/gpu-ipc.json" >"$OUT/bench-ipc.log" 2>&1
+    "$B/kvwire-bench" --gpu --reps "$REPS" --json "$OUT/gpu-ipc.json" >"$OUT/bench-ipc.log" 2>&1
     echo "bench ipc exit $?"
     tail -12 "$OUT/bench-ipc.log"
     tail -12 "$OUT/bench-tcp.log"

@@ -8,7 +8,7 @@
 # nvcc or a GPU it prints "skipped: ..." and exits 0.
 #
 #   scripts/gpu-bench.sh [--tokens N] [--reps N] [--quick]     BUILD=dir, JOBS=n
-#   KVW_GPU_PROTO_ARGS="--reps 9 --topo 1:4:8:8192"   options of kvwire bench --gpu
+#   KVW_GPU_PROTO_ARGS="--reps 9 --topo 1:4:8:8192"   options of kvwire bench --gpu (kvwire-bench --gpu)
 #   KVW_GPU_PROTO_JSON=file                            its JSON (default $BUILD/bench-gpu.json)
 #
 # KVW_BENCH_VARIANTS="name:NVCC FLAGS;name2:FLAGS" also builds the module with each set
@@ -32,7 +32,7 @@ if ! grep -q "/kvw_gpu_bench.dir" "$BUILD/CMakeFiles/TargetDirectories.txt" 2>/d
     echo "gpu-bench: skipped: $BUILD is configured without the CUDA module"
     exit 0
 fi
-if ! cmake --build "$BUILD" -j "$JOBS" --target kvwire_cuda kvw_gpu_bench kvwire_cli >"$BUILD/gpu-build.log" 2>&1; then
+if ! cmake --build "$BUILD" -j "$JOBS" --target kvwire_cuda kvw_gpu_bench kvwire_bench_cli >"$BUILD/gpu-build.log" 2>&1; then
     tail -n 40 "$BUILD/gpu-build.log"
     echo "${0##*/}: FAILED to build (log: $BUILD/gpu-build.log)"
     exit 1
@@ -66,5 +66,5 @@ run "$BUILD/kvw_gpu_bench" "$@"
 
 # The whole protocol; its table comes last.
 # shellcheck disable=SC2086
-run "$BUILD/kvwire" bench --gpu --json "${KVW_GPU_PROTO_JSON:-$BUILD/bench-gpu.json}" \
+run "$BUILD/kvwire-bench" --gpu --json "${KVW_GPU_PROTO_JSON:-$BUILD/bench-gpu.json}" \
     ${KVW_GPU_PROTO_ARGS:-}

@@ -6,7 +6,8 @@
 #  * the ABI hygiene: no UCX or CUDA among the library's NEEDED entries, SONAME
 #    libkvwire.so.MAJOR, every exported symbol a public kvw_ one under the
 #    KVWIRE_MAJOR.MINOR version node, no internal kvw__ symbol, no fault-injection code
-#    in the library or the CLI;
+#    in the library or the CLI, no benchmark or test-only kit code in the CLI (kvwire
+#    bench says to run the build tree's kvwire-bench);
 #  * two consumers, built exactly as the README says: one with
 #    `cc app.c $(pkg-config --cflags --libs kvwire)`, one with a CMake project that calls
 #    find_package(kvwire) (built, then installed into a second scratch prefix); both run
@@ -139,12 +140,37 @@ fi
 # shipped library or CLI (their symbol tables must exist for this to mean anything).
 for f in "$real" "$prefix/bin/kvwire"; do
     nm "$f" >"$tmp/all-syms" 2>/dev/null
-    if ! grep -q ' kvw__error$' "$tmp/all-syms"; then
+    if ! grep -qE ' (kvw__error|main)$' "$tmp/all-syms"; then
         echo "$name: note: $(basename "$f") has no symbol table; fault code not checked"
     elif grep -qE ' (kvw__tl_fault_[a-z_]+|fault_[a-z_]+)$' "$tmp/all-syms"; then
         fail "$(basename "$f") contains fault-injection code"
     fi
 done
+# No benchmark or test-only code in the installed CLI: `kvwire bench` is the build
+# tree's kvwire-bench (not installed), and of the test kit the CLI links only what demo
+# and plan run with (tools/testkit/check.c is the tests' own). Every global symbol that
+# the build's bench/cli and check.c objects define must be absent from the installed CLI.
+[[ -e "$prefix/bin/kvwire-bench" ]] && fail "kvwire-bench is installed (a build-tree tool)"
+nm "$prefix/bin/kvwire" >"$tmp/cli-syms" 2>/dev/null
+nm --defined-only $(find "$build/CMakeFiles" -name '*.c.o' \( -path '*/bench/cli/*' \
+        -o -path '*/tools/testkit/check.c.o' \) ! -name main.c.o) 2>/dev/null |
+    awk 'NF == 3 && $2 ~ /^[TDBR]$/ {print $3}' | sort -u >"$tmp/dev-syms"
+if ! grep -qE ' T main$' "$tmp/cli-syms"; then
+    echo "$name: note: the installed CLI has no symbol table; bench and test-kit code not checked"
+elif ! grep -qx kvw_bench_gpu "$tmp/dev-syms" || ! grep -qx kvt_expect_failure "$tmp/dev-syms"; then
+    fail "the bench and check.c objects were not found under $build/CMakeFiles to compare with"
+else
+    carried=$(awk '{print $NF}' "$tmp/cli-syms" | sort -u | comm -12 - "$tmp/dev-syms" | head -5)
+    [[ -z "$carried" ]] || fail "the installed CLI carries bench or test-only code: $carried"
+    grep -qE ' [TtDdBb] [a-z_]*bench' "$tmp/cli-syms" &&
+        fail "the installed CLI has bench symbols: $(grep -E ' [TtDdBb] [a-z_]*bench' "$tmp/cli-syms" | head -3)"
+fi
+# ... and says so, naming the build tree's program, when asked for it.
+"$prefix/bin/kvwire" bench --quick >"$tmp/bench.out" 2>&1
+rc=$?
+[[ $rc -eq 2 ]] && grep -q "kvwire bench is not part of the installed CLI; run build/kvwire-bench" \
+    "$tmp/bench.out" || fail "installed kvwire bench: exit $rc, $(head -2 "$tmp/bench.out")"
+
 # Everything exported is the public API or the version node itself.
 others=$(awk '$3 !~ /^kvw_[a-z]/ && $3 !~ /^KVWIRE_/ {print $3}' "$tmp/syms" | head -5)
 [[ -z "$others" ]] || fail "non-API symbols exported: $others"

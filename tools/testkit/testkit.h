@@ -8,8 +8,9 @@
  * calls kvw_topo_* or the plan code, so that a test comparing the two checks the
  * library against a second, independent reading of the rules.
  *
- * Everything here is test scaffolding: functions print nothing, return 0 / KVW_OK on
- * success and describe failures in a caller-provided message buffer where one exists.
+ * Functions print nothing, return 0 / KVW_OK on success and describe failures in a
+ * caller-provided message buffer where one exists. The installed CLI links everything
+ * here but check.c (kvt_expect_failure), which is for the tests only (CMakeLists.txt).
  */
 #ifndef KVW_TESTKIT_H
 #define KVW_TESTKIT_H
