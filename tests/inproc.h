@@ -1,6 +1,6 @@
 /*
  * Helpers shared by the in-process tests (a prefill and a decode context in one
- * process, talking over loopback): the CHECK macro and its failure counter, host ranks
+ * process, talking over loopback): CHECK and its failure counter (check.h), host ranks
  * of a preset model, context parameters, one room moved and verified against the test
  * kit's reference, and a few raw-socket and fd helpers for the tests that play a
  * hostile peer. Timeouts are scaled by timeout.h (KVW_TEST_TIMEOUT_SCALE): callers pass
@@ -12,6 +12,7 @@
 #ifndef KVW_TESTS_INPROC_H
 #define KVW_TESTS_INPROC_H
 
+#include "check.h"
 #include "testkit.h"
 #include "timeout.h"
 
@@ -30,17 +31,6 @@
 #include <unistd.h>
 
 /* ---------------------------------------------------------------- checks */
-
-static int failures;
-#define CHECK(c, ...)                                                                    \
-    do {                                                                                 \
-        if (!(c)) {                                                                      \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #c);       \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fprintf(stderr, "\n");                                                       \
-            failures++;                                                                  \
-        }                                                                                \
-    } while (0)
 
 /* The end of main: prints the verdict under the test's name and returns the exit code
  * (0 pass, 1 fail). */

@@ -23,28 +23,13 @@
  */
 #include <kvwire/kvwire.h>
 
+#include "check.h"
 #include "testkit.h"
 
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures;
-static int checks;
-static const char *cur_case = "";
-
-#define CHECK(cond, ...)                                                                 \
-    do {                                                                                 \
-        checks++;                                                                        \
-        if (!(cond)) {                                                                   \
-            failures++;                                                                  \
-            fprintf(stderr, "%s:%d: [%s] CHECK(%s) failed: ", __FILE__, __LINE__,        \
-                    cur_case, #cond);                                                    \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fputc('\n', stderr);                                                         \
-        }                                                                                \
-    } while (0)
 
 /* ---------------------------------------------------------------- case description */
 

@@ -15,27 +15,14 @@
  *
  * Exit status: 0 when every check passed, 1 otherwise.
  */
+#include "check.h"
+
 #include <kvwire/kvwire.h>
 
 #include <ctype.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int kvw_test_failures;
-static int kvw_test_checks;
-
-/* Counts a failure and says where, so one run reports every broken case. */
-#define CHECK(cond, ...)                                                                 \
-    do {                                                                                 \
-        kvw_test_checks++;                                                               \
-        if (!(cond)) {                                                                   \
-            kvw_test_failures++;                                                         \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);     \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fputc('\n', stderr);                                                         \
-        }                                                                                \
-    } while (0)
 
 #define R(s, d, ss, ds, n) {KVW_ROUTE_FIELDS_ALL, (s), (d), (ss), (ds), (n)}
 
@@ -540,11 +527,10 @@ int main(void)
     test_heads_values();
     test_errors();
     test_sweep();
-    if (kvw_test_failures) {
-        fprintf(stderr, "test_topo: %d of %d checks FAILED\n", kvw_test_failures,
-                kvw_test_checks);
+    if (failures) {
+        fprintf(stderr, "test_topo: %d of %d checks FAILED\n", failures, checks);
         return 1;
     }
-    printf("test_topo: all %d checks passed\n", kvw_test_checks);
+    printf("test_topo: all %d checks passed\n", checks);
     return 0;
 }

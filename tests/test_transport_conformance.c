@@ -47,37 +47,22 @@
 static const kvw_tl_ops_t *T;
 static const char *g_case = "-";
 
-#define FAILF(...)                                                                         \
+/* "transport/case", for the failures. */
+static const char *case_label(void)
+{
+    static _Thread_local char label[128];
+    snprintf(label, sizeof label, "%s/%s", T ? T->name : "-", g_case);
+    return label;
+}
+
+/* A failed check ends the case (check.h). */
+#define CHECK_END                                                                          \
     do {                                                                                   \
-        fprintf(stderr, "FAIL [%s/%s] %s:%d: ", T ? T->name : "-", g_case, __FILE__,     \
-                __LINE__);                                                                 \
-        fprintf(stderr, __VA_ARGS__);                                                      \
-        fputc('\n', stderr);                                                               \
         rc = 1;                                                                            \
         goto out;                                                                          \
     } while (0)
-#define CHECK(c, ...)                                                                      \
-    do {                                                                                   \
-        if (!(c)) {                                                                        \
-            fprintf(stderr, "FAIL [%s/%s] %s:%d: (%s) ", T ? T->name : "-", g_case,       \
-                    __FILE__, __LINE__, #c);                                               \
-            fprintf(stderr, __VA_ARGS__);                                                  \
-            fputc('\n', stderr);                                                           \
-            rc = 1;                                                                        \
-            goto out;                                                                      \
-        }                                                                                  \
-    } while (0)
-#define CHECK_OK(expr)                                                                     \
-    do {                                                                                   \
-        kvw_status_t st_ = (expr);                                                         \
-        CHECK(st_ == KVW_OK, "%s: %s", kvw_status_string(st_), kvw_last_error());         \
-    } while (0)
-#define CHECK_ST(expr, want)                                                               \
-    do {                                                                                   \
-        kvw_status_t st_ = (expr);                                                         \
-        CHECK(st_ == (want), "got %s (%s), want %s", kvw_status_string(st_),              \
-              kvw_last_error(), kvw_status_string(want));                                  \
-    } while (0)
+#define CHECK_CASE case_label()
+#include "check.h"
 
 /* ---------------------------------------------------------------- utilities */
 

@@ -27,27 +27,10 @@
 #include <time.h>
 #include <unistd.h>
 
-#define FAILF(...)                                                                         \
-    do {                                                                                   \
-        fprintf(stderr, "FAIL [%s] %s:%d: ", g_case, __FILE__, __LINE__);                 \
-        fprintf(stderr, __VA_ARGS__);                                                      \
-        fputc('\n', stderr);                                                               \
-        return 1;                                                                          \
-    } while (0)
-#define CHECK(c, ...)                                                                      \
-    do {                                                                                   \
-        if (!(c)) {                                                                        \
-            fprintf(stderr, "FAIL [%s] %s:%d: (%s) ", g_case, __FILE__, __LINE__, #c);    \
-            fprintf(stderr, __VA_ARGS__);                                                  \
-            fputc('\n', stderr);                                                           \
-            return 1;                                                                      \
-        }                                                                                  \
-    } while (0)
-#define CHECK_OK(expr)                                                                     \
-    do {                                                                                   \
-        kvw_status_t st_ = (expr);                                                         \
-        CHECK(st_ == KVW_OK, "%s: %s: %s", #expr, kvw_status_string(st_), kvw_last_error()); \
-    } while (0)
+/* A failed check ends the case (check.h). */
+#define CHECK_END return 1
+#define CHECK_CASE g_case
+#include "check.h"
 
 static const char *g_case = "-";
 static const kvw_tl_ops_t *T;

@@ -48,27 +48,14 @@
 static const kvw_tl_ops_t *T;
 static const char *g_case = "-";
 
-#define CHECK(c, ...)                                                                      \
+/* A failed check ends the case (check.h). */
+#define CHECK_END                                                                          \
     do {                                                                                   \
-        if (!(c)) {                                                                        \
-            fprintf(stderr, "FAIL [%s] %s:%d: (%s) ", g_case, __FILE__, __LINE__, #c);     \
-            fprintf(stderr, __VA_ARGS__);                                                  \
-            fputc('\n', stderr);                                                           \
-            rc = 1;                                                                        \
-            goto out;                                                                      \
-        }                                                                                  \
+        rc = 1;                                                                            \
+        goto out;                                                                          \
     } while (0)
-#define CHECK_OK(expr)                                                                     \
-    do {                                                                                   \
-        kvw_status_t st_ = (expr);                                                         \
-        CHECK(st_ == KVW_OK, "%s: %s", kvw_status_string(st_), kvw_last_error());         \
-    } while (0)
-#define CHECK_ST(expr, want)                                                               \
-    do {                                                                                   \
-        kvw_status_t st_ = (expr);                                                         \
-        CHECK(st_ == (want), "got %s (%s), want %s", kvw_status_string(st_),              \
-              kvw_last_error(), kvw_status_string(want));                                  \
-    } while (0)
+#define CHECK_CASE g_case
+#include "check.h"
 
 /* ---------------------------------------------------------------- utilities */
 

@@ -7,6 +7,8 @@
  *
  * Exit status: 0 when every check passed, 1 otherwise.
  */
+#include "check.h"
+
 #include <kvwire/kvwire.h>
 
 #include <dlfcn.h>
@@ -17,20 +19,6 @@
 #ifndef KVW_PROJECT_VERSION
 #error "build with -DKVW_PROJECT_VERSION=\"x.y.z\" (CMake's PROJECT_VERSION)"
 #endif
-
-static int kvw_test_failures;
-static int kvw_test_checks;
-
-#define CHECK(cond, ...)                                                                 \
-    do {                                                                                 \
-        kvw_test_checks++;                                                               \
-        if (!(cond)) {                                                                   \
-            kvw_test_failures++;                                                         \
-            fprintf(stderr, "%s:%d: CHECK(%s) failed: ", __FILE__, __LINE__, #cond);     \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fputc('\n', stderr);                                                         \
-        }                                                                                \
-    } while (0)
 
 /* Checks one library's pair of version functions against the header. */
 static void check_library(const char *which, const char *(*version)(void),
@@ -80,11 +68,10 @@ int main(void)
         }
     }
 
-    if (kvw_test_failures) {
-        fprintf(stderr, "test_version: %d of %d checks FAILED\n", kvw_test_failures,
-                kvw_test_checks);
+    if (failures) {
+        fprintf(stderr, "test_version: %d of %d checks FAILED\n", failures, checks);
         return 1;
     }
-    printf("test_version: all %d checks passed (%s)\n", kvw_test_checks, kvw_version());
+    printf("test_version: all %d checks passed (%s)\n", checks, kvw_version());
     return 0;
 }

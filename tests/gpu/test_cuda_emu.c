@@ -22,25 +22,11 @@
 
 #include "cuda/copy_core.h"
 #include "gpu_common.h"
+#include "../check.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-static int failures, checks;
-static const char *cur_case = "";
-
-#define CHECK(cond, ...)                                                                 \
-    do {                                                                                 \
-        checks++;                                                                        \
-        if (!(cond)) {                                                                   \
-            failures++;                                                                  \
-            fprintf(stderr, "%s:%d: [%s] CHECK(%s) failed: ", __FILE__, __LINE__,        \
-                    cur_case, #cond);                                                    \
-            fprintf(stderr, __VA_ARGS__);                                                \
-            fputc('\n', stderr);                                                         \
-        }                                                                                \
-    } while (0)
 
 /* A plan laid out as the module would upload it, in host memory. */
 typedef struct emu_plan {
