@@ -287,6 +287,12 @@ static int ch_expect(int fd, const char *tag, msg_t *out, int timeout_ms)
     return -1;
 }
 
+/* ch_expect of a tag alone, with the channels' usual 15 s. */
+static int ch_wait(int fd, const char *tag)
+{
+    return ch_expect(fd, tag, NULL, kvt_tmo_ms(15000));
+}
+
 /* Waits until the other process closes its end (it exited or died). */
 static bool ch_wait_gone(int fd, int timeout_ms)
 {
@@ -609,70 +615,75 @@ static bool p_wait_state(inst_t *in, room_t *rm, kvw_room_state_t state, uint64_
     }
 }
 
-/* Expects every sender of the room to reach `want` within timeout; checks the reason
- * holds `needle` when FAILED. */
-static bool p_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *needle,
-                     uint64_t timeout_ms, const char *bug)
+/* One rank of a room on the prefill (its sender) or the decode (its receiver). */
+static kvw_room_h side_room(const room_t *rm, bool dec, uint32_t k)
 {
-    bool ok = true;
-    uint64_t t0 = now_ms();
-    for (uint32_t k = 0; k < in->n; k++) {
-        uint64_t left = now_ms() - t0 < timeout_ms ? timeout_ms - (now_ms() - t0) : 0;
-        kvw_room_state_t s = wait_send(rm->s[k], left);
-        const char *why = kvw_room_failure(kvw_sender_room(rm->s[k]));
-        ok &= check_(s == want, __LINE__, bug,
-                     "prefill room %llu rank %u: %s after %llu ms (want %s)%s%s",
-                     (unsigned long long)rm->id, k, kvw_room_state_string(s),
-                     (unsigned long long)(now_ms() - t0), kvw_room_state_string(want),
-                     why[0] ? ": " : "", why);
-        if (s == KVW_ROOM_FAILED && want == KVW_ROOM_FAILED) {
-            ok &= CHECK(why[0] != '\0', "prefill room %llu failed without a reason",
-                        (unsigned long long)rm->id);
-            if (needle)
-                ok &= CHECK(kvt_contains(why, needle), "prefill room %llu reason lacks '%s': %s",
-                            (unsigned long long)rm->id, needle, why);
-            if (k == 0)
-                say("prefill room %llu FAILED after %llu ms: %s", (unsigned long long)rm->id,
-                    (unsigned long long)(now_ms() - t0), why);
-        }
-    }
-    return ok;
+    return dec ? kvw_receiver_room(rm->r[k]) : kvw_sender_room(rm->s[k]);
 }
 
-static bool d_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *needle,
-                     uint64_t timeout_ms, const char *bug)
+/* Waits for that rank's half to end (the decode's: or reach Success). */
+static kvw_room_state_t side_wait(const room_t *rm, bool dec, uint32_t k, uint64_t timeout_ms)
 {
+    return dec ? wait_recv(rm->r[k], KVW_ROOM_SUCCESS, timeout_ms) : wait_send(rm->s[k], timeout_ms);
+}
+
+/* Expects every rank's half of the room, on the prefill or the decode, to reach `want`
+ * within timeout; checks the reason holds `needle` when FAILED (and, on the decode, that
+ * a Success has an OK status). */
+static bool side_expect(bool dec, inst_t *in, room_t *rm, kvw_room_state_t want,
+                        const char *needle, uint64_t timeout_ms, const char *bug)
+{
+    const char *side = dec ? "decode" : "prefill";
     bool ok = true;
     uint64_t t0 = now_ms();
     for (uint32_t k = 0; k < in->n; k++) {
         uint64_t left = now_ms() - t0 < timeout_ms ? timeout_ms - (now_ms() - t0) : 0;
-        kvw_room_state_t s = wait_recv(rm->r[k], KVW_ROOM_SUCCESS, left);
-        const char *why = kvw_room_failure(kvw_receiver_room(rm->r[k]));
+        kvw_room_state_t s = side_wait(rm, dec, k, left);
+        const char *why = kvw_room_failure(side_room(rm, dec, k));
         ok &= check_(s == want, __LINE__, bug,
-                     "decode room %llu rank %u: %s after %llu ms (want %s)%s%s",
+                     "%s room %llu rank %u: %s after %llu ms (want %s)%s%s", side,
                      (unsigned long long)rm->id, k, kvw_room_state_string(s),
                      (unsigned long long)(now_ms() - t0), kvw_room_state_string(want),
                      why[0] ? ": " : "", why);
         if (s == KVW_ROOM_FAILED && want == KVW_ROOM_FAILED) {
-            ok &= CHECK(why[0] != '\0', "decode room %llu failed without a reason",
+            ok &= CHECK(why[0] != '\0', "%s room %llu failed without a reason", side,
                         (unsigned long long)rm->id);
             if (needle)
-                ok &= CHECK(kvt_contains(why, needle), "decode room %llu reason lacks '%s': %s",
+                ok &= CHECK(kvt_contains(why, needle), "%s room %llu reason lacks '%s': %s", side,
                             (unsigned long long)rm->id, needle, why);
             if (k == 0)
-                say("decode room %llu FAILED after %llu ms: %s", (unsigned long long)rm->id,
+                say("%s room %llu FAILED after %llu ms: %s", side, (unsigned long long)rm->id,
                     (unsigned long long)(now_ms() - t0), why);
         }
-        if (s == KVW_ROOM_SUCCESS && want == KVW_ROOM_SUCCESS)
-            ok &= CHECK(kvw_room_status(kvw_receiver_room(rm->r[k])) == KVW_OK,
+        if (dec && s == KVW_ROOM_SUCCESS && want == KVW_ROOM_SUCCESS)
+            ok &= CHECK(kvw_room_status(side_room(rm, dec, k)) == KVW_OK,
                         "success with a non-OK status");
     }
     return ok;
 }
 
+static bool p_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *needle,
+                     uint64_t timeout_ms, const char *bug)
+{
+    return side_expect(false, in, rm, want, needle, timeout_ms, bug);
+}
+
+static bool d_expect(inst_t *in, room_t *rm, kvw_room_state_t want, const char *needle,
+                     uint64_t timeout_ms, const char *bug)
+{
+    return side_expect(true, in, rm, want, needle, timeout_ms, bug);
+}
+
 /* ------------------------------------------------------------------ verification */
 
 enum { V_UNTOUCHED = 0, V_OK = 1, V_PARTIAL = 2 };
+
+/* What a room's pages may hold after the decode saw it end: all of it (Success on rank
+ * 0) or part. */
+static int polled_bytes(const room_t *rm)
+{
+    return kvw_room_poll(kvw_receiver_room(rm->r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+}
 
 typedef struct snap {
     kvt_copy_t c[MAXR];
@@ -1551,23 +1562,30 @@ static bool expect_call(drv_t *x, const char *what, kvw_status_t got, kvw_status
     return true;
 }
 
-/* The victim on the decode: every rank that holds a receiver must end `ok` (Success) or
- * Failed with `st` (KVW_OK: any status) and a reason holding `needle`. */
-static void drv_expect_d(drv_t *x, room_t *rm, const char *which, bool ok, kvw_status_t st,
-                         const char *needle, uint64_t timeout_ms)
+/* The victim on the decode (or the prefill): every rank that holds a receiver (a
+ * sender) must end `ok` (Success) or Failed with `st` (KVW_OK: any status) and a reason
+ * holding `needle`. */
+static void drv_expect_side(drv_t *x, bool dec, room_t *rm, const char *which, bool ok,
+                            kvw_status_t st, const char *needle, uint64_t timeout_ms)
 {
     uint64_t t0 = now_ms();
-    for (uint32_t k = 0; k < x->d->dec.n; k++) {
-        if (rm->r[k] == NULL)
+    uint32_t n = dec ? x->d->dec.n : x->in->n;
+    for (uint32_t k = 0; k < n; k++) {
+        if (dec ? rm->r[k] == NULL : rm->s[k] == NULL)
             continue;
         uint64_t used = now_ms() - t0, left = used < timeout_ms ? timeout_ms - used : 0;
-        kvw_room_state_t s = wait_recv(rm->r[k], KVW_ROOM_SUCCESS, left);
-        const char *why = kvw_room_failure(kvw_receiver_room(rm->r[k]));
+        kvw_room_state_t s = side_wait(rm, dec, k, left);
+        kvw_room_h room = side_room(rm, dec, k);
+        const char *why = kvw_room_failure(room);
         char what[160], m[900];
-        snprintf(what, sizeof(what), "decode room %s (%llu) rank %u after %llu ms", which,
-                 (unsigned long long)rm->id, k, (unsigned long long)(now_ms() - x->t0));
+        if (dec)
+            snprintf(what, sizeof(what), "decode room %s (%llu) rank %u after %llu ms", which,
+                     (unsigned long long)rm->id, k, (unsigned long long)(now_ms() - x->t0));
+        else
+            snprintf(what, sizeof(what), "prefill room %s (%llu) rank %u", which,
+                     (unsigned long long)rm->id, k);
         if (ok) {
-            CHECK(s == KVW_ROOM_SUCCESS && kvw_room_status(kvw_receiver_room(rm->r[k])) == KVW_OK,
+            CHECK(s == KVW_ROOM_SUCCESS && kvw_room_status(room) == KVW_OK,
                   "%s: %s, expected Success%s%s", what, kvw_room_state_string(s),
                   why[0] ? ": " : "", why);
             continue;
@@ -1575,45 +1593,23 @@ static void drv_expect_d(drv_t *x, room_t *rm, const char *which, bool ok, kvw_s
         if (!CHECK(s == KVW_ROOM_FAILED, "%s: %s, expected Failed", what,
                    kvw_room_state_string(s)))
             continue;
-        if (kvt_expect_failure(what, kvw_room_status(kvw_receiver_room(rm->r[k])), st, why, needle,
-                               m, sizeof(m)))
+        if (kvt_expect_failure(what, kvw_room_status(room), st, why, needle, m, sizeof(m)))
             CHECK(false, "%s", m);
         else if (k == 0)
-            say("%s: %s: %s", what, kvw_status_string(kvw_room_status(kvw_receiver_room(rm->r[k]))),
-                why);
+            say("%s: %s: %s", what, kvw_status_string(kvw_room_status(room)), why);
     }
 }
 
-/* The same on the prefill. */
+static void drv_expect_d(drv_t *x, room_t *rm, const char *which, bool ok, kvw_status_t st,
+                         const char *needle, uint64_t timeout_ms)
+{
+    drv_expect_side(x, true, rm, which, ok, st, needle, timeout_ms);
+}
+
 static void drv_expect_p(drv_t *x, room_t *rm, const char *which, bool ok, kvw_status_t st,
                          const char *needle, uint64_t timeout_ms)
 {
-    uint64_t t0 = now_ms();
-    for (uint32_t k = 0; k < x->in->n; k++) {
-        if (rm->s[k] == NULL)
-            continue;
-        uint64_t used = now_ms() - t0, left = used < timeout_ms ? timeout_ms - used : 0;
-        kvw_room_state_t s = wait_send(rm->s[k], left);
-        const char *why = kvw_room_failure(kvw_sender_room(rm->s[k]));
-        char what[160], m[900];
-        snprintf(what, sizeof(what), "prefill room %s (%llu) rank %u", which,
-                 (unsigned long long)rm->id, k);
-        if (ok) {
-            CHECK(s == KVW_ROOM_SUCCESS && kvw_room_status(kvw_sender_room(rm->s[k])) == KVW_OK,
-                  "%s: %s, expected Success%s%s", what, kvw_room_state_string(s),
-                  why[0] ? ": " : "", why);
-            continue;
-        }
-        if (!CHECK(s == KVW_ROOM_FAILED, "%s: %s, expected Failed", what,
-                   kvw_room_state_string(s)))
-            continue;
-        if (kvt_expect_failure(what, kvw_room_status(kvw_sender_room(rm->s[k])), st, why, needle, m,
-                               sizeof(m)))
-            CHECK(false, "%s", m);
-        else if (k == 0)
-            say("%s: %s: %s", what, kvw_status_string(kvw_room_status(kvw_sender_room(rm->s[k]))),
-                why);
-    }
+    drv_expect_side(x, false, rm, which, ok, st, needle, timeout_ms);
 }
 
 /* ---- decode posts of the victim */
@@ -1797,7 +1793,7 @@ static size_t mk_hdr(uint8_t *b, uint32_t magic, uint8_t ver, uint8_t type, uint
 
 static void di_corrupt(drv_t *x)
 {
-    if (ch_expect(x->e->ch[0], "senders", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(x->e->ch[0], "senders"))
         return;
     uint8_t f[32];
     size_t n = 0;
@@ -2048,7 +2044,7 @@ static void send_refused(drv_t *x, uint64_t from)
 static void pi_after_forge(drv_t *x)
 {
     p_open(x->in, x->v);
-    if (ch_expect(x->e->ch[1], "forged", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(x->e->ch[1], "forged"))
         return;
     p_send_all(x->in, x->v);
 }
@@ -2068,7 +2064,7 @@ static void pi_half_then_refused(drv_t *x)
     CHECK(p_send(x->in, x->v, 0, x->v->n / 2, false, err, sizeof(err)) == KVW_OK, "chunk: %s",
           err);
     ch_tag(x->e->ch[1], "chunk1");
-    if (ch_expect(x->e->ch[1], "aborted", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(x->e->ch[1], "aborted"))
         return;
     send_refused(x, x->v->n / 2);
 }
@@ -2181,7 +2177,7 @@ static void pi_vseen(drv_t *x)
 static void pi_foreign_abort(drv_t *x)
 {
     pi_vseen(x);
-    if (ch_expect(x->e->ch[1], "babort", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(x->e->ch[1], "babort"))
         return;
     room_t own = room_def(x->v->id + 500, 5);
     p_open(x->in, &own);
@@ -2587,7 +2583,7 @@ static int ddeath_prefill(env_t *e)
         return rc;
     room_t r1 = room_def(30, 0), r2 = room_def(31, 1);
     if (g_variant == 0) {
-        if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
+        if (ch_wait(e->ch[1], "posted"))
             return 1;
         p_open(&in, &r1);
         p_wait_state(&in, &r1, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000)); /* the REQ is here */
@@ -2603,7 +2599,7 @@ static int ddeath_prefill(env_t *e)
         p_close(&in, &r1); /* frees the room */
         /* A new decode instance connects to the same prefill. */
         ch_tag(e->ch[2], "go");
-        if (ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
+        if (ch_wait(e->ch[2], "posted"))
             return 1;
         p_open(&in, &r2);
         p_send_all(&in, &r2);
@@ -2611,7 +2607,7 @@ static int ddeath_prefill(env_t *e)
         /* The same room id as the dead instance's room works again. */
         room_t r3 = room_def(30, 2);
         ch_tag(e->ch[2], "again");
-        if (ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
+        if (ch_wait(e->ch[2], "posted"))
             return 1;
         p_open(&in, &r3);
         p_send_all(&in, &r3);
@@ -2622,8 +2618,8 @@ static int ddeath_prefill(env_t *e)
     } else {
         ch_tag(e->ch[1], "go");
         ch_tag(e->ch[2], "go");
-        if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)) ||
-            ch_expect(e->ch[2], "posted", NULL, kvt_tmo_ms(15000)))
+        if (ch_wait(e->ch[1], "posted") ||
+            ch_wait(e->ch[2], "posted"))
             return 1;
         p_open(&in, &r1);
         p_open(&in, &r2);
@@ -2647,7 +2643,7 @@ static int ddeath_victim(env_t *e)
     int rc = d_start(e, &d, false);
     if (rc)
         return rc;
-    if (g_variant == 1 && ch_expect(e->ch[0], "go", NULL, kvt_tmo_ms(15000)))
+    if (g_variant == 1 && ch_wait(e->ch[0], "go"))
         return 1;
     if (g_variant == 1)
         g_instance = 1; /* instances sharing a prefill each pass their own id */
@@ -2659,16 +2655,16 @@ static int ddeath_victim(env_t *e)
     d_open_post(&d.dec, &rm, NULL);
     ch_tag(e->ch[0], "posted");
     if (g_variant == 0) {
-        ch_expect(e->ch[0], "die", NULL, kvt_tmo_ms(15000));
+        ch_wait(e->ch[0], "die");
         raise(SIGKILL);
         return 1;
     }
     /* The bytes reach the decode even with the prefill-side bug, so no bug tag here. */
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
     room_t *rp[1] = {&rm};
-    int out = kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+    int out = polled_bytes(&rm);
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
-    ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
+    ch_wait(e->ch[0], "done");
     d_close(&d.dec, &rm);
     d_end(&d);
     return 0;
@@ -2681,7 +2677,7 @@ static int ddeath_second(env_t *e)
     int rc = d_start(e, &d, false);
     if (rc)
         return rc;
-    if (ch_expect(e->ch[0], "go", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(e->ch[0], "go"))
         return 1;
     if (g_variant == 1)
         g_instance = 2;
@@ -2697,18 +2693,17 @@ static int ddeath_second(env_t *e)
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
     room_t r3 = room_def(30, 2);
     room_t *rp[2] = {&rm, &r3};
-    int out[2] = {kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL,
-                  V_UNTOUCHED};
+    int out[2] = {polled_bytes(&rm), V_UNTOUCHED};
     if (g_variant == 0) {
-        if (ch_expect(e->ch[0], "again", NULL, kvt_tmo_ms(15000)))
+        if (ch_wait(e->ch[0], "again"))
             return 1;
         d_open_post(&d.dec, &r3, NULL);
         ch_tag(e->ch[0], "posted");
         d_expect(&d.dec, &r3, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
-        out[1] = kvw_room_poll(kvw_receiver_room(r3.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+        out[1] = polled_bytes(&r3);
     }
     d_verify(&d.dec, &d.snap, &d.src, rp, out, 2);
-    ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
+    ch_wait(e->ch[0], "done");
     d_close(&d.dec, &rm);
     d_close(&d.dec, &r3);
     d_end(&d);
@@ -2725,7 +2720,7 @@ static int slowchunk_prefill(env_t *e)
     if (rc)
         return rc;
     room_t rm = room_def(110, 4);
-    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(e->ch[1], "posted"))
         return 1;
     p_open(&in, &rm);
     char err[256];
@@ -2756,9 +2751,9 @@ static int slowchunk_decode(env_t *e)
     d_open_post(&d.dec, &rm, NULL);
     ch_tag(e->ch[0], "posted");
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, 3 * WAIT_TIMEOUT_MS, "slow-chunks");
-    ch_expect(e->ch[0], "done", NULL, kvt_tmo_ms(15000));
+    ch_wait(e->ch[0], "done");
     room_t *rp[1] = {&rm};
-    int out = kvw_room_poll(kvw_receiver_room(rm.r[0])) == KVW_ROOM_SUCCESS ? V_OK : V_PARTIAL;
+    int out = polled_bytes(&rm);
     d_verify(&d.dec, &d.snap, &d.src, rp, &out, 1);
     d_close(&d.dec, &rm);
     d_end(&d);
@@ -2795,7 +2790,7 @@ static int leave_prefill(env_t *e)
     if (rc)
         return rc;
     room_t ra = room_def(60, 0), rb = room_def(61, 1);
-    if (ch_expect(e->ch[1], "posted", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(e->ch[1], "posted"))
         return 1;
     p_open(&in, &ra);
     p_wait_state(&in, &ra, KVW_ROOM_WAITING_FOR_INPUT, kvt_tmo_ms(5000));
@@ -2809,7 +2804,7 @@ static int leave_prefill(env_t *e)
     CHECK(wait_send(rb.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
           kvw_room_failure(kvw_sender_room(rb.s[1])));
     ch_tag(e->ch[1], "sent1");
-    if (ch_expect(e->ch[1], "left1", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(e->ch[1], "left1"))
         return 1;
     /* Let prefill rank 0 see the departure first (the case also holds if it has not). */
     sleep_ms(300);
@@ -2853,7 +2848,7 @@ static int leave_decode(env_t *e)
     d_open_post(&d.dec, &ra, NULL);
     d_open_post(&d.dec, &rb, NULL);
     ch_tag(e->ch[0], "posted");
-    if (ch_expect(e->ch[0], "sent1", NULL, kvt_tmo_ms(15000)))
+    if (ch_wait(e->ch[0], "sent1"))
         return 1;
     CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
           "room A rank 1: %s",
@@ -2876,7 +2871,7 @@ static int leave_decode(env_t *e)
     int out[2] = {V_OK, V_OK};
     if (d_verify(&d.dec, &d.snap, &d.src, rp, out, 2))
         say("2 rooms verified byte-exact on both decode ranks (guards intact)");
-    ch_expect(e->ch[0], "done0", NULL, kvt_tmo_ms(15000));
+    ch_wait(e->ch[0], "done0");
     d_close(&d.dec, &ra);
     d_close(&d.dec, &rb);
     d_end(&d);
