@@ -4,6 +4,8 @@
  * granted, and page-exact accounting before Success; a prefill rank's metadata. */
 #include "proto/proto.h"
 
+#include "core/sha256.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -214,20 +216,32 @@ static void kvw_on_bind(struct kvw_ctx *ctx, kvw_tl_ep_h ep, kvw_rbuf_t *rb)
     pthread_mutex_unlock(&ctx->mu);
 }
 
-/* Whether `ep` is the data connection of peer `peer_id` (mu held). */
+/* Whether `ep` is the data connection of peer `peer_id` (mu held). Without a secret
+ * its BIND carried the peer's nonce; with one, the proof under the session key
+ * (kvw__bind_proof), and only the first connection to prove it is that peer's. */
 static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
 {
     if (peer_id >= kvw__peer_count(ctx))
         return false;
-    const kvw_peer_t *p = kvw__peer_at(ctx, peer_id);
+    kvw_peer_t *p = kvw__peer_at(ctx, peer_id);
+    if (p->registering || p->dead)
+        return false;
+    if (p->authed && p->data_ep != NULL)
+        return p->data_ep == ep;
+    uint8_t want[32];
+    if (p->authed)
+        kvw__bind_proof(p->skey, peer_id, p->bind_nonce, want);
+    else
+        memcpy(want, p->bind_nonce, sizeof(want));
     for (uint32_t i = 0; i < ctx->binds.num; i++) {
         const kvw_bind_t *b = &ctx->binds.tab[i];
         if (b->ep != ep)
             continue;
-        uint8_t diff = (uint8_t)(b->peer != peer_id);
-        for (size_t k = 0; k < sizeof(b->nonce); k++)
-            diff |= b->nonce[k] ^ p->bind_nonce[k];
-        return diff == 0;
+        if (b->peer != peer_id || !kvw__ct_equal(b->nonce, want, sizeof(want)))
+            return false;
+        if (p->authed)
+            p->data_ep = ep;
+        return true;
     }
     return false;
 }
@@ -252,6 +266,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw_done_msg_t dm;
     if (kvw__done_decode(&rb, &dm) != KVW_OK || dm.meta_len > KVW_MAX_ROOM_METADATA)
         return;
+    const uint8_t *payload = (const uint8_t *)msg + KVW_WIRE_HDR;
     uint64_t id = dm.room;
     uint32_t peer_id = dm.peer;
     kvw_chunk_t c = {.chunk_begin = dm.chunk_begin, .chunk_end = dm.chunk_end,
@@ -272,6 +287,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
      * can reach a shm socket, any host a tcp port): anything else is refused, and the
      * room carries on waiting for its real sender. */
     if (!kvw_bound(ctx, ep, peer_id))
+        goto out;
+    /* With a secret the completion itself carries the session's tag: the data
+     * connection alone does not vouch for it. */
+    if (kvw__peer_at(ctx, peer_id)->authed &&
+        kvw__done_check_tag(payload, plen, kvw__peer_at(ctx, peer_id)->skey) != KVW_OK)
         goto out;
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer_id)
@@ -484,6 +504,9 @@ void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char
             ctx->binds.tab[i] = ctx->binds.tab[--ctx->binds.num];
             break;
         }
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
+        if (kvw__peer_at(ctx, i)->data_ep == ep)
+            kvw__peer_at(ctx, i)->data_ep = NULL;
     pthread_mutex_unlock(&ctx->mu);
 }
 
