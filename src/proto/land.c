@@ -65,10 +65,13 @@ void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer->id)
             s = &r->srcs[i];
-    if (s == NULL || s->meta_got) {
-        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent metadata %s",
-                       (unsigned long long)id, peer->desc,
-                       s ? "twice" : "but does not write this room");
+    /* Metadata from a rank that does not write the room (another prefill instance's)
+     * is ignored: only the room's own sources can end it. */
+    if (s == NULL)
+        return;
+    if (s->meta_got) {
+        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent metadata twice",
+                       (unsigned long long)id, peer->desc);
         return;
     }
     if (r->has_meta && (r->meta_len != len || (len && memcmp(r->meta, data, len)))) {
@@ -154,6 +157,8 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
             kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->srcs[i].peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK,
                                "");
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
+    /* A span the room still holds (asked for and never written) goes back now. */
+    kvw__stage_release_room(ctx, r->id);
 }
 
 static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
@@ -296,7 +301,11 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer_id)
             s = &r->srcs[i];
-    if (s == NULL || s->done || c.chunk_begin > c.chunk_end || c.chunk_end > r->num_tokens ||
+    /* A rank that does not write this room (another prefill instance's) has no say in
+     * it: its completion is ignored and the room waits for its own sources. */
+    if (s == NULL)
+        goto out;
+    if (s->done || c.chunk_begin > c.chunk_end || c.chunk_end > r->num_tokens ||
         (c.last_chunk && c.chunk_end != r->num_tokens)) {
         kvw_fail_set(&f, KVW_ERR_MALFORMED,
                      "room %llu: bad completion from peer %u (chunk [%llu, %llu))",
