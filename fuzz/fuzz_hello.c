@@ -134,8 +134,10 @@ static void fzh_handshake(fzh_state_t *st, const uint8_t *data, size_t size, boo
     shutdown(sv[1], SHUT_WR); /* a short frame ends at EOF instead of a timeout */
 
     struct kvw_ctx *ctx = fzc_ctx_new(KVW_SIDE_PREFILL, st->prefill->h);
-    if (secret)
+    if (secret) {
         snprintf(ctx->secret, sizeof(ctx->secret), "fuzz-secret");
+        ctx->bs_bound = true; /* as if registered with the bootstrap (bs_bind all zero) */
+    }
     kvw_peer_t *peer = NULL;
     kvw_status_t s = kvw__prefill_handshake(ctx, sv[0], &peer);
     FZC_SAY("handshake: %s %s\n", kvw_status_string(s), s ? kvw_last_error() : "");

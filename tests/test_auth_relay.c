@@ -168,8 +168,12 @@ static void relay_stop(relay_t *r)
 }
 
 /* Re-points the bootstrap entry of prefill rank dp0/tp0/pp0 (TP1) at `addr` with a
- * registration under the secret. Returns the address it replaced. */
-static void forge_entry(const char *bs, const char *addr, char *old, size_t cap)
+ * registration under the secret. Returns the address it replaced. The handshake binds
+ * the entry a decode came through (its nonce and address) to the one the prefill rank
+ * holds, so a redirected entry alone fails it (test_auth_dataplane); here the prefill
+ * rank is made to hold the new entry as its own, standing for a rank that advertises an
+ * address which forwards to it. */
+static void forge_entry(kvw_ctx_h pctx, const char *bs, const char *addr, char *old, size_t cap)
 {
     kvw_bs_entry_t *e = NULL;
     uint32_t n = 0;
@@ -181,7 +185,12 @@ static void forge_entry(const char *bs, const char *addr, char *old, size_t cap)
     kvw_bs_entry_t f = {.dp = 0, .tp = 0, .pp = 0, .dp_size = 1, .tp_size = 1, .pp_size = 1};
     snprintf(f.addr, sizeof(f.addr), "%s", addr);
     st = kvw__bootstrap_register(bs, &f, "alpha", kvw__now_ns() + kvt_tmo_ns(5000000000ull));
-    CHECK(st == KVW_OK, "%s", kvw_last_error());
+    CHECK(st == KVW_OK && f.has_mac, "%s", kvw_last_error());
+    struct kvw_ctx *pc = pctx;
+    pthread_mutex_lock(&pc->mu);
+    kvw__entry_bind(f.nonce, f.addr, pc->bs_bind);
+    pc->bs_bound = true;
+    pthread_mutex_unlock(&pc->mu);
     free(e);
 }
 
@@ -237,7 +246,7 @@ int main(void)
     CHECK(relay_start(&r, "", MODE_TAMPER_HELLO) == 0, "relay");
     char raddr[64];
     snprintf(raddr, sizeof(raddr), "127.0.0.1:%u", r.port);
-    forge_entry(bs, raddr, ctl, sizeof(ctl));
+    forge_entry(pctx, bs, raddr, ctl, sizeof(ctl));
     snprintf(r.target, sizeof(r.target), "%s", ctl);
     kvw_status_t st = make_ctx(&dst, false, bs, &dctx);
     CHECK(st == KVW_ERR_AUTH && kvt_contains(kvw_last_error(), "does not match"),
@@ -249,7 +258,7 @@ int main(void)
     /* 2. A frame injected after the handshake drops the session; the room fails. */
     CHECK(relay_start(&r, ctl, MODE_INJECT) == 0, "relay");
     snprintf(raddr, sizeof(raddr), "127.0.0.1:%u", r.port);
-    forge_entry(bs, raddr, NULL, 0);
+    forge_entry(pctx, bs, raddr, NULL, 0);
     st = make_ctx(&dst, false, bs, &dctx);
     CHECK(st == KVW_OK, "relayed handshake: %s", kvw_last_error());
     if (st == KVW_OK) {
@@ -277,7 +286,7 @@ int main(void)
     /* 3. An honest relay (a plain TCP forwarder) changes nothing: verified bytes. */
     CHECK(relay_start(&r, ctl, MODE_CLEAN) == 0, "relay");
     snprintf(raddr, sizeof(raddr), "127.0.0.1:%u", r.port);
-    forge_entry(bs, raddr, NULL, 0);
+    forge_entry(pctx, bs, raddr, NULL, 0);
     st = make_ctx(&dst, false, bs, &dctx);
     CHECK(st == KVW_OK, "clean relay: %s", kvw_last_error());
     if (st == KVW_OK) {

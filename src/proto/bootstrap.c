@@ -662,7 +662,7 @@ static kvw_status_t kvw_bs_call(const char *bs_addr, kvw_wbuf_t *w, uint64_t dea
 /* One registration attempt: with a secret, the endpoint's challenge first, then the
  * entry with its MAC over that challenge, on the same connection. keep_fd: on success
  * the connection stays open there (a held registration). */
-static kvw_status_t kvw_bs_register_once(const char *bs_addr, const kvw_bs_entry_t *e0,
+static kvw_status_t kvw_bs_register_once(const char *bs_addr, kvw_bs_entry_t *e0,
                                          const char *secret, uint64_t deadline_ns, int *keep_fd)
 {
     int fd;
@@ -700,10 +700,12 @@ static kvw_status_t kvw_bs_register_once(const char *bs_addr, const kvw_bs_entry
         *keep_fd = fd;
     else
         close(fd);
+    if (st == KVW_OK)
+        *e0 = e; /* with its nonce and MAC: the registration MACs bind them */
     return st;
 }
 
-static kvw_status_t kvw_bs_register(const char *bs_addr, const kvw_bs_entry_t *e,
+static kvw_status_t kvw_bs_register(const char *bs_addr, kvw_bs_entry_t *e,
                                      const char *secret, uint64_t deadline_ns, int *keep_fd)
 {
     kvw_status_t st;
@@ -719,13 +721,13 @@ static kvw_status_t kvw_bs_register(const char *bs_addr, const kvw_bs_entry_t *e
                       bs_addr, kvw_last_error());
 }
 
-kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
+kvw_status_t kvw__bootstrap_register(const char *bs_addr, kvw_bs_entry_t *e,
                                      const char *secret, uint64_t deadline_ns)
 {
     return kvw_bs_register(bs_addr, e, secret, deadline_ns, NULL);
 }
 
-kvw_status_t kvw__bootstrap_hold(const char *bs_addr, const kvw_bs_entry_t *e,
+kvw_status_t kvw__bootstrap_hold(const char *bs_addr, kvw_bs_entry_t *e,
                                  const char *secret, uint64_t deadline_ns, int *fd_p)
 {
     *fd_p = -1;

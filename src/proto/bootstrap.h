@@ -43,12 +43,13 @@ void kvw__bootstrap_entry_mac(const char *secret, const kvw_bs_entry_t *e, uint8
 /* An entry as it travels in registrations and tables. */
 void kvw__bootstrap_put_entry(kvw_wbuf_t *w, const kvw_bs_entry_t *e);
 /* With a non-empty secret, a registration first asks the endpoint for a challenge on
- * the same connection and carries the MAC over it. */
-kvw_status_t kvw__bootstrap_register(const char *bs_addr, const kvw_bs_entry_t *e,
+ * the same connection and carries the MAC over it; on success *e holds that nonce and
+ * MAC (has_mac set). */
+kvw_status_t kvw__bootstrap_register(const char *bs_addr, kvw_bs_entry_t *e,
                                      const char *secret, uint64_t deadline_ns);
 /* Registers and keeps the connection (*fd_p): the endpoint drops the entry as soon as
  * the connection closes, so a rank that dies or is destroyed leaves no stale entry. */
-kvw_status_t kvw__bootstrap_hold(const char *bs_addr, const kvw_bs_entry_t *e,
+kvw_status_t kvw__bootstrap_hold(const char *bs_addr, kvw_bs_entry_t *e,
                                  const char *secret, uint64_t deadline_ns, int *fd_p);
 /* Waits until the table holds every rank of the instance (sizes from the entries or
  * the expected sizes when non-zero). *entries_p is malloc'd. With a non-empty secret,

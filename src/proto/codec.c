@@ -2,6 +2,8 @@
  * frames, and the DONE frame of the data path (written by worker.c, read by land.c). */
 #include "proto/proto.h"
 
+#include "core/sha256.h"
+
 #include <stddef.h>
 #include <string.h>
 
@@ -184,7 +186,17 @@ static const struct {
     {offsetof(kvw_done_msg_t, slen), 8},        {offsetof(kvw_done_msg_t, goff), 8},
     {offsetof(kvw_done_msg_t, final), 1},       {offsetof(kvw_done_msg_t, meta_len), 4}};
 
-void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m)
+/* The tag of a DONE frame's fields under a session key. */
+static void kvw_done_tag(const uint8_t *key, const uint8_t *fields, size_t n, uint8_t out[32])
+{
+    kvw_hmac_t h;
+    kvw__hmac_init(&h, key, 32);
+    kvw__hmac_update(&h, "kvwire-done-3", strlen("kvwire-done-3"));
+    kvw__hmac_update(&h, fields, n);
+    kvw__hmac_final(&h, out);
+}
+
+void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m, const uint8_t *key)
 {
     kvw__wb_init(w, KVW_MSG_DONE);
     for (size_t i = 0; i < KVW_ARRAY_SIZE(kvw_done_fields); i++) {
@@ -203,6 +215,43 @@ void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m)
             kvw__wb_u8(w, (uint8_t)v);
         }
     }
+    if (key && !w->oom) {
+        uint8_t t[32];
+        kvw_done_tag(key, w->p + KVW_WIRE_HDR, w->len - KVW_WIRE_HDR, t);
+        for (size_t i = 0; i < KVW_TAG; i++)
+            kvw__wb_u8(w, t[i]);
+    }
+}
+
+/* Bytes of a DONE frame's fields (the tag, when there is one, follows them). */
+static size_t kvw_done_fields_len(void)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(kvw_done_fields); i++)
+        n += kvw_done_fields[i].width;
+    return n;
+}
+
+kvw_status_t kvw__done_check_tag(const uint8_t *payload, size_t len, const uint8_t *key)
+{
+    size_t n = kvw_done_fields_len();
+    if (len != n + KVW_TAG)
+        return kvw__error(KVW_ERR_AUTH, "a completion without the session's tag");
+    uint8_t t[32];
+    kvw_done_tag(key, payload, n, t);
+    if (!kvw__ct_equal(t, payload + n, KVW_TAG))
+        return kvw__error(KVW_ERR_AUTH, "a completion whose session tag is wrong");
+    return KVW_OK;
+}
+
+void kvw__entry_bind(const uint8_t nonce[32], const char *addr, uint8_t out[32])
+{
+    kvw_sha256_t c;
+    kvw__sha256_init(&c);
+    kvw__sha256_update(&c, "kvwire-entry-3", strlen("kvwire-entry-3"));
+    kvw__sha256_update(&c, nonce, 32);
+    kvw__sha256_update(&c, addr, strlen(addr));
+    kvw__sha256_final(&c, out);
 }
 
 kvw_status_t kvw__done_decode(kvw_rbuf_t *r, kvw_done_msg_t *m)
@@ -221,5 +270,7 @@ kvw_status_t kvw__done_decode(kvw_rbuf_t *r, kvw_done_msg_t *m)
             memcpy(f, &v, sizeof(v));
         }
     }
+    if (r->len - r->pos == KVW_TAG)
+        r->pos += KVW_TAG; /* the tag: kvw__done_check_tag */
     return kvw__rb_done(r, "done");
 }

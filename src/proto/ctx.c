@@ -172,7 +172,14 @@ static kvw_status_t kvw_ctx_prefill_start(struct kvw_ctx *ctx, const kvw_ctx_par
                         .dp_size = KVW_MAX(par->dp_size, 1), .tp_size = par->tp_size,
                         .pp_size = KVW_MAX(par->pp_size, 1)};
     kvw__format_hostport(ctx->listen_host, ctx->listen_port, e.addr, sizeof(e.addr));
-    return kvw__bootstrap_hold(ctx->bootstrap_addr, &e, ctx->secret, deadline, &ctx->bs_fd);
+    st = kvw__bootstrap_hold(ctx->bootstrap_addr, &e, ctx->secret, deadline, &ctx->bs_fd);
+    if (st == KVW_OK && e.has_mac) {
+        pthread_mutex_lock(&ctx->mu);
+        kvw__entry_bind(e.nonce, e.addr, ctx->bs_bind);
+        ctx->bs_bound = true;
+        pthread_mutex_unlock(&ctx->mu);
+    }
+    return st;
 }
 
 /* Decode: registers every buffer and the staging area with the transport, and keeps

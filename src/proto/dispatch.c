@@ -3,6 +3,19 @@
 
 #include <stdio.h>
 
+/* Decode: whether `peer` is one of the prefill ranks room `r` reads from: a rank it
+ * expects bytes from, or another rank of the instance and DP group its request went to
+ * (one that sends this rank nothing still fails the room when its own side fails). */
+static bool kvw_is_source(const kvw_room_t *r, const kvw_peer_t *peer)
+{
+    if (r->is_sender || r->state == KVW_ROOM_BOOTSTRAPPING)
+        return false;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (r->srcs[i].peer == peer->id)
+            return true;
+    return peer->inst == r->inst && peer->inst_gen == r->inst_gen && peer->dp == r->src_dp;
+}
+
 void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, const uint8_t *p,
                        uint32_t len)
 {
@@ -88,6 +101,21 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                      peer->desc, (unsigned long long)peer->instance, peer->dp);
             kvw__send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_REJECTED, why);
             kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "refused");
+        } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL &&
+                   (r == NULL || (r->dst_dp < 0 && r->state != KVW_ROOM_FAILED))) {
+            /* Nobody owns the room yet: the abort is remembered for its owner, and applies
+             * if the first REQ comes from the aborting instance and group (an honest decode
+             * rank's REQ always goes before its ABORT); anyone else's is dropped then. */
+            if (r == NULL)
+                r = kvw__room_new(ctx, id, true);
+            if (r && !r->abort_pending) {
+                r->abort_pending = true;
+                r->abort_instance = peer->instance;
+                r->abort_dp = peer->dp;
+                snprintf(r->abort_why, sizeof(r->abort_why), "aborted by %.100s: %.80s",
+                         peer->desc, reason);
+            }
+            kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
         } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
             if (r == NULL)
                 r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
@@ -102,7 +130,10 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                 dst |= r->dsts[i].peer == peer->id;
             if (!dst || (r && r->quiesce_sent))
                 kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
-        } else if (type == KVW_MSG_FAILED && ctx->side == KVW_SIDE_DECODE && r) {
+        } else if (type == KVW_MSG_FAILED && ctx->side == KVW_SIDE_DECODE && r &&
+                   kvw_is_source(r, peer)) {
+            /* Only a rank the room reads from may fail it: a FAILED from any other (a
+             * prefill instance the room does not read from) is ignored. */
             kvw__room_fail(ctx, r, st == KVW_ERR_ABORTED ? KVW_ERR_ABORTED : KVW_ERR_REMOTE_FAILED,
                            false, "%s failed the room: %s", peer->desc, reason);
         } else if (type == KVW_MSG_ABORT_ACK && ctx->side == KVW_SIDE_DECODE && r) {

@@ -65,15 +65,26 @@ static bool kvw_pair_needed(kvw_rank_h src, kvw_rank_h dst)
 
 /*
  * With a secret, the MACs bind the whole handshake transcript, not only the challenges:
- *   HELLO  mac   = HMAC(secret, "kvwire-hello-2"  | nonce | dnonce | hello body)
- *   ACCEPT proof = HMAC(secret, "kvwire-accept-2" | nonce | dnonce | SHA256(hello body)
+ *   HELLO  mac   = HMAC(secret, "kvwire-hello-3"  | nonce | dnonce | hello body | entry)
+ *   ACCEPT proof = HMAC(secret, "kvwire-accept-3" | nonce | dnonce | SHA256(hello body)
  *                                                  | accept body)
- *   session key  = HMAC(secret, "kvwire-session-2" | nonce | dnonce | hello mac)
+ *   session key  = HMAC(secret, "kvwire-session-3" | nonce | dnonce | hello mac)
  * The hello body holds the decode rank's identity, instance, buffer descriptions, keys
- * and data address; the accept body the prefill rank's description. A relay can
- * neither change them (the MAC fails) nor add, drop, reorder or alter a control frame
- * later: every frame after the handshake carries a tag under the session key, with a
- * sequence number per direction (kvw__peer_send, kvw_peer_read).
+ * and data address; the accept body the prefill rank's description. `entry` is
+ * kvw__entry_bind of the bootstrap entry the decode connected through (its nonce and
+ * address); the prefill rank puts in the entry it holds itself, so an entry that is not
+ * its own (stale, or pointing at a relay) fails the handshake. A relay can neither
+ * change them (the MAC fails) nor add, drop, reorder or alter a control frame later:
+ * every frame after the handshake carries a tag under the session key, with a sequence
+ * number per direction (kvw__peer_send, kvw_peer_read).
+ *
+ * The data plane is part of the session: the prefill rank's data connection opens with
+ *   BIND = peer id | HMAC(session key, "kvwire-bind-3" | peer id | dnonce)
+ * (without a secret: peer id | dnonce), and only one connection per peer may prove it;
+ * every DONE ends in a tag under the session key (kvw__done_encode). A third party that
+ * read the decode's data address and nonce in the clear can open a connection but can
+ * neither bind it nor complete a room; what it writes into a room's pages makes more
+ * bytes land than the plans imply, which fails the room (land.c), never Success.
  */
 static void kvw_auth_mac(const struct kvw_ctx *ctx, const char *label, const uint8_t *nonce,
                          const uint8_t *dnonce, const void *a, size_t an, const void *b,
@@ -88,6 +99,19 @@ static void kvw_auth_mac(const struct kvw_ctx *ctx, const char *label, const uin
         kvw__hmac_update(&h, a, an);
     if (bn)
         kvw__hmac_update(&h, b, bn);
+    kvw__hmac_final(&h, out);
+}
+
+void kvw__bind_proof(const uint8_t skey[32], uint32_t peer_id, const uint8_t dnonce[32],
+                     uint8_t out[32])
+{
+    uint8_t id[4] = {(uint8_t)peer_id, (uint8_t)(peer_id >> 8), (uint8_t)(peer_id >> 16),
+                     (uint8_t)(peer_id >> 24)};
+    kvw_hmac_t h;
+    kvw__hmac_init(&h, skey, 32);
+    kvw__hmac_update(&h, "kvwire-bind-3", strlen("kvwire-bind-3"));
+    kvw__hmac_update(&h, id, sizeof(id));
+    kvw__hmac_update(&h, dnonce, 32);
     kvw__hmac_final(&h, out);
 }
 
@@ -145,6 +169,7 @@ typedef struct kvw_hs {
     const void *addr;
     size_t addr_len;
     uint8_t hello_hash[32];
+    uint8_t skey[32]; /* with a secret: the session key */
     kvw_rank_h remote, mapped;
     kvw_tl_ep_h ep;
     kvw_tl_rkey_h *rkeys;
@@ -211,15 +236,29 @@ static kvw_status_t kvw_hs_verify_mac(struct kvw_ctx *ctx, kvw_hs_t *h)
     size_t hello_body_len = h->len - (1 + 32 + KVW_NONCE);
     kvw_sha256(hello_body, hello_body_len, h->hello_hash);
     if (ctx->secret[0]) {
-        uint8_t want[32];
-        kvw_auth_mac(ctx, "kvwire-hello-2", h->nonce, h->dnonce, hello_body, hello_body_len,
-                     NULL, 0, want);
+        uint8_t want[32], eb[32];
+        /* A decode can reach us between the endpoint's answer to our registration and
+         * the moment we stored what it bound: wait for it (until the deadline). */
+        for (bool bound = false; !bound;) {
+            pthread_mutex_lock(&ctx->mu);
+            bound = ctx->bs_bound || kvw__now_ns() >= h->deadline;
+            memcpy(eb, ctx->bs_bind, sizeof(eb));
+            pthread_mutex_unlock(&ctx->mu);
+            if (!bound)
+                usleep(1000);
+        }
+        kvw_auth_mac(ctx, "kvwire-hello-3", h->nonce, h->dnonce, hello_body, hello_body_len, eb,
+                     sizeof(eb), want);
         if (!h->has_mac || !kvw__ct_equal(h->mac, want, 32)) {
             snprintf(h->reason, sizeof(h->reason), h->has_mac ? "authentication failed: the "
-                     "shared secret does not match" : "authentication failed: this prefill "
-                     "rank requires a shared secret and the decode rank proved none");
+                     "shared secret does not match, or the decode rank came through a "
+                     "bootstrap entry that is not this rank's own (stale or redirected)" :
+                     "authentication failed: this prefill rank requires a shared secret and "
+                     "the decode rank proved none");
             return KVW_ERR_AUTH;
         }
+        kvw_auth_mac(ctx, "kvwire-session-3", h->nonce, h->dnonce, h->mac, sizeof(h->mac), NULL,
+                     0, h->skey);
     }
     return KVW_OK;
 }
@@ -315,7 +354,13 @@ static kvw_status_t kvw_hs_connect_data(struct kvw_ctx *ctx, kvw_hs_t *h)
     kvw_wbuf_t bw;
     kvw__wb_init(&bw, KVW_MSG_BIND);
     kvw__wb_u32(&bw, h->id_at_remote);
-    kvw_wb_raw(&bw, h->dnonce, sizeof(h->dnonce));
+    if (ctx->secret[0]) {
+        uint8_t proof[32];
+        kvw__bind_proof(h->skey, h->id_at_remote, h->dnonce, proof);
+        kvw_wb_raw(&bw, proof, sizeof(proof));
+    } else {
+        kvw_wb_raw(&bw, h->dnonce, sizeof(h->dnonce));
+    }
     if ((st = kvw__wb_finish(&bw)) == KVW_OK)
         st = ctx->tl_ops->notify(h->ep, bw.p, bw.len);
     kvw__wb_free(&bw);
@@ -388,7 +433,7 @@ static kvw_status_t kvw_hs_reply(struct kvw_ctx *ctx, int fd, kvw_hs_t *h, kvw_s
         size_t body_at = w.len;
         kvw__wire_put_rank(&w, ctx->rank);
         if (ctx->secret[0] && !w.oom) {
-            kvw_auth_mac(ctx, "kvwire-accept-2", h->nonce, h->dnonce, h->hello_hash, 32,
+            kvw_auth_mac(ctx, "kvwire-accept-3", h->nonce, h->dnonce, h->hello_hash, 32,
                          w.p + body_at, w.len - body_at, proof);
             memcpy(w.p + body_at - sizeof(proof), proof, sizeof(proof));
         }
@@ -473,8 +518,7 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
     if (ctx->secret[0]) {
         peer->authed = true;
         peer->tx_dir = 1; /* prefill -> decode */
-        kvw_auth_mac(ctx, "kvwire-session-2", h->nonce, h->dnonce, h->mac, sizeof(h->mac),
-                     NULL, 0, peer->skey);
+        memcpy(peer->skey, h->skey, sizeof(peer->skey));
     }
     peer->dp = rp->dp_rank, peer->tp = rp->tp_rank, peer->pp = rp->pp_rank;
     peer->remote_group_size = rp->tp_size * KVW_MAX(rp->pp_size, 1);
@@ -580,8 +624,12 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     if (!w.oom) {
         kvw_sha256(w.p + body_at, w.len - body_at, hello_hash);
         if (ctx->secret[0]) {
-            kvw_auth_mac(ctx, "kvwire-hello-2", nonce, dnonce, w.p + body_at, w.len - body_at,
-                         NULL, 0, mac);
+            /* The entry this connection came through (a lookup with the secret checked
+             * its MAC, so it has a nonce); the prefill rank binds its own. */
+            uint8_t eb[32];
+            kvw__entry_bind(e->nonce, e->addr, eb);
+            kvw_auth_mac(ctx, "kvwire-hello-3", nonce, dnonce, w.p + body_at, w.len - body_at,
+                         eb, sizeof(eb), mac);
             memcpy(w.p + KVW_WIRE_HDR + 1, mac, sizeof(mac));
         }
     }
@@ -612,7 +660,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     kvw_rb_raw(&r, proof, sizeof(proof));
     if (type == KVW_MSG_ACCEPT && !r.bad && ctx->secret[0]) {
         uint8_t want[32];
-        kvw_auth_mac(ctx, "kvwire-accept-2", nonce, dnonce, hello_hash, 32, p + 1 + 32,
+        kvw_auth_mac(ctx, "kvwire-accept-3", nonce, dnonce, hello_hash, 32, p + 1 + 32,
                      len - (1 + 32), want);
         if (!has_proof || !kvw__ct_equal(proof, want, 32)) {
             free(p);
@@ -652,7 +700,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     if (ctx->secret[0]) {
         peer->authed = true;
         peer->tx_dir = 2; /* decode -> prefill */
-        kvw_auth_mac(ctx, "kvwire-session-2", nonce, dnonce, mac, sizeof(mac), NULL, 0,
+        kvw_auth_mac(ctx, "kvwire-session-3", nonce, dnonce, mac, sizeof(mac), NULL, 0,
                      peer->skey);
     }
     peer->registering = false;

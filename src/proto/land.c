@@ -4,6 +4,8 @@
  * granted, and page-exact accounting before Success; a prefill rank's metadata. */
 #include "proto/proto.h"
 
+#include "core/sha256.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -63,10 +65,13 @@ void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer->id)
             s = &r->srcs[i];
-    if (s == NULL || s->meta_got) {
-        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent metadata %s",
-                       (unsigned long long)id, peer->desc,
-                       s ? "twice" : "but does not write this room");
+    /* Metadata from a rank that does not write the room (another prefill instance's)
+     * is ignored: only the room's own sources can end it. */
+    if (s == NULL)
+        return;
+    if (s->meta_got) {
+        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent metadata twice",
+                       (unsigned long long)id, peer->desc);
         return;
     }
     if (r->has_meta && (r->meta_len != len || (len && memcmp(r->meta, data, len)))) {
@@ -152,6 +157,8 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
             kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->srcs[i].peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK,
                                "");
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
+    /* A span the room still holds (asked for and never written) goes back now. */
+    kvw__stage_release_room(ctx, r->id);
 }
 
 static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r)
@@ -214,20 +221,32 @@ static void kvw_on_bind(struct kvw_ctx *ctx, kvw_tl_ep_h ep, kvw_rbuf_t *rb)
     pthread_mutex_unlock(&ctx->mu);
 }
 
-/* Whether `ep` is the data connection of peer `peer_id` (mu held). */
+/* Whether `ep` is the data connection of peer `peer_id` (mu held). Without a secret
+ * its BIND carried the peer's nonce; with one, the proof under the session key
+ * (kvw__bind_proof), and only the first connection to prove it is that peer's. */
 static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
 {
     if (peer_id >= kvw__peer_count(ctx))
         return false;
-    const kvw_peer_t *p = kvw__peer_at(ctx, peer_id);
+    kvw_peer_t *p = kvw__peer_at(ctx, peer_id);
+    if (p->registering || p->dead)
+        return false;
+    if (p->authed && p->data_ep != NULL)
+        return p->data_ep == ep;
+    uint8_t want[32];
+    if (p->authed)
+        kvw__bind_proof(p->skey, peer_id, p->bind_nonce, want);
+    else
+        memcpy(want, p->bind_nonce, sizeof(want));
     for (uint32_t i = 0; i < ctx->binds.num; i++) {
         const kvw_bind_t *b = &ctx->binds.tab[i];
         if (b->ep != ep)
             continue;
-        uint8_t diff = (uint8_t)(b->peer != peer_id);
-        for (size_t k = 0; k < sizeof(b->nonce); k++)
-            diff |= b->nonce[k] ^ p->bind_nonce[k];
-        return diff == 0;
+        if (b->peer != peer_id || !kvw__ct_equal(b->nonce, want, sizeof(want)))
+            return false;
+        if (p->authed)
+            p->data_ep = ep;
+        return true;
     }
     return false;
 }
@@ -252,6 +271,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw_done_msg_t dm;
     if (kvw__done_decode(&rb, &dm) != KVW_OK || dm.meta_len > KVW_MAX_ROOM_METADATA)
         return;
+    const uint8_t *payload = (const uint8_t *)msg + KVW_WIRE_HDR;
     uint64_t id = dm.room;
     uint32_t peer_id = dm.peer;
     kvw_chunk_t c = {.chunk_begin = dm.chunk_begin, .chunk_end = dm.chunk_end,
@@ -273,10 +293,19 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
      * room carries on waiting for its real sender. */
     if (!kvw_bound(ctx, ep, peer_id))
         goto out;
+    /* With a secret the completion itself carries the session's tag: the data
+     * connection alone does not vouch for it. */
+    if (kvw__peer_at(ctx, peer_id)->authed &&
+        kvw__done_check_tag(payload, plen, kvw__peer_at(ctx, peer_id)->skey) != KVW_OK)
+        goto out;
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer_id)
             s = &r->srcs[i];
-    if (s == NULL || s->done || c.chunk_begin > c.chunk_end || c.chunk_end > r->num_tokens ||
+    /* A rank that does not write this room (another prefill instance's) has no say in
+     * it: its completion is ignored and the room waits for its own sources. */
+    if (s == NULL)
+        goto out;
+    if (s->done || c.chunk_begin > c.chunk_end || c.chunk_end > r->num_tokens ||
         (c.last_chunk && c.chunk_end != r->num_tokens)) {
         kvw_fail_set(&f, KVW_ERR_MALFORMED,
                      "room %llu: bad completion from peer %u (chunk [%llu, %llu))",
@@ -484,6 +513,9 @@ void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char
             ctx->binds.tab[i] = ctx->binds.tab[--ctx->binds.num];
             break;
         }
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
+        if (kvw__peer_at(ctx, i)->data_ep == ep)
+            kvw__peer_at(ctx, i)->data_ep = NULL;
     pthread_mutex_unlock(&ctx->mu);
 }
 

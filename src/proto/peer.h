@@ -77,6 +77,9 @@ typedef struct kvw_peer {
     /* Decode: the challenge this rank sent in its registration. Only the prefill rank that
      * read it can bind a data connection to this peer (KVW_MSG_BIND). */
     uint8_t bind_nonce[32];
+    /* Decode, with a secret: the one data connection that proved this session (its BIND
+     * carried HMAC(session key, "kvwire-bind-3" | peer id | nonce)); NULL until one did. */
+    kvw_tl_ep_h data_ep;
 } kvw_peer_t;
 
 /* The context's peer table (ctx->peers; ctx->mu guards it). Peers are never freed

@@ -80,9 +80,21 @@ typedef struct kvw_done_msg {
     uint32_t meta_len;
 } kvw_done_msg_t;
 /* Starts w as a DONE frame holding m (the caller finishes it). */
-void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m);
-/* Reads a DONE frame's payload; MALFORMED (message set) unless it is exactly one. */
+/* With a session key (`key`, NULL: none) the frame ends in a tag (KVW_TAG bytes):
+ * HMAC(key, "kvwire-done-3" | the fields), so only the prefill rank of the session can
+ * complete a room. */
+void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m, const uint8_t *key);
+/* Reads a DONE frame's payload; MALFORMED (message set) unless it is exactly one, with
+ * or without a tag. With `key` (the session key of the peer the frame names), the tag
+ * must be there and right (AUTH otherwise). */
 kvw_status_t kvw__done_decode(kvw_rbuf_t *r, kvw_done_msg_t *m);
+kvw_status_t kvw__done_check_tag(const uint8_t *payload, size_t len, const uint8_t *key);
+/* With a secret: the digest of a bootstrap entry's nonce and address that the
+ * registration MACs bind (the decode's entry must be the prefill rank's own). */
+void kvw__entry_bind(const uint8_t nonce[32], const char *addr, uint8_t out[32]);
+/* With a secret: what a data connection's BIND carries for peer `peer_id` (handshake.c). */
+void kvw__bind_proof(const uint8_t skey[32], uint32_t peer_id, const uint8_t dnonce[32],
+                     uint8_t out[32]);
 
 /* Plan without page lists: segments and byte count only (pages are not checked). */
 /* kvw_plan_create on structs the library built itself (no field-mask checks). */
@@ -159,6 +171,10 @@ struct kvw_ctx {
     int listen_fd;
     uint16_t listen_port;
     int bs_fd; /* prefill: the connection that holds this rank's bootstrap entry */
+    /* Prefill, with a secret: the digest of the entry it holds there (its nonce and
+     * address, kvw__entry_bind); every registration's MACs cover it. */
+    uint8_t bs_bind[32];
+    bool bs_bound; /* bs_bind is set (a registration arriving before waits for it) */
     int wake_fd[2];
 
     kvw_hmap_t rooms; /* by id */

@@ -114,6 +114,43 @@ void kvw__sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
         kvw__queue_room(ctx, r);
 }
 
+/* The first REQ for a room makes its instance and group the owner. An ABORT that came
+ * before it applies now if it came from the owner (the room fails: true; the requester
+ * hears of it as a destination of the room, or from the caller when it is none), and is
+ * dropped otherwise. mu held. */
+static bool kvw_claim(struct kvw_ctx *ctx, kvw_room_t *r, kvw_peer_t *peer, uint32_t dp)
+{
+    r->dst_dp = (int32_t)dp;
+    r->dst_instance = peer->instance;
+    bool pending = r->abort_pending;
+    r->abort_pending = false;
+    if (!pending || r->abort_instance != peer->instance || r->abort_dp != dp)
+        return false;
+    char why[sizeof(r->abort_why)];
+    snprintf(why, sizeof(why), "%s", r->abort_why);
+    kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "%s", why);
+    return true;
+}
+
+/* With a secret, a room belongs to the decode instance (and DP group) whose REQ came
+ * first: a REQ from another one, which holds the secret too, is refused alone (FAILED
+ * to it) and the owner's room carries on. Without a secret instance ids are only claims,
+ * and a second claimant fails the room for everyone (the owner learns of it). Returns
+ * whether the claim was refused here. mu held. */
+static bool kvw_refuse_claim(struct kvw_ctx *ctx, kvw_room_t *r, kvw_peer_t *peer, uint32_t dp)
+{
+    if (!ctx->secret[0] || !peer->authed)
+        return false;
+    char why[320];
+    snprintf(why, sizeof(why), "room %llu belongs to decode instance %llu group %d: a request "
+             "from %.120s (instance %llu group %u) is refused", (unsigned long long)r->id,
+             (unsigned long long)r->dst_instance, r->dst_dp, peer->desc,
+             (unsigned long long)peer->instance, dp);
+    kvw__send_room_msg(ctx, peer, KVW_MSG_FAILED, r->id, KVW_ERR_REJECTED, why);
+    kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, r->id, KVW_ERR_ABORTED, "refused");
+    return true;
+}
+
 void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
 {
     KVW_ASSERT_HELD(&ctx->mu);
@@ -188,12 +225,16 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
         /* A decode rank this rank sends nothing to still names the room's DP group,
          * so that a rank with nothing to send can finish. */
         free(d.store);
-        if (r->dst_dp < 0) {
-            r->dst_dp = (int32_t)dp;
-            r->dst_instance = peer->instance;
+        if (r->dst_dp < 0 && kvw_claim(ctx, r, peer, dp)) {
+            kvw__send_room_msg(ctx, peer, KVW_MSG_FAILED, id, r->status, r->reason);
+            kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
+            return;
         }
         if ((uint32_t)r->dst_dp != dp || r->dst_instance != peer->instance) {
-            /* A second claimant fails the room for everyone, itself included. */
+            /* A second claimant fails the room for everyone, itself included; with a
+             * secret it is refused alone (kvw_refuse_claim). */
+            if (kvw_refuse_claim(ctx, r, peer, dp))
+                return;
             char why[320];
             snprintf(why, sizeof(why), "room %llu: %.160s (decode instance %llu) posted for DP "
                      "group %u, but the room belongs to instance %llu group %d",
@@ -219,11 +260,13 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
                            "%s posted room %llu twice", peer->desc, (unsigned long long)id);
             return;
         }
-    if (r->dst_dp < 0) {
-        r->dst_dp = (int32_t)dp;
-        r->dst_instance = peer->instance;
-    }
+    if (r->dst_dp < 0 && kvw_claim(ctx, r, peer, dp))
+        return;
     if ((uint32_t)r->dst_dp != dp || r->dst_instance != peer->instance) {
+        if (kvw_refuse_claim(ctx, r, peer, dp)) {
+            free(r->dsts[--r->num_dsts].store);
+            return;
+        }
         kvw__room_fail(ctx, r, KVW_ERR_INVALID_PARAM, true,
                        "room %llu: %s (decode instance %llu) posted for DP group %u, but the "
                        "room belongs to instance %llu group %d", (unsigned long long)id,

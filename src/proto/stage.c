@@ -137,18 +137,12 @@ void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64
 {
     KVW_ASSERT_HELD(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, room);
-    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || len == 0 ||
-        len > ctx->stage.len) {
-        if (r && !r->is_sender)
-            kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
-                           "%s asked for %llu bytes of staging (the area has %llu)", peer->desc,
-                           (unsigned long long)len, (unsigned long long)ctx->stage.len);
-        return;
-    }
+    if (r == NULL || r->is_sender)
+        return; /* a room that ended or was destroyed here meanwhile */
     /* Only a prefill rank that writes this room may ask for space for it (anyone else is
-     * not speaking the protocol: its connection goes), and it asks for one window at a
-     * time: a second request before the first was granted fails the room. This bounds
-     * the waiting list by the rooms' sources. */
+     * not speaking the protocol: its connection goes, and the room carries on), and it
+     * asks for one window at a time: a second request before the first was granted
+     * fails the room. This bounds the waiting list by the rooms' sources. */
     bool src = false;
     for (uint32_t i = 0; i < r->num_srcs; i++)
         src |= r->srcs[i].peer == peer->id;
@@ -157,6 +151,16 @@ void kvw__stage_ask(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint64
         snprintf(why, sizeof(why), "asked for staging space for room %llu, which it does not "
                  "write", (unsigned long long)room);
         kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
+        return;
+    }
+    /* Space only for a room that still takes bytes: a room at Success (or failed) has
+     * nothing left to stage, and a span granted to it would never be given back. */
+    if (r->state != KVW_ROOM_WAITING_FOR_INPUT && r->state != KVW_ROOM_TRANSFERRING)
+        return;
+    if (len == 0 || len > ctx->stage.len) {
+        kvw__room_fail(ctx, r, KVW_ERR_OUT_OF_RANGE, true,
+                       "%s asked for %llu bytes of staging (the area has %llu)", peer->desc,
+                       (unsigned long long)len, (unsigned long long)ctx->stage.len);
         return;
     }
     for (uint32_t i = 0; i < ctx->stage.num_waits; i++)
@@ -195,7 +199,10 @@ void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off)
     while (ctx->stage.num_waits) {
         kvw_stage_wait_t w = ctx->stage.waits[0];
         kvw_room_t *r = kvw__room_find(ctx, w.room);
-        bool live = r && r->state != KVW_ROOM_FAILED && !kvw__peer_at(ctx, w.peer)->dead;
+        bool live = r && !r->is_sender &&
+                    (r->state == KVW_ROOM_WAITING_FOR_INPUT ||
+                     r->state == KVW_ROOM_TRANSFERRING) &&
+                    !kvw__peer_at(ctx, w.peer)->dead;
         if (live && !kvw_stage_try(ctx, kvw__peer_at(ctx, w.peer), w.room, w.len))
             break;
         memmove(&ctx->stage.waits[0], &ctx->stage.waits[1], sizeof(*ctx->stage.waits) * (ctx->stage.num_waits - 1));

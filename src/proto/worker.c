@@ -195,7 +195,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, const kvw_step_t *s,
          * early chunk): only the completion goes, which may be the final one. */
         kvw_wbuf_t w;
         kvw_done_msg_t dm = kvw_step_done(s, c, 0, s->final);
-        kvw__done_encode(&w, &dm);
+        kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
         return kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
     /* The chunk's plan is prepared once for all its windows (on a GPU: uploaded once).
@@ -255,7 +255,7 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, const kvw_step_t *s,
         kvw_wbuf_t dw;
         kvw_done_msg_t dm = kvw_step_done(s, c, len, s->final && sent == total);
         dm.staged = true, dm.soff = wb, dm.slen = len, dm.goff = (uint64_t)goff;
-        kvw__done_encode(&dw, &dm);
+        kvw__done_encode(&dw, &dm, peer->authed ? peer->skey : NULL);
         st = kvw_notify_done(ctx, peer, &dw, &out->out_ns);
         out->runs++;
     }
@@ -377,7 +377,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
             st = ctx->mem->step_launch(plan, &e->slot, &prof);
         if (st == KVW_OK) {
             kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
-            kvw__done_encode(&e->done, &dm);
+            kvw__done_encode(&e->done, &dm, peer->authed ? peer->skey : NULL);
             if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
                 kvw__wb_free(&e->done);
         }
@@ -425,7 +425,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
     if (st == KVW_OK) {
         kvw_wbuf_t w;
         kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
-        kvw__done_encode(&w, &dm);
+        kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
         st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
     out->runs = pc->runs;
