@@ -276,9 +276,7 @@ static void run(const char *tl)
 
     /* A room aborted while its instance is still being connected (the instance's
      * bootstrap endpoint is up, its rank not yet): once the rank is there, it hears of
-     * the abort. An abort before any request proves no ownership (another decode
-     * instance could send it), so the rank holds it for the room's owner: with no
-     * request coming, its sender fails "aborted" at its wait timeout. */
+     * the abort, and its sender fails "aborted" instead of waiting for a timeout. */
     kvw_bootstrap_h bsc = NULL;
     CHECK(kvw_bootstrap_start("127.0.0.1:0", &bsc) == KVW_OK, "%s", kvw_last_error());
     if (bsc) {

@@ -273,24 +273,29 @@ static void run(const char *secret)
     kvw_room_destroy(kvw_sender_room(snd));
     kvw_room_destroy(kvw_receiver_room(victim));
 
-    /* Room 43, which instance 3 aborted before anyone requested it. */
-    kvt_rank_fill(&rd, 3);
-    kvt_copy_free(&expect);
-    kvt_copy_make(&rd, &expect);
-    kvw_receiver_h r43 = NULL;
+    /* Room 43, which instance 3 aborted before anyone requested it. An engine drops
+     * requests it never posted (the decode aborts before its REQ), and the prefill must
+     * let go of them at once, so an abort before any request claims the room for its
+     * instance, as a first REQ would, and fails it: the prefill's sender is Failed
+     * (ABORTED) at once, not at its wait timeout, and a decode that posts the room later
+     * is a second claimant whose room fails with a reason (it does not hang). */
     kvw_sender_h s43 = NULL;
+    CHECK(kvw_sender_create(a, 43, &s43) == KVW_OK, "[%s] room 43: %s", mode, kvw_last_error());
+    s = s43 ? kvw_room_poll(kvw_sender_room(s43)) : KVW_ROOM_SUCCESS;
+    CHECK(s == KVW_ROOM_FAILED && kvw_room_status(kvw_sender_room(s43)) == KVW_ERR_ABORTED,
+          "[%s] room 43's sender after an early abort: %s (%s)", mode, kvw_room_state_string(s),
+          s43 ? kvw_room_failure(kvw_sender_room(s43)) : "");
+    kvw_receiver_h r43 = NULL;
     CHECK(kvw_receiver_create_from(d, 43, bsa, 0, &r43) == KVW_OK &&
-              kvw_receiver_post(r43, &post) == KVW_OK && wait_claimed(a, 43) &&
-              kvw_sender_create(a, 43, &s43) == KVW_OK && kvw_sender_send(s43, &c) == KVW_OK,
+              kvw_receiver_post(r43, &post) == KVW_OK,
           "[%s] room 43: %s", mode, kvw_last_error());
-    s = r43 ? ip_wait_recv(r43, DEADLINE_NS) : KVW_ROOM_FAILED;
-    CHECK(s == KVW_ROOM_SUCCESS, "[%s] room 43 after a foreign early abort: %s: %s", mode,
-          kvw_room_state_string(s), r43 ? kvw_room_failure(kvw_receiver_room(r43)) : "");
-    ip_ref(&model, &ra, 1, &sp.side, &rd, &dp.side, expect.data, TOKENS, NULL);
-    snprintf(pre, sizeof(pre), "[%s] room 43: ", mode);
-    ip_verify(&rd, &expect, pre);
-    kvw_room_destroy(kvw_sender_room(s43));
-    kvw_room_destroy(kvw_receiver_room(r43));
+    s = r43 ? ip_wait_recv(r43, DEADLINE_NS) : KVW_ROOM_SUCCESS;
+    CHECK(s == KVW_ROOM_FAILED && r43 && kvw_room_failure(kvw_receiver_room(r43))[0],
+          "[%s] room 43 posted after its early abort: %s", mode, kvw_room_state_string(s));
+    if (s43)
+        kvw_room_destroy(kvw_sender_room(s43));
+    if (r43)
+        kvw_room_destroy(kvw_receiver_room(r43));
     kvw_room_destroy(kvw_receiver_room(xrv));
     kvw_ctx_destroy(x);
     kvt_rank_free(&rx);

@@ -103,17 +103,19 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
             kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "refused");
         } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL &&
                    (r == NULL || (r->dst_dp < 0 && r->state != KVW_ROOM_FAILED))) {
-            /* Nobody owns the room yet: the abort is remembered for its owner, and applies
-             * if the first REQ comes from the aborting instance and group (an honest decode
-             * rank's REQ always goes before its ABORT); anyone else's is dropped then. */
+            /* Nobody owns the room yet: a decode rank aborts before it posted (an engine
+             * dropping a request it never preallocated). The abort claims the room for
+             * its instance and group, as a first REQ would (the first claim wins: with a
+             * secret only a rank of the deployment can make one), and fails it at once,
+             * so the prefill lets go of the request now instead of at its wait timeout; a
+             * later REQ from another instance is a second claimant. */
             if (r == NULL)
-                r = kvw__room_new(ctx, id, true);
-            if (r && !r->abort_pending) {
-                r->abort_pending = true;
-                r->abort_instance = peer->instance;
-                r->abort_dp = peer->dp;
-                snprintf(r->abort_why, sizeof(r->abort_why), "aborted by %.100s: %.80s",
-                         peer->desc, reason);
+                r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
+            if (r) {
+                r->dst_dp = (int32_t)peer->dp;
+                r->dst_instance = peer->instance;
+                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "aborted by %s before any "
+                               "request: %s", peer->desc, reason);
             }
             kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
         } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {

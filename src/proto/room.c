@@ -101,15 +101,6 @@ void kvw__check_timeouts(struct kvw_ctx *ctx, uint64_t now)
         bool terminal = r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS;
         if (!terminal && now > r->deadline_ns) {
             char why[200] = "";
-            if (r->is_sender && r->dst_dp < 0 && r->abort_pending) {
-                /* An abort that came before any request (held for the room's owner,
-                 * sched.c kvw_claim) and no request since: it was the owner's. */
-                char a[sizeof(r->abort_why)];
-                snprintf(a, sizeof(a), "%s", r->abort_why);
-                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "room %llu: %s (before any "
-                               "decode rank requested it)", (unsigned long long)r->id, a);
-                continue;
-            }
             if (r->is_sender && r->state == KVW_ROOM_BOOTSTRAPPING)
                 kvw_room_waiting(ctx, r, why, sizeof(why));
             else if (r->is_sender)

@@ -81,12 +81,6 @@ typedef struct kvw_room {
     struct kvw_room *qnext;
     /* prefill */
     int32_t dst_dp; /* -1 until the first REQ */
-    /* An ABORT that came before any REQ (dst_dp < 0): it applies only if the first REQ
-     * comes from the same decode instance and group (kvw__room_claimed). */
-    bool abort_pending;
-    uint64_t abort_instance;
-    uint32_t abort_dp;
-    char abort_why[200];
     bool dsts_known; /* every decode rank the room serves has posted it (latched) */
     uint64_t dst_instance;
     kvw_room_dst_t *dsts;

@@ -114,22 +114,12 @@ void kvw__sender_update(struct kvw_ctx *ctx, kvw_room_t *r)
         kvw__queue_room(ctx, r);
 }
 
-/* The first REQ for a room makes its instance and group the owner. An ABORT that came
- * before it applies now if it came from the owner (the room fails: true; the requester
- * hears of it as a destination of the room, or from the caller when it is none), and is
- * dropped otherwise. mu held. */
-static bool kvw_claim(struct kvw_ctx *ctx, kvw_room_t *r, kvw_peer_t *peer, uint32_t dp)
+/* The first REQ for a room makes its instance and group the owner (an ABORT before
+ * any REQ claims it too, and fails it: dispatch.c). mu held. */
+static void kvw_claim(kvw_room_t *r, const kvw_peer_t *peer, uint32_t dp)
 {
     r->dst_dp = (int32_t)dp;
     r->dst_instance = peer->instance;
-    bool pending = r->abort_pending;
-    r->abort_pending = false;
-    if (!pending || r->abort_instance != peer->instance || r->abort_dp != dp)
-        return false;
-    char why[sizeof(r->abort_why)];
-    snprintf(why, sizeof(why), "%s", r->abort_why);
-    kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "%s", why);
-    return true;
 }
 
 /* With a secret, a room belongs to the decode instance (and DP group) whose REQ came
@@ -225,11 +215,8 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
         /* A decode rank this rank sends nothing to still names the room's DP group,
          * so that a rank with nothing to send can finish. */
         free(d.store);
-        if (r->dst_dp < 0 && kvw_claim(ctx, r, peer, dp)) {
-            kvw__send_room_msg(ctx, peer, KVW_MSG_FAILED, id, r->status, r->reason);
-            kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
-            return;
-        }
+        if (r->dst_dp < 0)
+            kvw_claim(r, peer, dp);
         if ((uint32_t)r->dst_dp != dp || r->dst_instance != peer->instance) {
             /* A second claimant fails the room for everyone, itself included; with a
              * secret it is refused alone (kvw_refuse_claim). */
@@ -260,8 +247,8 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
                            "%s posted room %llu twice", peer->desc, (unsigned long long)id);
             return;
         }
-    if (r->dst_dp < 0 && kvw_claim(ctx, r, peer, dp))
-        return;
+    if (r->dst_dp < 0)
+        kvw_claim(r, peer, dp);
     if ((uint32_t)r->dst_dp != dp || r->dst_instance != peer->instance) {
         if (kvw_refuse_claim(ctx, r, peer, dp)) {
             free(r->dsts[--r->num_dsts].store);
