@@ -137,7 +137,7 @@ KVW_API uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap);
  * bytes add up to them). Failures are counted by the failed room's status (the one
  * kvw_room_status returns), at index -status of rooms_failed_by_status.
  *
- * Latency: from the room's post (decode: kvw_receiver_post; prefill: the decode's pages
+ * Latency: from the room's post (decode: kvw_receiver_post; prefill: the last decode rank's pages
  * arrived, KVW_HOP_REQ_RX; the room's creation when neither happened) to Success, in a
  * histogram of KVW_CTX_METRICS_LATENCY_BUCKETS fixed buckets whose bounds are powers of
  * two microseconds: bucket i counts the rooms whose latency was below 2^i us and at least

@@ -49,6 +49,7 @@ typedef struct demo_cfg {
     uint32_t timeout_ms;
     kvw_layout_t playout, dlayout;
     int quiet;
+    int metrics; /* --metrics: each context's kvw_ctx_metrics at the end */
     char role[16];       /* both (default), prefill or decode */
     char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
     char listen_host[64];
@@ -396,6 +397,8 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
         demo_pages_free(pg, nw);
         free(pg);
     }
+    for (uint32_t i = 0; c->metrics && i < inst.n; i++)
+        cli_print_metrics(stdout, "prefill", i, ctx[i]);
     /* Stay up until the decode side has verified and left. */
     char b;
     if (bs_pipe >= 0 && read(STDIN_FILENO, &b, 1) < 0) {
@@ -531,6 +534,8 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
         free(pg);
         free(spg);
     }
+    for (uint32_t i = 0; c->metrics && i < inst.n; i++)
+        cli_print_metrics(stdout, "decode", i, ctx[i]);
     for (uint32_t i = 0; i < inst.n; i++)
         kvw_ctx_destroy(ctx[i]);
     free(ctx);
@@ -613,6 +618,7 @@ static void demo_usage(FILE *f)
             "  --listen-host H       address the control and data listeners bind\n"
             "  --secret-file PATH    shared secret (first line; the file must be mode 600)\n"
             "                        authenticating every session; also KVW_SECRET_FILE\n"
+            "  --metrics             print each context's metrics (kvw_ctx_metrics) at the end\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
             "failed run; 2 a usage error; 3 a configuration refused before any transfer\n"
             "(the message names the reason, e.g. heads that do not split over a TP size).\n",
@@ -646,7 +652,7 @@ static int cmd_demo(int argc, char **argv)
         {"max-tokens", 1, 0, 'x'},    {"seed", 1, 0, 'e'},        {"timeout-ms", 1, 0, 'T'},
         {"decode-layout", 1, 0, 'l'}, {"prefill-layout", 1, 0, 'y'}, {"kv-heads", 1, 0, 'H'},
         {"gpu", 2, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},   {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},       {"help", 0, 0, 'h'},
-        {"secret-file", 1, 0, 'K'},
+        {"secret-file", 1, 0, 'K'},   {"metrics", 0, 0, 'M'},
         {0, 0, 0, 0}};
     int o;
     bool tl_set = false;
@@ -684,6 +690,7 @@ static int cmd_demo(int argc, char **argv)
             break;
         }
         case 'q': c.quiet = 1; break;
+        case 'M': c.metrics = 1; break;
         case 'H': c.kv_heads = (uint32_t)v; break;
         case 'G':
             c.gpu = !optarg || !strcmp(optarg, "both") ? 3

@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* qsort comparator for uint64_t. */
 int cli_cmp_u64(const void *a, const void *b);
@@ -39,5 +40,9 @@ uint32_t cli_pages_needed(uint64_t b, uint64_t e, uint32_t ps);
 kvw_ctx_h *cli_contexts(const kvw_ctx_params_t *tmpl, kvt_rank_t *ranks, uint32_t n,
                         bool prefill, const char *bs_addr, char *bs_out, size_t bs_cap,
                         uint32_t *failed, char *why, size_t why_cap);
+
+/* Prints what kvw_ctx_metrics says of `ctx` (rank `rank` of side `who`), one block of
+ * "metrics:" lines, flushed at once (ctx_metrics.c). */
+void cli_print_metrics(FILE *f, const char *who, uint32_t rank, kvw_ctx_h ctx);
 
 #endif
