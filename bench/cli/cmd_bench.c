@@ -76,6 +76,7 @@ typedef struct bench_cfg {
     uint32_t mem_rooms;
     int decode_anon; /* decode pools from anonymous memory instead of kvw_mem_alloc_shared */
     int quick;
+    int metrics; /* --metrics: each context's kvw_ctx_metrics at the end of its run */
     char json[512], png[512];
     uint32_t timeout_ms;
     uint64_t budget_ns; /* per length and pair: stop repeating after this much time */
@@ -657,6 +658,8 @@ static int b_prefill_main(const b_job_t *j, int bs_fd, int cmd_fd, int ack_fd)
         close(tcp_fd);
     b_free_touched(tcp_src, tcp_cap);
     b_pages_free(&pg);
+    for (uint32_t i = 0; c->metrics && i < in.n; i++)
+        cli_print_metrics(stdout, "prefill", i, in.ctx[i]);
     b_inst_free(&in);
     return rc;
 }
@@ -1131,6 +1134,8 @@ static int b_decode_main(const b_job_t *j, const char *bs, int cmd_fd, int ack_f
         (void)kvt_read_full(ack_fd, &qa, 1);
     if (pg.full || pg.swa)
         b_pages_free(&pg);
+    for (uint32_t i = 0; c->metrics && i < in.n; i++)
+        cli_print_metrics(stdout, "decode", i, in.ctx[i]);
     b_inst_free(&in);
     return rc;
 }
@@ -1632,6 +1637,8 @@ static void b_usage(FILE *f)
             "                        shm then writes with process_vm_writev)\n"
             "  --json PATH           JSON results (default bench-results.json)\n"
             "  --png PATH            chart (default bench-results.png; needs gnuplot)\n"
+            "  --metrics             print each context's metrics (kvw_ctx_metrics) at the end\n"
+            "                        of its run (per transport and topology)\n"
             "  --quick               lengths 64,1024,4096, 3 reps, 500 rate rooms, 200 memory\n"
             "                        rooms, 1 s budget (about 20 s on an idle 2-core host)\n"
             "Each request runs alone: decode posts, prefill sends one chunk, decode polls until\n"
@@ -1694,7 +1701,8 @@ static int cmd_bench(int argc, char **argv)
         {"reps", 1, 0, 'r'},        {"page-size", 1, 0, 's'},     {"rate-rooms", 1, 0, 'R'},
         {"rate-inflight", 1, 0, 'I'}, {"mem-rooms", 1, 0, 'M'},   {"decode-mem", 1, 0, 'D'},
         {"json", 1, 0, 'j'},        {"png", 1, 0, 'g'},           {"quick", 0, 0, 'q'},
-        {"budget-ms", 1, 0, 'B'},   {"help", 0, 0, 'h'},          {0, 0, 0, 0}};
+        {"budget-ms", 1, 0, 'B'},   {"help", 0, 0, 'h'},          {"metrics", 0, 0, 'X'},
+        {0, 0, 0, 0}};
     int o, bad = 0;
     uint32_t budget_ms = 0;
     optind = 1;
@@ -1739,6 +1747,7 @@ static int cmd_bench(int argc, char **argv)
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
         case 'g': snprintf(c.png, sizeof(c.png), "%s", optarg); break;
         case 'q': c.quick = 1; break;
+        case 'X': c.metrics = 1; break;
         case 'B':
             bad = cli_opt_u32("bench", "--budget-ms", optarg, 1, 3600000, &budget_ms);
             c.budget_ns = (uint64_t)budget_ms * 1000000ull, set_budget = true;

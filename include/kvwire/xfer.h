@@ -145,6 +145,81 @@ KVW_API const char *kvw_ctx_bootstrap_addr(kvw_ctx_h ctx);
 KVW_API uint64_t kvw_ctx_refusals(kvw_ctx_h ctx, char *buf, size_t cap);
 
 /*
+ * Metrics: what a context did since it was created, for operators (Prometheus, logs).
+ * Counters only grow; gauges (rooms_in_state, staging_in_use, peers_connected) go up and
+ * down. Bytes are payload bytes: a prefill context counts what it sent, a decode context
+ * what landed and was confirmed, each room's bytes once (the room's kvw_room_metrics
+ * bytes add up to them). Failures are counted by the failed room's status (the one
+ * kvw_room_status returns), at index -status of rooms_failed_by_status.
+ *
+ * Latency: from the room's post (decode: kvw_receiver_post; prefill: the last decode rank's pages
+ * arrived, KVW_HOP_REQ_RX; the room's creation when neither happened) to Success, in a
+ * histogram of KVW_CTX_METRICS_LATENCY_BUCKETS fixed buckets whose bounds are powers of
+ * two microseconds: bucket i counts the rooms whose latency was below 2^i us and at least
+ * 2^(i-1) us (bucket 0: below 1 us); the last bucket also takes everything longer. Each
+ * Success adds one room to exactly one bucket, so the buckets add up to rooms_succeeded
+ * and a percentile is read as the upper bound of the bucket where the running sum crosses
+ * it (at most a factor of two high).
+ */
+#define KVW_CTX_METRICS_STATUS_SLOTS 64   /* rooms_failed_by_status[-status] */
+#define KVW_CTX_METRICS_LATENCY_BUCKETS 32
+#define KVW_CTX_METRICS_ACTIVE_STATES 3   /* Bootstrapping, WaitingForInput, Transferring */
+
+enum {
+    KVW_CTX_METRICS_FIELD_SIDE = 1u << 0,
+    KVW_CTX_METRICS_FIELD_TRANSPORT = 1u << 1,
+    KVW_CTX_METRICS_FIELD_ROOMS_IN_STATE = 1u << 2,
+    KVW_CTX_METRICS_FIELD_ROOMS_SUCCEEDED = 1u << 3,
+    KVW_CTX_METRICS_FIELD_ROOMS_FAILED = 1u << 4,
+    KVW_CTX_METRICS_FIELD_ROOMS_FAILED_BY_STATUS = 1u << 5,
+    KVW_CTX_METRICS_FIELD_BYTES_DIRECT = 1u << 6,
+    KVW_CTX_METRICS_FIELD_BYTES_STAGED = 1u << 7,
+    KVW_CTX_METRICS_FIELD_LATENCY_US_BUCKETS = 1u << 8,
+    KVW_CTX_METRICS_FIELD_LATENCY_US_SUM = 1u << 9,
+    KVW_CTX_METRICS_FIELD_STAGING_CAPACITY = 1u << 10,
+    KVW_CTX_METRICS_FIELD_STAGING_IN_USE = 1u << 11,
+    KVW_CTX_METRICS_FIELD_STAGING_HIGH_WATER = 1u << 12,
+    KVW_CTX_METRICS_FIELD_PEERS_CONNECTED = 1u << 13,
+    KVW_CTX_METRICS_FIELD_PEERS_DIED = 1u << 14
+};
+#define KVW_CTX_METRICS_FIELDS_ALL 0x7fffull
+
+/* Output: the caller sets field_mask to the fields it wants; kvw_ctx_metrics fills
+ * exactly those, leaves the others untouched, and keeps field_mask as it was. */
+typedef struct kvw_ctx_metrics {
+    uint64_t field_mask; /* KVW_CTX_METRICS_FIELD_* wanted */
+    kvw_side_t side;
+    const char *transport; /* the context's transport ("tcp", "shm", ...); static storage */
+    /* Rooms not finished, by state (index: kvw_room_state_t). */
+    uint64_t rooms_in_state[KVW_CTX_METRICS_ACTIVE_STATES];
+    uint64_t rooms_succeeded, rooms_failed; /* finished, by outcome */
+    /* Failed rooms by status: index -status (KVW_ERR_ABORTED: 21, KVW_ERR_TIMEOUT: 20, see
+     * KVW_STATUS_TABLE); index 0 takes any status outside the table's range. */
+    uint64_t rooms_failed_by_status[KVW_CTX_METRICS_STATUS_SLOTS];
+    /* Payload bytes by path: direct (one put per run, or a kernel writing mapped device
+     * buffers) and staged (through the decode's staging area). */
+    uint64_t bytes_direct, bytes_staged;
+    uint64_t latency_us_buckets[KVW_CTX_METRICS_LATENCY_BUCKETS]; /* post to Success */
+    uint64_t latency_us_sum; /* microseconds, over every room counted in the buckets */
+    /* Decode: the staging area's size, the bytes granted to rooms now, and the most
+     * granted at once (0 on a prefill context and without a staging area). */
+    uint64_t staging_capacity, staging_in_use, staging_high_water;
+    /* Peers registered and alive now (decode: prefill ranks; prefill: decode ranks), and
+     * peers declared dead since the context was created. */
+    uint64_t peers_connected, peers_died;
+} kvw_ctx_metrics_t;
+
+/*
+ * Fills the fields metrics_p->field_mask asks for. Cheap and lock-free: it reads
+ * counters that the library keeps with atomic operations, never taking the context's
+ * lock, so it may be called at any rate from any thread. Each field is read atomically,
+ * but the fields are not one snapshot: a room that moves during the call may be seen in
+ * two places or none. Errors: INVALID_PARAM (NULL argument, bits unknown to this
+ * library).
+ */
+KVW_API kvw_status_t kvw_ctx_metrics(kvw_ctx_h ctx, kvw_ctx_metrics_t *metrics_p);
+
+/*
  * A standalone bootstrap endpoint ("address:port"; port 0 picks one): prefill ranks
  * register there (contexts with host_bootstrap = 0 and this bootstrap_addr), decode
  * ranks look their instance up. It runs on its own thread until stopped and outlives

@@ -11,6 +11,7 @@ from .core import (Status, LayerKind, Pool, Role, Layout, MemKind, Side, RoomSta
                    Plan, PlanStats, Run, Context, Sender, Receiver, RoomMetrics, Route,
                    topo_heads, topo_routes, status_string, last_error, kv_cache_buffers,
                    transport_available, BootstrapServer, library_version)
+from .core import prometheus_text
 
 # Must equal python/pyproject.toml's version and the library's (include/kvwire/version.h):
 # python/tests/test_api.py checks all three.
@@ -23,4 +24,5 @@ __all__ = [
     "SidePages", "Plan", "PlanStats", "Run", "Context", "Sender", "Receiver", "RoomMetrics",
     "Route", "topo_heads", "topo_routes", "status_string", "last_error", "kv_cache_buffers",
     "transport_available", "BootstrapServer", "library_version",
+    "prometheus_text",
 ]

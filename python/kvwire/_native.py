@@ -23,6 +23,8 @@ __all__ = [
     "KVW_PAGES_FIELDS_ALL", "KVW_SIDE_PAGES_FIELDS_ALL", "KVW_CHUNK_FIELDS_ALL",
     "KVW_PLAN_STATS_FIELDS_ALL", "KVW_RUN_FIELDS_ALL", "KVW_SEND_CHUNK_FIELDS_ALL",
     "KVW_RECV_POST_FIELDS_ALL", "KVW_ROOM_METRICS_FIELDS_ALL",
+    "kvw_ctx_metrics_t", "KVW_CTX_METRICS_FIELDS_ALL", "KVW_CTX_METRICS_STATUS_SLOTS",
+    "KVW_CTX_METRICS_LATENCY_BUCKETS", "KVW_CTX_METRICS_ACTIVE_STATES",
 ]
 
 KVW_MAX_STATE_GROUPS = 8
@@ -45,6 +47,10 @@ KVW_RUN_FIELDS_ALL = 0x1f
 KVW_SEND_CHUNK_FIELDS_ALL = 0x1f
 KVW_RECV_POST_FIELDS_ALL = 0x7
 KVW_ROOM_METRICS_FIELDS_ALL = 0x3f
+KVW_CTX_METRICS_FIELDS_ALL = 0x7fff
+KVW_CTX_METRICS_STATUS_SLOTS = 64
+KVW_CTX_METRICS_LATENCY_BUCKETS = 32
+KVW_CTX_METRICS_ACTIVE_STATES = 3
 KVW_RANK_FIELDS_ALL = 0x7
 KVW_CTX_FIELDS_ALL = 0x7ff
 
@@ -259,6 +265,27 @@ class kvw_room_metrics_t(ctypes.Structure):
     ]
 
 
+class kvw_ctx_metrics_t(ctypes.Structure):
+    _fields_ = [
+        ("field_mask", ctypes.c_uint64),
+        ("side", c_enum),
+        ("transport", ctypes.c_char_p),
+        ("rooms_in_state", ctypes.c_uint64 * KVW_CTX_METRICS_ACTIVE_STATES),
+        ("rooms_succeeded", ctypes.c_uint64),
+        ("rooms_failed", ctypes.c_uint64),
+        ("rooms_failed_by_status", ctypes.c_uint64 * KVW_CTX_METRICS_STATUS_SLOTS),
+        ("bytes_direct", ctypes.c_uint64),
+        ("bytes_staged", ctypes.c_uint64),
+        ("latency_us_buckets", ctypes.c_uint64 * KVW_CTX_METRICS_LATENCY_BUCKETS),
+        ("latency_us_sum", ctypes.c_uint64),
+        ("staging_capacity", ctypes.c_uint64),
+        ("staging_in_use", ctypes.c_uint64),
+        ("staging_high_water", ctypes.c_uint64),
+        ("peers_connected", ctypes.c_uint64),
+        ("peers_died", ctypes.c_uint64),
+    ]
+
+
 # C type name -> mirror, for the layout tests.
 STRUCTS = {
     "kvw_layer_desc_t": kvw_layer_desc_t,
@@ -278,6 +305,7 @@ STRUCTS = {
     "kvw_send_chunk_t": kvw_send_chunk_t,
     "kvw_recv_post_t": kvw_recv_post_t,
     "kvw_room_metrics_t": kvw_room_metrics_t,
+    "kvw_ctx_metrics_t": kvw_ctx_metrics_t,
 }
 
 # ---------------------------------------------------------------- prototypes
@@ -340,6 +368,7 @@ _PROTOTYPES = {
     "kvw_room_failure": (ctypes.c_char_p, [_h]),
     "kvw_room_status": (_st, [_h]),
     "kvw_room_metrics": (_st, [_h, _P(kvw_room_metrics_t)]),
+    "kvw_ctx_metrics": (_st, [_h, _P(kvw_ctx_metrics_t)]),
     "kvw_room_abort": (None, [_h]),
     "kvw_room_destroy": (None, [_h]),
     # kvwire/cuda.h (present when the library was built with its CUDA loader)

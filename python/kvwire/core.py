@@ -834,6 +834,27 @@ class Context:
         (see sender())."""
         return Receiver(self, room, prefill_dp_rank, bootstrap_addr)
 
+    def metrics(self):
+        """kvw_ctx_metrics: what this context did since it was created, as a dict.
+
+        side, transport; rooms_in_flight {state name: rooms not finished}; rooms_finished
+        {"success", "failed"}; failures {status name ("ERR_ABORTED", ...): failed rooms,
+        every error status listed, "other": statuses outside the table}; bytes {"direct",
+        "staged"} (payload: sent on prefill, landed on decode); latency_us {"buckets":
+        [(upper bound in us, rooms)] (bucket i: below 2^i us and at least 2^(i-1), the
+        last bound inf), "sum", "count", "p50", "p90", "p99" (the upper bound of the bucket
+        holding that percentile; None without rooms)}, post to Success; staging
+        {"capacity", "in_use", "high_water"} (decode); peers {"connected", "died"}.
+        Lock-free in the library: cheap at any rate. See prometheus_text()."""
+        m = N.kvw_ctx_metrics_t(field_mask=N.KVW_CTX_METRICS_FIELDS_ALL)
+        _check(N.load().kvw_ctx_metrics(self.handle, ctypes.byref(m)), "kvw_ctx_metrics")
+        return _metrics_dict(m)
+
+    def prometheus_text(self, labels=None):
+        """This context's metrics in Prometheus' text exposition format (see
+        prometheus_text(); labels: extra labels for every sample, e.g. {"rank": "0"})."""
+        return prometheus_text([(self.metrics(), labels or {})])
+
     def close(self):
         """Closes every open sender/receiver of this context, then the context."""
         if self._h is None:
@@ -1136,3 +1157,142 @@ def transport_available(name):
     ctx.close()
     rank.close()
     return True
+
+
+# ---------------------------------------------------------------- context metrics
+
+__all__ += ["prometheus_text"]
+
+_ACTIVE_STATES = ("bootstrapping", "waiting_for_input", "transferring")
+
+
+def _latency_bound_us(i):
+    """Upper bound of latency bucket i (kvw_ctx_metrics_t): 2^i us, the last unbounded."""
+    return float("inf") if i == N.KVW_CTX_METRICS_LATENCY_BUCKETS - 1 else float(1 << i)
+
+
+def _metrics_dict(m):
+    failures = {st.name: int(m.rooms_failed_by_status[-int(st)])
+                for st in Status if int(st) < 0 and -int(st) < N.KVW_CTX_METRICS_STATUS_SLOTS}
+    known = {-int(st) for st in Status if int(st) < 0}
+    failures["other"] = int(m.rooms_failed_by_status[0]) + sum(
+        int(m.rooms_failed_by_status[i]) for i in range(1, N.KVW_CTX_METRICS_STATUS_SLOTS)
+        if i not in known)
+    buckets = [(_latency_bound_us(i), int(m.latency_us_buckets[i]))
+               for i in range(N.KVW_CTX_METRICS_LATENCY_BUCKETS)]
+    count = sum(c for _, c in buckets)
+
+    def pct(q):
+        if count == 0:
+            return None
+        run = 0
+        for bound, c in buckets:
+            run += c
+            if run >= q * count:
+                return bound
+        return buckets[-1][0]
+
+    return {
+        "side": Side(m.side).name.lower(),
+        "transport": (m.transport or b"").decode(),
+        "rooms_in_flight": {name: int(m.rooms_in_state[i])
+                            for i, name in enumerate(_ACTIVE_STATES)},
+        "rooms_finished": {"success": int(m.rooms_succeeded), "failed": int(m.rooms_failed)},
+        "failures": failures,
+        "bytes": {"direct": int(m.bytes_direct), "staged": int(m.bytes_staged)},
+        "latency_us": {"buckets": buckets, "sum": int(m.latency_us_sum), "count": count,
+                       "p50": pct(0.50), "p90": pct(0.90), "p99": pct(0.99)},
+        "staging": {"capacity": int(m.staging_capacity), "in_use": int(m.staging_in_use),
+                    "high_water": int(m.staging_high_water)},
+        "peers": {"connected": int(m.peers_connected), "died": int(m.peers_died)},
+    }
+
+
+def _prom_escape(v):
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _prom_labels(labels):
+    if not labels:
+        return ""
+    return "{" + ",".join('%s="%s"' % (k, _prom_escape(v)) for k, v in labels.items()) + "}"
+
+
+def _prom_float(x):
+    return "+Inf" if x == float("inf") else repr(float(x))
+
+
+def prometheus_text(metrics, labels=None):
+    """Renders Context.metrics() dicts in Prometheus' text exposition format (0.0.4).
+
+    metrics: one dict, or a list of dicts or of (dict, labels) pairs (one per context of
+    the process: give each distinct labels, e.g. {"rank": "0"}). Every sample carries
+    side and transport labels, then `labels`. Families (the kvwire_ prefix):
+    rooms_in_flight{state} gauge, rooms_finished_total{outcome} and
+    room_failures_total{status} counters, bytes_total{path} counter,
+    room_latency_seconds histogram (post to Success, power-of-two buckets from 1 us),
+    staging_{capacity,in_use,high_water}_bytes gauges, peers_connected gauge,
+    peers_died_total counter. Returns the text, newline-terminated."""
+    if isinstance(metrics, dict):
+        metrics = [metrics]
+    items = [(m, dict(labels or {})) if isinstance(m, dict) else (m[0], dict(m[1] or {}))
+             for m in metrics]
+    fams = []  # (name, type, help, [(labels, value)])
+
+    def fam(name, typ, text, samples):
+        fams.append(("kvwire_" + name, typ, text, samples))
+
+    def base(m, extra):
+        lab = {"side": m["side"], "transport": m["transport"]}
+        lab.update(extra)
+        return lab
+
+    def each(key_fn):
+        out = []
+        for m, extra in items:
+            for more, value in key_fn(m):
+                lab = base(m, extra)
+                lab.update(more)
+                out.append((lab, value))
+        return out
+
+    fam("rooms_in_flight", "gauge", "Rooms not finished, by state.",
+        each(lambda m: [({"state": k}, v) for k, v in m["rooms_in_flight"].items()]))
+    fam("rooms_finished_total", "counter", "Rooms finished, by outcome.",
+        each(lambda m: [({"outcome": k}, v) for k, v in m["rooms_finished"].items()]))
+    fam("room_failures_total", "counter", "Failed rooms, by the status they failed with.",
+        each(lambda m: [({"status": k}, v) for k, v in m["failures"].items()]))
+    fam("bytes_total", "counter",
+        "Payload bytes moved (prefill: sent; decode: landed), by path.",
+        each(lambda m: [({"path": k}, v) for k, v in m["bytes"].items()]))
+    fam("staging_capacity_bytes", "gauge", "Size of the decode staging area.",
+        each(lambda m: [({}, m["staging"]["capacity"])]))
+    fam("staging_in_use_bytes", "gauge", "Staging bytes granted to rooms now.",
+        each(lambda m: [({}, m["staging"]["in_use"])]))
+    fam("staging_high_water_bytes", "gauge", "Most staging bytes granted at once.",
+        each(lambda m: [({}, m["staging"]["high_water"])]))
+    fam("peers_connected", "gauge", "Peers registered and alive.",
+        each(lambda m: [({}, m["peers"]["connected"])]))
+    fam("peers_died_total", "counter", "Peers declared dead.",
+        each(lambda m: [({}, m["peers"]["died"])]))
+    lines = []
+    for name, typ, text, samples in fams:
+        lines.append("# HELP %s %s" % (name, text))
+        lines.append("# TYPE %s %s" % (name, typ))
+        for lab, value in samples:
+            lines.append("%s%s %d" % (name, _prom_labels(lab), value))
+    name = "kvwire_room_latency_seconds"
+    lines.append("# HELP %s Room latency from its post to Success." % name)
+    lines.append("# TYPE %s histogram" % name)
+    for m, extra in items:
+        lat = m["latency_us"]
+        run = 0
+        for bound_us, c in lat["buckets"]:
+            run += c
+            lab = base(m, extra)
+            lab["le"] = _prom_float(bound_us / 1e6)
+            lines.append("%s_bucket%s %d" % (name, _prom_labels(lab), run))
+        lab = _prom_labels(base(m, extra))
+        lines.append("%s_sum%s %s" % (name, lab, repr(lat["sum"] / 1e6)))
+        lines.append("%s_count%s %d" % (name, lab, lat["count"]))
+    return "\n".join(lines) + "\n"

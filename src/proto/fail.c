@@ -23,6 +23,8 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
     if (peer->dead)
         return;
     peer->dead = true;
+    if (!peer->registering)
+        kvw__metrics_peer_died(ctx);
     kvw__log(KVW_LOG_WARN, "peer %s is gone (%s): %s", peer->desc, kvw_status_string(status),
              reason ? reason : "");
     if (peer->fd >= 0) {
@@ -157,6 +159,7 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     KVW_ASSERT_HELD(&ctx->mu);
     if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS)
         return;
+    kvw__metrics_room_moves(room, KVW_ROOM_FAILED, status);
     room->state = KVW_ROOM_FAILED;
     room->status = status;
     room->end_ns = kvw__now_ns();

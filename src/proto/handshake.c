@@ -530,6 +530,7 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
     else
         snprintf(peer->desc, sizeof(peer->desc), "decode rank dp%u/tp%u/pp%u", peer->dp, peer->tp,
                  peer->pp);
+    kvw__metrics_peer_up(ctx);
     pthread_mutex_unlock(&ctx->mu);
     *peer_p = peer;
     return KVW_OK;
@@ -703,6 +704,8 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
         kvw_auth_mac(ctx, "kvwire-session-3", nonce, dnonce, mac, sizeof(mac), NULL, 0,
                      peer->skey);
     }
+    if (!peer->dead)
+        kvw__metrics_peer_up(ctx);
     peer->registering = false;
     peer->last_rx_ns = peer->last_tx_ns = kvw__now_ns();
     peer->remote = remote;

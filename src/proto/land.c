@@ -386,6 +386,7 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     }
     s->got += bytes;
     r->bytes += bytes;
+    kvw__metrics_bytes(ctx, staged, bytes);
     if (final) {
         s->done = c.last_chunk;
         if (c.last_chunk)

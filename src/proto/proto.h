@@ -31,6 +31,7 @@
  *   0 workq.c      the workers' room queue
  *   0 ivlog.c      the log of written byte ranges (page-exact accounting)
  *   0 wire.c       frame buffers, blocking socket helpers
+ *   0 metrics.c    the context's counters (atomics) and kvw_ctx_metrics
  */
 #ifndef KVW_PROTO_PROTO_H
 #define KVW_PROTO_PROTO_H
@@ -45,6 +46,7 @@
 #include "proto/bootstrap.h"
 #include "proto/inst.h"
 #include "proto/ivlog.h"
+#include "proto/metrics.h"
 #include "proto/peer.h"
 #include "proto/room.h"
 #include "proto/stage.h"
@@ -146,6 +148,7 @@ typedef struct kvw_evwatch_set {
  *   hs     handshake.c registration slots (prefill)
  *   evw    events.c    layer marks waiting on CUDA events
  *   defer  fail.c      failed rooms' effects, run by the control thread (ctrl.c)
+ *   metrics metrics.c  counters and gauges (atomics, bumped from any file)
  */
 struct kvw_ctx {
     kvw_side_t side;
@@ -219,6 +222,7 @@ struct kvw_ctx {
     kvw_hs_slots_t hs;
     kvw_evwatch_set_t evw;
     kvw_effects_t defer;
+    kvw_metrics_t metrics;
 };
 
 /* The peer table (peer.c's): peer `id` (< kvw__peer_count) and how many there are (mu

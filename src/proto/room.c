@@ -27,6 +27,7 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
     /* Monotonic: never back, never out of a terminal state. */
     if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS || state <= room->state)
         return;
+    kvw__metrics_room_moves(room, state, KVW_OK);
     room->state = state;
     if (state == KVW_ROOM_TRANSFERRING && !room->start_ns)
         room->start_ns = kvw__now_ns();

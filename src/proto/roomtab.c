@@ -38,6 +38,7 @@ kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender)
     r->created_ns = kvw__now_ns();
     r->deadline_ns = r->created_ns + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
     kvw__hmap_insert(&ctx->rooms, &r->hnode, id);
+    kvw__metrics_room_new(ctx);
     return r;
 }
 

@@ -124,6 +124,7 @@ static bool kvw_stage_try(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, 
     memmove(&ctx->stage.spans[i + 1], &ctx->stage.spans[i], sizeof(*ctx->stage.spans) * (ctx->stage.num_spans - i));
     ctx->stage.spans[i] = (kvw_stage_span_t){.off = at, .len = len, .room = room};
     ctx->stage.num_spans++;
+    kvw__metrics_staging(ctx, (int64_t)len);
     kvw_wbuf_t w;
     kvw__wb_init(&w, KVW_MSG_STAGE_GRANT);
     kvw__wb_u64(&w, room);
@@ -191,6 +192,7 @@ void kvw__stage_free(struct kvw_ctx *ctx, uint64_t off)
     KVW_ASSERT_HELD(&ctx->mu);
     for (uint32_t i = 0; i < ctx->stage.num_spans; i++)
         if (ctx->stage.spans[i].off == off) {
+            kvw__metrics_staging(ctx, -(int64_t)ctx->stage.spans[i].len);
             memmove(&ctx->stage.spans[i], &ctx->stage.spans[i + 1],
                     sizeof(*ctx->stage.spans) * (ctx->stage.num_spans - i - 1));
             ctx->stage.num_spans--;

@@ -527,6 +527,7 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
                 memset(d->sent, 0, nl); /* the next chunk starts with none sent */
         }
         r->bytes += so.bytes;
+        kvw__metrics_bytes(ctx, so.staged, so.bytes);
         r->runs += so.runs;
         r->path = so.staged ? "staged" : "direct";
         if (so.out_ns) /* GPU steps stamp it when their completion goes out */

@@ -49,6 +49,7 @@ typedef struct demo_cfg {
     uint32_t timeout_ms;
     kvw_layout_t playout, dlayout;
     int quiet;
+    int metrics; /* --metrics: each context's kvw_ctx_metrics at the end */
     char role[16];       /* both (default), prefill or decode */
     char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
     bool external_bs;    /* prefill: register at bootstrap (running already), host none */
@@ -422,6 +423,8 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
         demo_pages_free(pg, nw);
         free(pg);
     }
+    for (uint32_t i = 0; c->metrics && i < inst.n; i++)
+        cli_print_metrics(stdout, "prefill", i, ctx[i]);
     /* Stay up until the decode side has verified and left. */
     char b;
     if (bs_pipe >= 0 && read(STDIN_FILENO, &b, 1) < 0) {
@@ -567,6 +570,8 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
         free(pg);
         free(spg);
     }
+    for (uint32_t i = 0; c->metrics && i < inst.n; i++)
+        cli_print_metrics(stdout, "decode", i, ctx[i]);
     for (uint32_t i = 0; i < inst.n; i++)
         kvw_ctx_destroy(ctx[i]);
     free(ctx);
@@ -668,6 +673,7 @@ static void demo_usage(FILE *f)
             "  --quiet               no progress lines\n"
             "The table counts rooms once per decode rank: 24 requests to 4 decode ranks are\n"
             "96 rooms.\n"
+            "  --metrics             print each context's metrics (kvw_ctx_metrics) at the end\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
             "failed run; 2 a usage error; 3 a configuration refused before any transfer,\n"
             "by the demo's own checks or at the handshake (configurations or secrets that\n"
@@ -705,7 +711,8 @@ static int cmd_demo(int argc, char **argv)
         {"decode-layout", 1, 0, 'l'}, {"prefill-layout", 1, 0, 'y'}, {"kv-heads", 1, 0, 'H'},
         {"gpu", 2, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},
         {"external-bootstrap", 0, 0, 'E'}, {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},
-        {"help", 0, 0, 'h'},          {"secret-file", 1, 0, 'K'},   {0, 0, 0, 0}};
+        {"help", 0, 0, 'h'},          {"secret-file", 1, 0, 'K'},   {"metrics", 0, 0, 'M'},
+        {0, 0, 0, 0}};
     static const char *const layouts[] = {"nhd", "hnd", NULL};
     static const char *const roles[] = {"both", "prefill", "decode", NULL};
     static const char *const gpu_sides[] = {"both", "prefill", "decode", NULL};
@@ -770,6 +777,7 @@ static int cmd_demo(int argc, char **argv)
                 *(o == 'y' ? &c.playout : &c.dlayout) = idx ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD;
             break;
         case 'q': c.quiet = 1; break;
+        case 'M': c.metrics = 1; break;
         case 'H': bad = cli_opt_u32("demo", "--kv-heads", optarg, 1, DEMO_MAX_HEADS, &c.kv_heads); break;
         case 'G':
             idx = 0;

@@ -12,6 +12,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 
 /* qsort comparator for uint64_t. */
 int cli_cmp_u64(const void *a, const void *b);
@@ -78,5 +79,9 @@ void cli_ticker_stop(cli_ticker_t *t);
 
 /* Seconds since `t0_ns` (kvt_now_ns), for progress lines. */
 double cli_secs_since(uint64_t t0_ns);
+
+/* Prints what kvw_ctx_metrics says of `ctx` (rank `rank` of side `who`), one block of
+ * "metrics:" lines, flushed at once (ctx_metrics.c). */
+void cli_print_metrics(FILE *f, const char *who, uint32_t rank, kvw_ctx_h ctx);
 
 #endif
