@@ -868,6 +868,24 @@ class KVManager:
     def is_prefill(self):
         return self.mode == Side.PREFILL
 
+    def metrics(self):
+        """This rank's kvwire counters (kvwire.Context.metrics(): rooms by state and
+        outcome, failures by status, bytes by path, the post-to-Success latency
+        histogram, staging use, peers), for an operator's dashboard beside SGLang's own
+        per-request KVTransferMetric (get_transfer_metric())."""
+        return self.context.metrics()
+
+    def prometheus_text(self, labels=None):
+        """metrics() in Prometheus' text format, labelled with this rank's place
+        (side, tp_rank, pp_rank, dp_rank) and any extra labels given, ready to be served
+        beside SGLang's /metrics."""
+        par = self.parallel
+        lab = {"side": "prefill" if self.is_prefill else "decode",
+               "tp_rank": str(par.tp_rank), "pp_rank": str(par.pp_rank),
+               "dp_rank": str(par.dp_rank)}
+        lab.update(labels or {})
+        return self.context.prometheus_text(lab)
+
     def register_to_bootstrap(self):
         """Prefill ranks register when the manager is built; kept for the interface."""
 

@@ -419,6 +419,16 @@ class TestSGLangBackend(unittest.TestCase):
                             msg = str(e)
                     self.assertEqual(st, KVPoll.Success, "room %d: %s" % (room, msg))
                     self.assertGreater(rvs[0].get_transfer_metric().transfer_total_bytes, 0)
+            # The managers' counters agree with what the scheduler saw (every decode
+            # rank takes part in every room) and render as Prometheus text.
+            ok = sum(1 for st, _ in d_done.values() if st == KVPoll.Success)
+            for m in dmgrs:
+                mt = m.metrics()
+                self.assertEqual(mt["rooms_finished"]["success"], ok, mt)
+                self.assertGreaterEqual(mt["rooms_finished"]["failed"], len(d_done) - ok, mt)
+                text = m.prometheus_text({"instance": "d0"})
+                self.assertIn('side="decode"', text)
+                self.assertIn('instance="d0"', text)
             for room, (st, ss) in p_done.items():
                 expect = KVPoll.Failed if by_room[room].get("abort") else KVPoll.Success
                 self.assertEqual(st, expect, room)
