@@ -38,6 +38,14 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
      .help = "prefill: largest registration frame read before it is authenticated, KiB"},
     {.name = "KVW_MAX_PEERS", .type = KVW_CFG_U64, .def = "1024", .min = 1, .max = 65536,
      .help = "live peers per context (more registrations are refused)"},
+    {.name = "KVW_MAX_CONN_PER_SOURCE", .type = KVW_CFG_U64, .def = "256", .min = 1,
+     .max = 65536,
+     .help = "connections one source address may hold on a data listener (tcp); more "
+             "are closed at once"},
+    {.name = "KVW_DATA_HELLO_MS", .type = KVW_CFG_U64, .def = "10000", .min = 100,
+     .max = 600000,
+     .help = "a data connection (tcp) must say HELLO and send its first frame (BIND) "
+             "within this many ms of its accept"},
     {.name = "KVW_CUDA_MODULE", .type = KVW_CFG_STRING, .def = "",
      .shown = "libkvwire_cuda.so next to libkvwire",
      .help = "path of the CUDA module loaded at run time"},
