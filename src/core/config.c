@@ -46,6 +46,10 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
      .max = 600000,
      .help = "a data connection (tcp) must say HELLO and send its first frame (BIND) "
              "within this many ms of its accept"},
+    {.name = "KVW_BS_MAX_SOURCE_ENTRIES", .type = KVW_CFG_U64, .def = "1024", .min = 1,
+     .max = 4096,
+     .help = "bootstrap endpoint: entries registered from one source address (4096, the "
+             "table's size: no bound of its own)"},
     {.name = "KVW_CUDA_MODULE", .type = KVW_CFG_STRING, .def = "",
      .shown = "libkvwire_cuda.so next to libkvwire",
      .help = "path of the CUDA module loaded at run time"},
