@@ -365,6 +365,16 @@ static kvw_status_t kvw_hs_connect_data(struct kvw_ctx *ctx, kvw_hs_t *h)
             return KVW_ERR_MALFORMED;
         }
     }
+    /* A decode's staging area is KVW_STAGING_MB whole MiB: a smaller or larger one
+     * declared here could only stall or overrun this rank's windows over it. */
+    if (h->staging_len && (h->staging_len < KVW_STAGING_MIN ||
+                           h->staging_len > KVW_STAGING_MAX)) {
+        snprintf(h->reason, sizeof(h->reason), "the decode rank declares a staging area of "
+                 "%llu bytes (accepted: 0, or %u MiB to %llu MiB)",
+                 (unsigned long long)h->staging_len, (unsigned)(KVW_STAGING_MIN >> 20),
+                 (unsigned long long)(KVW_STAGING_MAX >> 20));
+        return KVW_ERR_OUT_OF_RANGE;
+    }
     if (h->must_stage && h->staging_len == 0) {
         snprintf(h->reason, sizeof(h->reason), "GPU memory on %s goes through the decode "
                  "rank's staging area over '%s', and the decode rank has none "
