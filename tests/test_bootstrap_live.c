@@ -6,7 +6,10 @@
  *    one for the same position from another address; once the connection closes, the
  *    new geometry registers;
  *  - one source registers at most KVW_BS_MAX_SOURCE_ENTRIES (1024) entries: the next is
- *    refused naming the setting, and another source still registers and looks up.
+ *    refused naming the setting, and another source still registers and looks up;
+ *  - a lookup at a hostile endpoint whose table holds a junk entry beside a complete
+ *    instance succeeds when the junk is not what it needs (with the secret: no valid
+ *    MAC; with expected sizes: another geometry).
  * Before these bounds the other geometry wiped the live entry, and one source filled
  * the table.
  *
@@ -83,6 +86,40 @@ static int raw_register(const char *from, uint16_t port, const kvw_bs_entry_t *e
     return ret;
 }
 
+/* A hostile endpoint: answers every request on 127.0.0.1 with a fixed table. */
+typedef struct fake {
+    int lfd;
+    uint16_t port;
+    kvw_bs_entry_t tab[2];
+    uint32_t n;
+    pthread_t t;
+} fake_t;
+
+static void *fake_main(void *arg)
+{
+    fake_t *f = arg;
+    for (;;) {
+        int fd = accept(f->lfd, NULL, NULL);
+        if (fd < 0)
+            return NULL;
+        uint8_t type, *p = NULL;
+        uint32_t len;
+        uint64_t deadline = kvt_now_ns() + kvt_tmo_ns(5 * SEC);
+        if (kvw__sock_recv_frame(fd, deadline, &type, &p, &len) == KVW_OK) {
+            kvw_wbuf_t w;
+            kvw__wb_init(&w, KVW_MSG_BS_TABLE);
+            kvw__wb_u32(&w, f->n);
+            for (uint32_t i = 0; i < f->n; i++)
+                kvw__bootstrap_put_entry(&w, &f->tab[i]);
+            if (kvw__wb_finish(&w) == KVW_OK)
+                (void)kvw__sock_send_all(fd, w.p, w.len, deadline);
+            kvw__wb_free(&w);
+        }
+        free(p);
+        close(fd);
+    }
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
@@ -149,5 +186,49 @@ int main(void)
     st = kvw__bootstrap_register(addr, &e, NULL, kvt_now_ns() + kvt_tmo_ns(10 * SEC));
     CHECK(st == KVW_OK, "a registration from another source: %s", kvw_last_error());
     kvw__bootstrap_stop(bs);
+
+    /* 3. A junk entry beside a complete instance fails no lookup that does not need it:
+     * with the secret it carries no valid MAC, and it declares another geometry (DP 2)
+     * than a decode that expects DP 1 looks for. */
+    fake_t f = {.n = 2};
+    f.tab[0] = entry(0, 1, 21100);
+    f.tab[0].has_mac = true;
+    memset(f.tab[0].nonce, 3, sizeof(f.tab[0].nonce));
+    kvw__bootstrap_entry_mac("alpha", &f.tab[0], f.tab[0].mac);
+    f.tab[1] = entry(0, 1, 1);
+    f.tab[1].dp = 1;
+    f.tab[1].dp_size = 2;
+    struct sockaddr_in la = {.sin_family = AF_INET};
+    la.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t ll = sizeof(la);
+    f.lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    CHECK(f.lfd >= 0 && bind(f.lfd, (struct sockaddr *)&la, sizeof(la)) == 0 &&
+              listen(f.lfd, 16) == 0 &&
+              getsockname(f.lfd, (struct sockaddr *)&la, &ll) == 0 &&
+              pthread_create(&f.t, NULL, fake_main, &f) == 0,
+          "fake endpoint: %m");
+    snprintf(addr, sizeof(addr), "127.0.0.1:%u", ntohs(la.sin_port));
+    tab = NULL;
+    n = 0;
+    st = kvw__bootstrap_lookup(addr, 0, 0, 0, "alpha", kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab,
+                               &n);
+    CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:21100"),
+          "lookup with the secret beside an unsigned junk entry: %s: %s",
+          kvw_status_string(st), kvw_last_error());
+    free(tab);
+    tab = NULL;
+    st = kvw__bootstrap_lookup(addr, 1, 1, 1, NULL, kvt_now_ns() + kvt_tmo_ns(5 * SEC), &tab, &n);
+    CHECK(st == KVW_OK && n == 1 && !strcmp(tab[0].addr, "127.0.0.1:21100"),
+          "lookup of a DP1 instance beside a DP2 junk entry: %s: %s", kvw_status_string(st),
+          kvw_last_error());
+    free(tab);
+    /* The junk entry still fails the lookup that needs it: a decode of DP 2. */
+    tab = NULL;
+    st = kvw__bootstrap_lookup(addr, 1, 1, 2, NULL, kvt_now_ns() + kvt_tmo_ns(1 * SEC), &tab, &n);
+    CHECK(st != KVW_OK, "a DP2 lookup succeeded with half an instance");
+    free(tab);
+    shutdown(f.lfd, SHUT_RDWR);
+    close(f.lfd);
+    pthread_join(f.t, NULL);
     return ip_summary("test_bootstrap_live");
 }

@@ -871,6 +871,66 @@ static kvw_status_t kvw_bs_check_table(const char *bs_addr, const kvw_bs_entry_t
     return KVW_OK;
 }
 
+/* Whether entry `e` matches the geometry the decode expects (0: any). */
+static bool kvw_bs_expected(const kvw_bs_entry_t *e, uint32_t tp, uint32_t pp, uint32_t dp)
+{
+    return (!tp || e->tp_size == tp) && (!pp || KVW_MAX(e->pp_size, 1) == pp) &&
+           (!dp || KVW_MAX(e->dp_size, 1) == dp);
+}
+
+/*
+ * A table as the decode uses it: an entry that is not this instance's fails only a
+ * lookup that needs it. With a secret, entries without a valid MAC are set aside; with
+ * expected sizes, so are entries of another geometry. The rest (moved to the front,
+ * *n_p of them) must make a complete instance (kvw_bs_check_table). Fails at once
+ * (AUTH, naming it) when a set-aside entry holds a position the instance still lacks,
+ * or when nothing but such entries is there; with nothing of the expected geometry,
+ * the whole table is checked (its error names the geometries). KVW_INPROGRESS while
+ * ranks are missing.
+ */
+static kvw_status_t kvw_bs_sift_table(const char *bs_addr, const char *secret,
+                                      kvw_bs_entry_t *e, uint32_t *n_p, uint32_t tp,
+                                      uint32_t pp, uint32_t dp, char *why, size_t why_cap)
+{
+    uint32_t n = *n_p, nv = 0;
+    bool check_mac = secret && secret[0];
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t want[32];
+        bool ok = !check_mac || (e[i].has_mac && (kvw__bootstrap_entry_mac(secret, &e[i], want),
+                                                   kvw__ct_equal(want, e[i].mac, 32)));
+        ok = ok && kvw_bs_expected(&e[i], tp, pp, dp);
+        if (ok) {
+            kvw_bs_entry_t t = e[nv];
+            e[nv++] = e[i];
+            e[i] = t;
+        }
+    }
+    if (nv == 0 && n > 0) {
+        /* Nothing usable: the first forged entry, or the geometry mismatch, says why. */
+        kvw_status_t st = kvw_bs_verify_table(bs_addr, secret, e, n);
+        return st != KVW_OK ? st : kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, why, why_cap);
+    }
+    kvw_status_t st = kvw_bs_check_table(bs_addr, e, nv, tp, pp, dp, why, why_cap);
+    if (st != KVW_INPROGRESS) {
+        if (st == KVW_OK && nv < n)
+            kvw__log(KVW_LOG_WARN, "bootstrap %s: %u entries that are not this instance's "
+                     "(forged or of another geometry) ignored", bs_addr, n - nv);
+        *n_p = nv;
+        return st;
+    }
+    /* Incomplete: a forged entry holding a missing position is what this lookup needs. */
+    for (uint32_t i = nv; check_mac && i < n; i++) {
+        bool held = false;
+        for (uint32_t j = 0; j < nv && !held; j++)
+            held = e[j].dp == e[i].dp && e[j].tp == e[i].tp && e[j].pp == e[i].pp;
+        if (!held && kvw_bs_expected(&e[i], e[0].tp_size, KVW_MAX(e[0].pp_size, 1),
+                                     KVW_MAX(e[0].dp_size, 1)) &&
+            (st = kvw_bs_verify_table(bs_addr, secret, &e[i], 1)) != KVW_OK)
+            return st;
+    }
+    return KVW_INPROGRESS;
+}
+
 kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
                                    const char *secret, uint64_t deadline_ns,
                                    kvw_bs_entry_t **entries_p, uint32_t *count_p)
@@ -915,12 +975,11 @@ kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t
             free(e);
             return kvw__error(KVW_ERR_MALFORMED, "bootstrap %s sent a malformed table", bs_addr);
         }
-        st = kvw_bs_verify_table(bs_addr, secret, e, n);
-        if (st == KVW_OK)
-            st = kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, last, sizeof(last));
+        uint32_t nv = n;
+        st = kvw_bs_sift_table(bs_addr, secret, e, &nv, tp, pp, dp, last, sizeof(last));
         if (st == KVW_OK) {
             *entries_p = e;
-            *count_p = n;
+            *count_p = nv;
             return KVW_OK;
         }
         free(e);
