@@ -75,7 +75,9 @@ static void check_table(void)
     static const char *const read[] = {
         "KVW_WORKERS",     "KVW_GPU_INFLIGHT",  "KVW_STAGING_MB",     "KVW_PATH",
         "KVW_BUSY_POLL_US", "KVW_CUDA_MODULE",  "KVW_TL_MODULE_DIR", "KVW_UCX_TIMEOUT_MS",
-        "KVW_UCX_PUT",     "KVW_UCX_ERR_MODE",
+        "KVW_UCX_PUT",     "KVW_UCX_ERR_MODE",  "KVW_MAX_PEER_ROOMS", "KVW_MAX_HELLO_KB",
+        "KVW_MAX_PEERS",   "KVW_MAX_CONN_PER_SOURCE", "KVW_DATA_HELLO_MS",
+        "KVW_BS_MAX_SOURCE_ENTRIES",
     };
     for (size_t k = 0; k < KVW_ARRAY_SIZE(read); k++) {
         bool found = false;

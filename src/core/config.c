@@ -30,6 +30,26 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
      .help = "force the data path of every plan (auto: chosen per plan)"},
     {.name = "KVW_BUSY_POLL_US", .type = KVW_CFG_U64, .def = "0", .min = 0, .max = 1000000,
      .help = "spin this long for the next event before sleeping (latency)"},
+    {.name = "KVW_MAX_PEER_ROOMS", .type = KVW_CFG_U64, .def = "4096", .min = 1,
+     .max = 1u << 24,
+     .help = "prefill: rooms one decode rank may create by REQ or ABORT before the engine "
+             "opens them (more are refused; they expire after the wait timeout)"},
+    {.name = "KVW_MAX_HELLO_KB", .type = KVW_CFG_U64, .def = "4096", .min = 64, .max = 65536,
+     .help = "prefill: largest registration frame read before it is authenticated, KiB"},
+    {.name = "KVW_MAX_PEERS", .type = KVW_CFG_U64, .def = "1024", .min = 1, .max = 65536,
+     .help = "live peers per context (more registrations are refused)"},
+    {.name = "KVW_MAX_CONN_PER_SOURCE", .type = KVW_CFG_U64, .def = "256", .min = 1,
+     .max = 65536,
+     .help = "connections one source address may hold on a data listener (tcp); more "
+             "are closed at once"},
+    {.name = "KVW_DATA_HELLO_MS", .type = KVW_CFG_U64, .def = "10000", .min = 100,
+     .max = 600000,
+     .help = "a data connection (tcp) must say HELLO and send its first frame (BIND) "
+             "within this many ms of its accept"},
+    {.name = "KVW_BS_MAX_SOURCE_ENTRIES", .type = KVW_CFG_U64, .def = "1024", .min = 1,
+     .max = 4096,
+     .help = "bootstrap endpoint: entries registered from one source address (4096, the "
+             "table's size: no bound of its own)"},
     {.name = "KVW_CUDA_MODULE", .type = KVW_CFG_STRING, .def = "",
      .shown = "libkvwire_cuda.so next to libkvwire",
      .help = "path of the CUDA module loaded at run time"},

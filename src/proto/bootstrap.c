@@ -8,7 +8,12 @@
  *    either is reached, a new connection displaces the oldest one that has sent nothing
  *    yet, or is closed when every connection is busy with a frame (honest clients send
  *    their one frame as soon as they connect, so silent ones are the ones that go);
- *  - a full table refuses a new rank with an error answer (KVW_MSG_BS_ERROR).
+ *  - a full table refuses a new rank with an error answer (KVW_MSG_BS_ERROR), and so
+ *    does one source past KVW_BS_MAX_SOURCE_ENTRIES entries;
+ *  - while a rank's held registration connection is open, its entry is neither wiped by
+ *    a registration of another geometry nor replaced from another source address
+ *    (refused, BUSY; the client retries such a refusal until its deadline, since the
+ *    rank in the way may be its own previous process).
  * A malformed frame drops only the connection that sent it.
  *
  * Authentication: with a shared secret, a prefill rank first asks the endpoint for a
@@ -27,6 +32,7 @@
  */
 #include "proto/proto.h"
 
+#include "core/config.h"
 #include "core/rand.h"
 #include "core/sha256.h"
 
@@ -75,6 +81,7 @@ struct kvw_bootstrap {
     uint32_t num_entries;
     char secret[256];       /* "" accepts registrations without a MAC */
     uint64_t ttl_ns;        /* lifetime of one-shot entries (under mu) */
+    uint64_t max_source_entries; /* KVW_BS_MAX_SOURCE_ENTRIES */
 };
 
 #define KVW_BS_MAC_LABEL "kvwire-bootstrap-entry-1"
@@ -171,6 +178,50 @@ static void kvw_bs_auth_check(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, const kvw_b
                  e->pp, e->addr, fault);
 }
 
+static bool kvw_bs_same_source(const struct sockaddr_storage *a,
+                               const struct sockaddr_storage *b);
+
+static bool kvw_bs_same_geometry(const kvw_bs_entry_t *a, const kvw_bs_entry_t *b)
+{
+    return a->tp_size == b->tp_size && KVW_MAX(a->pp_size, 1) == KVW_MAX(b->pp_size, 1) &&
+           KVW_MAX(a->dp_size, 1) == KVW_MAX(b->dp_size, 1);
+}
+
+/* Why a registration may not go into the table ("" when it may; under mu):
+ *  - it declares another geometry than an entry whose registration connection is still
+ *    open (a live rank's entry is never wiped by a registration of another geometry);
+ *  - it takes the position of such a live entry from another source address (a
+ *    restarted rank registers again from its own host);
+ *  - its source already has KVW_BS_MAX_SOURCE_ENTRIES entries (one source cannot fill
+ *    the table). */
+static void kvw_bs_admit_check(kvw_bootstrap_t *bs, const kvw_bs_entry_t *e, char *why,
+                               size_t cap)
+{
+    uint64_t same_src = 0;
+    why[0] = '\0';
+    for (uint32_t j = 0; j < bs->num_entries && !why[0]; j++) {
+        const kvw_bs_entry_t *o = &bs->entries[j];
+        bool mine = kvw_bs_same_source(&o->src, &e->src);
+        bool here = o->dp == e->dp && o->tp == e->tp && o->pp == e->pp;
+        same_src += mine && !(here && kvw_bs_same_geometry(o, e));
+        if (o->owner && !kvw_bs_same_geometry(o, e))
+            snprintf(why, cap, "registration of rank dp%u/tp%u/pp%u (TP %u PP %u DP %u) at %.80s "
+                     "refused: live rank dp%u/tp%u/pp%u at %.80s declares TP %u PP %u DP %u and its "
+                     "registration is still open", e->dp, e->tp, e->pp, e->tp_size,
+                     KVW_MAX(e->pp_size, 1), KVW_MAX(e->dp_size, 1), e->addr, o->dp, o->tp,
+                     o->pp, o->addr, o->tp_size, KVW_MAX(o->pp_size, 1), KVW_MAX(o->dp_size, 1));
+        else if (o->owner && here && !mine)
+            snprintf(why, cap, "registration of rank dp%u/tp%u/pp%u at %.80s refused: that "
+                     "rank is live at %.80s (its registration is still open) and registered "
+                     "from another address", e->dp, e->tp, e->pp, e->addr, o->addr);
+    }
+    if (!why[0] && same_src >= bs->max_source_entries &&
+        bs->max_source_entries < KVW_BS_MAX_ENTRIES) /* else the table's own bound answers */
+        snprintf(why, cap, "registration of rank dp%u/tp%u/pp%u at %.80s refused: its source "
+                 "already has %llu entries (KVW_BS_MAX_SOURCE_ENTRIES)", e->dp, e->tp, e->pp,
+                 e->addr, (unsigned long long)same_src);
+}
+
 /* Handles one frame into an answer *w; returns false to drop the connection. */
 static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp, uint8_t type,
                           const uint8_t *p, uint32_t len)
@@ -203,9 +254,19 @@ static bool kvw_bs_handle(kvw_bootstrap_t *bs, kvw_bs_conn_t *c, kvw_wbuf_t *wp,
         }
         uint64_t now = kvw__now_ns();
         e.owner = type == KVW_MSG_BS_HOLD ? c->id : 0;
+        e.src = c->src;
         pthread_mutex_lock(&bs->mu);
         e.expires_ns = type == KVW_MSG_BS_HOLD ? 0 : now + bs->ttl_ns;
         kvw_bs_expire_locked(bs, now);
+        kvw_bs_admit_check(bs, &e, why, sizeof(why));
+        if (why[0]) {
+            pthread_mutex_unlock(&bs->mu);
+            kvw__log(KVW_LOG_WARN, "bootstrap: %s", why);
+            kvw__wb_init(&w, KVW_MSG_BS_ERROR);
+            kvw__wb_u32(&w, (uint32_t)(int32_t)KVW_ERR_BUSY);
+            kvw__wb_str(&w, why);
+            goto answer;
+        }
         /* A registration declaring other instance sizes starts a new instance (a prefill
          * restarted with another geometry): the old entries go, so that no lookup ever
          * mixes ranks of two geometries. */
@@ -510,6 +571,11 @@ kvw_status_t kvw__bootstrap_start(const char *host, uint16_t port, const char *s
     }
     snprintf(bs->secret, sizeof(bs->secret), "%s", secret ? secret : "");
     bs->ttl_ns = KVW_BS_ONESHOT_TTL_MS * 1000000ull;
+    if (kvw__config_u64("KVW_BS_MAX_SOURCE_ENTRIES", &bs->max_source_entries) != KVW_OK) {
+        free(bs->entries);
+        free(bs);
+        return KVW_ERR_INVALID_PARAM; /* the message names the variable */
+    }
     uint16_t bound;
     if ((st = kvw__tcp_listen(host, port, &bs->listen_fd, &bound)) != KVW_OK)
         goto err_free;
@@ -713,6 +779,14 @@ static kvw_status_t kvw_bs_register(const char *bs_addr, kvw_bs_entry_t *e,
         st = kvw_bs_register_once(bs_addr, e, secret, deadline_ns, keep_fd);
         if (st == KVW_OK)
             return KVW_OK;
+        /* A live rank in the way (its registration "is still open") may be a previous
+         * process of this rank whose connection the endpoint has not seen close yet:
+         * retried until the deadline, which then reports the refusal itself. */
+        if (st == KVW_ERR_BUSY && strstr(kvw_last_error(), "still open") &&
+            kvw__now_ns() + 50000000ull < deadline_ns) {
+            usleep(50000);
+            continue;
+        }
         if (st == KVW_ERR_BUSY || st == KVW_ERR_REJECTED || st == KVW_ERR_AUTH)
             return st; /* refused with a reason (kvw_last_error) */
         usleep(50000); /* the endpoint may not be up yet */
@@ -813,6 +887,66 @@ static kvw_status_t kvw_bs_check_table(const char *bs_addr, const kvw_bs_entry_t
     return KVW_OK;
 }
 
+/* Whether entry `e` matches the geometry the decode expects (0: any). */
+static bool kvw_bs_expected(const kvw_bs_entry_t *e, uint32_t tp, uint32_t pp, uint32_t dp)
+{
+    return (!tp || e->tp_size == tp) && (!pp || KVW_MAX(e->pp_size, 1) == pp) &&
+           (!dp || KVW_MAX(e->dp_size, 1) == dp);
+}
+
+/*
+ * A table as the decode uses it: an entry that is not this instance's fails only a
+ * lookup that needs it. With a secret, entries without a valid MAC are set aside; with
+ * expected sizes, so are entries of another geometry. The rest (moved to the front,
+ * *n_p of them) must make a complete instance (kvw_bs_check_table). Fails at once
+ * (AUTH, naming it) when a set-aside entry holds a position the instance still lacks,
+ * or when nothing but such entries is there; with nothing of the expected geometry,
+ * the whole table is checked (its error names the geometries). KVW_INPROGRESS while
+ * ranks are missing.
+ */
+static kvw_status_t kvw_bs_sift_table(const char *bs_addr, const char *secret,
+                                      kvw_bs_entry_t *e, uint32_t *n_p, uint32_t tp,
+                                      uint32_t pp, uint32_t dp, char *why, size_t why_cap)
+{
+    uint32_t n = *n_p, nv = 0;
+    bool check_mac = secret && secret[0];
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t want[32];
+        bool ok = !check_mac || (e[i].has_mac && (kvw__bootstrap_entry_mac(secret, &e[i], want),
+                                                   kvw__ct_equal(want, e[i].mac, 32)));
+        ok = ok && kvw_bs_expected(&e[i], tp, pp, dp);
+        if (ok) {
+            kvw_bs_entry_t t = e[nv];
+            e[nv++] = e[i];
+            e[i] = t;
+        }
+    }
+    if (nv == 0 && n > 0) {
+        /* Nothing usable: the first forged entry, or the geometry mismatch, says why. */
+        kvw_status_t st = kvw_bs_verify_table(bs_addr, secret, e, n);
+        return st != KVW_OK ? st : kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, why, why_cap);
+    }
+    kvw_status_t st = kvw_bs_check_table(bs_addr, e, nv, tp, pp, dp, why, why_cap);
+    if (st != KVW_INPROGRESS) {
+        if (st == KVW_OK && nv < n)
+            kvw__log(KVW_LOG_WARN, "bootstrap %s: %u entries that are not this instance's "
+                     "(forged or of another geometry) ignored", bs_addr, n - nv);
+        *n_p = nv;
+        return st;
+    }
+    /* Incomplete: a forged entry holding a missing position is what this lookup needs. */
+    for (uint32_t i = nv; check_mac && i < n; i++) {
+        bool held = false;
+        for (uint32_t j = 0; j < nv && !held; j++)
+            held = e[j].dp == e[i].dp && e[j].tp == e[i].tp && e[j].pp == e[i].pp;
+        if (!held && kvw_bs_expected(&e[i], e[0].tp_size, KVW_MAX(e[0].pp_size, 1),
+                                     KVW_MAX(e[0].dp_size, 1)) &&
+            (st = kvw_bs_verify_table(bs_addr, secret, &e[i], 1)) != KVW_OK)
+            return st;
+    }
+    return KVW_INPROGRESS;
+}
+
 kvw_status_t kvw__bootstrap_lookup(const char *bs_addr, uint32_t tp, uint32_t pp, uint32_t dp,
                                    const char *secret, uint64_t deadline_ns,
                                    kvw_bs_entry_t **entries_p, uint32_t *count_p)
@@ -858,14 +992,13 @@ kvw_status_t kvw__bootstrap_lookup_ex(const char *bs_addr, uint32_t tp, uint32_t
             free(e);
             return kvw__error(KVW_ERR_MALFORMED, "bootstrap %s sent a malformed table", bs_addr);
         }
-        st = kvw_bs_verify_table(bs_addr, secret, e, n);
-        if (st == KVW_OK)
-            st = kvw_bs_check_table(bs_addr, e, n, tp, pp, dp, last, sizeof(last));
+        uint32_t nv = n;
+        st = kvw_bs_sift_table(bs_addr, secret, e, &nv, tp, pp, dp, last, sizeof(last));
         if (st == KVW_INPROGRESS)
             snprintf(table, sizeof(table), "%s", last);
         if (st == KVW_OK) {
             *entries_p = e;
-            *count_p = n;
+            *count_p = nv;
             return KVW_OK;
         }
         free(e);

@@ -8,6 +8,7 @@
 #include "proto/wire.h"
 
 #include <stdatomic.h>
+#include <sys/socket.h>
 #include <stdbool.h>
 #include <stdint.h>
 
@@ -22,6 +23,7 @@ typedef struct kvw_bs_entry {
     uint8_t nonce[32], mac[32];
     uint64_t owner;      /* endpoint side: the connection holding the entry (0: none) */
     uint64_t expires_ns; /* endpoint side: one-shot entries expire then (0: held) */
+    struct sockaddr_storage src; /* endpoint side: where the registration came from */
 } kvw_bs_entry_t;
 
 typedef struct kvw_bootstrap kvw_bootstrap_t;

@@ -11,6 +11,28 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+/* The largest payload a control frame of `type` may have (its session tag included):
+ * page lists (REQ) may be long, metadata is bounded, every other frame is small. A peer
+ * that announces more is dropped before anything is allocated. */
+static uint32_t kvw_ctrl_max_payload(uint8_t type)
+{
+    switch (type) {
+    case KVW_MSG_REQ:
+        return KVW_WIRE_MAX_PAYLOAD;
+    case KVW_MSG_META:
+        return KVW_MAX_ROOM_METADATA + 64 + KVW_TAG;
+    case KVW_MSG_HEARTBEAT:
+        return KVW_TAG;
+    default: /* room messages: id, status and a reason (the reader keeps 255 bytes) */
+        return 4096;
+    }
+}
+
+/* A frame's payload buffer grows with the bytes that arrive (from 64 KiB, doubling): a
+ * peer that announces a long frame and sends it slowly holds what it sent, not what it
+ * announced. */
+#define KVW_CTRL_FIRST_ALLOC (64u << 10)
+
 /* Reads what is available on a peer's socket; handles complete frames. mu held. */
 static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
 {
@@ -21,8 +43,19 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
             k = recv(peer->fd, peer->hdr + peer->hdr_got, KVW_WIRE_HDR - peer->hdr_got,
                      MSG_DONTWAIT);
         } else {
+            if (peer->payload_got == peer->payload_cap && peer->payload_cap < peer->payload_len) {
+                uint32_t cap = (uint32_t)KVW_MIN((uint64_t)peer->payload_cap * 2,
+                                                 (uint64_t)peer->payload_len);
+                uint8_t *np = realloc(peer->payload, cap);
+                if (np == NULL) {
+                    kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
+                    return;
+                }
+                peer->payload = np;
+                peer->payload_cap = cap;
+            }
             k = recv(peer->fd, peer->payload + peer->payload_got,
-                     peer->payload_len - peer->payload_got, MSG_DONTWAIT);
+                     peer->payload_cap - peer->payload_got, MSG_DONTWAIT);
             if (peer->payload_len == 0)
                 k = 0, errno = 0;
         }
@@ -44,7 +77,15 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
                 kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
                 return;
             }
-            peer->payload = malloc(len ? len : 1);
+            if (len > kvw_ctrl_max_payload(type)) {
+                char why[160];
+                snprintf(why, sizeof(why), "a %u-byte control frame of type %u (at most %u "
+                         "bytes for that type)", len, type, kvw_ctrl_max_payload(type));
+                kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
+                return;
+            }
+            peer->payload_cap = KVW_MIN(len, KVW_CTRL_FIRST_ALLOC);
+            peer->payload = malloc(peer->payload_cap ? peer->payload_cap : 1);
             if (peer->payload == NULL) {
                 kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
                 return;

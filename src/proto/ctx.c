@@ -67,6 +67,10 @@ void kvw__ctx_cfg_read(struct kvw_ctx *ctx)
     kvw__config_u64("KVW_GPU_INFLIGHT", &ctx->cfg.gpu_inflight);
     kvw__config_u64("KVW_STAGING_MB", &ctx->cfg.staging_mb);
     kvw__config_u64("KVW_BUSY_POLL_US", &ctx->cfg.busy_poll_us);
+    kvw__config_u64("KVW_MAX_PEER_ROOMS", &ctx->cfg.max_peer_rooms);
+    kvw__config_u64("KVW_MAX_HELLO_KB", &ctx->cfg.max_hello);
+    ctx->cfg.max_hello <<= 10;
+    kvw__config_u64("KVW_MAX_PEERS", &ctx->cfg.max_peers);
     const char *path;
     kvw__config_str("KVW_PATH", &path);
     ctx->cfg.path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT

@@ -119,8 +119,9 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
             }
             kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
         } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
+            /* Remembered so that a later sender fails; bounded per peer, like REQs. */
             if (r == NULL)
-                r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
+                (void)kvw__room_new_by_peer(ctx, id, peer, &r);
             /* The room's other decode ranks hear of it too (FAILED). */
             if (r)
                 kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "aborted by %s: %s", peer->desc,

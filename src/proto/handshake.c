@@ -195,7 +195,13 @@ static kvw_status_t kvw_hs_challenge(struct kvw_ctx *ctx, int fd, kvw_hs_t *h)
     kvw__wb_free(&cw);
     if (st != KVW_OK)
         return st;
-    st = kvw__sock_recv_frame(fd, h->deadline, &type, &h->p, &h->len);
+    /* Before it is authenticated a registration is bounded (KVW_MAX_HELLO_KB): a
+     * larger one is refused unread, before its payload is allocated. */
+    st = kvw__sock_recv_frame_max(fd, h->deadline, (uint32_t)ctx->cfg.max_hello, &type, &h->p,
+                                  &h->len);
+    if (st == KVW_ERR_OUT_OF_RANGE)
+        snprintf(h->reason, sizeof(h->reason), "registration refused: %s (KVW_MAX_HELLO_KB=%llu)",
+                 kvw_last_error(), (unsigned long long)(ctx->cfg.max_hello >> 10));
     if (st != KVW_OK)
         return st;
     kvw__handshake_heard(ctx, fd);
@@ -320,6 +326,14 @@ static kvw_status_t kvw_hs_admit(struct kvw_ctx *ctx, kvw_hs_t *h)
      * not been noticed dead yet retries until it is (BUSY). */
     const kvw_parallel_t *ip = kvw_rank_parallel(h->remote);
     pthread_mutex_lock(&ctx->mu);
+    uint32_t live = 0;
+    for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
+        live += !kvw__peer_at(ctx, i)->dead;
+    if (live >= ctx->cfg.max_peers) {
+        st = KVW_ERR_BUSY;
+        snprintf(h->reason, sizeof(h->reason), "this prefill rank already has %u live peers "
+                 "(KVW_MAX_PEERS=%llu)", live, (unsigned long long)ctx->cfg.max_peers);
+    }
     for (uint32_t i = 0; i < kvw__peer_count(ctx) && st == KVW_OK; i++) {
         const kvw_peer_t *o = kvw__peer_at(ctx, i);
         if (!o->dead && o->instance == h->instance && o->dp == ip->dp_rank &&
@@ -395,6 +409,16 @@ static kvw_status_t kvw_hs_connect_data(struct kvw_ctx *ctx, kvw_hs_t *h)
             snprintf(h->reason, sizeof(h->reason), "bad staging key in the registration");
             return KVW_ERR_MALFORMED;
         }
+    }
+    /* A decode's staging area is KVW_STAGING_MB whole MiB: a smaller or larger one
+     * declared here could only stall or overrun this rank's windows over it. */
+    if (h->staging_len && (h->staging_len < KVW_STAGING_MIN ||
+                           h->staging_len > KVW_STAGING_MAX)) {
+        snprintf(h->reason, sizeof(h->reason), "the decode rank declares a staging area of "
+                 "%llu bytes (accepted: 0, or %u MiB to %llu MiB)",
+                 (unsigned long long)h->staging_len, (unsigned)(KVW_STAGING_MIN >> 20),
+                 (unsigned long long)(KVW_STAGING_MAX >> 20));
+        return KVW_ERR_OUT_OF_RANGE;
     }
     if (h->must_stage && h->staging_len == 0) {
         snprintf(h->reason, sizeof(h->reason), "GPU memory on %s goes through the decode "
@@ -544,6 +568,8 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
     memset(&h, 0, sizeof(h));
     h.deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
     kvw_status_t st = kvw_hs_challenge(ctx, fd, &h);
+    if (st != KVW_OK && h.reason[0]) /* refused unread: the decode rank learns why */
+        return kvw__error(kvw_hs_reply(ctx, fd, &h, st), "%s", h.reason);
     if (st != KVW_OK)
         return st;
     if ((st = kvw_hs_read_hello(&h)) == KVW_OK && (st = kvw_hs_verify_mac(ctx, &h)) == KVW_OK &&
@@ -591,7 +617,7 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     if ((st = kvw__tcp_connect(host, port, deadline, &fd)) != KVW_OK)
         return st;
     uint8_t nonce[KVW_NONCE], dnonce[KVW_NONCE], mac[32] = {0};
-    if ((st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len)) != KVW_OK ||
+    if ((st = kvw__sock_recv_frame_max(fd, deadline, KVW_NONCE, &type, &p, &len)) != KVW_OK ||
         type != KVW_MSG_CHALLENGE || len != KVW_NONCE) {
         free(p);
         close(fd);
@@ -637,8 +663,9 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
     if ((st = kvw__wb_finish(&w)) == KVW_OK)
         st = kvw__sock_send_all(fd, w.p, w.len, deadline);
     kvw__wb_free(&w);
-    if (st == KVW_OK)
-        st = kvw__sock_recv_frame(fd, deadline, &type, &p, &len);
+    if (st == KVW_OK) /* the answer is not authenticated yet either: bounded likewise */
+        st = kvw__sock_recv_frame_max(fd, deadline, (uint32_t)ctx->cfg.max_hello, &type, &p,
+                                      &len);
     if (st != KVW_OK) {
         kvw_decode_unreserve(ctx, peer);
         return kvw__error(st, "registration with prefill rank dp%u/tp%u/pp%u at %s failed: %s",

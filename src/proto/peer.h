@@ -50,6 +50,10 @@ typedef struct kvw_peer {
     uint32_t inst, inst_gen;
     bool registering;
     bool reaped; /* dead, and its socket and transport resources were released */
+    /* Prefill: rooms its REQs and ABORTs created that no engine handle owns yet
+     * (bounded by KVW_MAX_PEER_ROOMS; kvw__room_new_by_peer). */
+    uint32_t pending_rooms;
+    uint64_t rooms_refused; /* past that bound */
     /* With a shared secret: the session key from the handshake; every control frame
      * carries a tag under it (KVW_TAG bytes) over its direction and sequence number. */
     bool authed;
@@ -61,6 +65,7 @@ typedef struct kvw_peer {
     uint32_t hdr_got;
     uint8_t *payload;
     uint32_t payload_len, payload_got;
+    uint32_t payload_cap; /* allocated: grows with the bytes that arrive */
     /* Prefill side: the data path to this decode rank. */
     kvw_tl_ep_h ep;
     kvw_tl_rkey_h *rkeys;

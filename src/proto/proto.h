@@ -202,6 +202,9 @@ struct kvw_ctx {
         uint64_t staging_mb;   /* KVW_STAGING_MB */
         uint64_t busy_poll_us; /* KVW_BUSY_POLL_US */
         int path_mode;         /* KVW_PATH */
+        uint64_t max_peer_rooms; /* KVW_MAX_PEER_ROOMS */
+        uint64_t max_hello;      /* KVW_MAX_HELLO_KB, in bytes */
+        uint64_t max_peers;      /* KVW_MAX_PEERS */
     } cfg;
     uint64_t room_serial;
     char secret[256]; /* shared secret, "" when none */

@@ -70,6 +70,10 @@ typedef struct kvw_room {
     uint64_t id;
     bool is_sender;
     bool engine_owned; /* a handle exists (a prefill room can exist from a REQ alone) */
+    /* 1 + the peer whose REQ or ABORT created the room before a handle did (0: none);
+     * the room counts in that peer's pending_rooms until a handle takes it or it is
+     * freed (kvw__room_new_by_peer). */
+    uint32_t opener;
     kvw_room_state_t state;
     kvw_status_t status;
     char reason[320];
@@ -190,6 +194,13 @@ kvw_room_t *kvw__room_next(struct kvw_ctx *ctx, const kvw_room_t *r);
  * context (their destroy calls free them) and releases the table. */
 void kvw__rooms_release(struct kvw_ctx *ctx);
 kvw_room_t *kvw__room_new(struct kvw_ctx *ctx, uint64_t id, bool is_sender);
+/* Prefill: a room created by a peer's REQ or ABORT, before the engine opened it. Such
+ * rooms are bounded per peer (KVW_MAX_PEER_ROOMS): past the bound BUSY (NO_MEMORY
+ * when out of memory), with a message, and *room_p NULL. The engine's handle takes the
+ * room over (kvw__room_adopt), which no longer counts it for the peer. mu held. */
+kvw_status_t kvw__room_new_by_peer(struct kvw_ctx *ctx, uint64_t id, struct kvw_peer *peer,
+                                   kvw_room_t **room_p);
+void kvw__room_adopt(struct kvw_ctx *ctx, kvw_room_t *room);
 void kvw__room_unlink(struct kvw_ctx *ctx, kvw_room_t *room);
 void kvw__room_free(kvw_room_t *room);
 /* Fails a room (sticky) with a reason; tells peers when `notify` is set. mu held. */

@@ -194,8 +194,15 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     free(s1);
     free(s2);
     kvw_room_t *r = kvw__room_find(ctx, id);
-    if (r == NULL)
-        r = kvw__room_new(ctx, id, true);
+    kvw_status_t why = KVW_OK;
+    if (r == NULL && d.store != NULL && (why = kvw__room_new_by_peer(ctx, id, peer, &r))) {
+        /* Past the peer's bound (or out of memory): only this request is refused. */
+        char reason[320];
+        snprintf(reason, sizeof(reason), "%s", kvw_last_error());
+        free(d.store);
+        kvw__send_room_msg(ctx, peer, KVW_MSG_FAILED, id, why, reason);
+        return;
+    }
     if (r)
         kvw__room_hop(r, KVW_HOP_REQ_RX, false);
     if (r == NULL || d.store == NULL) {

@@ -23,7 +23,7 @@ kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_h *sende
         pthread_mutex_unlock(&ctx->mu);
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a sender");
     }
-    r->engine_owned = true;
+    kvw__room_adopt(ctx, r);
     /* The wait timeout counts from the engine's side of the room. */
     r->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
     kvw__sender_update(ctx, r);

@@ -14,6 +14,11 @@
 struct kvw_ctx;
 struct kvw_peer;
 
+/* The sizes a staging area may have (KVW_STAGING_MB's range, 1 MiB to 1 TiB): a
+ * prefill rank refuses a registration that declares another (nonzero) one. */
+#define KVW_STAGING_MIN (1ull << 20)
+#define KVW_STAGING_MAX (1ull << 40)
+
 /* A span of a decode rank's staging area granted to one room. */
 typedef struct kvw_stage_span {
     uint64_t off, len;

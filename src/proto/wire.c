@@ -253,6 +253,13 @@ kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns)
 kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
                                   uint8_t **payload_p, uint32_t *len_p)
 {
+    return kvw__sock_recv_frame_max(fd, deadline_ns, KVW_WIRE_MAX_PAYLOAD, type_p, payload_p,
+                                    len_p);
+}
+
+kvw_status_t kvw__sock_recv_frame_max(int fd, uint64_t deadline_ns, uint32_t max_len,
+                                      uint8_t *type_p, uint8_t **payload_p, uint32_t *len_p)
+{
     uint8_t hdr[KVW_WIRE_HDR];
     uint8_t type = 0;
     uint32_t len = 0;
@@ -261,6 +268,9 @@ kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
         return st;
     if ((st = kvw__wire_header(hdr, &type, &len)) != KVW_OK)
         return st;
+    if (len > max_len) /* before anything is allocated for it */
+        return kvw__error(KVW_ERR_OUT_OF_RANGE, "a %u-byte frame (type %u) is larger than the "
+                          "%u bytes accepted here", len, type, max_len);
     uint8_t *p = malloc(len ? len : 1);
     if (p == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory receiving a %u-byte frame", len);

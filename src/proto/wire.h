@@ -95,6 +95,9 @@ kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns)
 /* Reads one whole frame (header + payload, malloc'd into *payload_p). */
 kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
                                   uint8_t **payload_p, uint32_t *len_p);
+/* The same, refusing (OUT_OF_RANGE, nothing allocated) a payload longer than max_len. */
+kvw_status_t kvw__sock_recv_frame_max(int fd, uint64_t deadline_ns, uint32_t max_len,
+                                      uint8_t *type_p, uint8_t **payload_p, uint32_t *len_p);
 
 /* "host:port" parsing and TCP helpers. IPv6 hosts are bracketed: "[::1]:8998",
  * "[fe80::1%eth0]:8998"; parsing returns the host without brackets, formatting adds

@@ -1,9 +1,12 @@
 /* The socket server under the tcp and shm transports; see sockserv.h. */
+#include "core/config.h"
 #include "core/dlist.h"
 #include "transport/sockserv.h"
 #include "transport/tl_util.h"
 
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
 #include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -40,6 +43,12 @@ void *kvw__sockserv_new(const kvw__sockserv_ops_t *ops, const kvw_tl_params_t *p
     srv->ops = ops;
     srv->cb = params->cb;
     srv->timeout_ms = kvw__tl_timeout_ms(params);
+    if (kvw__config_u64("KVW_DATA_HELLO_MS", &srv->hello_ms) != KVW_OK ||
+        kvw__config_u64("KVW_MAX_CONN_PER_SOURCE", &srv->max_per_source) != KVW_OK) {
+        *st_p = KVW_ERR_INVALID_PARAM; /* the message names the variable */
+        free(srv);
+        return NULL;
+    }
     srv->listen_fd = srv->wake_fd = srv->epfd = -1;
     atomic_init(&srv->closed, false);
     pthread_mutex_init(&srv->mu, NULL);
@@ -227,6 +236,33 @@ static void reap(kvw__sockserv_t *srv)
     }
 }
 
+/* The source address an accepted connection is counted under: IPv4 and IPv6 hosts
+ * (IPv6: a hash), 0 for local sockets (not counted: their peer is checked otherwise). */
+static uint64_t source_of(const struct sockaddr_storage *ss)
+{
+    if (ss->ss_family == AF_INET)
+        return (uint64_t)ntohl(((const struct sockaddr_in *)ss)->sin_addr.s_addr) + 1;
+    if (ss->ss_family == AF_INET6) {
+        const uint8_t *a = ((const struct sockaddr_in6 *)ss)->sin6_addr.s6_addr;
+        uint64_t h = 1469598103934665603ull;
+        for (int i = 0; i < 16; i++)
+            h = (h ^ a[i]) * 1099511628211ull;
+        return h | (1ull << 63);
+    }
+    return 0;
+}
+
+static const char *source_name(const struct sockaddr_storage *ss)
+{
+    static __thread char buf[64];
+    buf[0] = '\0';
+    if (ss->ss_family == AF_INET)
+        inet_ntop(AF_INET, &((const struct sockaddr_in *)ss)->sin_addr, buf, sizeof(buf));
+    else if (ss->ss_family == AF_INET6)
+        inet_ntop(AF_INET6, &((const struct sockaddr_in6 *)ss)->sin6_addr, buf, sizeof(buf));
+    return buf[0] ? buf : "?";
+}
+
 /* Accepts what the listener has. Out of descriptors or memory, the listener pauses
  * (*pause_until_p) instead of waking the loop at once again. */
 static void accept_all(kvw__sockserv_t *srv, uint64_t *pause_until_p)
@@ -243,15 +279,27 @@ static void accept_all(kvw__sockserv_t *srv, uint64_t *pause_until_p)
                 *pause_until_p = kvw__now_ns() + SRV_LISTEN_PAUSE_NS;
             return;
         }
+        uint64_t src = source_of(&ss);
         pthread_mutex_lock(&srv->mu);
         bool full = srv->num_accepted >= srv->ops->max_conns;
+        uint64_t same = 0;
+        for (kvw__sock_ep_t *o = srv->eps; src && o && !full; o = o->next)
+            same += o->hd.accepted && o->src == src && !o->reported;
+        bool capped = same >= srv->max_per_source;
+        uint64_t refused = capped ? ++srv->refused_sources : 0;
         pthread_mutex_unlock(&srv->mu);
-        kvw__sock_ep_t *ep = full ? NULL : srv->ops->accept(srv, fd, (struct sockaddr *)&ss, sl);
+        if (capped && (refused & (refused - 1)) == 0) /* the 1st, 2nd, 4th, ... */
+            kvw__log(KVW_LOG_WARN, "%s: refused %llu connection(s): source %s already holds %llu "
+                     "(KVW_MAX_CONN_PER_SOURCE)", srv->ops->name, (unsigned long long)refused,
+                     source_name(&ss), (unsigned long long)same);
+        kvw__sock_ep_t *ep = full || capped ? NULL
+                                            : srv->ops->accept(srv, fd, (struct sockaddr *)&ss, sl);
         if (ep == NULL) {
             close(fd);
             continue;
         }
-        ep->last_rx_ns = kvw__now_ns();
+        ep->last_rx_ns = ep->accepted_ns = kvw__now_ns();
+        ep->src = src;
         kvw__sock_ep_add(ep);
     }
 }
@@ -282,10 +330,16 @@ static void check_stalls(kvw__sockserv_t *srv)
     pthread_mutex_lock(&srv->mu);
     kvw__sock_ep_t *ep = srv->eps;
     pthread_mutex_unlock(&srv->mu);
-    for (; ep; ep = ep->next)
-        if (ep->hd.accepted && !ep->reported && !atomic_load(&ep->closing) &&
-            now - ep->last_rx_ns > limit)
+    for (; ep; ep = ep->next) {
+        if (!ep->hd.accepted || ep->reported || atomic_load(&ep->closing))
+            continue;
+        if (srv->ops->greets && !ep->greeted && now - ep->accepted_ns > srv->hello_ms * 1000000ull)
+            kvw__sock_ep_fail(ep, KVW_ERR_TIMEOUT, "no HELLO and first frame within %llu ms "
+                              "of the connection (KVW_DATA_HELLO_MS)",
+                              (unsigned long long)srv->hello_ms);
+        else if (now - ep->last_rx_ns > limit)
             srv->ops->stalled(ep);
+    }
 }
 
 /* Turns the listener on or off in the epoll set. */

@@ -36,6 +36,9 @@ typedef struct kvw__sock_ep {
     bool reported;       /* thread only: the failure was handled (reported or not) */
     bool polled;         /* under srv->mu: in the thread's epoll set */
     uint64_t last_rx_ns; /* accepted, thread only: when bytes last arrived */
+    uint64_t accepted_ns; /* accepted: when */
+    uint64_t src;         /* accepted: its source address (IPv4 + 1; 0: not counted) */
+    bool greeted;         /* accepted, thread only: HELLO and one frame after it arrived */
     pthread_mutex_t tx_mu; /* connected: one sender at a time */
     struct kvw__sock_ep *prev, *next;
 } kvw__sock_ep_t;
@@ -44,6 +47,11 @@ typedef struct kvw__sock_ep {
 typedef struct kvw__sockserv_ops {
     const char *name;   /* "tcp": the prefix of every message */
     unsigned max_conns; /* accepted connections at once; more are closed at once */
+    /* The transport sets ep->greeted once a connection said HELLO and sent its first
+     * frame (tcp: the BIND); the server fails one that has not within KVW_DATA_HELLO_MS
+     * of its accept. Accepted connections from one source address are capped at
+     * KVW_MAX_CONN_PER_SOURCE. */
+    bool greets;
     /* What a connected endpoint's watcher says when the receiver sends something. */
     const char *unexpected;
     /* A failed connected endpoint, in put's and notify's CONN_CLOSED message: the words
@@ -74,6 +82,9 @@ struct kvw__sockserv {
     const kvw__sockserv_ops_t *ops;
     kvw_tl_callbacks_t cb;
     uint32_t timeout_ms;
+    uint64_t hello_ms;        /* KVW_DATA_HELLO_MS (ops->greets) */
+    uint64_t max_per_source;  /* KVW_MAX_CONN_PER_SOURCE */
+    uint64_t refused_sources; /* connections refused for their source's cap */
     uint64_t token; /* random, non-zero: names this instance to its peers */
     int listen_fd, wake_fd, epfd;
     pthread_t thread;

@@ -223,6 +223,7 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
         ep->rx_state = RX_HDR;
         return;
     }
+    ep->s.greeted = true; /* a frame after HELLO */
 
     switch (h.type) {
     case KVW_TCP_PUT: {
@@ -490,6 +491,7 @@ static void srv_rkey_free(kvw__tl_rkey_t *rk)
 static const kvw__sockserv_ops_t tcp_srv_ops = {
     .name = "tcp",
     .max_conns = TCP_MAX_CONNS,
+    .greets = true,
     .unexpected = "unexpected bytes from the receiver",
     .gone = {"the connection to ", " has failed"},
     .accept = srv_accept,
