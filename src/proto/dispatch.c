@@ -8,8 +8,8 @@
  * (one that sends this rank nothing still fails the room when its own side fails). */
 static bool kvw_is_source(const kvw_room_t *r, const kvw_peer_t *peer)
 {
-    if (r->is_sender || r->state == KVW_ROOM_BOOTSTRAPPING)
-        return false;
+    if (r->is_sender)
+        return false; /* a receiver names its instance and DP group from its creation on */
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (r->srcs[i].peer == peer->id)
             return true;
