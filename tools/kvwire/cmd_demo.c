@@ -343,8 +343,10 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
     bool refused;
     kvw_ctx_h *ctx = demo_contexts(c, &inst, true, c->bootstrap[0] ? c->bootstrap : "127.0.0.1:0",
                                    bs, sizeof(bs), &refused);
-    if (ctx == NULL)
+    if (ctx == NULL) {
+        demo_free_inst(&inst);
         return refused ? DEMO_REFUSED : 1;
+    }
     if (bs_pipe < 0) {
         printf("demo: prefill instance up (%u ranks), %s %s; waiting for the decode instance "
                "(rooms time out after %u ms)\n", inst.n,
@@ -457,8 +459,11 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
         return 1;
     bool refused;
     kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0, &refused);
-    if (ctx == NULL)
+    if (ctx == NULL) {
+        demo_free_inst(&inst);
+        demo_free_inst(&src);
         return refused ? DEMO_REFUSED : 1;
+    }
     if (go_fd >= 0 && write(go_fd, "g", 1) != 1)
         return 1;
     demo_req_t *reqs = calloc(c->requests, sizeof(*reqs));
