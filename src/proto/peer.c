@@ -124,7 +124,11 @@ void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uin
     kvw__wb_init(&w, type);
     kvw__wb_u64(&w, room);
     kvw__wb_u32(&w, (uint32_t)(int32_t)status);
-    kvw__wb_str(&w, reason);
+    /* At most the 255 bytes the reader takes (dispatch.c): a longer reason (a room's
+     * holds 319, and failures quote each other) would make the whole frame malformed. */
+    char cut[256];
+    snprintf(cut, sizeof(cut), "%s", reason ? reason : "");
+    kvw__wb_str(&w, cut);
     kvw__peer_send(ctx, peer, &w);
 }
 
