@@ -169,6 +169,16 @@ expect_usage "bench --latency: --inflight takes a whole number from 1 to 1024, n
 expect_usage "bench --stream: --prefill-tp takes a whole number from 1 to 8, not '9'" bench --stream --prefill-tp 9
 expect_usage "bench --gpu: --reps takes a whole number from 1 to 64, not 'x'" bench --gpu --reps x
 
+# ---------------------------------------------------------------- a bad bootstrap address
+# A prefill rank whose bootstrap host does not resolve fails at once, naming the address
+# (a refused connection is waited for: engines start their ranks before the endpoint).
+t0=$(date +%s)
+run demo --role prefill --external-bootstrap --bootstrap nosuch.invalid:9 --requests 1
+t1=$(date +%s)
+[[ $rc -ne 0 ]] && grep -q "bootstrap endpoint nosuch.invalid:9" "$tmp/err" &&
+    [[ $((t1 - t0)) -lt 10 ]] ||
+    fail "a prefill at an unresolvable bootstrap: exit $rc after $((t1 - t0)) s: $(tail -1 "$tmp/err")"
+
 # ---------------------------------------------------------------- other commands
 expect_usage "bootstrap: --listen takes HOST:PORT (a host name or address, a port from 0 to 65535), not 'nowhere'" \
     bootstrap --listen nowhere

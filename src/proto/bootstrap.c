@@ -789,6 +789,11 @@ static kvw_status_t kvw_bs_register(const char *bs_addr, kvw_bs_entry_t *e,
         }
         if (st == KVW_ERR_BUSY || st == KVW_ERR_REJECTED || st == KVW_ERR_AUTH)
             return st; /* refused with a reason (kvw_last_error) */
+        /* A malformed address or a host that does not resolve cannot get better: at once.
+         * A refused connection can (engines start their ranks before the endpoint). */
+        if (st == KVW_ERR_INVALID_PARAM)
+            return kvw__error(st, "cannot register with the bootstrap endpoint %s: %s",
+                              bs_addr, kvw_last_error());
         usleep(50000); /* the endpoint may not be up yet */
     } while (kvw__now_ns() < deadline_ns);
     return kvw__error(KVW_ERR_TIMEOUT, "cannot register with the bootstrap endpoint %s: %s",

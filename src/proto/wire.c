@@ -345,6 +345,9 @@ static kvw_status_t kvw_resolve(const char *host, uint16_t port, bool passive,
                              .ai_flags = AI_NUMERICSERV | (passive ? AI_PASSIVE : 0)};
     struct addrinfo *res = NULL;
     int gai = getaddrinfo(h[0] ? h : NULL, ps, &hints, &res);
+    if (gai == EAI_AGAIN) /* a resolver not answering yet: worth another try */
+        return kvw__error(KVW_ERR_IO, "cannot resolve host '%s' yet: %s", host,
+                          gai_strerror(gai));
     if (gai != 0 || res == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "cannot resolve host '%s': %s", host,
                           gai ? gai_strerror(gai) : "no address");
