@@ -432,9 +432,6 @@ static kvw_status_t kvw_hs_connect_data(struct kvw_ctx *ctx, kvw_hs_t *h)
         return KVW_ERR_UNSUPPORTED;
     }
     if (kvw__rb_done(&h->r, "registration") != KVW_OK) {
-        if (h->staging_rkey)
-            ctx->tl_ops->rkey_release(h->staging_rkey);
-        h->staging_rkey = NULL;
         snprintf(h->reason, sizeof(h->reason), "%s", kvw_last_error());
         return KVW_ERR_MALFORMED;
     }
@@ -492,6 +489,9 @@ static void kvw_hs_release(struct kvw_ctx *ctx, kvw_hs_t *h)
         if (h->rkeys[i])
             ctx->tl_ops->rkey_release(h->rkeys[i]);
     free(h->rkeys);
+    if (h->staging_rkey)
+        ctx->tl_ops->rkey_release(h->staging_rkey);
+    h->staging_rkey = NULL;
     if (h->ep)
         ctx->tl_ops->ep_close(h->ep);
     kvw_rank_destroy(h->mapped);
