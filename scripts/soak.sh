@@ -172,7 +172,8 @@ demo_loop() {
         watchdog "$pp" "$budget" &
         local bs="" w=0
         while [ -z "$bs" ] && [ $w -lt 200 ] && kill -0 "$pp" 2>/dev/null; do
-            bs=$(grep -o 'bootstrap at [^ ]*' "$WORK/$tag.p.out" 2>/dev/null | awk '{print $3}')
+            bs=$(grep -oE 'bootstrap endpoint at [^ ;]+' "$WORK/$tag.p.out" 2>/dev/null |
+                 awk '{print $4}')
             sleep 0.1
             w=$((w + 1))
         done
