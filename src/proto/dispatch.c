@@ -101,31 +101,25 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
                      peer->desc, (unsigned long long)peer->instance, peer->dp);
             kvw__send_room_msg(ctx, peer, KVW_MSG_FAILED, id, KVW_ERR_REJECTED, why);
             kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "refused");
-        } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL &&
-                   (r == NULL || (r->dst_dp < 0 && r->state != KVW_ROOM_FAILED))) {
+        } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
+            /* Remembered so that a later sender fails; bounded per peer, like REQs. */
+            if (r == NULL)
+                (void)kvw__room_new_by_peer(ctx, id, peer, &r);
             /* Nobody owns the room yet: a decode rank aborts before it posted (an engine
              * dropping a request it never preallocated). The abort claims the room for
              * its instance and group, as a first REQ would (the first claim wins: with a
              * secret only a rank of the deployment can make one), and fails it at once,
              * so the prefill lets go of the request now instead of at its wait timeout; a
              * later REQ from another instance is a second claimant. */
-            if (r == NULL)
-                r = kvw__room_new(ctx, id, true); /* remembered so a later sender fails */
-            if (r) {
+            bool unclaimed = r && r->dst_dp < 0 && r->state != KVW_ROOM_FAILED;
+            if (unclaimed) {
                 r->dst_dp = (int32_t)peer->dp;
                 r->dst_instance = peer->instance;
-                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "aborted by %s before any "
-                               "request: %s", peer->desc, reason);
             }
-            kvw__send_room_msg(ctx, peer, KVW_MSG_ABORT_ACK, id, KVW_ERR_ABORTED, "stopped");
-        } else if (type == KVW_MSG_ABORT && ctx->side == KVW_SIDE_PREFILL) {
-            /* Remembered so that a later sender fails; bounded per peer, like REQs. */
-            if (r == NULL)
-                (void)kvw__room_new_by_peer(ctx, id, peer, &r);
             /* The room's other decode ranks hear of it too (FAILED). */
             if (r)
-                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "aborted by %s: %s", peer->desc,
-                               reason);
+                kvw__room_fail(ctx, r, KVW_ERR_ABORTED, true, "aborted by %s%s: %s", peer->desc,
+                               unclaimed ? " before any request" : "", reason);
             /* A decode rank this room writes gets its ABORT_ACK once the worker is out
              * of the room (kvw__room_quiesce); any other one can have it now. */
             bool dst = false;
