@@ -21,7 +21,9 @@
  * against the staged one byte for byte.
  *
  * Options: --tokens N (8192), --reps N (20), --quick (skip the per-run baselines and
- * the check).
+ * the check), --pool ROOMS (2: each buffer holds that many requests' pages, from which
+ * the request's pages are drawn; a larger pool spreads the same bytes over more memory,
+ * as an engine's pool spanning most of the GPU does).
  * Exit 77 without a GPU.
  */
 #include <cuda_runtime.h>
@@ -60,6 +62,7 @@
 
 static int g_reps = 20;
 static int g_quick = 0;
+static uint32_t g_pool = 2; /* pool size in requests (--pool): the pages are drawn from it */
 
 __global__ void fill_kernel(uint64_t *p, size_t n, uint64_t seed)
 {
@@ -89,6 +92,7 @@ static void side_build(Side &sd, const kvt_model_t *model, uint32_t tp, uint32_t
     kvt_rank_spec_t spec;
     memset(&spec, 0, sizeof(spec));
     spec.model = model;
+    spec.par.field_mask = KVW_PARALLEL_FIELDS_ALL;
     spec.par.tp_size = tp;
     spec.par.tp_rank = rank;
     spec.par.pp_size = 1;
@@ -97,7 +101,7 @@ static void side_build(Side &sd, const kvt_model_t *model, uint32_t tp, uint32_t
     spec.par.dp_size = 1;
     spec.layout = KVW_LAYOUT_NHD;
     spec.page_size[KVW_POOL_FULL] = spec.page_size[KVW_POOL_SWA] = 64;
-    spec.num_pages[KVW_POOL_FULL] = 2 * (ntok / 64) + 8; /* pages drawn at random */
+    spec.num_pages[KVW_POOL_FULL] = g_pool * (ntok / 64) + 8; /* pages drawn at random */
     spec.num_pages[KVW_POOL_SWA] = 1;
     spec.num_slots = 1;
     spec.describe_only = 1;
@@ -391,8 +395,11 @@ int main(int argc, char **argv)
             g_reps = atoi(argv[++i]);
         else if (!strcmp(argv[i], "--quick"))
             g_quick = 1;
+        else if (!strcmp(argv[i], "--pool") && i + 1 < argc && atoi(argv[i + 1]) >= 1)
+            g_pool = (uint32_t)atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: %s [--tokens N] [--reps N] [--quick]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--tokens N] [--reps N] [--quick] [--pool ROOMS]\n",
+                    argv[0]);
             return 2;
         }
     }
@@ -454,6 +461,8 @@ int main(int argc, char **argv)
                  cases[i].drank, dev0, dev1);
     }
 
+    printf("\npool: %u requests' pages per buffer, %u tokens per request, random page order\n",
+           g_pool, ntok);
     printf("\nPeer path, GPU %d -> GPU %d (payload GB/s; ratio = fused / cudaMemcpyPeer)\n",
            dev0, dev1);
     printf("%-27s %9s %8s %8s %8s %6s %9s %12s %12s\n", "case", "MB", "runs", "fused", "peer",

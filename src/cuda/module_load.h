@@ -7,7 +7,8 @@
  *
  * The rule: the path `env_path` (the setting KVW_CUDA_MODULE) when it is not empty;
  * else the module file in the directory of the object that holds `anchor` (an address
- * inside libkvwire.so, or inside the executable a static libkvwire was linked into);
+ * inside libkvwire.so, or inside the executable a static libkvwire was linked into,
+ * found through /proc/self/exe);
  * else the dynamic loader's search path. The module's table must carry this header's
  * ABI number and size.
  */
@@ -19,6 +20,7 @@
 #include <dlfcn.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 /* Tries one path; on failure appends the loader's reason to msg ("; "-separated). */
 static inline void *kvwc_module_try(const char *path, char *msg, size_t cap)
@@ -51,7 +53,16 @@ static inline const kvwc_ops_t *kvwc_module_load(const char *env_path, const voi
         h = kvwc_module_try(env_path, msg, cap);
     } else {
         Dl_info info;
+        char self[4096];
         if (dladdr(anchor, &info) && info.dli_fname) {
+            /* The main program's name comes back empty (or as it was started, without
+             * a directory): a static libkvwire linked into a program looks beside that
+             * program's file. */
+            if (strchr(info.dli_fname, '/') == NULL) {
+                ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+                self[n > 0 ? n : 0] = '\0';
+                info.dli_fname = self;
+            }
             char path[4096];
             const char *slash = strrchr(info.dli_fname, '/');
             if (slash) {

@@ -295,6 +295,8 @@ int kvt_read_full(int fd, void *buf, size_t len);
 /* Whether CUDA works here (kvw_cuda_available), asked in a child process, so that this
  * process holds no CUDA state before it forks its own children. 1 or 0. */
 int kvt_cuda_probe(void);
+/* The same; when it fails, the library's reason in why (cap bytes; may be empty). */
+int kvt_cuda_probe_why(char *why, size_t cap);
 
 /* ---------------------------------------------------------------- GPU copies */
 
