@@ -24,6 +24,9 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
     {.name = "KVW_GPU_INFLIGHT", .type = KVW_CFG_U64, .def = KVW_CFG_STR(KVWC_EXEC_SLOTS),
      .min = 1, .max = KVWC_EXEC_SLOTS,
      .help = "GPU copy kernels in flight per sender thread (1 waits for each)"},
+    {.name = "KVW_GPU_WARM", .type = KVW_CFG_U64, .def = "1", .min = 0, .max = 1,
+     .help = "prefill with GPU buffers: sender threads make their CUDA executors when the "
+             "context starts (0: on their first room, which then pays for it)"},
     {.name = "KVW_STAGING_MB", .type = KVW_CFG_U64, .def = "64", .min = 0, .max = 1u << 20,
      .help = "decode staging area for gathered head slices, MiB per rank (0: none)"},
     {.name = "KVW_PATH", .type = KVW_CFG_CHOICE, .def = "auto", .choices = "auto|direct|staged",

@@ -394,38 +394,6 @@ void kvwc_exec_destroy(kvwc_exec_h x)
     free(x);
 }
 
-kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
-{
-    kvwc_exec *x = (kvwc_exec *)calloc(1, sizeof(*x));
-    if (x == NULL)
-        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA executor");
-    kvwc_plan p = {};
-    kvw_status_t st = kvwc_plan_device(&p);
-    cudaError_t e = cudaSuccess;
-    const char *what = NULL;
-    x->device = p.device;
-    x->grid = p.grid;
-    /* Non-blocking: the legacy default stream would serialise every worker thread's
-     * kernels and synchronise with them implicitly. */
-    if (st == KVW_OK && (e = cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking)) !=
-                            cudaSuccess)
-        what = "cudaStreamCreateWithFlags";
-    for (int k = 0; st == KVW_OK && what == NULL && k < KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS; k++)
-        for (int i = 0; what == NULL && i < 3; i++) {
-            kvwc_slot *s = k < KVWC_EXEC_SLOTS ? &x->slot[k] : &x->stage[k - KVWC_EXEC_SLOTS].plan;
-            if ((e = cudaEventCreate(&s->ev[i])) != cudaSuccess)
-                what = "cudaEventCreate";
-        }
-    if (what)
-        st = kvwc_cuda_error(e, what);
-    if (st != KVW_OK) {
-        kvwc_exec_destroy(x);
-        return st;
-    }
-    *exec_p = x;
-    return KVW_OK;
-}
-
 /* Gives an idle slot a pinned image and a device plan buffer of exactly `cap` bytes. */
 static kvw_status_t kvwc_slot_alloc(kvwc_slot *o, uint64_t cap)
 {
@@ -450,6 +418,52 @@ static uint64_t kvwc_grown(uint64_t cap, uint64_t size)
 {
     uint64_t c = size > 2 * cap ? size : 2 * cap;
     return c < (1u << 20) ? (1u << 20) : c;
+}
+
+kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
+{
+    kvwc_exec *x = (kvwc_exec *)calloc(1, sizeof(*x));
+    if (x == NULL)
+        return kvwc_error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA executor");
+    kvwc_plan p = {};
+    kvw_status_t st = kvwc_plan_device(&p);
+    cudaError_t e = cudaSuccess;
+    const char *what = NULL;
+    x->device = p.device;
+    x->grid = p.grid;
+    /* Non-blocking: the legacy default stream would serialise every worker thread's
+     * kernels and synchronise with them implicitly. */
+    if (st == KVW_OK && (e = cudaStreamCreateWithFlags(&x->stream, cudaStreamNonBlocking)) !=
+                            cudaSuccess)
+        what = "cudaStreamCreateWithFlags";
+    for (int k = 0; st == KVW_OK && what == NULL && k < KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS; k++)
+        for (int i = 0; what == NULL && i < 3; i++) {
+            kvwc_slot *s = k < KVWC_EXEC_SLOTS ? &x->slot[k] : &x->stage[k - KVWC_EXEC_SLOTS].plan;
+            if ((e = cudaEventCreate(&s->ev[i])) != cudaSuccess)
+                what = "cudaEventCreate";
+        }
+    if (what)
+        st = kvwc_cuda_error(e, what);
+    /* What a first step would otherwise pay: every slot's pinned image and device plan
+     * buffer at the smallest capacity (cudaHostAlloc and cudaMalloc, each synchronising
+     * the device), and the kernels loaded (with lazy module loading, a kernel's first
+     * launch loads it). An executor is made once per thread and device, so a worker that
+     * makes it when it starts takes this out of its first room. */
+    for (int k = 0; st == KVW_OK && k < KVWC_EXEC_SLOTS; k++)
+        st = kvwc_slot_alloc(&x->slot[k], kvwc_grown(0, 0));
+    if (st == KVW_OK) {
+        cudaFuncAttributes fa;
+        if ((e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_DIRECT>)) != cudaSuccess ||
+            (e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_GATHER>)) != cudaSuccess ||
+            (e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_SCATTER>)) != cudaSuccess)
+            st = kvwc_cuda_error(e, "cudaFuncGetAttributes (loading the copy kernels)");
+    }
+    if (st != KVW_OK) {
+        kvwc_exec_destroy(x);
+        return st;
+    }
+    *exec_p = x;
+    return KVW_OK;
 }
 
 /* Lays the plan out into slot s for device plan p and enqueues, on the executor's

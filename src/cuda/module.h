@@ -221,6 +221,11 @@ kvw_status_t kvw__cuda_stream_window(kvw_cuda_stream_t *s, void *host, uint64_t 
                                      int *slot_p, struct kvw_cuda_profile *prof);
 void kvw__cuda_stream_close(kvw_cuda_stream_t *s);
 kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p);
+
+/* Makes `device` the calling thread's current one and creates the thread's executor
+ * now (stream, events, slot buffers, kernels loaded), so that its first step pays none
+ * of it: a prefill worker calls it when it starts. */
+kvw_status_t kvw__cuda_warm(int device);
 kvw_status_t kvw__cuda_host_register(void *ptr, uint64_t size);
 /* Events, for the protocol's layer marks and for tests (engines bring their own). */
 kvw_status_t kvw__cuda_event_create(void **event_p);

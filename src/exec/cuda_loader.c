@@ -365,6 +365,18 @@ static kvw_status_t kvw_texec_get(const kvwc_ops_t *ops, kvw_texec_t **t_p)
     return KVW_OK;
 }
 
+kvw_status_t kvw__cuda_warm(int device)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    kvw_status_t st = kvw_cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw_cuda_ret(ops, ops->set_device(device));
+    if (st == KVW_OK)
+        st = kvw_texec_get(ops, &t);
+    return st;
+}
+
 static void kvw_prof_add_step(kvw_cuda_profile_t *prof, const kvwc_step_prof_t *sp)
 {
     prof->launch_ns += sp->launch_ns;

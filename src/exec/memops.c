@@ -229,6 +229,7 @@ static const kvw_memops_t kvw_memops_cuda = {
     .window_wait = cuda_window_wait,
     .stream_close = cuda_stream_close,
     .window_buf = cuda_window_buf,
+    .warm = kvw__cuda_warm,
 };
 
 /* ---------------------------------------------------------------- lookup */

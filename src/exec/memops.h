@@ -51,6 +51,9 @@ typedef struct kvw_memops {
     /* The calling thread's host buffer `which` (0 or 1) for windows of up to `size`
      * bytes, kept for the thread's life (CUDA: pinned). */
     kvw_status_t (*window_buf)(int which, uint64_t size, uint8_t **buf_p);
+    /* Prepares the calling thread for steps on `device` (CUDA: its executor, made now
+     * instead of on the first step); NULL for the host kind. */
+    kvw_status_t (*warm)(int device);
 } kvw_memops_t;
 
 /* The table of a memory kind (any value other than KVW_MEM_CUDA: host). */

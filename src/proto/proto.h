@@ -199,6 +199,7 @@ struct kvw_ctx {
     struct {
         uint64_t workers;      /* KVW_WORKERS */
         uint64_t gpu_inflight; /* KVW_GPU_INFLIGHT */
+        uint64_t gpu_warm;     /* KVW_GPU_WARM */
         uint64_t staging_mb;   /* KVW_STAGING_MB */
         uint64_t busy_poll_us; /* KVW_BUSY_POLL_US */
         int path_mode;         /* KVW_PATH */

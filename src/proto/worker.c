@@ -558,6 +558,10 @@ void *kvw__worker_main(void *arg)
      * the next launch, as a step that synchronises would. */
     uint64_t depth = ctx->cfg.gpu_inflight; /* checked when the context was created */
     g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
+    /* GPU buffers: this thread's executor now, not on its first room (a failure here
+     * comes back, with its message, on the first step that needs the executor). */
+    if (ctx->cfg.gpu_warm && ctx->mem->warm && ctx->mem->warm(ctx->mem_dev) != KVW_OK)
+        kvw__log(KVW_LOG_DEBUG, "worker: preparing the GPU executor: %s", kvw_last_error());
     pthread_mutex_lock(&ctx->mu);
     for (;;) {
         while (!ctx->stopping && kvw__queue_empty(ctx)) {
