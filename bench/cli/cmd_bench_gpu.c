@@ -59,6 +59,7 @@ typedef struct g_cfg {
     char json[512];
     int no_verify;
     char transport[16]; /* cuda_ipc (default), or a host transport: staged through host */
+    int contiguous;     /* --pages: bit 1 prefill, bit 2 decode pages in pool order */
 } g_cfg_t;
 
 /* The issue's topologies: gpt-oss-120b, 36 layers, page 64. */
@@ -77,7 +78,11 @@ typedef struct g_result {
     uint64_t base_ns[G_MAX_REPS];
     int verified;
     uint64_t t0[G_MAX_REPS], t1[G_MAX_REPS]; /* decode: first post, last SUCCESS seen */
-    kvw_cuda_profile_t prof[G_MAX_REPS];     /* prefill process, per timed repetition */
+    /* The untimed first repetition: the first room of every (prefill, decode) pair
+     * since the contexts connected. */
+    uint64_t first_ns, first_t0, first_t1;
+    /* Prefill process: [0] the first repetition, [k] timed repetition k. */
+    kvw_cuda_profile_t prof[G_MAX_REPS + 1];
 } g_result_t;
 
 enum { G_OP_ARM = 1, G_OP_PROFILE = 2, G_OP_QUIT = 3 };
@@ -142,12 +147,13 @@ static int g_build(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, bo
 }
 
 /*
- * Page lists of every room: a random permutation of each pool, sliced so that rooms in
- * flight together never share a page. Deterministic in the seed, so the decode process
- * rebuilds the prefill side's lists for the reference.
+ * Page lists of every room: a random permutation of each pool (--pages contiguous: the
+ * pool in order), sliced so that rooms in flight together never share a page.
+ * Deterministic in the seed, so the decode process rebuilds the prefill side's lists for
+ * the reference.
  */
 static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g_inst_t *in,
-                    uint64_t seed)
+                    bool prefill, uint64_t seed)
 {
     kvt_rng_t rng = {seed};
     uint64_t window = cli_swa_window(m);
@@ -155,9 +161,15 @@ static int g_assign(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, g
     uint32_t *ps = malloc(sizeof(uint32_t) * in->swa_pages);
     in->pg = calloc(t->rooms, sizeof(*in->pg));
     int rc = pf && ps && in->pg ? 0 : -1;
-    if (rc == 0)
+    if (rc == 0 && (c->contiguous & (prefill ? 1 : 2))) {
+        for (uint32_t k = 0; k < in->full_pages; k++)
+            pf[k] = k;
+        for (uint32_t k = 0; k < in->swa_pages; k++)
+            ps[k] = k;
+    } else if (rc == 0) {
         rc = kvt_pages_random(&rng, in->full_pages, in->full_pages, pf) ||
              kvt_pages_random(&rng, in->swa_pages, in->swa_pages, ps);
+    }
     uint32_t uf = 0, us = 0;
     for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
         uint64_t n = t->tokens;
@@ -328,7 +340,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
     g_inst_t in;
     kvw_ctx_h *ctx = NULL;
     int rc = 0;
-    if (g_build(c, m, t, true, &in, err, sizeof(err)) || g_assign(c, m, t, &in, 31) ||
+    if (g_build(c, m, t, true, &in, err, sizeof(err)) || g_assign(c, m, t, &in, true, 31) ||
         g_attach(&in, g_device(true, NULL), err, sizeof(err)) ||
         (ctx = g_contexts(c, t, &in, true, "127.0.0.1:0", bs, sizeof(bs), err,
                           sizeof(err))) == NULL) {
@@ -339,7 +351,7 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
         rc = 1;
     close(bs_fd);
     kvw_sender_h *snd = calloc((size_t)t->rooms * in.n, sizeof(*snd));
-    static kvw_cuda_profile_t per[G_MAX_REPS];
+    static kvw_cuda_profile_t per[G_MAX_REPS + 1]; /* [rep]: 0 is the first, untimed */
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's polls only */
     while (rc == 0) {
         g_cmd_t cmd;
@@ -352,10 +364,10 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
         }
         /* A repetition's profile is read when the next one starts (or at the end): its
          * last notices are counted right after they went out, which can be after the
-         * room reached SUCCESS here. The untimed first repetition is dropped. */
-        if (cmd.op == G_OP_PROFILE || cmd.rep >= 2) {
-            uint32_t k = cmd.op == G_OP_PROFILE ? cmd.rep : cmd.rep - 2;
-            kvw_cuda_profile(k < G_MAX_REPS ? &per[k] : NULL, 1);
+         * room reached SUCCESS here. PROFILE names the last repetition. */
+        if (cmd.op == G_OP_PROFILE || cmd.rep >= 1) {
+            uint32_t k = cmd.op == G_OP_PROFILE ? cmd.rep : cmd.rep - 1;
+            kvw_cuda_profile(k <= G_MAX_REPS ? &per[k] : NULL, 1);
         } else {
             kvw_cuda_profile(NULL, 1);
         }
@@ -477,11 +489,11 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
     size_t cap = sizeof(res->err);
     int dev = g_device(false, &res->devices);
     int rc = 0;
-    if (g_build(c, m, t, false, &in, err, cap) || g_assign(c, m, t, &in, 37))
+    if (g_build(c, m, t, false, &in, err, cap) || g_assign(c, m, t, &in, false, 37))
         rc = -1;
     /* The prefill ranks' bytes and pages, rebuilt here for the reference. */
     if (rc == 0 && !c->no_verify &&
-        (g_build(c, m, t, true, &src, err, cap) || g_assign(c, m, t, &src, 31)))
+        (g_build(c, m, t, true, &src, err, cap) || g_assign(c, m, t, &src, true, 31)))
         rc = -1;
     if (rc == 0 && !c->no_verify) {
         init = calloc(in.n, sizeof(*init));
@@ -530,6 +542,8 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         uint64_t t1 = kvt_now_ns(), bytes = 0;
         if (rep > 0)
             res->t0[rep - 1] = t0, res->t1[rep - 1] = t1;
+        else
+            res->first_t0 = t0, res->first_t1 = t1, res->first_ns = t1 - t0;
         for (uint32_t i = 0; i < t->rooms * in.n; i++) {
             if (rcv[i] == NULL)
                 continue;
@@ -607,7 +621,7 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         }
     }
     if (rc == 0) {
-        g_cmd_t cmd = {.op = G_OP_PROFILE, .rep = res->reps - 1};
+        g_cmd_t cmd = {.op = G_OP_PROFILE, .rep = res->reps};
         if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) ||
             kvt_read_full(ack_fd, res->prof, sizeof(res->prof)))
             rc = -1, snprintf(err, cap, "the prefill process did not report its profile");
@@ -709,14 +723,16 @@ typedef struct g_split {
     kvw_cuda_profile_t sum;
 } g_split_t;
 
-static g_split_t g_split(const g_result_t *r)
+static g_split_t g_split_of(const g_result_t *r, bool first)
 {
     g_split_t sp;
     uint64_t a[G_MAX_REPS], b[G_MAX_REPS], c[G_MAX_REPS];
-    uint32_t n = 0;
+    uint64_t ft0[1] = {r->first_t0}, ft1[1] = {r->first_t1};
+    const uint64_t *t0 = first ? ft0 : r->t0, *t1 = first ? ft1 : r->t1;
+    uint32_t n = 0, reps = first ? 1 : r->reps;
     memset(&sp, 0, sizeof(sp));
-    for (uint32_t k = 0; k < r->reps; k++) {
-        const kvw_cuda_profile_t *p = &r->prof[k];
+    for (uint32_t k = 0; k < reps; k++) {
+        const kvw_cuda_profile_t *p = &r->prof[first ? 0 : k + 1];
         sp.sum.steps += p->steps;
         sp.sum.plan_ns += p->plan_ns;
         sp.sum.launch_ns += p->launch_ns;
@@ -724,18 +740,52 @@ static g_split_t g_split(const g_result_t *r)
         sp.sum.kernel_dev_ns += p->kernel_dev_ns;
         sp.sum.wait_ns += p->wait_ns;
         sp.sum.notify_ns += p->notify_ns;
-        if (p->first_start_ns < r->t0[k] || p->last_done_ns < p->first_start_ns ||
-            r->t1[k] < p->last_done_ns)
+        if (p->first_start_ns < t0[k] || p->last_done_ns < p->first_start_ns ||
+            t1[k] < p->last_done_ns)
             continue; /* no GPU step in this repetition */
-        a[n] = p->first_start_ns - r->t0[k];
+        a[n] = p->first_start_ns - t0[k];
         b[n] = p->last_done_ns - p->first_start_ns;
-        c[n] = r->t1[k] - p->last_done_ns;
+        c[n] = t1[k] - p->last_done_ns;
         n++;
     }
     sp.in = cli_median(a, n);
     sp.gpu = cli_median(b, n);
     sp.out = cli_median(c, n);
     return sp;
+}
+
+static g_split_t g_split(const g_result_t *r)
+{
+    return g_split_of(r, false);
+}
+
+static const char *g_pages_name(int contiguous)
+{
+    static const char *const names[] = {"random", "prefill-contiguous", "decode-contiguous",
+                                        "contiguous"};
+    return names[contiguous & 3];
+}
+
+/* The speed targets of the cuda_ipc protocol, one line each: the ratio to the same-run
+ * copy (random pages: >= 0.75 for rooms of 8K tokens or more, >= 0.6 below; contiguous
+ * pages: >= 0.85), and the first room at most 1.5 times the steady-state time. */
+static void g_verdicts(const g_cfg_t *c, const g_result_t *res)
+{
+    printf("targets (%s pages):\n", g_pages_name(c->contiguous));
+    for (uint32_t i = 0; i < c->num_topo; i++) {
+        const g_topo_t *t = &c->topo[i];
+        const g_result_t *r = &res[i];
+        if (!r->ok || r->reps == 0)
+            continue;
+        uint64_t mn = cli_median(r->ns, r->reps), mb = cli_median(r->base_ns, r->reps);
+        double ratio = mb && mn ? (double)mb / (double)mn : 0.0;
+        double want = c->contiguous == 3 ? 0.85 : t->tokens >= 8192 ? 0.75 : 0.6;
+        double first = mn ? (double)r->first_ns / (double)mn : 0.0;
+        printf("  TP%u->TP%u %ux%llu: ratio %.3f (target >= %.2f) %s; first room %.2fx steady "
+               "(target <= 1.5) %s\n", t->ptp, t->dtp, t->rooms, (unsigned long long)t->tokens,
+               ratio, want, ratio >= want ? "PASS" : "MISS", first,
+               first <= 1.5 ? "PASS" : "MISS");
+    }
 }
 
 static void g_usage(FILE *f)
@@ -749,6 +799,9 @@ static void g_usage(FILE *f)
             "  --topo P:D:R:T    prefill TP, decode TP, rooms, tokens per room (repeatable;\n"
             "                    default: the six topologies of the issue)\n"
             "  --no-verify       skip the byte check of the first repetition\n"
+            "  --pages ORDER     random (default: each pool shuffled) or contiguous (each\n"
+            "                    room's pages in pool order); prefill-contiguous or\n"
+            "                    decode-contiguous: that side in order, the other shuffled\n"
             "  --json FILE       results (default bench-gpu.json)\n"
             "  --transport NAME  cuda_ipc (default: the fused kernel writes the decode GPU,\n"
             "                    against a peer copy), or tcp, ucx, shm: GPU caches through\n"
@@ -769,7 +822,7 @@ int kvw_bench_gpu(int argc, char **argv)
         {"gpu", 0, 0, 'G'},        {"model", 1, 0, 'm'}, {"layers", 1, 0, 'L'},
         {"page-size", 1, 0, 's'},  {"reps", 1, 0, 'r'},  {"topo", 1, 0, 'T'},
         {"no-verify", 0, 0, 'n'},  {"json", 1, 0, 'j'},  {"help", 0, 0, 'h'},
-        {"transport", 1, 0, 't'},  {0, 0, 0, 0}};
+        {"transport", 1, 0, 't'},  {"pages", 1, 0, 'p'},  {0, 0, 0, 0}};
     int o, bad = 0;
     const char *w = "bench --gpu";
     optind = 1;
@@ -794,6 +847,18 @@ int kvw_bench_gpu(int argc, char **argv)
             break;
         }
         case 'n': c.no_verify = 1; break;
+        case 'p':
+            if (!strcmp(optarg, "random") || !strcmp(optarg, "contiguous") ||
+                !strcmp(optarg, "prefill-contiguous") || !strcmp(optarg, "decode-contiguous")) {
+                c.contiguous = !strcmp(optarg, "contiguous")           ? 3
+                               : !strcmp(optarg, "prefill-contiguous") ? 1
+                               : !strcmp(optarg, "decode-contiguous")  ? 2
+                                                                        : 0;
+                break;
+            }
+            fprintf(stderr, "bench --gpu: bad --pages '%s' (random, contiguous, "
+                    "prefill-contiguous or decode-contiguous)\n", optarg);
+            return 2;
         case 't': snprintf(c.transport, sizeof(c.transport), "%s", optarg); break;
         case 'j': snprintf(c.json, sizeof(c.json), "%s", optarg); break;
         case 'h': g_usage(stdout); return 0;
@@ -808,8 +873,10 @@ int kvw_bench_gpu(int argc, char **argv)
         c.num_topo = sizeof(g_default_topo) / sizeof(g_default_topo[0]);
         memcpy(c.topo, g_default_topo, sizeof(g_default_topo));
     }
-    if (!kvt_cuda_probe()) {
-        printf("bench --gpu: skipped: no GPU (no CUDA device, driver or kvwire CUDA module)\n");
+    char why[512];
+    if (!kvt_cuda_probe_why(why, sizeof(why))) {
+        printf("bench --gpu: skipped: no GPU (no CUDA device, driver or kvwire CUDA module)%s%s\n",
+               why[0] ? ": " : "", why);
         return 77;
     }
     kvt_model_t m;
@@ -832,8 +899,9 @@ int kvw_bench_gpu(int argc, char **argv)
     FILE *jf = fopen(c.json, "w");
     if (jf) {
         fprintf(jf, "{\"model\": \"%s\", \"layers\": %u, \"page\": %u, \"reps\": %u, "
-                "\"transport\": \"%s\", \"topologies\": [", c.model, m.m.num_layers, c.page,
-                c.reps, c.transport);
+                "\"transport\": \"%s\", \"pages\": \"%s\", \"topologies\": [", c.model,
+                m.m.num_layers, c.page, c.reps, c.transport,
+                g_pages_name(c.contiguous));
         for (uint32_t i = 0; i < c.num_topo; i++) {
             const g_topo_t *t = &c.topo[i];
             const g_result_t *r = &res[i];
@@ -853,7 +921,8 @@ int kvw_bench_gpu(int argc, char **argv)
                     "\"median_ns\": {\"post_to_first_step\": %llu, \"first_step_to_last_done\": "
                     "%llu, \"last_done_to_success\": %llu}, \"per_rep_sum_ns\": {\"steps\": "
                     "%llu, \"plan\": %llu, \"launch\": %llu, \"upload_dev\": %llu, "
-                    "\"kernel_dev\": %llu, \"wait\": %llu, \"notify\": %llu}}",
+                    "\"kernel_dev\": %llu, \"wait\": %llu, \"notify\": %llu}, "
+                    "\"first_room_ns\": %llu, \"first_over_steady\": %.3f}",
                     g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
                     mb && mn ? (double)mb / (double)mn : 0.0, (unsigned long long)sp.in,
                     (unsigned long long)sp.gpu, (unsigned long long)sp.out,
@@ -861,7 +930,8 @@ int kvw_bench_gpu(int argc, char **argv)
                     (unsigned long long)sp.sum.launch_ns,
                     (unsigned long long)sp.sum.upload_dev_ns,
                     (unsigned long long)sp.sum.kernel_dev_ns, (unsigned long long)sp.sum.wait_ns,
-                    (unsigned long long)sp.sum.notify_ns);
+                    (unsigned long long)sp.sum.notify_ns, (unsigned long long)r->first_ns,
+                    mn ? (double)r->first_ns / (double)mn : 0.0);
         }
         fprintf(jf, "\n]}\n");
         fclose(jf);
@@ -882,30 +952,36 @@ int kvw_bench_gpu(int argc, char **argv)
         const g_result_t *r = &res[i];
         if (!r->ok || r->reps == 0)
             continue;
-        g_split_t sp = g_split(r);
-        double per = (double)r->reps;
         char topo[16], rt[24];
         snprintf(topo, sizeof(topo), "TP%u->TP%u", t->ptp, t->dtp);
         snprintf(rt, sizeof(rt), "%ux%llu", t->rooms, (unsigned long long)t->tokens);
-        printf("%-8s %-11s %6.3f | %6.3f %6.3f %6.3f | %5.0f %6.3f %6.3f %6.3f %7.3f %7.3f "
-               "%6.3f\n", topo, rt, g_ms(cli_median(r->ns, r->reps)), g_ms(sp.in), g_ms(sp.gpu),
-               g_ms(sp.out), (double)sp.sum.steps / per, g_ms(sp.sum.plan_ns) / per,
-               g_ms(sp.sum.launch_ns) / per, g_ms(sp.sum.upload_dev_ns) / per,
-               g_ms(sp.sum.kernel_dev_ns) / per, g_ms(sp.sum.wait_ns) / per,
-               g_ms(sp.sum.notify_ns) / per);
+        for (int first = 0; first < 2; first++) {
+            /* The second row: the first repetition alone (the first room of every pair). */
+            g_split_t sp = g_split_of(r, first);
+            double per = first ? 1.0 : (double)r->reps;
+            printf("%-8s %-11s %6.3f | %6.3f %6.3f %6.3f | %5.0f %6.3f %6.3f %6.3f %7.3f %7.3f "
+                   "%6.3f\n", first ? "  first" : topo, first ? "" : rt,
+                   g_ms(first ? r->first_ns : cli_median(r->ns, r->reps)), g_ms(sp.in),
+                   g_ms(sp.gpu), g_ms(sp.out), (double)sp.sum.steps / per,
+                   g_ms(sp.sum.plan_ns) / per, g_ms(sp.sum.launch_ns) / per,
+                   g_ms(sp.sum.upload_dev_ns) / per, g_ms(sp.sum.kernel_dev_ns) / per,
+                   g_ms(sp.sum.wait_ns) / per, g_ms(sp.sum.notify_ns) / per);
+        }
     }
 
     bool host_tl = strcmp(c.transport, "cuda_ipc") != 0;
-    printf("\nkvwire bench --gpu: %s (%u layers, page %u), %d GPU(s): prefill GPU 0 -> decode "
-           "GPU %d over %s;\npost to SUCCESS on every decode rank against one %s of "
-           "the same bytes, medians of %u repetitions\n", c.model, m.m.num_layers, c.page,
-           res[0].devices, res[0].devices > 1 ? 1 : 0, c.transport,
+    printf("\nkvwire bench --gpu: %s (%u layers, page %u, %s pages), %d GPU(s): prefill GPU 0 "
+           "-> decode GPU %d over %s;\npost to SUCCESS on every decode rank against one %s of "
+           "the same bytes, medians of %u repetitions;\nfirst = the untimed first repetition "
+           "(the first room of every pair after the contexts connected)\n", c.model,
+           m.m.num_layers, c.page, g_pages_name(c.contiguous), res[0].devices,
+           res[0].devices > 1 ? 1 : 0, c.transport,
            host_tl ? (strcmp(c.transport, "shm") ? "raw loopback TCP stream (host memory)"
                                                  : "memcpy (host memory)")
            : res[0].devices > 1 ? "peer copy (GPU 0 -> GPU 1)" : "device-to-device copy",
            c.reps);
-    printf("%-8s %-11s %8s %10s %9s %6s %7s  %s\n", "topology", "rooms x tok", "MB",
-           "proto GB/s", "base GB/s", "ratio", "ms", "verified");
+    printf("%-8s %-11s %8s %10s %9s %6s %7s %8s %6s  %s\n", "topology", "rooms x tok", "MB",
+           "proto GB/s", "base GB/s", "ratio", "ms", "first ms", "first/", "verified");
     for (uint32_t i = 0; i < c.num_topo; i++) {
         const g_topo_t *t = &c.topo[i];
         const g_result_t *r = &res[i];
@@ -917,13 +993,17 @@ int kvw_bench_gpu(int argc, char **argv)
             continue;
         }
         uint64_t mn = cli_median(r->ns, r->reps), mb = cli_median(r->base_ns, r->reps);
-        printf("%-8s %-11s %8.1f %10.1f %9.1f %6.3f %7.3f  %s\n", topo, rt,
+        printf("%-8s %-11s %8.1f %10.1f %9.1f %6.3f %7.3f %8.3f %6.2f  %s\n", topo, rt,
                (double)r->bytes / 1e6, g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
-               mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn),
+               mb && mn ? (double)mb / (double)mn : 0.0, g_ms(mn), g_ms(r->first_ns),
+               mn ? (double)r->first_ns / (double)mn : 0.0,
                r->verified ? "yes: every byte and guard" : "no");
     }
-    printf("reproduce: kvwire bench --gpu --transport %s --reps %u (JSON: %s; chart: "
-           "scripts/gpu-chart.sh %s)\n", c.transport, c.reps, c.json, c.json);
+    if (!host_tl)
+        g_verdicts(&c, res);
+    printf("reproduce: kvwire bench --gpu --transport %s --pages %s --reps %u (JSON: %s; chart: "
+           "scripts/gpu-chart.sh %s)\n", c.transport, g_pages_name(c.contiguous),
+           c.reps, c.json, c.json);
     free(res);
     return fail;
 }
