@@ -133,7 +133,10 @@ static kvw_status_t kvw_ctx_tl_open(struct kvw_ctx *ctx, const kvw_ctx_params_t 
     }
     if (pipe2(ctx->wake_fd, O_CLOEXEC | O_NONBLOCK) < 0)
         return kvw__error(KVW_ERR_IO, "pipe: %s", strerror(errno));
-    kvw_tl_params_t tp = {.listen_host = ctx->side == KVW_SIDE_DECODE ? ctx->listen_host : NULL,
+    /* Both sides bind where the context listens: a prefill's instance is never connected
+     * to, but one bound to 127.0.0.1 whatever listen_host says failed without IPv4
+     * loopback (an IPv6-only host). */
+    kvw_tl_params_t tp = {.listen_host = ctx->listen_host,
                           .listen_port = 0,
                           .cb = {.arg = ctx, .on_notify = kvw__on_notify,
                                  .check_write = kvw__check_write,
