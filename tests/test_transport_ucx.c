@@ -8,7 +8,11 @@
  *          rendezvous sizes) in random batches, then a notification; the receiver
  *          snapshots every region inside on_notify and checks it byte for byte against
  *          its shadow copy, guards included. Out-of-range puts are refused by the
- *          sender and move nothing. Run with both data paths (KVW_UCX_PUT=am, rma).
+ *          sender and move nothing. Run with both data paths (KVW_UCX_PUT=am, rma, on
+ *          both sides): the am receiver's check_write sees every non-empty write with
+ *          its room (and its caps say MEDIATED), the rma receiver's none.
+ *   path_mismatch   an rma sender cannot unpack an am receiver's key (which carries no
+ *          UCX key) and says to set the same data path on both sides.
  *   dereg_refused   the receiver deregisters a region; a sender that still holds its
  *          rkey writes into it: nothing lands, the receiver reports OUT_OF_RANGE and the
  *          sender's endpoint fails (am path; the rma path cannot be mediated).
@@ -831,6 +835,71 @@ static int dereg_refused(void)
     return run_pair(child_rx_dereg, child_tx_dereg, &ma, kvt_tmo_ms(30000));
 }
 
+/* ---------------------------------------------------------------- path_mismatch */
+
+/* An "am" receiver hands out keys without a UCX key: an "rma" sender cannot write one-
+ * sided into it, and says why (the receiver never sees a write, nor an error). */
+static int child_rx_mismatch(int ctl, void *arg)
+{
+    (void)arg;
+    int rc = 0;
+    receiver_t r;
+    ctl_t m;
+    setenv("KVW_UCX_PUT", "am", 1);
+    if (receiver_open(&r, 0x5eed0303, 0) != 0)
+        return 1;
+    CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
+    CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(20000)) == 0, "sender did not finish");
+    CHECK(count_of(&r.st, &r.st.num_checks) == 0, "check_write was called");
+    char why[256];
+    for (int i = 0; i < NREG; i++)
+        CHECK(check_image(&r.regs[i], r.regs[i].base, why, sizeof(why)) == 0, "%s", why);
+out:
+    receiver_close(&r);
+    return rc;
+}
+
+static int child_tx_mismatch(int ctl, void *arg)
+{
+    (void)arg;
+    int rc = 0;
+    rx_t st;
+    kvw_tl_h tl = NULL;
+    kvw_tl_ep_h ep = NULL;
+    kvw_tl_rkey_h rk = NULL;
+    ctl_t m;
+    rx_init(&st);
+    setenv("KVW_UCX_PUT", "rma", 1);
+    CHECK(ctl_recv(ctl, C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup");
+    kvw_tl_params_t p = make_params(&st, 0);
+    CHECK_OK(T->init(&p, &tl));
+    CHECK(!(kvw__tl_caps(T, tl) & KVW_TL_CAP_MEDIATED), "an rma instance claims mediation");
+    CHECK_OK(T->connect(tl, m.setup.addr, m.setup.addr_len, &ep));
+    kvw_status_t s = T->rkey_unpack(ep, m.setup.rkey[0], m.setup.rkey_len[0], &rk);
+    CHECK(s == KVW_ERR_INCOMPATIBLE && strstr(kvw_last_error(), "KVW_UCX_PUT=am") &&
+              strstr(kvw_last_error(), "set the same data path on both"),
+          "rkey_unpack of an am receiver's key by an rma sender: %s: %s",
+          kvw_status_string(s), kvw_last_error());
+    CHECK(ctl_send(ctl, C_DONE, 0, 0, NULL) == 0, "ctl");
+out:
+    if (rk)
+        T->rkey_release(rk);
+    if (ep)
+        T->ep_close(ep);
+    if (tl) {
+        T->close(tl);
+        T->stop(tl);
+        T->fini(tl);
+    }
+    rx_fini(&st);
+    return rc;
+}
+
+static int path_mismatch(void)
+{
+    return run_pair(child_rx_mismatch, child_tx_mismatch, NULL, kvt_tmo_ms(30000));
+}
+
 /* ---------------------------------------------------------------- sender_killed */
 
 static setup_t g_setup;
@@ -1455,7 +1524,8 @@ int main(int argc, char **argv)
 {
     static const test_case_t cases[] = {
         {"integrity_am", integrity_am},       {"integrity_rma", integrity_rma},
-        {"dereg_refused", dereg_refused},     {"sender_killed", sender_killed},
+        {"dereg_refused", dereg_refused},     {"path_mismatch", path_mismatch},
+        {"sender_killed", sender_killed},
         {"sender_idle_killed", sender_idle_killed},
         {"receiver_killed", receiver_killed}, {"receiver_stalled", receiver_stalled},
         {"close_while_stalled", close_while_stalled},
