@@ -165,7 +165,8 @@ typedef struct kvw_tl_ops {
 
     /* Optional (NULL when absent): this instance's KVW_TL_CAP_* bits, for transports
      * whose settings, read at init, decide them (ucx: MEDIATED on the "am" data path
-     * only). Without it every instance has `caps`. See kvw__tl_caps. */
+     * only); `caps` then holds the bits every instance has. Without it every instance
+     * has `caps`. Ask kvw__tl_caps. */
     uint64_t (*instance_caps)(kvw_tl_h tl);
 } kvw_tl_ops_t;
 

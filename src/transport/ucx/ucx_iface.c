@@ -662,6 +662,6 @@ const kvw_tl_ops_t kvw_tl_ucx_ops = {
     .name = "ucx",
     KVW_TL_OPS_SLOTS(ucx),
     KVW_TL_OPS_THREAD_SLOTS(ucx),
-    .caps = KVW_TL_CAP_OWN_THREAD | KVW_TL_CAP_MEDIATED, /* the default, "am" */
+    .caps = KVW_TL_CAP_OWN_THREAD, /* what every instance has; see ucx_instance_caps */
     .instance_caps = ucx_instance_caps,
 };
