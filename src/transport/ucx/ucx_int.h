@@ -432,8 +432,9 @@ void ucx_rkey_free(kvw__tl_rkey_t *hd);
 
 /*
  * Receiver side: one write (put() in the default "am" mode). The receiver checks the
- * connection, the region and the bounds, then copies an eager message into place, or
- * receives a rendezvous message straight into the destination. Bad writes land
+ * connection, the region and the bounds, then asks cb.check_write (no lock of ours
+ * held: it takes the protocol's), then copies an eager message into place, or receives
+ * a rendezvous message straight into the destination. Bad or refused writes land
  * nowhere and fail the connection. Once a connection has failed, its writes are
  * dropped, and its failure is reported only after its rendezvous receives ended (see
  * dispatch_errors), so that nothing of it lands after on_ep_error. The region cannot
