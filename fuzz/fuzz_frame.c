@@ -334,6 +334,20 @@ static void fzf_decode(fzc_in_t *in)
         fzc_fail("post: %s", kvw_last_error());
     fzc_ctx_drain_wake(ctx);
 
+    /* A second data connection, bound to peer 0 as its BIND would (writes come from it
+     * or from the one the input's own BINDs may bind). */
+    static char write_ep;
+    pthread_mutex_lock(&ctx->mu);
+    ctx->binds.tab = malloc(sizeof(*ctx->binds.tab) * 16);
+    if (ctx->binds.tab == NULL)
+        fzc_fail("harness out of memory");
+    ctx->binds.cap = 16;
+    ctx->binds.num = 1;
+    ctx->binds.tab[0].ep = (kvw_tl_ep_h)(void *)&write_ep;
+    ctx->binds.tab[0].peer = 0;
+    memcpy(ctx->binds.tab[0].nonce, ctx->peers.tab[0]->bind_nonce, sizeof(ctx->binds.tab[0].nonce));
+    pthread_mutex_unlock(&ctx->mu);
+
     uint32_t nb = kvw_rank_num_buffers(me->h);
     uint8_t hdr[KVW_WIRE_HDR];
     for (uint32_t items = 0; items < 64 && fzc_left(in) > 0; items++) {
@@ -362,6 +376,7 @@ static void fzf_decode(fzc_in_t *in)
             free(msg);
         } else {
             uint64_t room = fzc_u64(in);
+            bool other_ep = (room >> 2) & 1; /* from the connection the input may bind */
             uint32_t region = fzc_u32(in) % (nb + 1);
             uint64_t off = fzc_u64(in), len = fzc_u64(in);
             switch (room & 3) {
@@ -375,7 +390,9 @@ static void fzf_decode(fzc_in_t *in)
             uint64_t cap = region < nb ? kvw_rank_buffer(me->h, region)->length : ctx->stage.len;
             off %= cap + 1;
             len %= cap - off + 1;
-            if (kvw__check_write(ctx, room, region, off, len) == KVW_OK && len > 0)
+            kvw_tl_ep_h wep = other_ep ? (kvw_tl_ep_h)(void *)&fzc_ep_dummy
+                                       : (kvw_tl_ep_h)(void *)&write_ep;
+            if (kvw__check_write(ctx, wep, room, region, off, len) == KVW_OK && len > 0)
                 fzf_check_accepted(ctx, me, &pg, n, prefix, room, region, off, len);
         }
         fzc_ctx_drain_wake(ctx);

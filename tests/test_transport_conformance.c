@@ -220,6 +220,7 @@ typedef struct ep_err {
 
 typedef struct wcheck {
     uint64_t room, region, off, len;
+    kvw_tl_ep_h ep; /* the accepted endpoint the write came on */
 } wcheck_t;
 
 typedef struct rx_state {
@@ -322,13 +323,13 @@ static void cb_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const ch
     pthread_mutex_unlock(&s->mu);
 }
 
-static kvw_status_t cb_check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
-                                   uint64_t len)
+static kvw_status_t cb_check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
+                                   uint64_t off, uint64_t len)
 {
     rx_state_t *s = arg;
     pthread_mutex_lock(&s->mu);
     if (s->num_checks < KVW_ARRAY_SIZE(s->checks))
-        s->checks[s->num_checks] = (wcheck_t){room, region, off, len};
+        s->checks[s->num_checks] = (wcheck_t){room, region, off, len, ep};
     s->num_checks++;
     bool refuse = s->refuse_on && room == s->refuse_room;
     pthread_mutex_unlock(&s->mu);
@@ -1379,8 +1380,9 @@ out:
     return rc;
 }
 
-/* check_write: on a mediating transport a refused write never lands and the
- * connection stays up; elsewhere it is never consulted (the sender confines writes). */
+/* check_write: on a mediating transport a refused write never lands; tcp keeps the
+ * connection (the payload is discarded), ucx fails it with a reason that names the
+ * write. Elsewhere it is never consulted (the sender confines writes). */
 static int inproc_check_write(void)
 {
     int rc = 0;
@@ -1393,7 +1395,8 @@ static int inproc_check_write(void)
     setup_from(&r, &su);
     if (sender_open(&s, &su, 0) != 0)
         FAILF("sender_open");
-    bool mediated = (T->caps & KVW_TL_CAP_MEDIATED) != 0;
+    bool mediated = (kvw__tl_caps(T, r.tl) & KVW_TL_CAP_MEDIATED) != 0;
+    bool keeps = strcmp(T->name, "ucx") != 0; /* a refusal leaves the connection up */
     pthread_mutex_lock(&r.st.mu);
     r.st.refuse_on = true;
     r.st.refuse_room = 7;
@@ -1404,6 +1407,33 @@ static int inproc_check_write(void)
     kvw_tl_put_t refused[2] = {{.src = a, .rkey = s.rkeys[0], .dst_off = 100, .len = sizeof(a)},
                                {.src = b, .rkey = s.rkeys[1], .dst_off = 0, .len = sizeof(b)}};
     kvw_tl_put_t allowed = {.src = b, .rkey = s.rkeys[0], .dst_off = 300000, .len = sizeof(b)};
+    if (mediated && !keeps) {
+        /* The first write is refused: the connection fails and nothing lands. The put
+         * itself may or may not see that (rendezvous sizes do). */
+        (void)T->put(s.ep, 7, refused, 2);
+        (void)T->put(s.ep, 8, &allowed, 1);
+        CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(20000)), "no on_ep_error after a refused write");
+        pthread_mutex_lock(&r.st.mu);
+        ep_err_t e = r.st.errs[0];
+        size_t nc = r.st.num_checks, nn = r.st.num_notes;
+        wcheck_t c0 = r.st.checks[0];
+        pthread_mutex_unlock(&r.st.mu);
+        char want[160];
+        snprintf(want, sizeof(want), "write of %zu bytes at offset 100 of region %llu for room 7 "
+                 "was refused by the receiver", sizeof(a), (unsigned long long)r.regs[0].id);
+        CHECK(e.status == KVW_ERR_REJECTED && strstr(e.reason, want) != NULL,
+              "on_ep_error: %s: %s (expected REJECTED with \"%s\")", kvw_status_string(e.status),
+              e.reason, want);
+        CHECK(nc == 1 && c0.room == 7 && c0.region == r.regs[0].id && c0.off == 100 &&
+                  c0.len == sizeof(a) && c0.ep == e.ep && e.ep != NULL,
+              "check_write called %zu times, first (%llu, %llu, %llu, %llu)", nc,
+              (unsigned long long)c0.room, (unsigned long long)c0.region,
+              (unsigned long long)c0.off, (unsigned long long)c0.len);
+        CHECK(nn == 0, "%zu notifications from a failed connection", nn);
+        if (verify_live(&r) != 0)
+            FAILF("a write of a connection that a refusal failed landed");
+        goto out;
+    }
     CHECK_OK(T->put(s.ep, 7, refused, 2));
     CHECK_OK(T->put(s.ep, 8, &allowed, 1));
     CHECK_OK(T->notify(s.ep, "n1", 2));
@@ -1423,13 +1453,14 @@ static int inproc_check_write(void)
     if (mediated) {
         CHECK(nc == 3, "check_write called %zu times, expected 3", nc);
         CHECK(c[0].room == 7 && c[0].region == r.regs[0].id && c[0].off == 100 &&
-                  c[0].len == sizeof(a),
+                  c[0].len == sizeof(a) && c[0].ep != NULL,
               "check_write saw (%llu, %llu, %llu, %llu)", (unsigned long long)c[0].room,
               (unsigned long long)c[0].region, (unsigned long long)c[0].off,
               (unsigned long long)c[0].len);
-        CHECK(c[1].room == 7 && c[1].region == r.regs[1].id && c[1].off == 0, "second check");
+        CHECK(c[1].room == 7 && c[1].region == r.regs[1].id && c[1].off == 0 &&
+                  c[1].ep == c[0].ep, "second check");
         CHECK(c[2].room == 8 && c[2].region == r.regs[0].id && c[2].off == 300000 &&
-                  c[2].len == sizeof(b),
+                  c[2].len == sizeof(b) && c[2].ep == c[0].ep,
               "third check");
     } else {
         CHECK(nc == 0, "check_write called %zu times on a non-mediating transport", nc);
@@ -1471,7 +1502,7 @@ static int inproc_dereg(void)
     r.regs[0].mem = NULL;
     uint8_t buf[256];
     memset(buf, 0x77, sizeof(buf));
-    if (T->caps & KVW_TL_CAP_MEDIATED) {
+    if (kvw__tl_caps(T, r.tl) & KVW_TL_CAP_MEDIATED) {
         kvw_tl_put_t p = {.src = buf, .rkey = s.rkeys[0], .dst_off = 0, .len = sizeof(buf)};
         CHECK_OK(T->put(s.ep, 1, &p, 1)); /* the sender cannot know yet */
         CHECK(wait_errs(&r.st, 1, kvt_tmo_ms(10000)),

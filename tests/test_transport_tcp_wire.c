@@ -80,10 +80,11 @@ static void on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const ch
     pthread_mutex_unlock(&S.mu);
 }
 
-static kvw_status_t check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
-                                uint64_t len)
+static kvw_status_t check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
+                                uint64_t off, uint64_t len)
 {
     (void)arg;
+    (void)ep;
     (void)region;
     (void)off;
     (void)len;

@@ -8,7 +8,11 @@
  *          rendezvous sizes) in random batches, then a notification; the receiver
  *          snapshots every region inside on_notify and checks it byte for byte against
  *          its shadow copy, guards included. Out-of-range puts are refused by the
- *          sender and move nothing. Run with both data paths (KVW_UCX_PUT=am, rma).
+ *          sender and move nothing. Run with both data paths (KVW_UCX_PUT=am, rma, on
+ *          both sides): the am receiver's check_write sees every non-empty write with
+ *          its room (and its caps say MEDIATED), the rma receiver's none.
+ *   path_mismatch   an rma sender cannot unpack an am receiver's key (which carries no
+ *          UCX key) and says to set the same data path on both sides.
  *   dereg_refused   the receiver deregisters a region; a sender that still holds its
  *          rkey writes into it: nothing lands, the receiver reports OUT_OF_RANGE and the
  *          sender's endpoint fails (am path; the rma path cannot be mediated).
@@ -199,6 +203,9 @@ typedef struct rx {
     char err_reason[16][256];
     size_t num_errs;
     size_t num_checks;
+    uint64_t check_bytes;   /* bytes of the writes check_write saw */
+    size_t check_misroomed; /* ... that named another room than check_room */
+    uint64_t check_room;
     const region_t *snap_regs; /* snapshot these in on_notify when set */
     region_t *reset_regs;      /* reset these in on_ep_error when set */
     uint64_t reset_seed;
@@ -275,13 +282,15 @@ static void cb_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const ch
     pthread_mutex_unlock(&s->mu);
 }
 
-static kvw_status_t cb_check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
-                                   uint64_t len)
+static kvw_status_t cb_check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
+                                   uint64_t off, uint64_t len)
 {
     rx_t *s = arg;
-    (void)room, (void)region, (void)off, (void)len;
+    (void)region, (void)off;
     pthread_mutex_lock(&s->mu);
     s->num_checks++;
+    s->check_bytes += len;
+    s->check_misroomed += room != s->check_room || ep == NULL;
     pthread_mutex_unlock(&s->mu);
     return KVW_OK;
 }
@@ -631,19 +640,27 @@ out:
 #define ROUNDS 16
 
 typedef struct mode_arg {
-    const char *put_mode; /* KVW_UCX_PUT for the sender */
+    const char *put_mode; /* KVW_UCX_PUT of both sides */
 } mode_arg_t;
 
+/* Both sides run the same data path: an "am" receiver mediates every write (check_write
+ * sees each non-empty one, with its room, before it lands); an "rma" receiver sees none. */
 static int child_rx_rounds(int ctl, void *arg)
 {
-    (void)arg;
+    const mode_arg_t *ma = arg;
     int rc = 0;
     receiver_t r;
     ctl_t m;
+    setenv("KVW_UCX_PUT", ma->put_mode, 1); /* single-threaded here: safe */
+    bool am = strcmp(ma->put_mode, "am") == 0;
     if (receiver_open(&r, 0x5eed0101, 0) != 0)
         return 1;
+    CHECK(((kvw__tl_caps(T, r.tl) & KVW_TL_CAP_MEDIATED) != 0) == am,
+          "[%s] caps 0x%llx", ma->put_mode, (unsigned long long)kvw__tl_caps(T, r.tl));
     r.st.snap_regs = r.regs;
     CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
+    size_t want_checks = 0;
+    uint64_t want_bytes = 0;
     for (unsigned k = 0; k < ROUNDS; k++) {
         CHECK(wait_count(&r.st, &r.st.num_notes, k + 1, kvt_tmo_ms(20000)),
               "round %u: no notification", k);
@@ -652,10 +669,24 @@ static int child_rx_rounds(int ctl, void *arg)
             rc = 1;
             goto out;
         }
+        wput_t w[MAX_PUTS];
+        size_t n = gen_round(r.su.seed, k, w);
+        for (size_t i = 0; i < n; i++) {
+            want_checks += am && w[i].len > 0;
+            want_bytes += am ? w[i].len : 0;
+        }
         /* Before the last ack: after it, the sender closes (and that is reported). */
         CHECK(count_of(&r.st, &r.st.num_errs) == 0, "unexpected on_ep_error: %s",
               r.st.err_reason[0]);
-        CHECK(count_of(&r.st, &r.st.num_checks) == 0, "check_write was called");
+        pthread_mutex_lock(&r.st.mu);
+        size_t nc = r.st.num_checks, mis = r.st.check_misroomed;
+        uint64_t cb = r.st.check_bytes;
+        r.st.check_room = k + 1; /* the next round's writes name room k + 1 */
+        pthread_mutex_unlock(&r.st.mu);
+        CHECK(nc == want_checks && cb == want_bytes && mis == 0,
+              "round %u: check_write saw %zu writes of %llu bytes (%zu for another room), "
+              "expected %zu of %llu", k, nc, (unsigned long long)cb, mis, want_checks,
+              (unsigned long long)want_bytes);
         CHECK(ctl_send(ctl, C_ACK, 0, k, NULL) == 0, "ctl");
     }
     CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(20000)) == 0, "sender did not finish");
@@ -802,6 +833,71 @@ static int dereg_refused(void)
 {
     mode_arg_t ma = {"am"};
     return run_pair(child_rx_dereg, child_tx_dereg, &ma, kvt_tmo_ms(30000));
+}
+
+/* ---------------------------------------------------------------- path_mismatch */
+
+/* An "am" receiver hands out keys without a UCX key: an "rma" sender cannot write one-
+ * sided into it, and says why (the receiver never sees a write, nor an error). */
+static int child_rx_mismatch(int ctl, void *arg)
+{
+    (void)arg;
+    int rc = 0;
+    receiver_t r;
+    ctl_t m;
+    setenv("KVW_UCX_PUT", "am", 1);
+    if (receiver_open(&r, 0x5eed0303, 0) != 0)
+        return 1;
+    CHECK(ctl_send(ctl, C_SETUP, 0, 0, &r.su) == 0, "ctl");
+    CHECK(ctl_recv(ctl, C_DONE, &m, kvt_tmo_ms(20000)) == 0, "sender did not finish");
+    CHECK(count_of(&r.st, &r.st.num_checks) == 0, "check_write was called");
+    char why[256];
+    for (int i = 0; i < NREG; i++)
+        CHECK(check_image(&r.regs[i], r.regs[i].base, why, sizeof(why)) == 0, "%s", why);
+out:
+    receiver_close(&r);
+    return rc;
+}
+
+static int child_tx_mismatch(int ctl, void *arg)
+{
+    (void)arg;
+    int rc = 0;
+    rx_t st;
+    kvw_tl_h tl = NULL;
+    kvw_tl_ep_h ep = NULL;
+    kvw_tl_rkey_h rk = NULL;
+    ctl_t m;
+    rx_init(&st);
+    setenv("KVW_UCX_PUT", "rma", 1);
+    CHECK(ctl_recv(ctl, C_SETUP, &m, kvt_tmo_ms(20000)) == 0, "no setup");
+    kvw_tl_params_t p = make_params(&st, 0);
+    CHECK_OK(T->init(&p, &tl));
+    CHECK(!(kvw__tl_caps(T, tl) & KVW_TL_CAP_MEDIATED), "an rma instance claims mediation");
+    CHECK_OK(T->connect(tl, m.setup.addr, m.setup.addr_len, &ep));
+    kvw_status_t s = T->rkey_unpack(ep, m.setup.rkey[0], m.setup.rkey_len[0], &rk);
+    CHECK(s == KVW_ERR_INCOMPATIBLE && strstr(kvw_last_error(), "KVW_UCX_PUT=am") &&
+              strstr(kvw_last_error(), "set the same data path on both"),
+          "rkey_unpack of an am receiver's key by an rma sender: %s: %s",
+          kvw_status_string(s), kvw_last_error());
+    CHECK(ctl_send(ctl, C_DONE, 0, 0, NULL) == 0, "ctl");
+out:
+    if (rk)
+        T->rkey_release(rk);
+    if (ep)
+        T->ep_close(ep);
+    if (tl) {
+        T->close(tl);
+        T->stop(tl);
+        T->fini(tl);
+    }
+    rx_fini(&st);
+    return rc;
+}
+
+static int path_mismatch(void)
+{
+    return run_pair(child_rx_mismatch, child_tx_mismatch, NULL, kvt_tmo_ms(30000));
 }
 
 /* ---------------------------------------------------------------- sender_killed */
@@ -1428,7 +1524,8 @@ int main(int argc, char **argv)
 {
     static const test_case_t cases[] = {
         {"integrity_am", integrity_am},       {"integrity_rma", integrity_rma},
-        {"dereg_refused", dereg_refused},     {"sender_killed", sender_killed},
+        {"dereg_refused", dereg_refused},     {"path_mismatch", path_mismatch},
+        {"sender_killed", sender_killed},
         {"sender_idle_killed", sender_idle_killed},
         {"receiver_killed", receiver_killed}, {"receiver_stalled", receiver_stalled},
         {"close_while_stalled", close_while_stalled},

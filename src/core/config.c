@@ -62,7 +62,7 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
     {.name = "KVW_UCX_TIMEOUT_MS", .type = KVW_CFG_U64, .def = "10000", .min = 1,
      .max = UINT32_MAX, .help = "deadline of every UCX wait (flush, put, notify)"},
     {.name = "KVW_UCX_PUT", .type = KVW_CFG_CHOICE, .def = "am", .choices = "am|rma",
-     .help = "am: writes as active messages the receiver applies; rma: ucp_put"},
+     .help = "am: writes as messages the receiver checks; rma: ucp_put, unchecked"},
     {.name = "KVW_UCX_ERR_MODE", .type = KVW_CFG_CHOICE, .def = "peer", .choices = "peer|none",
      .help = "peer: detect dead peers (UCX then uses tcp lanes); none"},
     {.name = "UCX_TLS", .type = KVW_CFG_EXTERNAL, .def = "", .shown = "(UCX default)",

@@ -34,14 +34,21 @@ static void kvw_fail_set(kvw_fail_t *f, kvw_status_t status, const char *fmt, ..
 
 static void kvw_receiver_done(struct kvw_ctx *ctx, kvw_room_t *r);
 
+/* Whether this rank's transport instance sees and checks every write (tcp, ucx on its
+ * "am" data path): then the landing log, not a sender's DONE, says what landed. */
+static bool kvw_mediated(const struct kvw_ctx *ctx)
+{
+    return (kvw__tl_caps(ctx->tl_ops, ctx->tl) & KVW_TL_CAP_MEDIATED) != 0;
+}
+
 /* Decode: tells a prefill rank that every byte it owes the room, and the metadata it
- * announced, arrived. On tcp (mediated) the confirmation waits for the room-wide check
+ * announced, arrived. On a mediated transport (tcp, ucx am) the confirmation waits for the room-wide check
  * of where the bytes landed instead (kvw_receiver_done): a sender's own count cannot
  * vouch for that. mu held. */
 static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_room_src_t *s)
 {
     if (s->done && s->got == s->expected && (!s->meta_expected || s->meta_got) &&
-        !(ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED))
+        !(kvw_mediated(ctx)))
         kvw__send_room_msg(ctx, kvw__peer_at(ctx, s->peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
 }
 
@@ -103,9 +110,9 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got))
             return;
-    /* On transports whose receiver sees every write (tcp), the bytes that actually landed
+    /* On transports whose receiver sees every write (tcp, ucx am), the bytes that actually landed
      * must match too: a sender's own count cannot vouch for writes lost on the way. */
-    if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) {
+    if (kvw_mediated(ctx)) {
         uint64_t want = 0;
         for (uint32_t i = 0; i < r->num_srcs; i++)
             want += r->srcs[i].expected;
@@ -152,7 +159,7 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
                          (unsigned long long)r->srcs[i].expected);
             return;
         }
-    if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED)
+    if (kvw_mediated(ctx))
         for (uint32_t i = 0; i < r->num_srcs; i++)
             kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->srcs[i].peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK,
                                "");
@@ -325,9 +332,9 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
                          (unsigned long long)slen);
             goto out;
         }
-        /* On tcp the window must have been written exactly once, all of it, before it is
+        /* Where writes are mediated the window must have been written exactly once, all of it, before it is
          * scattered: stale staging bytes would otherwise land in the room's pages. */
-        if (ctx->tl_ops->caps & KVW_TL_CAP_MEDIATED) {
+        if (kvw_mediated(ctx)) {
             uint64_t got = 0;
             if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
                 got != slen) {
@@ -440,13 +447,31 @@ static kvw_status_t kvw_note_write(struct kvw_ctx *ctx, kvw_room_t *r, uint64_t 
     return KVW_OK;
 }
 
-kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
-                              uint64_t len)
+/* Whether data connection `ep` is bound to one of the room's sources (mu held). */
+static bool kvw_from_source(struct kvw_ctx *ctx, kvw_tl_ep_h ep, const kvw_room_t *r)
+{
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (kvw_bound(ctx, ep, r->srcs[i].peer))
+            return true;
+    return false;
+}
+
+kvw_status_t kvw__check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
+                              uint64_t off, uint64_t len)
 {
     struct kvw_ctx *ctx = arg;
     kvw_status_t st = KVW_OK;
     pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, room);
+    /* Only a connection bound to one of the room's own sources writes it: a write from
+     * any other (another prefill instance's, or one that never bound) is refused and
+     * leaves the room alone, as its other messages for the room would (counted in
+     * ctx->foreign_writes; ucx also names the refusal in the connection's failure). */
+    if (r && !r->is_sender && !kvw_from_source(ctx, ep, r)) {
+        st = KVW_ERR_REJECTED;
+        ctx->foreign_writes++;
+        goto out;
+    }
     const kvw_buffer_desc_t *b = kvw_rank_buffer(ctx->rank, (uint32_t)region);
     bool staging = region == ctx->rank->num_bufs && kvw__stage_present(ctx);
     if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED ||

@@ -223,6 +223,7 @@ struct kvw_ctx {
     kvw_insts_t insts;
     kvw_workq_t q;
     kvw_binds_t binds;
+    uint64_t foreign_writes; /* decode: writes refused as not from a room's source (mu) */
     kvw_hs_slots_t hs;
     kvw_evwatch_set_t evw;
     kvw_effects_t defer;
@@ -321,8 +322,8 @@ void kvw__handshake_heard(struct kvw_ctx *ctx, int fd);
 
 /* Transport callbacks (decode). */
 void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);
-kvw_status_t kvw__check_write(void *arg, uint64_t room, uint64_t region, uint64_t off,
-                              uint64_t len);
+kvw_status_t kvw__check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
+                              uint64_t off, uint64_t len);
 void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason);
 
 /* ------------------------------------------------------------ between the files above */

@@ -4,8 +4,11 @@
  * ordered after every write posted before them on the same endpoint. The protocol
  * layer (src/proto) owns rooms, grants and state machines; transports know none of
  * that beyond a 64-bit room tag carried with every write, which the receiver's
- * `check_write` callback uses to confine writes to the pages granted to that room on
- * the transports kvwire mediates (tcp) or that the sender library checks itself (shm).
+ * `check_write` callback uses to confine writes to the pages granted to that room, and
+ * to the connections bound to its sources, on the transports whose receiver mediates
+ * writes (tcp, ucx on its default "am" data path: KVW_TL_CAP_MEDIATED). On the others
+ * (shm, cuda_ipc, ucx "rma") the sending library confines writes itself and the
+ * receiver sees none of them.
  *
  * Lifetime: init -> (mem_reg | connect | accept callbacks | put | notify | progress)* ->
  * close (non-blocking: no new operations, pending ones fail) -> stop (waits for the
@@ -55,11 +58,13 @@ typedef struct kvw_tl_callbacks {
     /* A notification arrived; every write the peer posted before it on this
      * endpoint has landed. `msg` is valid during the call only. */
     void (*on_notify)(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);
-    /* A mediated write is about to land at [off, off + len) of registered region
-     * `region_id` (see kvw_tl_mem_info) for `room`. Return KVW_OK to allow it; any
-     * error drops the write (the receiving protocol fails that room itself). */
-    kvw_status_t (*check_write)(void *arg, uint64_t room, uint64_t region_id, uint64_t off,
-                                uint64_t len);
+    /* A mediated write from accepted endpoint `ep` is about to land at [off, off + len)
+     * of registered region `region_id` for `room`; not one byte of it has landed yet.
+     * Return KVW_OK to allow it; any error drops the write (the receiving protocol
+     * fails that room itself where the write was the room's own sender's; tcp then
+     * discards the payload and keeps the connection, ucx fails the connection). */
+    kvw_status_t (*check_write)(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region_id,
+                                uint64_t off, uint64_t len);
     /* An endpoint (accepted or connected) failed or closed; no more notifications
      * arrive from it. */
     void (*on_ep_error)(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason);
@@ -80,8 +85,9 @@ typedef struct kvw_tl_params {
 /* Capability bits of kvw_tl_ops_t.caps. */
 enum {
     /* The receiver mediates every write: check_write runs before any byte lands, and
-     * writes outside registered regions are refused by the receiver itself (tcp).
-     * Without it, the sending library confines writes to the remote region (shm). */
+     * writes outside registered regions are refused by the receiver itself (tcp; ucx
+     * on the "am" data path). Without it, the sending library confines writes to the
+     * remote region (shm, cuda_ipc, ucx "rma"), and the receiver sees none of them. */
     KVW_TL_CAP_MEDIATED = 1u << 0,
     /* Both sides must be processes on one host (shm). */
     KVW_TL_CAP_SAME_HOST = 1u << 1,
@@ -156,7 +162,19 @@ typedef struct kvw_tl_ops {
      * protocol then runs its plan executor straight into the peer's memory instead of
      * posting runs, and must complete those writes before it notifies. */
     void *(*rkey_ptr)(kvw_tl_rkey_h rkey);
+
+    /* Optional (NULL when absent): this instance's KVW_TL_CAP_* bits, for transports
+     * whose settings, read at init, decide them (ucx: MEDIATED on the "am" data path
+     * only); `caps` then holds the bits every instance has. Without it every instance
+     * has `caps`. Ask kvw__tl_caps. */
+    uint64_t (*instance_caps)(kvw_tl_h tl);
 } kvw_tl_ops_t;
+
+/* The capability bits of instance `tl` of `ops`. */
+static inline uint64_t kvw__tl_caps(const kvw_tl_ops_t *ops, kvw_tl_h tl)
+{
+    return ops->instance_caps && tl ? ops->instance_caps(tl) : ops->caps;
+}
 
 /*
  * Every transport names its slot functions after itself (tcp_init, tcp_put, ...); a

@@ -617,6 +617,12 @@ static int fault_progress(kvw_tl_h tl)
     return t ? t->slot->inner->progress(t->inner) : -1;
 }
 
+static uint64_t fault_instance_caps(kvw_tl_h tl)
+{
+    fault_tl_t *t = fault_tl(tl);
+    return t ? kvw__tl_caps(t->slot->inner, t->inner) : 0;
+}
+
 static void fault_ep_close(fault_slot_t *s, kvw_tl_ep_h ep)
 {
     pthread_mutex_lock(&s->mu);
@@ -771,6 +777,7 @@ const kvw_tl_ops_t *kvw__tl_fault_wrap(const kvw_tl_ops_t *inner, const char *sp
             s->ops.stop = fault_stop;
             s->ops.fini = fault_fini;
             s->ops.caps = inner->caps;
+            s->ops.instance_caps = inner->instance_caps ? fault_instance_caps : NULL;
             pthread_mutex_init(&s->mu, NULL);
             pthread_cond_init(&s->cv, NULL);
         }

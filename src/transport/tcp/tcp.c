@@ -12,7 +12,7 @@
  * Receiver: one thread (the socket server, sockserv.c) polls the listening socket and
  * every connection (non-blocking), and tcp runs a small state machine per connection. For each PUT header it checks that
  * the region is registered and that [off, off + len) lies inside it, asks
- * cb.check_write, and only then receives the payload with recv straight into the
+ * cb.check_write (with the connection), and only then receives the payload with recv straight into the
  * registered memory (no intermediate copy); a refused payload is read and discarded.
  * A frame that is malformed, truncated, out of range, or stalled longer than the
  * timeout drops that connection only (on_ep_error says why); the others keep going.
@@ -254,7 +254,8 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
             return;
         kvw_status_t st = KVW_OK;
         if (tl->srv.cb.check_write)
-            st = tl->srv.cb.check_write(tl->srv.cb.arg, h.room, h.region, h.off, h.len);
+            st = tl->srv.cb.check_write(tl->srv.cb.arg, (kvw_tl_ep_h)(void *)ep, h.room,
+                                        h.region, h.off, h.len);
         if (st != KVW_OK) {
             pthread_mutex_lock(&tl->srv.reg_mu);
             region_unref(r);

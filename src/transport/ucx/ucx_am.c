@@ -133,6 +133,7 @@ static void on_sender_msg(ucx_iface_t *tl, const msg_hdr_t *h, const void *data,
         else
             tl->ev_head = ev;
         tl->ev_tail = ev;
+        atomic_store(&tl->ev_new, true);
     }
     pthread_mutex_unlock(&tl->mu);
     kvw__tl_wake(tl->wake_fd);

@@ -23,12 +23,29 @@ static void report(ucx_iface_t *tl, ucx_ep_t *ep, kvw_status_t st, const char *r
         ucx_ep_to_closing(tl, ep, false);
 }
 
+/* Whether `ev` is held back: a NOTIFY waits while its connection still receives
+ * earlier writes by rendezvous (a sender that notifies without flushing), and every later
+ * message of a connection waits behind one of its own held before it. tl->mu held. */
+static bool event_held(const ucx_ep_t *ep, const ucx_event_t *ev, const ucx_event_t *held)
+{
+    for (const ucx_event_t *h = held; h; h = h->next)
+        if (h->acc_id == ev->acc_id)
+            return true;
+    return ep->inflight > 0;
+}
+
+/* Progress thread: delivers the queued NOTIFY and BYE messages in arrival order. A
+ * NOTIFY says that every write its sender posted before it has landed; so it is
+ * delivered only once that connection's writes ahead of it have all been received (or
+ * the connection failed, and then nothing more of it is delivered). */
 static void dispatch_events(ucx_iface_t *tl)
 {
     pthread_mutex_lock(&tl->mu);
     ucx_event_t *ev = tl->ev_head;
     tl->ev_head = tl->ev_tail = NULL;
+    atomic_store(&tl->ev_new, false);
     pthread_mutex_unlock(&tl->mu);
+    ucx_event_t *held = NULL, *held_last = NULL;
     while (ev) {
         ucx_event_t *next = ev->next;
         pthread_mutex_lock(&tl->mu);
@@ -40,6 +57,17 @@ static void dispatch_events(ucx_iface_t *tl)
         if (ep && (ep->reported || atomic_load(&ep->closing) || atomic_load(&ep->failed)))
             ep = NULL;
         bool deliver = false;
+        if (ep && event_held(ep, ev, held)) {
+            ev->next = NULL;
+            if (held_last)
+                held_last->next = ev;
+            else
+                held = ev;
+            held_last = ev;
+            pthread_mutex_unlock(&tl->mu);
+            ev = next;
+            continue;
+        }
         if (ep && ev->type == MSG_BYE)
             ucx_ep_fail_locked(ep, KVW_ERR_CONN_CLOSED, true, "the sender closed the connection");
         else if (ep && ev->oversized)
@@ -54,6 +82,16 @@ static void dispatch_events(ucx_iface_t *tl)
         free(ev);
         ev = next;
     }
+    /* Held messages go back in front of whatever arrived meanwhile (order kept). */
+    pthread_mutex_lock(&tl->mu);
+    tl->ev_held = held != NULL;
+    if (held) {
+        held_last->next = tl->ev_head;
+        if (tl->ev_head == NULL)
+            tl->ev_tail = held_last;
+        tl->ev_head = held;
+    }
+    pthread_mutex_unlock(&tl->mu);
 }
 
 /*
@@ -244,7 +282,10 @@ static void *progress_thread(void *arg)
          * its progress hands over wakes this thread through wake_fd. */
         bool backoff = atomic_load(&tl->waiters) > 0;
         unsigned busy = 0;
-        while (!backoff && busy < 64 && ucp_worker_progress(tl->worker) != 0)
+        /* Stop as soon as a NOTIFY or BYE was queued: it is delivered before the worker
+         * handles anything that arrived after it (a BIND before the writes it allows). */
+        while (!backoff && busy < 64 && !atomic_load(&tl->ev_new) &&
+               ucp_worker_progress(tl->worker) != 0)
             busy++;
         bool closed = atomic_load(&tl->closed);
         if (closed && shutdown_deadline == 0) {
@@ -262,14 +303,14 @@ static void *progress_thread(void *arg)
         ucx_poll_ops(tl);
         pthread_mutex_lock(&tl->mu);
         bool ops = tl->ops != NULL;
-        bool pending = tl->ev_head != NULL || tl->closing != NULL ||
+        bool pending = (tl->ev_head != NULL && !tl->ev_held) || tl->closing != NULL ||
                        (tl->num_err_pending > 0 && !closed && !tl->err_deferred);
         pthread_mutex_unlock(&tl->mu);
         if (closed && (!ops || kvw__now_ns() >= shutdown_deadline))
             break;
         if (busy == 64 || pending)
             continue;
-        int ms = ops || closed || tl->err_deferred || backoff ? 1 : UCX_POLL_MS;
+        int ms = ops || closed || tl->err_deferred || tl->ev_held || backoff ? 1 : UCX_POLL_MS;
         struct pollfd pfd[2] = {{.fd = tl->wake_fd, .events = POLLIN},
                                 {.fd = tl->efd, .events = POLLIN}};
         nfds_t nfds = 1;
@@ -317,7 +358,9 @@ static kvw_status_t ucx_open(ucx_iface_t *tl, bool v2)
     ucp_params_t p = {
         .field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED |
                       UCP_PARAM_FIELD_NAME,
-        .features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
+        /* One-sided access only on the "rma" path: with "am" no peer can reach this
+         * process's memory except through DATA messages, which the receiver checks. */
+        .features = (tl->rma ? UCP_FEATURE_RMA : 0) | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP,
         .mt_workers_shared = 0,
         .name = "kvwire",
     };
@@ -391,6 +434,7 @@ static kvw_status_t ucx_init(const kvw_tl_params_t *params, kvw_tl_h *tl_p)
     tl->efd = -1;
     atomic_init(&tl->closed, false);
     atomic_init(&tl->waiters, 0);
+    atomic_init(&tl->ev_new, false);
     pthread_mutex_init(&tl->mu, NULL);
     pthread_mutex_init(&tl->reg_mu, NULL);
     kvw__cond_init_monotonic(&tl->cv);
@@ -607,9 +651,17 @@ static void ucx_fini(kvw_tl_h tl_h)
     free(tl);
 }
 
+/* The "am" path mediates every write (check_write, the receiver's own bounds check);
+ * "rma" writes are one-sided and the receiver sees none of them. */
+static uint64_t ucx_instance_caps(kvw_tl_h tl_h)
+{
+    return KVW_TL_CAP_OWN_THREAD | (to_iface(tl_h)->rma ? 0 : KVW_TL_CAP_MEDIATED);
+}
+
 const kvw_tl_ops_t kvw_tl_ucx_ops = {
     .name = "ucx",
     KVW_TL_OPS_SLOTS(ucx),
     KVW_TL_OPS_THREAD_SLOTS(ucx),
-    .caps = KVW_TL_CAP_OWN_THREAD,
+    .caps = KVW_TL_CAP_OWN_THREAD, /* what every instance has; see ucx_instance_caps */
+    .instance_caps = ucx_instance_caps,
 };

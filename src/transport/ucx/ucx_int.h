@@ -3,24 +3,35 @@
  * there (tcp here; RDMA where present) and between processes on one host.
  *
  * One ucp_context and one ucp_worker (UCS_THREAD_MODE_MULTI) per instance, with
- * UCP_FEATURE_RMA and UCP_FEATURE_AM for data and control, and UCP_FEATURE_WAKEUP for
- * the progress thread's event fd. mem_reg maps the caller's memory with ucp_mem_map
- * and packs its rkey with the region's base, length and id and the instance token.
+ * UCP_FEATURE_AM for data and control (and UCP_FEATURE_RMA on the "rma" path only), and
+ * UCP_FEATURE_WAKEUP for the progress thread's event fd. mem_reg packs a key with the
+ * region's base, length and id and the instance token; on "rma" it also maps the
+ * caller's memory with ucp_mem_map and adds the packed UCX rkey.
  *
- * Two data paths; the sender chooses (KVW_UCX_PUT), a receiver takes both.
+ * Two data paths (KVW_UCX_PUT), read by every instance at init; both sides must agree
+ * (an "rma" sender cannot unpack the key of an "am" receiver, and says so).
  *  - "am" (default): one DATA active message per write. UCX sends small ones eagerly
  *    and the receiver copies them into place; large ones go by rendezvous and are
  *    received straight into place (ucp_am_recv_data_nbx: zero-copy, RDMA reads where
- *    the fabric has them). The receiver checks every write against its registered
- *    regions itself, drops the writes of a connection that failed, and reports that
- *    failure only once its rendezvous receives have ended, so nothing of a dead or
- *    misbehaving sender lands after on_ep_error.
+ *    the fabric has them). The receiver mediates every write (KVW_TL_CAP_MEDIATED):
+ *    it checks it against its registered regions, then asks cb.check_write (with the
+ *    room the message names and the connection) before a byte lands, eager or
+ *    rendezvous; a refused write lands nowhere and fails the connection. It drops the
+ *    writes of a connection that failed, and reports that failure only once its
+ *    rendezvous receives have ended, so nothing of a dead or misbehaving sender lands
+ *    after on_ep_error. A NOTIFY is delivered only after the receives of its
+ *    connection's earlier writes ended (a sender that notifies without flushing gets
+ *    no earlier notice), and a queued NOTIFY is delivered before the worker handles
+ *    what arrived after it. Without UCP_FEATURE_RMA and without UCX keys, no peer can
+ *    write this process's memory one-sided.
  *  - "rma": ucp_put_nbx into the rkey, truly one-sided where UCX has RMA lanes for the
  *    memory (RDMA fabrics). UCX 1.13 emulates such puts in software on every transport
  *    of this machine, and its emulation aborts the target process (ucs_fatal in
  *    ucp_progress_rma_cmpl) when the initiator dies with puts in flight; nor can a
- *    receiver refuse or stop these writes. Hence "am" by default; use "rma" only where
- *    UCX has native RMA lanes.
+ *    receiver see, refuse or stop these writes: check_write is never called for them
+ *    and the caps lack MEDIATED (any peer holding a key can write anywhere in that
+ *    region). Hence "am" by default; use "rma" only where UCX has native RMA lanes and
+ *    the peers are trusted.
  * On both, put() checks every write against the rkey's region (OUT_OF_RANGE, nothing
  * moved) and returns once every request completed locally, so the caller may reuse
  * the source memory. Overlapping writes land in the order they were posted: a write
@@ -75,11 +86,11 @@
  * then force-closes: UCX 1.13 asserts when a worker is destroyed while an endpoint
  * still has requests.
  *
- * Confinement. check_write is never called (caps lack KVW_TL_CAP_MEDIATED). As for
- * shm, the sending library confines every write to the registered region of its rkey,
- * and the protocol layer of the sending side confines writes to the pages granted to
- * the room. On the "am" path the receiver also refuses writes outside its registered
- * regions (on_ep_error OUT_OF_RANGE); on "rma" it cannot. A deregistered region cannot
+ * Confinement. On "am" the receiver refuses writes outside its registered regions
+ * (on_ep_error OUT_OF_RANGE) and whatever check_write refuses (pages the room was not
+ * granted, a connection not bound to the room's source). On "rma" it can do neither:
+ * as for shm, only the sending library confines every write to the registered region
+ * of its rkey, and the sending side's protocol to the pages granted to the room. A deregistered region cannot
  * be unpacked by a new endpoint; on "rma" a sender that already holds its rkey could
  * still write to it, so the protocol must stop granting pages of a region before
  * deregistering it.
@@ -117,7 +128,7 @@
 
 _Static_assert(sizeof(size_t) == sizeof(uint64_t), "lengths are passed to UCX as size_t");
 
-#define UCX_VERSION 1
+#define UCX_VERSION 2 /* 2: keys of "am" receivers carry no UCX key */
 #define UCX_ADDR_MAGIC 0x4155564bu /* "KVUA" */
 #define UCX_RKEY_MAGIC 0x5255564bu /* "KVUR" */
 #define UCX_MSG_MAGIC 0x4d55564bu  /* "KVUM" */
@@ -276,6 +287,8 @@ struct ucx_iface {
     unsigned num_accepted;
     unsigned num_err_pending;
     bool err_deferred; /* progress thread: a report waits for receives to end */
+    bool ev_held;      /* a queued NOTIFY waits for its connection's receives to end */
+    atomic_bool ev_new; /* a message was queued since the progress thread last looked */
 
     pthread_mutex_t reg_mu; /* regions */
     kvw_hmap_t regions; /* by id: the receive path looks writes up here */
@@ -419,8 +432,9 @@ void ucx_rkey_free(kvw__tl_rkey_t *hd);
 
 /*
  * Receiver side: one write (put() in the default "am" mode). The receiver checks the
- * connection, the region and the bounds, then copies an eager message into place, or
- * receives a rendezvous message straight into the destination. Bad writes land
+ * connection, the region and the bounds, then asks cb.check_write (no lock of ours
+ * held: it takes the protocol's), then copies an eager message into place, or receives
+ * a rendezvous message straight into the destination. Bad or refused writes land
  * nowhere and fail the connection. Once a connection has failed, its writes are
  * dropped, and its failure is reported only after its rendezvous receives ended (see
  * dispatch_errors), so that nothing of it lands after on_ep_error. The region cannot

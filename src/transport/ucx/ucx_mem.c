@@ -33,7 +33,10 @@ kvw_status_t ucx_mem_reg(kvw_tl_h tl_h, void *addr, uint64_t len, kvw_mem_kind_t
     r->len = len;
     void *packed = NULL;
     size_t plen = 0;
-    if (len > 0) {
+    /* Mapped for one-sided access, with a UCX key for peers, only on the "rma" path; on
+     * "am" the key carries none, so a peer can only name the region in DATA messages,
+     * which this receiver checks (rendezvous receives register what they need). */
+    if (len > 0 && tl->rma) {
         ucp_mem_map_params_t mp = {.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS |
                                                  UCP_MEM_MAP_PARAM_FIELD_LENGTH |
                                                  UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE,
@@ -226,13 +229,21 @@ kvw_status_t ucx_rkey_unpack(kvw_tl_ep_h ep_h, const void *buf, size_t len,
     uint64_t region = kvw__le64_get(p + 16), base = kvw__le64_get(p + 24),
              rlen = kvw__le64_get(p + 32), end;
     size_t ulen = len - UCX_RKEY_HDR;
-    if (!kvw__add_u64(base, rlen, &end) || (rlen > 0) != (ulen > 0))
+    if (!kvw__add_u64(base, rlen, &end) || (rlen == 0 && ulen > 0))
         return kvw__error(KVW_ERR_INVALID_PARAM,
                           "ucx rkey_unpack: region %llu: inconsistent key (base 0x%llx, %llu "
                           "bytes, %zu key bytes)",
                           (unsigned long long)region, (unsigned long long)base,
                           (unsigned long long)rlen, ulen);
     ucx_iface_t *tl = ep->tl;
+    if (tl->rma && rlen > 0 && ulen == 0)
+        return kvw__error(KVW_ERR_INCOMPATIBLE,
+                          "ucx rkey_unpack: region %llu of %s takes writes only as checked "
+                          "DATA messages (that receiver runs KVW_UCX_PUT=am), but this side "
+                          "writes one-sided (KVW_UCX_PUT=rma); set the same data path on both",
+                          (unsigned long long)region, ep->hd.peer);
+    if (!tl->rma)
+        ulen = 0; /* the "am" path never uses a UCX key (nor has RMA to unpack it) */
     if (atomic_load(&tl->closed))
         return kvw__error(KVW_ERR_SHUTDOWN, "ucx rkey_unpack: the transport is closed");
     ucx_rkey_t *rk = calloc(1, sizeof(*rk));

@@ -31,15 +31,39 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
         ucp_request_free(request);
 }
 
+/* The accepted endpoint a DATA message names, if it may still write (tl->mu held). */
+static ucx_ep_t *data_ep(ucx_iface_t *tl, const msg_hdr_t *h)
+{
+    ucx_ep_t *ep = ucx_ep_find(tl, h->a, true, h->from);
+    if (ep == NULL || ep->remote_id != h->b || ep->reported || atomic_load(&ep->closing) ||
+        atomic_load(&ep->failed) != 0)
+        return NULL;
+    return ep;
+}
+
+/* Ends what ucx_on_data counted for a write that will not be received (refused, or the
+ * connection failed meanwhile): the endpoint (looked up again: it may be gone) and the
+ * region it held. */
+static void data_unref(ucx_iface_t *tl, const msg_hdr_t *h, ucx_region_t *r)
+{
+    pthread_mutex_lock(&tl->mu);
+    ucx_ep_t *ep = ucx_ep_find(tl, h->a, true, h->from);
+    if (ep)
+        ep->inflight--;
+    pthread_mutex_unlock(&tl->mu);
+    pthread_mutex_lock(&tl->reg_mu);
+    r->inflight--;
+    pthread_mutex_unlock(&tl->reg_mu);
+}
+
 ucs_status_t ucx_on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t len,
                          bool rndv)
 {
     bool closed = atomic_load(&tl->closed);
     uint64_t end;
     pthread_mutex_lock(&tl->mu);
-    ucx_ep_t *ep = closed ? NULL : ucx_ep_find(tl, h->a, true, h->from);
-    if (ep == NULL || ep->remote_id != h->b || ep->reported || atomic_load(&ep->closing) ||
-        atomic_load(&ep->failed) != 0) {
+    ucx_ep_t *ep = closed ? NULL : data_ep(tl, h);
+    if (ep == NULL) {
         pthread_mutex_unlock(&tl->mu);
         return rndv ? UCS_ERR_NOT_CONNECTED : UCS_OK; /* dropped */
     }
@@ -63,26 +87,53 @@ ucs_status_t ucx_on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t
         kvw__tl_wake(tl->wake_fd);
         return rndv ? UCS_ERR_REJECTED : UCS_OK;
     }
-    uint8_t *dst = (uint8_t *)(uintptr_t)r->base + h->d;
-    if (!rndv) {
-        if (len)
-            memcpy(dst, data, len);
-        pthread_mutex_unlock(&tl->reg_mu);
-        pthread_mutex_unlock(&tl->mu);
-        return UCS_OK;
-    }
-    ucx_recv_t *rc = malloc(sizeof(*rc));
-    if (rc == NULL) {
-        ucx_ep_fail_locked(ep, KVW_ERR_NO_MEMORY, true, "no memory to receive %zu bytes", len);
-        pthread_mutex_unlock(&tl->reg_mu);
-        pthread_mutex_unlock(&tl->mu);
-        kvw__tl_wake(tl->wake_fd);
-        return UCS_ERR_NO_MEMORY;
-    }
+    /* Held while the receiver's check runs without our locks (it takes the protocol's,
+     * which is held around calls into this transport): the region cannot go away
+     * (mem_dereg waits for r->inflight), and the endpoint's failure is not reported, nor
+     * a later NOTIFY of it delivered, before this write is received or dropped. */
     r->inflight++;
     ep->inflight++;
     pthread_mutex_unlock(&tl->reg_mu);
     pthread_mutex_unlock(&tl->mu);
+    kvw_status_t chk = KVW_OK;
+    if (len > 0 && tl->cb.check_write)
+        chk = tl->cb.check_write(tl->cb.arg, (kvw_tl_ep_h)(void *)ep, h->e, h->c, h->d, len);
+    pthread_mutex_lock(&tl->mu);
+    ep = data_ep(tl, h);
+    if (ep && chk != KVW_OK)
+        ucx_ep_fail_locked(ep, chk, true,
+                           "write of %zu bytes at offset %llu of region %llu for room %llu was "
+                           "refused by the receiver (%s)",
+                           len, (unsigned long long)h->d, (unsigned long long)h->c,
+                           (unsigned long long)h->e, kvw_status_string(chk));
+    bool go = ep != NULL && chk == KVW_OK;
+    pthread_mutex_unlock(&tl->mu);
+    if (!go) {
+        data_unref(tl, h, r);
+        kvw__tl_wake(tl->wake_fd); /* a report, or a held NOTIFY, may be due */
+        return rndv ? UCS_ERR_REJECTED : UCS_OK;
+    }
+    uint8_t *dst = (uint8_t *)(uintptr_t)r->base + h->d;
+    if (!rndv) {
+        pthread_mutex_lock(&tl->reg_mu);
+        if (len)
+            memcpy(dst, data, len);
+        pthread_mutex_unlock(&tl->reg_mu);
+        data_unref(tl, h, r);
+        return UCS_OK;
+    }
+    ucx_recv_t *rc = malloc(sizeof(*rc));
+    if (rc == NULL) {
+        pthread_mutex_lock(&tl->mu);
+        if ((ep = data_ep(tl, h)) != NULL)
+            ucx_ep_fail_locked(ep, KVW_ERR_NO_MEMORY, true, "no memory to receive %zu bytes",
+                               len);
+        pthread_mutex_unlock(&tl->mu);
+        data_unref(tl, h, r);
+        kvw__tl_wake(tl->wake_fd);
+        return UCS_ERR_NO_MEMORY;
+    }
+    /* The counts taken above now belong to the receive: recv_done ends them. */
     *rc = (ucx_recv_t){.tl = tl, .region = r, .acc_id = h->a, .len = len};
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
