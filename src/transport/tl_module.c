@@ -7,6 +7,7 @@
 #include <pthread.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 #ifndef KVW_TL_MODULE_BIN_TO_LIB
 #define KVW_TL_MODULE_BIN_TO_LIB "../lib"
@@ -88,7 +89,15 @@ static void tl_module_load(tl_module_t *m)
     /* Next to the object that holds this code: libkvwire.so, or a program linked with
      * the static library in the build tree. */
     Dl_info info;
+    char self[4096];
     if (dladdr((void *)tl_module_load, &info) && info.dli_fname) {
+        /* The main program's name comes back without a directory: a static libkvwire
+         * linked into a program (kvwire-bench) looks beside that program's file. */
+        if (strchr(info.dli_fname, '/') == NULL) {
+            ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
+            self[n > 0 ? n : 0] = '\0';
+            info.dli_fname = self;
+        }
         const char *slash = strrchr(info.dli_fname, '/');
         if (slash != NULL) {
             size_t len = (size_t)(slash - info.dli_fname);
