@@ -191,12 +191,6 @@ void kvw__sock_ep_fail(kvw__sock_ep_t *ep, kvw_status_t status, const char *fmt,
     srv->cb.on_ep_error(srv->cb.arg, (kvw_tl_ep_h)(void *)ep, status, reason);
 }
 
-int kvw__sockserv_progress(kvw_tl_h tl)
-{
-    (void)tl;
-    return 0; /* the receive thread does all the work */
-}
-
 void kvw__sockserv_ep_close(kvw_tl_ep_h ep_h)
 {
     kvw__sock_ep_t *ep = (kvw__sock_ep_t *)(void *)ep_h;

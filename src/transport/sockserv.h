@@ -137,7 +137,6 @@ void kvw__sock_ep_fail(kvw__sock_ep_t *ep, kvw_status_t status, const char *fmt,
 
 /* The ops slots that are the same for every socket transport: their handles are the
  * server (instance) and kvw__sock_ep_t (endpoint). */
-int kvw__sockserv_progress(kvw_tl_h tl);
 void kvw__sockserv_ep_close(kvw_tl_ep_h ep);
 void kvw__sockserv_close(kvw_tl_h tl);
 void kvw__sockserv_stop(kvw_tl_h tl);

@@ -864,5 +864,5 @@ const kvw_tl_ops_t kvw_tl_tcp_ops = {
     .name = "tcp",
     KVW_TL_OPS_SLOTS(tcp),
     KVW__SOCKSERV_OPS_SLOTS,
-    .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_OWN_THREAD,
+    .caps = KVW_TL_CAP_MEDIATED,
 };
