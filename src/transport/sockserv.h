@@ -81,7 +81,7 @@ typedef struct kvw__sockserv_ops {
 struct kvw__sockserv {
     const kvw__sockserv_ops_t *ops;
     kvw_tl_callbacks_t cb;
-    uint32_t timeout_ms;
+    uint64_t timeout_ns; /* stall window of every blocking step (kvw__tl_timeout_ns) */
     uint64_t hello_ms;        /* KVW_DATA_HELLO_MS (ops->greets) */
     uint64_t max_per_source;  /* KVW_MAX_CONN_PER_SOURCE */
     uint64_t refused_sources; /* connections refused for their source's cap */
