@@ -494,6 +494,13 @@ static room_t room_def(uint64_t id, int slot)
     return r;
 }
 
+/* The decode's post of room `rm` on the pages `p` (room_pages(false, ...)). */
+static kvw_recv_post_t post_of(const room_t *rm, const rpages_t *p)
+{
+    return (kvw_recv_post_t){.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = rm->n,
+                             .pages = p->side};
+}
+
 static bool terminal(kvw_room_state_t s)
 {
     return s == KVW_ROOM_SUCCESS || s == KVW_ROOM_FAILED;
@@ -1049,75 +1056,61 @@ static size_t mk_hdr(uint8_t *b, uint32_t magic, uint8_t ver, uint8_t type, uint
     return 12;
 }
 
+/* The malformed inputs for the bootstrap and the control port, in the order they run:
+ * a header (magic, version, type, length) and `extra` zero bytes after it, or only the
+ * first `cut` bytes of that header (AT_CUT_*), 40 garbage bytes, or nothing at all. */
+enum { AT_BOTH, AT_BS, AT_CTL };     /* the port(s) an input is tried on */
+#define AT_LOOKUP 0xffu              /* T_BS_LOOKUP on the bootstrap, T_HELLO on the control port */
+#define AT_GARBAGE (-2)              /* cut: 40 garbage bytes instead of a header */
+#define AT_NOTHING 0                 /* cut: connect and close */
+#define AT_WHOLE (-1)                /* cut: the whole header and its extra bytes */
+static const struct attack_def {
+    const char *what;
+    int port;
+    uint32_t magic;
+    uint8_t ver, type;
+    uint32_t len;   /* the header's length field */
+    size_t extra;   /* payload bytes sent after the header */
+    int cut;        /* AT_WHOLE, AT_GARBAGE, AT_NOTHING or how many header bytes */
+    bool expect_close;
+} g_attacks[] = {
+    {"garbage bytes", AT_BOTH, 0, 0, 0, 0, 0, AT_GARBAGE, true},
+    {"bad magic", AT_BOTH, 0x3257564bu /* KVW2 */, 1, AT_LOOKUP, 0, 0, AT_WHOLE, true},
+    {"bad version", AT_BOTH, WIRE_MAGIC, 2, AT_LOOKUP, 0, 0, AT_WHOLE, true},
+    {"oversized length", AT_BOTH, WIRE_MAGIC, 1, AT_LOOKUP, 0x7fffffffu, 0, AT_WHOLE, true},
+    {"unknown frame type 0", AT_BOTH, WIRE_MAGIC, 1, 0, 0, 0, AT_WHOLE, true},
+    {"unknown frame type 200", AT_BOTH, WIRE_MAGIC, 1, 200, 0, 0, AT_WHOLE, true},
+    {"half a header, then close", AT_BOTH, WIRE_MAGIC, 1, AT_LOOKUP, 0, 0, 6, false},
+    {"truncated payload, then close", AT_BOTH, WIRE_MAGIC, 1, AT_LOOKUP, 64, 10, AT_WHOLE, false},
+    {"connect and close", AT_BOTH, 0, 0, 0, 0, 0, AT_NOTHING, false},
+    {"lookup with trailing bytes", AT_BS, WIRE_MAGIC, 1, T_BS_LOOKUP, 4, 4, AT_WHOLE, true},
+    {"truncated register", AT_BS, WIRE_MAGIC, 1, T_BS_REGISTER, 8, 8, AT_WHOLE, true},
+    {"control frame on the bootstrap", AT_BS, WIRE_MAGIC, 1, T_HELLO, 0, 0, AT_WHOLE, true},
+    {"request before registration", AT_CTL, WIRE_MAGIC, 1, T_REQ, 0, 0, AT_WHOLE, true},
+    {"heartbeat before registration", AT_CTL, WIRE_MAGIC, 1, T_HEARTBEAT, 0, 0, AT_WHOLE, true},
+    {"truncated registration", AT_CTL, WIRE_MAGIC, 1, T_HELLO, 3, 3, AT_WHOLE, true},
+};
+
 /* Builds the list of malformed inputs for the bootstrap or the control port. */
 static int mk_attacks(raw_attack_t *a, bool control)
 {
     int n = 0;
-    raw_attack_t *x;
-    uint8_t lookup = control ? T_HELLO : T_BS_LOOKUP;
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "garbage bytes", .expect_close = true};
-    for (int i = 0; i < 40; i++)
-        x->bytes[i] = (uint8_t)(i * 37 + 11);
-    x->len = 40;
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "bad magic", .expect_close = true};
-    x->len = mk_hdr(x->bytes, 0x3257564bu /* KVW2 */, 1, lookup, 0);
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "bad version", .expect_close = true};
-    x->len = mk_hdr(x->bytes, WIRE_MAGIC, 2, lookup, 0);
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "oversized length", .expect_close = true};
-    x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, lookup, 0x7fffffffu);
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "unknown frame type 0", .expect_close = true};
-    x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, 0, 0);
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "unknown frame type 200", .expect_close = true};
-    x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, 200, 0);
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "half a header, then close"};
-    x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, lookup, 0) / 2;
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "truncated payload, then close"};
-    x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, lookup, 64) + 10;
-
-    x = &a[n++];
-    *x = (raw_attack_t){.what = "connect and close"};
-    x->len = 0;
-
-    if (!control) {
-        x = &a[n++];
-        *x = (raw_attack_t){.what = "lookup with trailing bytes", .expect_close = true};
-        x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, T_BS_LOOKUP, 4) + 4;
-
-        x = &a[n++];
-        *x = (raw_attack_t){.what = "truncated register", .expect_close = true};
-        x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, T_BS_REGISTER, 8) + 8;
-
-        x = &a[n++];
-        *x = (raw_attack_t){.what = "control frame on the bootstrap", .expect_close = true};
-        x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, T_HELLO, 0);
-    } else {
-        x = &a[n++];
-        *x = (raw_attack_t){.what = "request before registration", .expect_close = true};
-        x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, T_REQ, 0);
-
-        x = &a[n++];
-        *x = (raw_attack_t){.what = "heartbeat before registration", .expect_close = true};
-        x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, T_HEARTBEAT, 0);
-
-        x = &a[n++];
-        *x = (raw_attack_t){.what = "truncated registration", .expect_close = true};
-        x->len = mk_hdr(x->bytes, WIRE_MAGIC, 1, T_HELLO, 3) + 3;
+    for (size_t i = 0; i < KVW_ARRAY_N(g_attacks); i++) {
+        const struct attack_def *d = &g_attacks[i];
+        if (d->port == (control ? AT_BS : AT_CTL))
+            continue;
+        raw_attack_t *x = &a[n++];
+        *x = (raw_attack_t){.what = d->what, .expect_close = d->expect_close};
+        if (d->cut == AT_GARBAGE) {
+            for (int j = 0; j < 40; j++)
+                x->bytes[j] = (uint8_t)(j * 37 + 11);
+            x->len = 40;
+        } else if (d->cut != AT_NOTHING) {
+            uint8_t type = d->type != AT_LOOKUP ? d->type : control ? T_HELLO : T_BS_LOOKUP;
+            x->len = mk_hdr(x->bytes, d->magic, d->ver, type, d->len) + d->extra;
+            if (d->cut != AT_WHOLE)
+                x->len = (size_t)d->cut;
+        }
     }
     return n;
 }
@@ -1614,6 +1607,25 @@ static void drv_expect_p(drv_t *x, room_t *rm, const char *which, bool ok, kvw_s
 
 /* ---- decode posts of the victim */
 
+/* On every decode rank: a receiver for the victim (aborted at once when `abort`), whose
+ * `post` is refused with the row's status and needle; then, when `good` is given, that
+ * post goes through. */
+static void dp_refused_each(drv_t *x, const char *what, const kvw_recv_post_t *post,
+                            bool abort, const kvw_recv_post_t *good)
+{
+    room_t *v = x->v;
+    for (uint32_t k = 0; k < x->d->dec.n; k++) {
+        CHECK(kvw_receiver_create(x->d->dec.ctx[k], v->id, 0, &v->r[k]) == KVW_OK, "create: %s",
+              kvw_last_error());
+        if (abort)
+            kvw_room_abort(kvw_receiver_room(v->r[k]));
+        expect_call(x, what, kvw_receiver_post(v->r[k], post), x->row->dst);
+        if (good)
+            CHECK(kvw_receiver_post(v->r[k], good) == KVW_OK, "the right post after a refused "
+                  "one: %s", kvw_last_error());
+    }
+}
+
 /* Pages of the victim edited as the row's arg says, posted on every rank: refused. */
 enum { BP_OUT_OF_POOL, BP_SHORT, BP_DUP, BP_SWA_MISALIGNED };
 
@@ -1628,13 +1640,8 @@ static bool dp_bad_pages(drv_t *x)
     case BP_DUP: p.full[2] = p.full[0]; break;
     default: p.side.swa.first_token += 1; break;
     }
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
-                            .num_tokens = v->n, .pages = p.side};
-    for (uint32_t k = 0; k < x->d->dec.n; k++) {
-        CHECK(kvw_receiver_create(x->d->dec.ctx[k], v->id, 0, &v->r[k]) == KVW_OK, "create: %s",
-              kvw_last_error());
-        expect_call(x, "kvw_receiver_post", kvw_receiver_post(v->r[k], &post), x->row->dst);
-    }
+    kvw_recv_post_t post = post_of(v, &p);
+    dp_refused_each(x, "kvw_receiver_post", &post, false, NULL);
     return true;
 }
 
@@ -1651,14 +1658,8 @@ static bool dp_abort_then_post(drv_t *x)
     room_t *v = x->v;
     rpages_t p;
     room_pages(false, v->slot, v->n, &p);
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
-                            .num_tokens = v->n, .pages = p.side};
-    for (uint32_t k = 0; k < x->d->dec.n; k++) {
-        CHECK(kvw_receiver_create(x->d->dec.ctx[k], v->id, 0, &v->r[k]) == KVW_OK, "create: %s",
-              kvw_last_error());
-        kvw_room_abort(kvw_receiver_room(v->r[k]));
-        expect_call(x, "post after abort", kvw_receiver_post(v->r[k], &post), x->row->dst);
-    }
+    kvw_recv_post_t post = post_of(v, &p);
+    dp_refused_each(x, "post after abort", &post, true, NULL);
     return true;
 }
 
@@ -1668,8 +1669,7 @@ static bool dp_twice(drv_t *x)
     d_open_post(&x->d->dec, x->v, NULL);
     rpages_t p;
     room_pages(false, x->v->slot, x->v->n, &p);
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
-                            .num_tokens = x->v->n, .pages = p.side};
+    kvw_recv_post_t post = post_of(x->v, &p);
     expect_call(x, "second post", kvw_receiver_post(x->v->r[0], &post), x->row->dst);
     return true;
 }
@@ -1693,18 +1693,10 @@ static bool dp_prefix(drv_t *x)
     room_t *v = x->v;
     rpages_t p;
     room_pages(false, v->slot, v->n, &p);
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
-                            .num_tokens = v->n, .prefix_len = v->n + 1, .pages = p.side};
-    for (uint32_t k = 0; k < x->d->dec.n; k++) {
-        CHECK(kvw_receiver_create(x->d->dec.ctx[k], v->id, 0, &v->r[k]) == KVW_OK, "create: %s",
-              kvw_last_error());
-        expect_call(x, "post with a prefix beyond the request", kvw_receiver_post(v->r[k], &post),
-                    x->row->dst);
-        kvw_recv_post_t good = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
-                                .num_tokens = v->n, .pages = p.side};
-        CHECK(kvw_receiver_post(v->r[k], &good) == KVW_OK, "the right post after a refused one: "
-              "%s", kvw_last_error());
-    }
+    kvw_recv_post_t good = post_of(v, &p);
+    kvw_recv_post_t post = good;
+    post.prefix_len = v->n + 1;
+    dp_refused_each(x, "post with a prefix beyond the request", &post, false, &good);
     return true;
 }
 
@@ -1731,18 +1723,27 @@ static bool dp_drop_abort(drv_t *x)
 
 /* ---- decode injections */
 
+/* The prefill says it sent the victim's first chunk ("chunk1"): every decode rank must
+ * see the room transferring. False when the message never came. */
+static bool di_first_chunk(drv_t *x)
+{
+    if (ch_expect(x->e->ch[0], "chunk1", NULL, kvt_tmo_ms(10000)))
+        return false;
+    for (uint32_t k = 0; k < x->d->dec.n; k++)
+        CHECK(wait_recv(x->v->r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
+                  KVW_ROOM_TRANSFERRING,
+              "decode rank %u never saw the victim's first chunk: %s", k,
+              kvw_room_failure(kvw_receiver_room(x->v->r[k])));
+    return true;
+}
+
 /* The prefill announces its death (or freeze) just before it happens. */
 static void di_wait_dying(drv_t *x)
 {
     msg_t m;
     if (x->row->arg == 1) { /* mid-transfer: the first chunk has arrived everywhere */
-        if (ch_expect(x->e->ch[0], "chunk1", NULL, kvt_tmo_ms(10000)))
+        if (!di_first_chunk(x))
             return;
-        for (uint32_t k = 0; k < x->d->dec.n; k++)
-            CHECK(wait_recv(x->v->r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
-                      KVW_ROOM_TRANSFERRING,
-                  "decode rank %u never saw the first chunk: %s", k,
-                  kvw_room_failure(kvw_receiver_room(x->v->r[k])));
         ch_tag(x->e->ch[0], "transferring");
     }
     ch_recv(x->e->ch[0], &m, kvt_tmo_ms(5000));
@@ -1761,13 +1762,8 @@ static void di_abort_all(drv_t *x)
  * prefill, not through their own wait timeout. */
 static void di_abort_rank0_mid(drv_t *x)
 {
-    if (ch_expect(x->e->ch[0], "chunk1", NULL, kvt_tmo_ms(10000)))
+    if (!di_first_chunk(x))
         return;
-    for (uint32_t k = 0; k < x->d->dec.n; k++)
-        CHECK(wait_recv(x->v->r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
-                  KVW_ROOM_TRANSFERRING,
-              "the victim never started on decode rank %u: %s", k,
-              kvw_room_failure(kvw_receiver_room(x->v->r[k])));
     kvw_room_abort(kvw_receiver_room(x->v->r[0]));
     x->t0 = now_ms();
     ch_tag(x->e->ch[0], "aborted");
@@ -1776,12 +1772,8 @@ static void di_abort_rank0_mid(drv_t *x)
 /* The first chunk has arrived on every decode rank (the prefill then aborts). */
 static void di_transferring(drv_t *x)
 {
-    if (ch_expect(x->e->ch[0], "chunk1", NULL, kvt_tmo_ms(10000)))
+    if (!di_first_chunk(x))
         return;
-    for (uint32_t k = 0; k < x->d->dec.n; k++)
-        CHECK(wait_recv(x->v->r[k], KVW_ROOM_TRANSFERRING, kvt_tmo_ms(5000)) ==
-                  KVW_ROOM_TRANSFERRING,
-              "the victim never started on decode rank %u", k);
     ch_tag(x->e->ch[0], "transferring");
     x->t0 = now_ms();
 }
@@ -1828,15 +1820,24 @@ static bool second_instance(drv_t *x, inst_t *b)
     return ok;
 }
 
+/* Decode instance 2, connected once the prefill holds instance 1's request ("vseen");
+ * false (nothing left to free) when either fails. */
+static bool second_after_vseen(drv_t *x, inst_t *b)
+{
+    if (!second_instance(x, b) || ch_expect(x->e->ch[0], "vseen", NULL, kvt_tmo_ms(10000))) {
+        inst_free(b);
+        return false;
+    }
+    return true;
+}
+
 /* Decode instance 2 posts the victim's room id too, once the prefill holds instance 1's
  * request: both claimants fail, the second told whose room it is. */
 static void di_claim(drv_t *x)
 {
     inst_t b;
-    if (!second_instance(x, &b) || ch_expect(x->e->ch[0], "vseen", NULL, kvt_tmo_ms(10000))) {
-        inst_free(&b);
+    if (!second_after_vseen(x, &b))
         return;
-    }
     room_t v2 = room_def(x->v->id, 5);
     d_open_post(&b, &v2, NULL);
     x->t0 = now_ms();
@@ -1857,10 +1858,8 @@ static void di_claim(drv_t *x)
 static void di_foreign_abort(drv_t *x)
 {
     inst_t b;
-    if (!second_instance(x, &b) || ch_expect(x->e->ch[0], "vseen", NULL, kvt_tmo_ms(10000))) {
-        inst_free(&b);
+    if (!second_after_vseen(x, &b))
         return;
-    }
     struct kvw_ctx *bc = b.ctx[0];
     pthread_mutex_lock(&bc->mu);
     kvw_wbuf_t w;
@@ -2008,18 +2007,23 @@ static void pi_open_only(drv_t *x)
     p_open(x->in, x->v);
 }
 
+/* Sends the first half of the victim, says so ("chunk1") and waits for the decode's
+ * answer `then` (within timeout_ms). False when it never came. */
+static bool pi_first_half(drv_t *x, const char *then, int timeout_ms)
+{
+    char err[256];
+    CHECK(p_send(x->in, x->v, 0, x->v->n / 2, false, err, sizeof(err)) == KVW_OK, "chunk: %s",
+          err);
+    ch_tag(x->e->ch[1], "chunk1");
+    return ch_expect(x->e->ch[1], then, NULL, timeout_ms) == 0;
+}
+
 /* The prefill process dies: arg 0 before sending, 1 after half of the room, 2 frozen. */
 static void pi_die(drv_t *x)
 {
     p_open(x->in, x->v);
-    if (x->row->arg == 1) {
-        char err[256];
-        CHECK(p_send(x->in, x->v, 0, x->v->n / 2, false, err, sizeof(err)) == KVW_OK,
-              "chunk: %s", err);
-        ch_tag(x->e->ch[1], "chunk1");
-        if (ch_expect(x->e->ch[1], "transferring", NULL, kvt_tmo_ms(10000)))
-            return;
-    }
+    if (x->row->arg == 1 && !pi_first_half(x, "transferring", kvt_tmo_ms(10000)))
+        return;
     ch_tag(x->e->ch[1], "dying");
     if (x->row->arg == 2) {
         raise(SIGSTOP); /* the parent kills it once the decode is done */
@@ -2060,11 +2064,7 @@ static void pi_after_abort(drv_t *x)
 static void pi_half_then_refused(drv_t *x)
 {
     p_open(x->in, x->v);
-    char err[256];
-    CHECK(p_send(x->in, x->v, 0, x->v->n / 2, false, err, sizeof(err)) == KVW_OK, "chunk: %s",
-          err);
-    ch_tag(x->e->ch[1], "chunk1");
-    if (ch_wait(x->e->ch[1], "aborted"))
+    if (!pi_first_half(x, "aborted", kvt_tmo_ms(15000))) /* ch_wait's 15 s */
         return;
     send_refused(x, x->v->n / 2);
 }
@@ -2073,15 +2073,9 @@ static void pi_half_then_refused(drv_t *x)
 static void pi_abort(drv_t *x)
 {
     p_open(x->in, x->v);
-    uint64_t from = 0;
-    if (x->row->arg == 1) {
-        char err[256];
-        from = x->v->n / 2;
-        CHECK(p_send(x->in, x->v, 0, from, false, err, sizeof(err)) == KVW_OK, "chunk: %s", err);
-        ch_tag(x->e->ch[1], "chunk1");
-        if (ch_expect(x->e->ch[1], "transferring", NULL, kvt_tmo_ms(10000)))
-            return;
-    }
+    uint64_t from = x->row->arg == 1 ? x->v->n / 2 : 0;
+    if (x->row->arg == 1 && !pi_first_half(x, "transferring", kvt_tmo_ms(10000)))
+        return;
     for (uint32_t k = 0; k < x->in->n; k++)
         kvw_room_abort(kvw_sender_room(x->v->s[k]));
     send_refused(x, from);
@@ -2353,10 +2347,9 @@ static int drv_prefill(env_t *e)
     }
     drv_expect_p(&x, &f, "F", true, KVW_OK, NULL, WAIT_TIMEOUT_MS + SLACK_MS);
     ch_tag(e->ch[1], "done");
-    p_close(&in, &v);
-    p_close(&in, &i);
-    p_close(&in, &c);
-    p_close(&in, &f);
+    room_t *all[4] = {&v, &i, &c, &f};
+    for (int j = 0; j < 4; j++)
+        p_close(&in, all[j]);
     p_end(e, &in, kvt_tmo_ms(20000));
     return 0;
 }
@@ -2367,8 +2360,7 @@ static void drv_f_refused(drv_t *x, room_t *f)
 {
     rpages_t p;
     room_pages(false, f->slot, f->n, &p);
-    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL,
-                            .num_tokens = f->n, .pages = p.side};
+    kvw_recv_post_t post = post_of(f, &p);
     for (uint32_t k = 0; k < x->d->dec.n; k++) {
         if (!CHECK(kvw_receiver_create(x->d->dec.ctx[k], f->id, 0, &f->r[k]) == KVW_OK,
                    "receiver_create after the prefill died: %s", kvw_last_error()))
@@ -2451,10 +2443,8 @@ static int drv_decode(env_t *e)
     int out[4] = {row->vbytes, V_OK, row->scope == S_ROOM ? V_OK : V_UNTOUCHED,
                   row->scope == S_PEER ? V_UNTOUCHED : V_OK};
     d_verify(&d.dec, &d.snap, &d.src, rp, out, 4);
-    d_close(&d.dec, &v);
-    d_close(&d.dec, &i);
-    d_close(&d.dec, &c);
-    d_close(&d.dec, &f);
+    for (int j = 0; j < 4; j++)
+        d_close(&d.dec, rp[j]);
     d_end(&d);
     return 0;
 }
@@ -2575,6 +2565,20 @@ static const frow_t g_rows[] = {
 /* ---- decode killed; then a new decode instance (variant 0), or two decode
  * instances at once (variant 1) */
 
+/* Tells decode `ch` `tag`, then serves the room it posts: the whole room sent, and
+ * Success on the prefill. */
+static int ddeath_serve(env_t *e, int ch, const char *tag, inst_t *in, room_t *rm,
+                        const char *bug)
+{
+    ch_tag(e->ch[ch], tag);
+    if (ch_wait(e->ch[ch], "posted"))
+        return 1;
+    p_open(in, rm);
+    p_send_all(in, rm);
+    p_expect(in, rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
+    return 0;
+}
+
 static int ddeath_prefill(env_t *e)
 {
     inst_t in;
@@ -2597,21 +2601,12 @@ static int ddeath_prefill(env_t *e)
         CHECK(p_send(&in, &r1, 0, r1.n, true, err, sizeof(err)) != KVW_OK,
               "sending on a failed room succeeded");
         p_close(&in, &r1); /* frees the room */
-        /* A new decode instance connects to the same prefill. */
-        ch_tag(e->ch[2], "go");
-        if (ch_wait(e->ch[2], "posted"))
-            return 1;
-        p_open(&in, &r2);
-        p_send_all(&in, &r2);
-        p_expect(&in, &r2, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
-        /* The same room id as the dead instance's room works again. */
+        /* A new decode instance connects to the same prefill; then the same room id as
+         * the dead instance's room works again. */
         room_t r3 = room_def(30, 2);
-        ch_tag(e->ch[2], "again");
-        if (ch_wait(e->ch[2], "posted"))
+        if (ddeath_serve(e, 2, "go", &in, &r2, NULL) ||
+            ddeath_serve(e, 2, "again", &in, &r3, NULL))
             return 1;
-        p_open(&in, &r3);
-        p_send_all(&in, &r3);
-        p_expect(&in, &r3, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, NULL);
         ch_tag(e->ch[2], "done");
         p_close(&in, &r2);
         p_close(&in, &r3);
@@ -2636,24 +2631,37 @@ static int ddeath_prefill(env_t *e)
     return 0;
 }
 
+/* A decode instance of these cases: its contexts open (after the prefill's "go" when
+ * `go`; as instance `instance` when not 0: instances sharing a prefill each pass their
+ * own id), then `rm` is posted and the prefill told so. 0, or the case's exit code. */
+static int ddeath_connect(env_t *e, dctx_t *d, bool go, uint64_t instance, const char *who,
+                          room_t *rm)
+{
+    int rc = d_start(e, d, false);
+    if (rc)
+        return rc;
+    if (go && ch_wait(e->ch[0], "go"))
+        return 1;
+    if (instance)
+        g_instance = instance;
+    char err[512];
+    if (!CHECK(inst_open(&d->dec, false, g_tl, d->bs, NULL, 0, err, sizeof(err)) == KVW_OK,
+               "%s: %s", who, err))
+        return 1;
+    d_open_post(&d->dec, rm, NULL);
+    ch_tag(e->ch[0], "posted");
+    return 0;
+}
+
 /* The decode process killed in variant 0. */
 static int ddeath_victim(env_t *e)
 {
     dctx_t d;
-    int rc = d_start(e, &d, false);
+    room_t rm = room_def(30, 0);
+    int rc = ddeath_connect(e, &d, g_variant == 1, g_variant == 1 ? 1 : 0, "decode contexts",
+                            &rm);
     if (rc)
         return rc;
-    if (g_variant == 1 && ch_wait(e->ch[0], "go"))
-        return 1;
-    if (g_variant == 1)
-        g_instance = 1; /* instances sharing a prefill each pass their own id */
-    char err[512];
-    if (!CHECK(inst_open(&d.dec, false, g_tl, d.bs, NULL, 0, err, sizeof(err)) == KVW_OK,
-               "decode contexts: %s", err))
-        return 1;
-    room_t rm = room_def(30, 0);
-    d_open_post(&d.dec, &rm, NULL);
-    ch_tag(e->ch[0], "posted");
     if (g_variant == 0) {
         ch_wait(e->ch[0], "die");
         raise(SIGKILL);
@@ -2674,20 +2682,11 @@ static int ddeath_victim(env_t *e)
 static int ddeath_second(env_t *e)
 {
     dctx_t d;
-    int rc = d_start(e, &d, false);
+    room_t rm = room_def(31, 1);
+    int rc = ddeath_connect(e, &d, true, g_variant == 1 ? 2 : 0,
+                            "second decode instance cannot connect", &rm);
     if (rc)
         return rc;
-    if (ch_wait(e->ch[0], "go"))
-        return 1;
-    if (g_variant == 1)
-        g_instance = 2;
-    char err[512];
-    if (!CHECK(inst_open(&d.dec, false, g_tl, d.bs, NULL, 0, err, sizeof(err)) == KVW_OK,
-               "second decode instance cannot connect: %s", err))
-        return 1;
-    room_t rm = room_def(31, 1);
-    d_open_post(&d.dec, &rm, NULL);
-    ch_tag(e->ch[0], "posted");
     /* The bytes reach the decode even with the prefill-side bugs, so no bug tag here. */
     const char *bug = NULL;
     d_expect(&d.dec, &rm, KVW_ROOM_SUCCESS, NULL, WAIT_TIMEOUT_MS + SLACK_MS, bug);
@@ -2799,10 +2798,10 @@ static int leave_prefill(env_t *e)
     /* Prefill rank 1 serves decode rank 1, which then leaves. */
     p_send_rank(&in, &ra, 1);
     p_send_rank(&in, &rb, 1);
-    CHECK(wait_send(ra.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room A rank 1: %s",
-          kvw_room_failure(kvw_sender_room(ra.s[1])));
-    CHECK(wait_send(rb.s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room B rank 1: %s",
-          kvw_room_failure(kvw_sender_room(rb.s[1])));
+    room_t *ab[2] = {&ra, &rb};
+    for (int j = 0; j < 2; j++)
+        CHECK(wait_send(ab[j]->s[1], kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS, "room %c rank 1: %s",
+              'A' + j, kvw_room_failure(kvw_sender_room(ab[j]->s[1])));
     ch_tag(e->ch[1], "sent1");
     if (ch_wait(e->ch[1], "left1"))
         return 1;
@@ -2822,16 +2821,12 @@ static int leave_prefill(env_t *e)
     CHECK(ch_wait_gone(e->ch[1], kvt_tmo_ms(20000)), "the decode process did not go away");
     /* Both decode ranks are gone now: finished rooms stay finished. */
     sleep_ms(300);
-    for (uint32_t k = 0; k < 2; k++) {
-        CHECK(kvw_room_poll(kvw_sender_room(ra.s[k])) == KVW_ROOM_SUCCESS,
-              "room A rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_room_poll(kvw_sender_room(ra.s[k]))),
-              kvw_room_failure(kvw_sender_room(ra.s[k])));
-        CHECK(kvw_room_poll(kvw_sender_room(rb.s[k])) == KVW_ROOM_SUCCESS,
-              "room B rank %u turned %s: %s", k,
-              kvw_room_state_string(kvw_room_poll(kvw_sender_room(rb.s[k]))),
-              kvw_room_failure(kvw_sender_room(rb.s[k])));
-    }
+    for (uint32_t k = 0; k < 2; k++)
+        for (int j = 0; j < 2; j++) {
+            kvw_room_h r = kvw_sender_room(ab[j]->s[k]);
+            CHECK(kvw_room_poll(r) == KVW_ROOM_SUCCESS, "room %c rank %u turned %s: %s",
+                  'A' + j, k, kvw_room_state_string(kvw_room_poll(r)), kvw_room_failure(r));
+        }
     p_close(&in, &ra);
     p_close(&in, &rb);
     inst_free(&in);
@@ -2850,24 +2845,22 @@ static int leave_decode(env_t *e)
     ch_tag(e->ch[0], "posted");
     if (ch_wait(e->ch[0], "sent1"))
         return 1;
-    CHECK(wait_recv(ra.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
-          "room A rank 1: %s",
-          kvw_room_failure(kvw_receiver_room(ra.r[1])));
-    CHECK(wait_recv(rb.r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
-          "room B rank 1: %s",
-          kvw_room_failure(kvw_receiver_room(rb.r[1])));
+    room_t *rp[2] = {&ra, &rb};
+    for (int j = 0; j < 2; j++)
+        CHECK(wait_recv(rp[j]->r[1], KVW_ROOM_SUCCESS, kvt_tmo_ms(10000)) == KVW_ROOM_SUCCESS,
+              "room %c rank 1: %s", 'A' + j, kvw_room_failure(kvw_receiver_room(rp[j]->r[1])));
     /* Decode rank 1 leaves: its rooms are done, its context goes away. */
-    kvw_room_destroy(kvw_receiver_room(ra.r[1]));
-    kvw_room_destroy(kvw_receiver_room(rb.r[1]));
-    ra.r[1] = rb.r[1] = NULL;
+    for (int j = 0; j < 2; j++) {
+        kvw_room_destroy(kvw_receiver_room(rp[j]->r[1]));
+        rp[j]->r[1] = NULL;
+    }
     kvw_ctx_destroy(d.dec.ctx[1]);
     d.dec.ctx[1] = NULL;
     ch_tag(e->ch[0], "left1");
-    CHECK(wait_recv(ra.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
-          "room A rank 0: %s", kvw_room_failure(kvw_receiver_room(ra.r[0])));
-    CHECK(wait_recv(rb.r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) == KVW_ROOM_SUCCESS,
-          "room B rank 0: %s", kvw_room_failure(kvw_receiver_room(rb.r[0])));
-    room_t *rp[2] = {&ra, &rb};
+    for (int j = 0; j < 2; j++)
+        CHECK(wait_recv(rp[j]->r[0], KVW_ROOM_SUCCESS, WAIT_TIMEOUT_MS + SLACK_MS) ==
+                  KVW_ROOM_SUCCESS,
+              "room %c rank 0: %s", 'A' + j, kvw_room_failure(kvw_receiver_room(rp[j]->r[0])));
     int out[2] = {V_OK, V_OK};
     if (d_verify(&d.dec, &d.snap, &d.src, rp, out, 2))
         say("2 rooms verified byte-exact on both decode ranks (guards intact)");

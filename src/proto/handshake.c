@@ -282,16 +282,16 @@ static kvw_status_t kvw_hs_mem_kinds(struct kvw_ctx *ctx, kvw_hs_t *h)
         remote_gpu |= dev;
         if (h->gpu_tl && !dev) {
             snprintf(h->reason, sizeof(h->reason), "decode buffer %u is host memory, which "
-                     "transport 'cuda_ipc' cannot write (cuda_ipc needs GPU buffers on both "
-                     "sides)", i);
+                     "transport '%s' cannot write (%s needs GPU buffers on both sides)", i,
+                     ctx->tl_ops->name, ctx->tl_ops->name);
             return KVW_ERR_UNSUPPORTED;
         }
     }
     for (uint32_t i = 0; h->gpu_tl && i < kvw_rank_num_buffers(ctx->rank); i++) {
         if (!kvw__memops(kvw_rank_buffer(ctx->rank, i)->mem_kind)->is_device) {
             snprintf(h->reason, sizeof(h->reason), "prefill buffer %u is host memory, which "
-                     "transport 'cuda_ipc' cannot read (cuda_ipc needs GPU buffers on both "
-                     "sides)", i);
+                     "transport '%s' cannot read (%s needs GPU buffers on both sides)", i,
+                     ctx->tl_ops->name, ctx->tl_ops->name);
             return KVW_ERR_UNSUPPORTED;
         }
     }

@@ -30,7 +30,7 @@
  *   1 codec.c      rank descriptions, page lists and the DONE frame
  *   0 workq.c      the workers' room queue
  *   0 ivlog.c      the log of written byte ranges (page-exact accounting)
- *   0 wire.c       frame buffers, blocking socket helpers
+ *   0 wire.c       frame buffers, frames on a socket, addresses (byte loops: core/sock.c)
  *   0 metrics.c    the context's counters (atomics) and kvw_ctx_metrics
  */
 #ifndef KVW_PROTO_PROTO_H

@@ -195,61 +195,6 @@ kvw_status_t kvw__rb_done(kvw_rbuf_t *r, const char *what)
     return KVW_OK;
 }
 
-static int kvw_wait_fd(int fd, short ev, uint64_t deadline_ns)
-{
-    for (;;) {
-        uint64_t now = kvw__now_ns();
-        if (now >= deadline_ns)
-            return 0;
-        uint64_t ms = (deadline_ns - now + 999999) / 1000000;
-        struct pollfd p = {.fd = fd, .events = ev};
-        int r = poll(&p, 1, ms > 1000 ? 1000 : (int)ms);
-        if (r > 0)
-            return 1;
-        if (r < 0 && errno != EINTR)
-            return -1;
-    }
-}
-
-/* send_all (tx) and recv_all: moves all n bytes at b within the deadline. */
-static kvw_status_t kvw_sock_all(int fd, uint8_t *b, size_t n, uint64_t deadline_ns, bool tx)
-{
-    while (n) {
-        ssize_t k = tx ? send(fd, b, n, MSG_NOSIGNAL | MSG_DONTWAIT) : recv(fd, b, n, MSG_DONTWAIT);
-        if (k > 0) {
-            b += k;
-            n -= (size_t)k;
-            continue;
-        }
-        if (k == 0 && !tx)
-            return kvw__error(KVW_ERR_CONN_CLOSED, "the peer closed the connection");
-        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-            int w = kvw_wait_fd(fd, tx ? POLLOUT : POLLIN, deadline_ns);
-            if (w == 0)
-                return kvw__error(KVW_ERR_TIMEOUT, "%s",
-                                  tx ? "timed out sending to a peer"
-                                     : "timed out waiting for a peer's reply");
-            if (w < 0)
-                return kvw__error(KVW_ERR_IO, "poll failed: %s", strerror(errno));
-            continue;
-        }
-        return kvw__error(KVW_ERR_CONN_CLOSED, "%s failed: %s", tx ? "send" : "recv",
-                          strerror(errno));
-    }
-    return KVW_OK;
-}
-
-kvw_status_t kvw__sock_send_all(int fd, const void *p, size_t n, uint64_t deadline_ns)
-{
-    /* Only read: the cast serves the one loop of both directions. */
-    return kvw_sock_all(fd, (uint8_t *)(uintptr_t)p, n, deadline_ns, true);
-}
-
-kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns)
-{
-    return kvw_sock_all(fd, p, n, deadline_ns, false);
-}
-
 kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
                                   uint8_t **payload_p, uint32_t *len_p)
 {
@@ -418,7 +363,7 @@ static kvw_status_t kvw_connect_one(const struct sockaddr_storage *sa, socklen_t
             close(fd);
             return st;
         }
-        int w = kvw_wait_fd(fd, POLLOUT, deadline_ns);
+        int w = kvw__sock_poll(fd, POLLOUT, deadline_ns);
         int err = 0;
         socklen_t el = sizeof(err);
         if (w > 0)

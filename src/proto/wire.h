@@ -8,6 +8,7 @@
 #define KVW_PROTO_WIRE_H
 
 #include "core/core.h"
+#include "core/sock.h"
 
 #include <stdbool.h>
 #include <stddef.h>
@@ -89,10 +90,9 @@ void kvw__rb_str(kvw_rbuf_t *r, char *out, size_t cap);
 /* OK if nothing was short and every byte was consumed; else MALFORMED naming `what`. */
 kvw_status_t kvw__rb_done(kvw_rbuf_t *r, const char *what);
 
-/* Blocking helpers on a socket with a deadline (absolute kvw__now_ns()). */
-kvw_status_t kvw__sock_send_all(int fd, const void *p, size_t n, uint64_t deadline_ns);
-kvw_status_t kvw__sock_recv_all(int fd, void *p, size_t n, uint64_t deadline_ns);
-/* Reads one whole frame (header + payload, malloc'd into *payload_p). */
+/* Frames on a socket with a deadline (absolute kvw__now_ns()); the byte loops under
+ * them (kvw__sock_send_all, kvw__sock_recv_all) are core/sock.h. Reads one whole frame
+ * (header + payload, malloc'd into *payload_p). */
 kvw_status_t kvw__sock_recv_frame(int fd, uint64_t deadline_ns, uint8_t *type_p,
                                   uint8_t **payload_p, uint32_t *len_p);
 /* The same, refusing (OUT_OF_RANGE, nothing allocated) a payload longer than max_len. */

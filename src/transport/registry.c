@@ -67,9 +67,9 @@ static const kvw_tl_ops_t *tl_checked(const kvw_tl_ops_t *ops)
                {"mem_reg", ops->mem_reg},     {"mem_dereg", ops->mem_dereg},
                {"connect", ops->connect},     {"rkey_unpack", ops->rkey_unpack},
                {"rkey_release", ops->rkey_release}, {"put", ops->put},
-               {"notify", ops->notify},       {"progress", ops->progress},
-               {"ep_close", ops->ep_close},   {"close", ops->close},
-               {"stop", ops->stop},           {"fini", ops->fini}};
+               {"notify", ops->notify},       {"ep_close", ops->ep_close},
+               {"close", ops->close},         {"stop", ops->stop},
+               {"fini", ops->fini}};
     for (size_t i = 0; i < KVW_ARRAY_SIZE(req); i++)
         if (!req[i].set) {
             kvw__error(KVW_ERR_INTERNAL, "transport '%s' leaves its required slot '%s' empty",
@@ -117,9 +117,4 @@ const char *const *kvw__tl_names(void)
 const char *const *kvw_transport_names(void)
 {
     return kvw__tl_names();
-}
-
-kvw_status_t kvw__tl_unsupported(void)
-{
-    return kvw__error(KVW_ERR_UNSUPPORTED, "operation not supported by this transport");
 }

@@ -42,7 +42,7 @@ void *kvw__sockserv_new(const kvw__sockserv_ops_t *ops, const kvw_tl_params_t *p
     }
     srv->ops = ops;
     srv->cb = params->cb;
-    srv->timeout_ms = kvw__tl_timeout_ms(params);
+    srv->timeout_ns = kvw__tl_timeout_ns(params);
     if (kvw__config_u64("KVW_DATA_HELLO_MS", &srv->hello_ms) != KVW_OK ||
         kvw__config_u64("KVW_MAX_CONN_PER_SOURCE", &srv->max_per_source) != KVW_OK) {
         *st_p = KVW_ERR_INVALID_PARAM; /* the message names the variable */
@@ -191,12 +191,6 @@ void kvw__sock_ep_fail(kvw__sock_ep_t *ep, kvw_status_t status, const char *fmt,
     srv->cb.on_ep_error(srv->cb.arg, (kvw_tl_ep_h)(void *)ep, status, reason);
 }
 
-int kvw__sockserv_progress(kvw_tl_h tl)
-{
-    (void)tl;
-    return 0; /* the receive thread does all the work */
-}
-
 void kvw__sockserv_ep_close(kvw_tl_ep_h ep_h)
 {
     kvw__sock_ep_t *ep = (kvw__sock_ep_t *)(void *)ep_h;
@@ -326,7 +320,7 @@ static void ep_watch(kvw__sock_ep_t *ep)
  * this thread only, so the list can be walked from its head without the lock. */
 static void check_stalls(kvw__sockserv_t *srv)
 {
-    uint64_t now = kvw__now_ns(), limit = (uint64_t)srv->timeout_ms * 1000000ull;
+    uint64_t now = kvw__now_ns(), limit = srv->timeout_ns;
     pthread_mutex_lock(&srv->mu);
     kvw__sock_ep_t *ep = srv->eps;
     pthread_mutex_unlock(&srv->mu);

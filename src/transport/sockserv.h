@@ -81,7 +81,7 @@ typedef struct kvw__sockserv_ops {
 struct kvw__sockserv {
     const kvw__sockserv_ops_t *ops;
     kvw_tl_callbacks_t cb;
-    uint32_t timeout_ms;
+    uint64_t timeout_ns; /* stall window of every blocking step (kvw__tl_timeout_ns) */
     uint64_t hello_ms;        /* KVW_DATA_HELLO_MS (ops->greets) */
     uint64_t max_per_source;  /* KVW_MAX_CONN_PER_SOURCE */
     uint64_t refused_sources; /* connections refused for their source's cap */
@@ -137,7 +137,6 @@ void kvw__sock_ep_fail(kvw__sock_ep_t *ep, kvw_status_t status, const char *fmt,
 
 /* The ops slots that are the same for every socket transport: their handles are the
  * server (instance) and kvw__sock_ep_t (endpoint). */
-int kvw__sockserv_progress(kvw_tl_h tl);
 void kvw__sockserv_ep_close(kvw_tl_ep_h ep);
 void kvw__sockserv_close(kvw_tl_h tl);
 void kvw__sockserv_stop(kvw_tl_h tl);

@@ -20,7 +20,8 @@
 
 #include <stdarg.h>
 
-#define KVW_TL_MODULE_ABI 2 /* 2: check_write names the endpoint; instance_caps */
+#define KVW_TL_MODULE_ABI 2 /* 2: the progress slot left kvw_tl_ops_t; check_write names the
+                             * endpoint; instance_caps */
 #define KVW_TL_MODULE_ENTRY "kvw_tl_module_entry"
 
 typedef struct kvw_tl_host {

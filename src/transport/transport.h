@@ -10,12 +10,13 @@
  * (shm, cuda_ipc, ucx "rma") the sending library confines writes itself and the
  * receiver sees none of them.
  *
- * Lifetime: init -> (mem_reg | connect | accept callbacks | put | notify | progress)* ->
- * close (non-blocking: no new operations, pending ones fail) -> stop (waits for the
+ * Lifetime: init -> (mem_reg | connect | accept callbacks | put | notify)* -> close
+ * (non-blocking: no new operations, pending ones fail) -> stop (waits for the
  * transport's threads and callbacks to finish; no callback runs after it returns) ->
  * fini (frees). After a failed init nothing needs to be released.
  *
- * Threads: a transport may run its own threads (tcp and shm run one receive thread).
+ * Threads: every transport drives itself on its own threads (tcp and shm run one receive
+ * thread, ucx a progress thread); the caller never has to poll it.
  * Callbacks run on those threads; they must not block for long and must not call
  * close/stop/fini. Every other slot is safe to call from any thread.
  *
@@ -89,13 +90,9 @@ enum {
      * on the "am" data path). Without it, the sending library confines writes to the
      * remote region (shm, cuda_ipc, ucx "rma"), and the receiver sees none of them. */
     KVW_TL_CAP_MEDIATED = 1u << 0,
-    /* Both sides must be processes on one host (shm). */
-    KVW_TL_CAP_SAME_HOST = 1u << 1,
-    /* The instance runs its own receive thread; progress() is a no-op returning 0. */
-    KVW_TL_CAP_OWN_THREAD = 1u << 2,
     /* It moves device (GPU) memory to device memory itself, and only that: buffers on
      * both sides are device memory, with no host staging in between (cuda_ipc). */
-    KVW_TL_CAP_DEVICE_MEM = 1u << 3
+    KVW_TL_CAP_DEVICE_MEM = 1u << 1
 };
 
 /* One one-sided write. */
@@ -141,10 +138,6 @@ typedef struct kvw_tl_ops {
     /* Sends a notification delivered after every put posted before it on ep. */
     kvw_status_t (*notify)(kvw_tl_ep_h ep, const void *msg, size_t len);
 
-    /* Drives progress for transports without their own threads; never blocks.
-     * Returns the number of events processed (>= 0) or an error. */
-    int (*progress)(kvw_tl_h tl);
-
     /* Closes one endpoint; non-blocking; on_ep_error is not called for it. */
     void (*ep_close)(kvw_tl_ep_h ep);
 
@@ -181,7 +174,7 @@ static inline uint64_t kvw__tl_caps(const kvw_tl_ops_t *ops, kvw_tl_h tl)
  * table lists them with these (name and caps, and rkey_ptr where there is one, apart):
  *   KVW_TL_OPS_SLOTS(p)         init, address, mem_reg, mem_dereg, connect, rkey_unpack,
  *                               rkey_release, put, notify and fini
- *   KVW_TL_OPS_THREAD_SLOTS(p)  progress, ep_close, close and stop (transports that run
+ *   KVW_TL_OPS_THREAD_SLOTS(p)  ep_close, close and stop (transports that run
  *                               on the socket server take these from sockserv.h)
  */
 #define KVW_TL_OPS_SLOTS(p)                                                                 \
@@ -189,7 +182,7 @@ static inline uint64_t kvw__tl_caps(const kvw_tl_ops_t *ops, kvw_tl_h tl)
     .mem_dereg = p##_mem_dereg, .connect = p##_connect, .rkey_unpack = p##_rkey_unpack,    \
     .rkey_release = p##_rkey_release, .put = p##_put, .notify = p##_notify, .fini = p##_fini
 #define KVW_TL_OPS_THREAD_SLOTS(p)                                                          \
-    .progress = p##_progress, .ep_close = p##_ep_close, .close = p##_close, .stop = p##_stop
+    .ep_close = p##_ep_close, .close = p##_close, .stop = p##_stop
 
 /* Transports compiled into this library, looked up by name ("tcp", "shm", "ucx"), then
  * names that the installed resolver claims (see kvw__tl_set_resolver). */
@@ -212,8 +205,5 @@ void kvw__tl_set_resolver(const kvw_tl_resolver_t *resolver);
 
 /* Names of the compiled-in transports, NULL-terminated. */
 const char *const *kvw__tl_names(void);
-
-/* Stub for slots a transport does not implement: returns KVW_ERR_UNSUPPORTED. */
-kvw_status_t kvw__tl_unsupported(void);
 
 #endif

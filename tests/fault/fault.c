@@ -611,12 +611,6 @@ static kvw_status_t fault_notify(fault_slot_t *s, kvw_tl_ep_h ep, const void *ms
     return fault_ep_leave(s, e, st);
 }
 
-static int fault_progress(kvw_tl_h tl)
-{
-    fault_tl_t *t = fault_tl(tl);
-    return t ? t->slot->inner->progress(t->inner) : -1;
-}
-
 static uint64_t fault_instance_caps(kvw_tl_h tl)
 {
     fault_tl_t *t = fault_tl(tl);
@@ -772,7 +766,6 @@ const kvw_tl_ops_t *kvw__tl_fault_wrap(const kvw_tl_ops_t *inner, const char *sp
             s->ops.mem_reg = fault_mem_reg;
             s->ops.mem_dereg = fault_mem_dereg;
             s->ops.connect = fault_connect;
-            s->ops.progress = fault_progress;
             s->ops.close = fault_close;
             s->ops.stop = fault_stop;
             s->ops.fini = fault_fini;

@@ -176,10 +176,6 @@ static kvw_status_t cipc_notify(kvw_tl_ep_h ep, const void *msg, size_t len)
 {
     return TCP->notify(ep, msg, len);
 }
-static int cipc_progress(kvw_tl_h tl)
-{
-    return TCP->progress(tl);
-}
 static void cipc_ep_close(kvw_tl_ep_h ep)
 {
     TCP->ep_close(ep);
@@ -201,6 +197,6 @@ const kvw_tl_ops_t kvw_tl_cuda_ipc_ops = {
     .name = "cuda_ipc",
     KVW_TL_OPS_SLOTS(cipc),
     KVW_TL_OPS_THREAD_SLOTS(cipc),
-    .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD | KVW_TL_CAP_DEVICE_MEM,
+    .caps = KVW_TL_CAP_DEVICE_MEM,
     .rkey_ptr = cipc_rkey_ptr,
 };

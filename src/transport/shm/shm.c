@@ -169,9 +169,9 @@ static void make_sun(uint64_t pid, uint64_t token, struct sockaddr_un *sun, sock
 }
 
 /* Sends one message (header + payload, optionally with an fd) on a non-blocking
- * SOCK_SEQPACKET socket, waiting up to timeout_ms for room. */
+ * SOCK_SEQPACKET socket, waiting up to stall_ns for room (0: not at all). */
 static kvw_status_t send_msg(int fd, uint8_t type, const void *payload, uint32_t len, int pass_fd,
-                             uint32_t timeout_ms, const char *what)
+                             uint64_t stall_ns, const char *what)
 {
     uint8_t h[SHM_HDR_LEN];
     hdr_encode(h, type, len);
@@ -197,7 +197,7 @@ static kvw_status_t send_msg(int fd, uint8_t type, const void *payload, uint32_t
         if (r >= 0)
             return KVW_OK; /* a SOCK_SEQPACKET message goes whole or not at all */
         kvw_status_t st;
-        if (kvw__tl_retry(fd, POLLOUT, timeout_ms, what, &st))
+        if (kvw__sock_retry(fd, POLLOUT, KVW_SOCK_NO_DEADLINE, stall_ns, what, &st))
             continue;
         if (st != KVW_OK)
             return st;
@@ -224,12 +224,12 @@ static void close_passed_fds(struct msghdr *msg)
 }
 
 /*
- * Receives one whole message of the expected type within timeout_ms. The payload must
+ * Receives one whole message of the expected type within stall_ns. The payload must
  * be exactly `len` bytes. When fd_p is given, the one attached descriptor is returned
  * there (or -1 if none came); any other descriptor is closed.
  */
 static kvw_status_t recv_msg(int fd, uint8_t type, void *payload, uint32_t len, int *fd_p,
-                             uint32_t timeout_ms, const char *what)
+                             uint64_t stall_ns, const char *what)
 {
     uint8_t buf[SHM_HDR_LEN + 64];
     union {
@@ -246,7 +246,7 @@ static kvw_status_t recv_msg(int fd, uint8_t type, void *payload, uint32_t len, 
                              .msg_controllen = sizeof(cm.buf)};
         ssize_t r = recvmsg(fd, &msg, MSG_DONTWAIT | MSG_CMSG_CLOEXEC);
         kvw_status_t st;
-        if (r < 0 && kvw__tl_retry(fd, POLLIN, timeout_ms, what, &st))
+        if (r < 0 && kvw__sock_retry(fd, POLLIN, KVW_SOCK_NO_DEADLINE, stall_ns, what, &st))
             continue;
         if (r < 0 && st != KVW_OK)
             return st;
@@ -289,14 +289,14 @@ static kvw_status_t recv_msg(int fd, uint8_t type, void *payload, uint32_t len, 
 }
 
 /* Opens a connection to a receiver's abstract socket, retrying while its backlog is
- * full, within timeout_ms. */
+ * full, within stall_ns. */
 static kvw_status_t connect_sun(const struct sockaddr_un *sun, socklen_t sun_len,
-                                uint32_t timeout_ms, const char *what, int *fd_p)
+                                uint64_t stall_ns, const char *what, int *fd_p)
 {
     int fd = socket(AF_UNIX, SOCK_SEQPACKET | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (fd < 0)
         return kvw__error(KVW_ERR_IO, "%s: socket: %m", what);
-    uint64_t deadline = kvw__now_ns() + (uint64_t)timeout_ms * 1000000ull;
+    uint64_t deadline = kvw__now_ns() + stall_ns;
     for (;;) {
         if (connect(fd, (const struct sockaddr *)sun, sun_len) == 0)
             break;
@@ -477,8 +477,8 @@ static void srv_stalled(kvw__sock_ep_t *s)
 {
     shm_ep_t *ep = sock_to_ep(s);
     if (ep->state == CONN_NEW)
-        kvw__sock_ep_fail(&ep->s, KVW_ERR_TIMEOUT, "no HELLO within %u ms",
-                          ep_iface(ep)->srv.timeout_ms);
+        kvw__sock_ep_fail(&ep->s, KVW_ERR_TIMEOUT, "no HELLO within %llu ms",
+                          (unsigned long long)(ep_iface(ep)->srv.timeout_ns / 1000000ull));
 }
 
 static void srv_ep_free(kvw__sock_ep_t *s)
@@ -636,18 +636,18 @@ static kvw_status_t shm_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     if (ep == NULL)
         return kvw__error(KVW_ERR_NO_MEMORY, "shm connect: no memory");
     make_sun(pid, token, &ep->peer_sun, &ep->peer_sun_len);
-    kvw_status_t st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tl->srv.timeout_ms,
+    kvw_status_t st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tl->srv.timeout_ns,
                                   "shm connect", &ep->s.fd);
     if (st != KVW_OK)
         goto err_free;
     uint8_t hello[16];
     kvw__le64_put(hello, token);
     kvw__le64_put(hello + 8, (uint64_t)getpid());
-    st = send_msg(ep->s.fd, SHM_HELLO, hello, sizeof(hello), -1, tl->srv.timeout_ms, "shm HELLO");
+    st = send_msg(ep->s.fd, SHM_HELLO, hello, sizeof(hello), -1, tl->srv.timeout_ns, "shm HELLO");
     if (st != KVW_OK)
         goto err_close_socket;
     uint8_t ack[8];
-    st = recv_msg(ep->s.fd, SHM_HELLO_ACK, ack, sizeof(ack), NULL, tl->srv.timeout_ms,
+    st = recv_msg(ep->s.fd, SHM_HELLO_ACK, ack, sizeof(ack), NULL, tl->srv.timeout_ns,
                   "shm HELLO_ACK");
     if (st == KVW_ERR_CONN_CLOSED)
         st = kvw__error(KVW_ERR_REJECTED,
@@ -684,7 +684,7 @@ err_free:
 /* Fetches and maps the memory file behind a memfd-mode region. */
 static kvw_status_t map_region(shm_ep_t *ep, shm_rkey_t *rk, uint64_t secret)
 {
-    uint32_t tmo = ep_iface(ep)->srv.timeout_ms;
+    uint64_t tmo = ep_iface(ep)->srv.timeout_ns;
     int sock, memfd = -1;
     kvw_status_t st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tmo, "shm rkey fetch", &sock);
     if (st != KVW_OK)
@@ -911,7 +911,7 @@ static kvw_status_t shm_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
      * inside the kernel): make them visible before the message that announces them. */
     atomic_thread_fence(memory_order_seq_cst);
     pthread_mutex_lock(&ep->s.tx_mu);
-    st = send_msg(ep->s.fd, SHM_NOTIFY, msg, (uint32_t)len, -1, ep_iface(ep)->srv.timeout_ms,
+    st = send_msg(ep->s.fd, SHM_NOTIFY, msg, (uint32_t)len, -1, ep_iface(ep)->srv.timeout_ns,
                   "shm notify");
     if (st != KVW_OK)
         atomic_store(&ep->s.dead, true);
@@ -933,5 +933,5 @@ const kvw_tl_ops_t kvw_tl_shm_ops = {
     .name = "shm",
     KVW_TL_OPS_SLOTS(shm),
     KVW__SOCKSERV_OPS_SLOTS,
-    .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
+    .caps = 0, /* not mediated: the sending library confines its writes */
 };

@@ -461,9 +461,9 @@ static void srv_stalled(kvw__sock_ep_t *s)
     tcp_ep_t *ep = sock_to_ep(s);
     if (ep->rx_state == RX_HDR && ep->rx_hdr_got == 0)
         return; /* idle between frames */
-    kvw__sock_ep_fail(&ep->s, KVW_ERR_TIMEOUT, "peer stalled %s for more than %u ms",
+    kvw__sock_ep_fail(&ep->s, KVW_ERR_TIMEOUT, "peer stalled %s for more than %llu ms",
                       ep->rx_state == RX_HELLO ? "before HELLO" : "in the middle of a frame",
-                      ep_iface(ep)->srv.timeout_ms);
+                      (unsigned long long)(ep_iface(ep)->srv.timeout_ns / 1000000ull));
 }
 
 static void srv_failed(kvw__sock_ep_t *s)
@@ -679,7 +679,7 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
                             "tcp connect to %s: %m", peer);
             goto err_close_socket;
         }
-        st = kvw__tl_wait_fd(fd, POLLOUT, tl->srv.timeout_ms, "tcp connect");
+        st = kvw__sock_wait(fd, POLLOUT, KVW_SOCK_NO_DEADLINE, tl->srv.timeout_ns, "tcp connect");
         if (st != KVW_OK)
             goto err_close_socket;
         int soerr = 0;
@@ -696,11 +696,13 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
     uint8_t hello[KVW_TCP_HDR_LEN];
     kvw_tcp_hdr_encode(hello, KVW_TCP_HELLO, a.token, 0, 0, 0);
     struct iovec iov = {.iov_base = hello, .iov_len = sizeof(hello)};
-    st = kvw__tl_send_iov(fd, &iov, 1, tl->srv.timeout_ms, "tcp connect: HELLO");
+    st = kvw__sock_send_iov(fd, &iov, 1, KVW_SOCK_NO_DEADLINE, tl->srv.timeout_ns,
+                            "tcp connect: HELLO");
     if (st != KVW_OK)
         goto err_close_socket;
     uint8_t ack[KVW_TCP_ACK_LEN];
-    st = kvw__tl_recv_exact(fd, ack, sizeof(ack), tl->srv.timeout_ms, "tcp connect: HELLO_ACK");
+    st = kvw__sock_recv_exact(fd, ack, sizeof(ack), KVW_SOCK_NO_DEADLINE, tl->srv.timeout_ns,
+                              "tcp connect: HELLO_ACK");
     if (st == KVW_ERR_CONN_CLOSED)
         st = kvw__error(KVW_ERR_REJECTED,
                         "tcp connect to %s: the receiver closed the connection during the "
@@ -785,7 +787,8 @@ static kvw_status_t check_sendable(tcp_ep_t *ep, const char *what)
  * connection is marked dead and shut down (the receiver then drops it too). */
 static kvw_status_t ep_send(tcp_ep_t *ep, struct iovec *iov, size_t cnt, const char *what)
 {
-    kvw_status_t st = kvw__tl_send_iov(ep->s.fd, iov, cnt, ep_iface(ep)->srv.timeout_ms, what);
+    kvw_status_t st = kvw__sock_send_iov(ep->s.fd, iov, cnt, KVW_SOCK_NO_DEADLINE,
+                                         ep_iface(ep)->srv.timeout_ns, what);
     if (st != KVW_OK) {
         atomic_store(&ep->s.dead, true);
         shutdown(ep->s.fd, SHUT_RDWR);
@@ -865,5 +868,5 @@ const kvw_tl_ops_t kvw_tl_tcp_ops = {
     .name = "tcp",
     KVW_TL_OPS_SLOTS(tcp),
     KVW__SOCKSERV_OPS_SLOTS,
-    .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_OWN_THREAD,
+    .caps = KVW_TL_CAP_MEDIATED,
 };

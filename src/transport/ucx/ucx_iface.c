@@ -518,12 +518,6 @@ static kvw_status_t ucx_address(kvw_tl_h tl_h, void *buf, size_t *len_p)
     return KVW_OK;
 }
 
-static int ucx_progress(kvw_tl_h tl)
-{
-    (void)tl;
-    return 0;
-}
-
 static void ucx_close(kvw_tl_h tl_h)
 {
     ucx_iface_t *tl = to_iface(tl_h);
@@ -655,13 +649,13 @@ static void ucx_fini(kvw_tl_h tl_h)
  * "rma" writes are one-sided and the receiver sees none of them. */
 static uint64_t ucx_instance_caps(kvw_tl_h tl_h)
 {
-    return KVW_TL_CAP_OWN_THREAD | (to_iface(tl_h)->rma ? 0 : KVW_TL_CAP_MEDIATED);
+    return to_iface(tl_h)->rma ? 0 : KVW_TL_CAP_MEDIATED;
 }
 
 const kvw_tl_ops_t kvw_tl_ucx_ops = {
     .name = "ucx",
     KVW_TL_OPS_SLOTS(ucx),
     KVW_TL_OPS_THREAD_SLOTS(ucx),
-    .caps = KVW_TL_CAP_OWN_THREAD, /* what every instance has; see ucx_instance_caps */
+    .caps = 0, /* what every instance has; see ucx_instance_caps */
     .instance_caps = ucx_instance_caps,
 };
