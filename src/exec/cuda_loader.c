@@ -1,14 +1,13 @@
 /*
- * The CUDA executor as the core library sees it: loads libkvwire_cuda.so on first use
- * (dlopen, so the core never links CUDA; the rule and the ABI check are
- * src/cuda/module_load.h's), and implements include/kvwire/cuda.h and the library's
- * internal kvw__cuda_* calls on top of the module's operations table. It also flattens
- * plans for the module: segments with buffer addresses resolved, plus the page lists.
+ * The CUDA executor as the core library sees it: plans and the per-thread executors of
+ * include/kvwire/cuda.h and the library's internal kvw__cuda_* calls, on top of the
+ * module's operations table (loaded by src/core/cuda_rt.c). It flattens plans for the
+ * module: segments with buffer addresses resolved, plus the page lists.
  */
 #include "core/config.h"
 #include "core/core.h"
+#include "core/cuda_rt.h"
 #include "cuda/module.h"
-#include "cuda/module_load.h"
 #include "plan/plan.h"
 
 #include <kvwire/cuda.h>
@@ -22,110 +21,6 @@ _Static_assert((unsigned)KVW_CUDA_DIRECT == (unsigned)KVWC_USE_DIRECT &&
                    (unsigned)KVW_CUDA_GATHER == (unsigned)KVWC_USE_GATHER &&
                    (unsigned)KVW_CUDA_SCATTER == (unsigned)KVWC_USE_SCATTER,
                "public and module use flags must agree");
-
-static pthread_once_t kvw_cuda_once = PTHREAD_ONCE_INIT;
-static const kvwc_ops_t *kvw_cuda_ops;
-static char kvw_cuda_load_msg[1024];
-
-static void kvw_cuda_load(void)
-{
-    const char *env; /* any text; "" when unset */
-    kvw__config_str("KVW_CUDA_MODULE", &env);
-    /* Next to the object that holds this code: libkvwire.so, or the executable a static
-     * libkvwire was linked into. */
-    kvw_cuda_ops = kvwc_module_load(env, (const void *)kvw_cuda_load, kvw_cuda_load_msg,
-                                    sizeof(kvw_cuda_load_msg));
-}
-
-static kvw_status_t kvw_cuda_get(const kvwc_ops_t **ops_p)
-{
-    pthread_once(&kvw_cuda_once, kvw_cuda_load);
-    if (kvw_cuda_ops == NULL)
-        return kvw__error(KVW_ERR_UNSUPPORTED,
-                          "CUDA support is not available: the module %s could not be loaded "
-                          "(%s); build with nvcc present, or set KVW_CUDA_MODULE to its path",
-                          KVWC_MODULE_FILE, kvw_cuda_load_msg);
-    *ops_p = kvw_cuda_ops;
-    return KVW_OK;
-}
-
-/* Passes a module status up, copying its message into this thread's error. */
-static kvw_status_t kvw_cuda_ret(const kvwc_ops_t *ops, kvw_status_t st)
-{
-    if (st != KVW_OK)
-        return kvw__error(st, "%s", ops->last_error());
-    return KVW_OK;
-}
-
-#define KVW_CUDA_FORWARD(call)                                                           \
-    const kvwc_ops_t *ops = NULL;                                                        \
-    kvw_status_t st_ = kvw_cuda_get(&ops);                                               \
-    if (st_ != KVW_OK)                                                                   \
-        return st_;                                                                      \
-    return kvw_cuda_ret(ops, ops->call)
-
-kvw_status_t kvw_cuda_available(void)
-{
-    KVW_CUDA_FORWARD(available());
-}
-
-kvw_status_t kvw_cuda_device_count(int *count_p)
-{
-    if (count_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_device_count: NULL argument");
-    KVW_CUDA_FORWARD(device_count(count_p));
-}
-
-/* ---------------------------------------------------------------- runtime calls */
-
-kvw_status_t kvw__cuda_set_device(int device)
-{
-    KVW_CUDA_FORWARD(set_device(device));
-}
-
-kvw_status_t kvw__cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream)
-{
-    KVW_CUDA_FORWARD(memcpy_any(dst, src, size, stream));
-}
-
-kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p)
-{
-    KVW_CUDA_FORWARD(mem_base(ptr, base_p));
-}
-
-kvw_status_t kvw__cuda_ipc_export(void *base, uint8_t handle[KVWC_IPC_HANDLE_SIZE])
-{
-    KVW_CUDA_FORWARD(ipc_export(base, handle));
-}
-
-kvw_status_t kvw__cuda_ipc_open(const uint8_t handle[KVWC_IPC_HANDLE_SIZE], void **ptr_p)
-{
-    KVW_CUDA_FORWARD(ipc_open(handle, ptr_p));
-}
-
-kvw_status_t kvw__cuda_ipc_close(void *ptr)
-{
-    KVW_CUDA_FORWARD(ipc_close(ptr));
-}
-
-kvw_status_t kvw__cuda_pointer_kind(const void *ptr, int *kind_p, int *device_p)
-{
-    KVW_CUDA_FORWARD(pointer_kind(ptr, kind_p, device_p));
-}
-
-kvw_status_t kvw_cuda_pointer_kind(const void *ptr, kvw_mem_kind_t *kind_p, int32_t *device_p)
-{
-    if (kind_p == NULL || device_p == NULL)
-        return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_pointer_kind: NULL argument");
-    int kind = KVWC_PTR_HOST, dev = -1;
-    kvw_status_t st = kvw__cuda_pointer_kind(ptr, &kind, &dev);
-    if (st != KVW_OK)
-        return st;
-    bool cuda = kind == KVWC_PTR_DEVICE || kind == KVWC_PTR_MANAGED;
-    *kind_p = cuda ? KVW_MEM_CUDA : KVW_MEM_HOST;
-    *device_p = cuda ? dev : -1;
-    return KVW_OK;
-}
 
 /* ---------------------------------------------------------------- plans */
 
@@ -219,7 +114,7 @@ struct kvw_cuda_plan {
 kvw_status_t kvw_cuda_plan_upload(kvw_plan_h plan, unsigned uses, kvw_cuda_plan_h *cplan_p)
 {
     const kvwc_ops_t *ops = NULL;
-    kvw_status_t st = kvw_cuda_get(&ops);
+    kvw_status_t st = kvw__cuda_get(&ops);
     if (st != KVW_OK)
         return st;
     if (cplan_p == NULL)
@@ -233,7 +128,7 @@ kvw_status_t kvw_cuda_plan_upload(kvw_plan_h plan, unsigned uses, kvw_cuda_plan_
         st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory creating a CUDA plan");
         goto out;
     }
-    st = kvw_cuda_ret(ops, ops->plan_upload(&in, &cp->mod));
+    st = kvw__cuda_ret(ops, ops->plan_upload(&in, &cp->mod));
     if (st != KVW_OK) {
         free(cp);
         goto out;
@@ -263,7 +158,7 @@ kvw_status_t kvw_cuda_plan_exec(kvw_cuda_plan_h cplan, void *stream)
 {
     if (cplan == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_plan_exec: NULL plan");
-    return kvw_cuda_ret(cplan->ops, cplan->ops->plan_exec(cplan->mod, stream));
+    return kvw__cuda_ret(cplan->ops, cplan->ops->plan_exec(cplan->mod, stream));
 }
 
 kvw_status_t kvw_cuda_plan_gather(kvw_cuda_plan_h cplan, void *staging, uint64_t size,
@@ -271,7 +166,7 @@ kvw_status_t kvw_cuda_plan_gather(kvw_cuda_plan_h cplan, void *staging, uint64_t
 {
     if (cplan == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_plan_gather: NULL plan");
-    return kvw_cuda_ret(cplan->ops, cplan->ops->plan_gather(cplan->mod, staging, size, stream));
+    return kvw__cuda_ret(cplan->ops, cplan->ops->plan_gather(cplan->mod, staging, size, stream));
 }
 
 kvw_status_t kvw_cuda_plan_scatter(kvw_cuda_plan_h cplan, const void *staging, uint64_t size,
@@ -279,20 +174,20 @@ kvw_status_t kvw_cuda_plan_scatter(kvw_cuda_plan_h cplan, const void *staging, u
 {
     if (cplan == NULL)
         return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_cuda_plan_scatter: NULL plan");
-    return kvw_cuda_ret(cplan->ops, cplan->ops->plan_scatter(cplan->mod, staging, size, stream));
+    return kvw__cuda_ret(cplan->ops, cplan->ops->plan_scatter(cplan->mod, staging, size, stream));
 }
 
 kvw_status_t kvw_plan_exec_cuda(kvw_plan_h plan, void *stream)
 {
     const kvwc_ops_t *ops = NULL;
-    kvw_status_t st = kvw_cuda_get(&ops);
+    kvw_status_t st = kvw__cuda_get(&ops);
     if (st != KVW_OK)
         return st;
     kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
     kvwc_plan_in_t in;
     if ((st = kvw__cuda_plan_in_make(plan, KVWC_USE_DIRECT, maps, &in)) != KVW_OK)
         return st;
-    st = kvw_cuda_ret(ops, ops->plan_exec_once(&in, stream));
+    st = kvw__cuda_ret(ops, ops->plan_exec_once(&in, stream));
     kvw__cuda_plan_in_free(&in);
     return st;
 }
@@ -336,7 +231,7 @@ static kvw_status_t kvw_texec_get(const kvwc_ops_t *ops, kvw_texec_t **t_p)
     if (!kvw_texec_key_ok)
         return kvw__error(KVW_ERR_INTERNAL, "cannot create the CUDA executors' thread key");
     int dev = -1;
-    kvw_status_t st = kvw_cuda_ret(ops, ops->get_device(&dev));
+    kvw_status_t st = kvw__cuda_ret(ops, ops->get_device(&dev));
     if (st != KVW_OK)
         return st;
     kvw_texec_t *t = pthread_getspecific(kvw_texec_key);
@@ -355,7 +250,7 @@ static kvw_status_t kvw_texec_get(const kvwc_ops_t *ops, kvw_texec_t **t_p)
     }
     t->ops = ops;
     t->device = dev;
-    if ((st = kvw_cuda_ret(ops, ops->exec_create(&t->ex))) != KVW_OK) {
+    if ((st = kvw__cuda_ret(ops, ops->exec_create(&t->ex))) != KVW_OK) {
         free(t);
         pthread_setspecific(kvw_texec_key, NULL);
         return st;
@@ -369,9 +264,9 @@ kvw_status_t kvw__cuda_warm(int device)
 {
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
-    kvw_status_t st = kvw_cuda_get(&ops);
+    kvw_status_t st = kvw__cuda_get(&ops);
     if (st == KVW_OK)
-        st = kvw_cuda_ret(ops, ops->set_device(device));
+        st = kvw__cuda_ret(ops, ops->set_device(device));
     if (st == KVW_OK)
         st = kvw_texec_get(ops, &t);
     return st;
@@ -391,7 +286,7 @@ static kvw_status_t kvw_step_prepare(const struct kvw_plan *plan, unsigned uses,
                                      const kvwc_ops_t **ops_p, kvw_texec_t **t_p,
                                      kvwc_map_in_t *maps, kvwc_plan_in_t *in, uint64_t *t0_p)
 {
-    kvw_status_t st = kvw_cuda_get(ops_p);
+    kvw_status_t st = kvw__cuda_get(ops_p);
     if (st == KVW_OK)
         st = kvw_texec_get(*ops_p, t_p);
     if (st != KVW_OK)
@@ -426,7 +321,7 @@ kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
         return st;
     kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
     st = ops->exec_launch(t->ex, &in, slot_p, &sp);
-    return kvw_step_launched(t, &in, kvw_cuda_ret(ops, st), *slot_p, &sp, prof);
+    return kvw_step_launched(t, &in, kvw__cuda_ret(ops, st), *slot_p, &sp, prof);
 }
 
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_profile_t *prof)
@@ -437,7 +332,7 @@ kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_prof
     if (t == NULL)
         return kvw__error(KVW_ERR_INTERNAL, "CUDA executor: no step was launched on this thread");
     kvwc_step_prof_t sp = {0};
-    kvw_status_t st = kvw_cuda_ret(t->ops, t->ops->exec_reap(t->ex, slot, block, done_p, &sp));
+    kvw_status_t st = kvw__cuda_ret(t->ops, t->ops->exec_reap(t->ex, slot, block, done_p, &sp));
     kvw_prof_add_step(prof, &sp);
     if (*done_p)
         t->inflight--;
@@ -468,7 +363,7 @@ kvw_status_t kvw__cuda_stream_open(const struct kvw_plan *plan, bool scatter,
         kvw__cuda_plan_in_free(&in);
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory opening a staged stream");
     }
-    st = kvw_cuda_ret(ops, ops->exec_plan_upload(t->ex, &in, &s->mod));
+    st = kvw__cuda_ret(ops, ops->exec_plan_upload(t->ex, &in, &s->mod));
     kvw__cuda_plan_in_free(&in);
     if (st != KVW_OK) {
         free(s);
@@ -490,7 +385,7 @@ kvw_status_t kvw__cuda_stream_window(kvw_cuda_stream_t *s, void *host, uint64_t 
     if (st != KVW_OK)
         return st;
     kvwc_step_prof_t sp = {0};
-    st = kvw_cuda_ret(s->ops, s->ops->exec_stage(t->ex, s->mod, s->scatter, host, lo, hi,
+    st = kvw__cuda_ret(s->ops, s->ops->exec_stage(t->ex, s->mod, s->scatter, host, lo, hi,
                                                   slot_p, &sp));
     kvw_prof_add_step(prof, &sp);
     if (st == KVW_OK && *slot_p >= 0)
@@ -512,7 +407,7 @@ kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p)
 {
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
-    kvw_status_t st = kvw_cuda_get(&ops);
+    kvw_status_t st = kvw__cuda_get(&ops);
     if (st == KVW_OK)
         st = kvw_texec_get(ops, &t);
     if (st != KVW_OK)
@@ -525,7 +420,7 @@ kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p)
         t->pinned[which] = NULL;
         t->pinned_cap[which] = 0;
         uint64_t cap = KVW_MAX(size, 16ull << 20);
-        if ((st = kvw_cuda_ret(ops, ops->malloc_host(cap, &t->pinned[which]))) != KVW_OK)
+        if ((st = kvw__cuda_ret(ops, ops->malloc_host(cap, &t->pinned[which]))) != KVW_OK)
             return st;
         t->pinned_cap[which] = cap;
     }
@@ -541,7 +436,7 @@ kvw_status_t kvw__cuda_host_register(void *ptr, uint64_t size)
 void kvw__cuda_host_unregister(void *ptr)
 {
     const kvwc_ops_t *ops = NULL;
-    if (kvw_cuda_get(&ops) == KVW_OK)
+    if (kvw__cuda_get(&ops) == KVW_OK)
         (void)ops->host_unregister(ptr);
 }
 
@@ -558,11 +453,11 @@ kvw_status_t kvw__cuda_event_record(void *event, void *stream)
 kvw_status_t kvw__cuda_event_query(void *event)
 {
     const kvwc_ops_t *ops = NULL;
-    kvw_status_t st = kvw_cuda_get(&ops);
+    kvw_status_t st = kvw__cuda_get(&ops);
     if (st != KVW_OK)
         return st;
     st = ops->event_query(event);
-    return st == KVW_INPROGRESS ? st : kvw_cuda_ret(ops, st);
+    return st == KVW_INPROGRESS ? st : kvw__cuda_ret(ops, st);
 }
 
 kvw_status_t kvw__cuda_event_destroy(void *event)
