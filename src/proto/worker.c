@@ -420,13 +420,25 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
     }
     pc->ctx = ctx, pc->peer = peer, pc->room = r, pc->n = 0, pc->runs = 0;
     st = kvw_plan_expand(plan, kvw_put_run, pc);
-    if (st == KVW_OK)
-        st = kvw_put_flush(pc);
-    if (st == KVW_OK) {
+    if (st == KVW_OK && ctx->tl_ops->put_notify) {
+        /* The last batch of writes and the completion in one call (tcp: one sendmsg). */
         kvw_wbuf_t w;
         kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
         kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
-        st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
+        st = kvw__wb_finish(&w);
+        out->out_ns = kvw__now_ns();
+        if (st == KVW_OK)
+            st = ctx->tl_ops->put_notify(peer->ep, r->id, pc->puts, pc->n, w.p, w.len);
+        pc->n = 0;
+        kvw__wb_free(&w);
+    } else if (st == KVW_OK) {
+        st = kvw_put_flush(pc);
+        if (st == KVW_OK) {
+            kvw_wbuf_t w;
+            kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+            kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
+            st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
+        }
     }
     out->runs = pc->runs;
     free(pc);

@@ -135,6 +135,13 @@ typedef struct kvw_tl_ops {
     /* Sends a notification delivered after every put posted before it on ep. */
     kvw_status_t (*notify)(kvw_tl_ep_h ep, const void *msg, size_t len);
 
+    /* Optional (NULL when absent): put(ep, room, puts, n) then notify(ep, msg, len) in
+     * one call, with the same checks and errors, so that a transport can hand both to
+     * the kernel at once (tcp: one sendmsg for a small room's frames and its
+     * completion). */
+    kvw_status_t (*put_notify)(kvw_tl_ep_h ep, uint64_t room, const kvw_tl_put_t *puts,
+                               size_t n, const void *msg, size_t len);
+
     /* Drives progress for transports without their own threads; never blocks.
      * Returns the number of events processed (>= 0) or an error. */
     int (*progress)(kvw_tl_h tl);
