@@ -157,6 +157,9 @@ typedef struct kvw_workq {
     kvw_room_t *head, *tail;
     bool stop; /* the workers leave (context teardown) */
     _Atomic uint32_t gen; /* bumped whenever a room is queued for the workers */
+    /* Rooms queued by the control thread wake the workers only when it lets go of mu
+     * (kvw__queue_kick): it may serve a small room itself first (kvw__ctrl_serve). */
+    bool wake_due;
 } kvw_workq_t;
 
 /* Stamps hop `h` of a room now (mu held); `first`: keep an earlier stamp. */
