@@ -393,11 +393,14 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             s->meta_expected = meta_len;
     }
     kvw_src_confirm(ctx, r, s);
+    /* The room's waiter is woken once mu is let go, not while this thread holds it. */
+    kvw__room_wake_defer(ctx);
     kvw_receiver_check(ctx, r, &f);
 out:
     if (f.status != KVW_OK)
         kvw__room_fail(ctx, r, f.status, true, "%s", f.why);
     pthread_mutex_unlock(&ctx->mu);
+    kvw__room_wake_after(ctx);
     kvw__staged_close(drop);
 }
 

@@ -210,6 +210,11 @@ void kvw__room_free(kvw_room_t *room);
 void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
                     const char *fmt, ...) KVW_PRINTF(5, 6);
 void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state);
+/* From here (mu held) to kvw__room_wake_after (called once mu is let go), rooms that
+ * this thread moves to Success wake their waiters (kvw_room_wait) only then: woken
+ * under mu, a waiter would run into the lock and sleep again. */
+void kvw__room_wake_defer(struct kvw_ctx *ctx);
+void kvw__room_wake_after(struct kvw_ctx *ctx);
 
 /*
  * A failed prefill room tells its decode ranks, once no worker step runs on it any
