@@ -260,6 +260,7 @@ kvw_room_state_t kvw_room_wait(kvw_room_h h, uint32_t timeout_ms)
         ts.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&ctx->mu);
+    h->waiters++;
     if (ctx->busy_poll_ns && timeout_ms && h->state != KVW_ROOM_SUCCESS &&
         h->state != KVW_ROOM_FAILED) {
         uint32_t seen_ = atomic_load_explicit(&ctx->done_gen, memory_order_acquire);
@@ -272,6 +273,7 @@ kvw_room_state_t kvw_room_wait(kvw_room_h h, uint32_t timeout_ms)
            pthread_cond_timedwait(&ctx->done_cv, &ctx->mu, &ts) != ETIMEDOUT) {
     }
     kvw_room_state_t s = h->state;
+    h->waiters--;
     pthread_mutex_unlock(&ctx->mu);
     return s;
 }

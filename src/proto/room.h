@@ -80,6 +80,7 @@ typedef struct kvw_room {
     uint64_t created_ns, deadline_ns, start_ns, end_ns;
     uint64_t bytes, runs;
     uint32_t inflight; /* worker jobs running on this room */
+    uint32_t waiters;  /* threads in kvw_room_wait on this room (mu) */
     bool quiesce_sent; /* prefill: told every decode rank it stopped writing */
     bool queued; /* in the workers' queue (queued and qnext: ctx->q.mu) */
     struct kvw_room *qnext;
