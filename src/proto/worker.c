@@ -598,9 +598,10 @@ static bool kvw_ctrl_can_serve(struct kvw_ctx *ctx, const kvw_room_t *r, uint32_
 void kvw__ctrl_serve(struct kvw_ctx *ctx)
 {
     KVW_ASSERT_HELD(&ctx->mu);
-    /* Host memory only: GPU memory goes through the staged or mapped paths. */
+    /* Host memory only (GPU memory goes through the staged or mapped paths), on a
+     * transport whose writes wait on no thread of its own (ucx's may). */
     if (ctx->side != KVW_SIDE_PREFILL || ctx->num_workers == 0 || ctx->staged_dev ||
-        ctx->mem_dev >= 0)
+        ctx->mem_dev >= 0 || !(ctx->tl_ops->caps & KVW_TL_CAP_SYNC_PUT))
         return;
     for (uint32_t k = 0; k < KVW_CTRL_SERVE_ROOMS && !ctx->stopping; k++) {
         kvw_room_t *r = kvw__queue_head(ctx);

@@ -89,7 +89,11 @@ enum {
     KVW_TL_CAP_OWN_THREAD = 1u << 2,
     /* It moves device (GPU) memory to device memory itself, and only that: buffers on
      * both sides are device memory, with no host staging in between (cuda_ipc). */
-    KVW_TL_CAP_DEVICE_MEM = 1u << 3
+    KVW_TL_CAP_DEVICE_MEM = 1u << 3,
+    /* put and notify finish their work in the caller's thread, waiting on no other
+     * thread of the transport (a socket write, a memcpy; tcp, shm): the prefill's control
+     * thread may send a small room itself (kvw__ctrl_serve). */
+    KVW_TL_CAP_SYNC_PUT = 1u << 4
 };
 
 /* One one-sided write. */

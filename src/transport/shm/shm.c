@@ -933,5 +933,5 @@ const kvw_tl_ops_t kvw_tl_shm_ops = {
     .name = "shm",
     KVW_TL_OPS_SLOTS(shm),
     KVW__SOCKSERV_OPS_SLOTS,
-    .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD,
+    .caps = KVW_TL_CAP_SAME_HOST | KVW_TL_CAP_OWN_THREAD | KVW_TL_CAP_SYNC_PUT,
 };

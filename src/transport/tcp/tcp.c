@@ -892,5 +892,5 @@ const kvw_tl_ops_t kvw_tl_tcp_ops = {
     KVW_TL_OPS_SLOTS(tcp),
     KVW__SOCKSERV_OPS_SLOTS,
     .put_notify = tcp_put_notify,
-    .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_OWN_THREAD,
+    .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_OWN_THREAD | KVW_TL_CAP_SYNC_PUT,
 };
