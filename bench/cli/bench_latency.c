@@ -283,15 +283,21 @@ typedef struct lat_result {
     uint64_t bytes;
     size_t n1, n2, n3, nb;
     double d_p50, d_p99, p_p50, p_p99, f_p50, f_p99, base_p50, base_p99;
-    double hop_us[7]; /* medians of the hops, see l_hop_names */
+    double hop_us[9]; /* medians of the hops, see l_hop_names */
+    char path[16];    /* the rooms' data path (kvw_room_metrics_t.path) */
     double cpu_us;    /* CPU per room over all phases: decode process + prefill process */
 } lat_result_t;
 
-static const char *const l_hop_names[7] = {
+/* The first seven follow the hop stamps of both sides in order; the last two are the
+ * decode engine's own: from its receiver_create call to the post stamp, and from the
+ * Success stamp to kvw_room_wait returning (the waiter's wake-up). */
+#define L_HOPS 9
+static const char *const l_hop_names[L_HOPS] = {
     "post -> request received (prefill)", "request received -> worker woken",
     "worker woken -> bytes out", "bytes out -> completion received (decode)",
     "completion received -> decode Success", "decode Success -> confirmation received",
-    "confirmation received -> prefill Success"};
+    "confirmation received -> prefill Success", "create+post call -> post stamp (decode)",
+    "decode Success -> kvw_room_wait returns"};
 
 static uint64_t l_delta(uint64_t a, uint64_t b)
 {
@@ -357,9 +363,9 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
     int rc = 1;
     lat_msg_t m;
     uint64_t *v1 = calloc(c->rooms, 8), *v2 = calloc(c->rooms, 8), *v3 = calloc(c->rooms, 8),
-             *vb = calloc(3 * (size_t)c->rooms, 8), *hops[7];
+             *vb = calloc(3 * (size_t)c->rooms, 8), *hops[L_HOPS];
     uint8_t *buf = calloc(1, len);
-    for (int h = 0; h < 7; h++)
+    for (int h = 0; h < L_HOPS; h++)
         hops[h] = calloc(c->rooms, 8);
     kvw_receiver_h *rcv = calloc(c->inflight, sizeof(*rcv));
     kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = c->tokens,
@@ -409,6 +415,10 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
                            p[KVW_HOP_ACK_RX], p[KVW_HOP_SUCCESS]};
         for (int h2 = 0; h2 < 7; h2++)
             hops[h2][i - 1] = l_delta(seq[h2], seq[h2 + 1]);
+        hops[7][i - 1] = l_delta(t0, q[KVW_HOP_POST]);
+        hops[8][i - 1] = l_delta(q[KVW_HOP_SUCCESS], t1);
+        if (dm.path)
+            snprintf(res->path, sizeof(res->path), "%s", dm.path);
     }
     /* Phase 2: send -> Success on the prefill, one room at a time. */
     for (uint32_t i = 0; i < c->rooms; i++, id++) {
@@ -456,7 +466,7 @@ static int l_run(const lat_cfg_t *c, const char *tl, uint32_t busy_us, lat_resul
     res->p_p50 = l_pct(v2, res->n2, 50), res->p_p99 = l_pct(v2, res->n2, 99);
     res->f_p50 = l_pct(v3, res->n3, 50), res->f_p99 = l_pct(v3, res->n3, 99);
     res->base_p50 = l_pct(vb, res->nb, 50), res->base_p99 = l_pct(vb, res->nb, 99);
-    for (int h = 0; h < 7; h++)
+    for (int h = 0; h < L_HOPS; h++)
         res->hop_us[h] = l_pct(hops[h], res->n1, 50);
     rc = 0;
 out:
@@ -475,7 +485,7 @@ out:
     if (!WIFEXITED(status) || WEXITSTATUS(status))
         rc = 1;
     free(v1), free(v2), free(v3), free(vb), free(buf), free(rcv);
-    for (int h = 0; h < 7; h++)
+    for (int h = 0; h < L_HOPS; h++)
         free(hops[h]);
     l_side_free(&d);
     return rc;
@@ -558,28 +568,54 @@ int kvw_bench_latency(int argc, char **argv)
         }
     printf("\nsmall-room latency (%s, %u layer(s), %u tokens; prefill TP1 -> decode TP1, two "
            "processes)\n", c.model, c.layers, c.tokens);
-    printf("tl         bytes   raw RTT p50/p99 us   post->Success p50/p99 us (x RTT)   "
+    printf("tl         bytes path     raw RTT p50/p99 us   post->Success p50/p99 us (x RTT)   "
            "send->Success p50/p99 us   %u in flight p50/p99 us   CPU/room us (both procs)\n",
            c.inflight);
     for (uint32_t i = 0; i < nres; i++) {
         lat_result_t *r = &res[i];
-        printf("%-10s %6llu   %7.1f / %7.1f     %7.1f / %7.1f (%.2fx)            "
+        printf("%-10s %6llu %-8s %7.1f / %7.1f     %7.1f / %7.1f (%.2fx)            "
                "%7.1f / %7.1f        %7.1f / %7.1f         %.1f\n",
-               r->tl, (unsigned long long)r->bytes, r->base_p50, r->base_p99, r->d_p50, r->d_p99,
-               r->base_p50 > 0 ? r->d_p50 / r->base_p50 : 0.0, r->p_p50, r->p_p99, r->f_p50,
-               r->f_p99, r->cpu_us);
+               r->tl, (unsigned long long)r->bytes, r->path[0] ? r->path : "-", r->base_p50,
+               r->base_p99, r->d_p50, r->d_p99, r->base_p50 > 0 ? r->d_p50 / r->base_p50 : 0.0,
+               r->p_p50, r->p_p99, r->f_p50, r->f_p99, r->cpu_us);
     }
     printf("\nwhere the time goes (medians of the hop stamps, one room at a time, us)\n");
     printf("%-45s", "hop");
     for (uint32_t i = 0; i < nres; i++)
         printf("%10s", res[i].tl);
     printf("\n");
-    for (int h = 0; h < 7; h++) {
+    for (int h = 0; h < L_HOPS; h++) {
         printf("%-45s", l_hop_names[h]);
         for (uint32_t i = 0; i < nres; i++)
             printf("%10.1f", res[i].hop_us[h]);
         printf("\n");
     }
+    /* Issue 24's targets, against the raw round trip of the same run. */
+    printf("\ntargets (one room at a time, post -> Success on the decode; ratios against the raw "
+           "round trip of the same run)\n");
+    const lat_result_t *tcp = NULL, *shm = NULL;
+    for (uint32_t i = 0; i < nres; i++) {
+        if (!strcmp(res[i].tl, "tcp"))
+            tcp = &res[i];
+        if (!strcmp(res[i].tl, "shm"))
+            shm = &res[i];
+    }
+    if (tcp && tcp->base_p50 > 0 && tcp->d_p50 > 0) {
+        double x = tcp->d_p50 / tcp->base_p50, y = tcp->d_p99 / tcp->d_p50;
+        printf("  %s  tcp p50 <= 1.0x raw RTT: %.1f us = %.2fx of %.1f us\n",
+               x <= 1.0 ? "PASS" : "MISS", tcp->d_p50, x, tcp->base_p50);
+        printf("  %s  tcp p99 <= 3x p50: %.1f us = %.2fx p50\n", y <= 3.0 ? "PASS" : "MISS",
+               tcp->d_p99, y);
+    }
+    if (tcp && shm && tcp->d_p50 > 0 && shm->d_p50 > 0)
+        printf("  %s  shm p50 below tcp's: %.1f us against %.1f us (%.2fx; shm %.2fx of its own "
+               "raw RTT)\n", shm->d_p50 < tcp->d_p50 ? "PASS" : "MISS", shm->d_p50, tcp->d_p50,
+               shm->d_p50 / tcp->d_p50, shm->base_p50 > 0 ? shm->d_p50 / shm->base_p50 : 0.0);
+    if (!tcp)
+        printf("  (the tcp targets need --transport to include tcp)\n");
+    printf("  (%u in flight has no same-run target: compare its p50 with an earlier run; "
+           "`kvwire bench` on the same room should agree within 20%%: "
+           "scripts/small-rooms.py runs both)\n", c.inflight);
     FILE *f = fopen(c.json, "w");
     if (f) {
         fprintf(f, "{\"model\": \"%s\", \"layers\": %u, \"tokens\": %u, \"rooms\": %u, "
@@ -587,14 +623,18 @@ int kvw_bench_latency(int argc, char **argv)
                 c.inflight);
         for (uint32_t i = 0; i < nres; i++) {
             lat_result_t *r = &res[i];
-            fprintf(f, "%s\n  {\"transport\": \"%s\", \"bytes\": %llu, \"rtt_p50_us\": %.1f, "
+            fprintf(f, "%s\n  {\"transport\": \"%s\", \"bytes\": %llu, \"path\": \"%s\", "
+                    "\"rtt_p50_us\": %.1f, "
                     "\"rtt_p99_us\": %.1f, \"post_success_p50_us\": %.1f, "
-                    "\"post_success_p99_us\": %.1f, \"send_success_p50_us\": %.1f, "
+                    "\"post_success_p99_us\": %.1f, \"post_success_x_rtt\": %.2f, "
+                    "\"send_success_p50_us\": %.1f, "
                     "\"send_success_p99_us\": %.1f, \"inflight_p50_us\": %.1f, "
                     "\"inflight_p99_us\": %.1f, \"decode_cpu_us_per_room\": %.1f, \"hops_us\": {",
-                    i ? "," : "", r->tl, (unsigned long long)r->bytes, r->base_p50, r->base_p99,
-                    r->d_p50, r->d_p99, r->p_p50, r->p_p99, r->f_p50, r->f_p99, r->cpu_us);
-            for (int h = 0; h < 7; h++)
+                    i ? "," : "", r->tl, (unsigned long long)r->bytes, r->path, r->base_p50,
+                    r->base_p99, r->d_p50, r->d_p99,
+                    r->base_p50 > 0 ? r->d_p50 / r->base_p50 : 0.0, r->p_p50, r->p_p99,
+                    r->f_p50, r->f_p99, r->cpu_us);
+            for (int h = 0; h < L_HOPS; h++)
                 fprintf(f, "%s\"%s\": %.1f", h ? ", " : "", l_hop_names[h], r->hop_us[h]);
             fprintf(f, "}}");
         }

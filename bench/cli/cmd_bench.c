@@ -51,11 +51,12 @@
 #define B_MAX_RATE 20000  /* rooms in the control-plane run */
 #define B_MAX_NOTES 16
 #define B_MAX_BASE (B_MAX_TL * B_MAX_LEN * B_MAX_TOPO)
-/* Control-plane loops sleep this long after a pass over the rooms in flight that found
- * nothing to do. Shorter sleeps cost more CPU than they save latency on a 2-core VM,
- * where every nanosleep is an expensive exit (perf shows it); the library's threads
- * need that CPU. */
-#define B_RATE_POLL_NS 200000
+/* Every wait of the benchmark's own thread is kvw_room_wait: woken by the room's state
+ * change, never a sleep-and-poll loop. Polling with short sleeps took a core of a 2-core
+ * host away from the library's threads and made small rooms bimodal (70-270 or
+ * 700-1,300 us for one 4 KiB room against 120-150 us in bench --latency). The timeout
+ * only bounds one wait; a room that hangs fails at its own timeout. */
+#define B_WAIT_MS 1000
 
 #define B_MIN(a, b) ((a) < (b) ? (a) : (b))
 #define B_MAX(a, b) ((a) > (b) ? (a) : (b))
@@ -101,16 +102,13 @@ static void b_sleep_ns(long ns)
     nanosleep(&ts, NULL);
 }
 
-/*
- * Sleep between polls of a waiting loop that started at `since`: about 1/64 of the
- * time waited so far (2 us .. 200 us). Fine-grained for short requests, and a loop
- * that sleeps in proportion does not steal the CPU that the library's threads need on a
- * small host (busy polling would; fixed 5 us sleeps cost a syscall and a wake-up each).
- */
-static void b_backoff(uint64_t since)
+/* Waits until the room is terminal (woken by its state change); returns that state. */
+static kvw_room_state_t b_wait_room(kvw_room_h room)
 {
-    uint64_t waited = kvt_now_ns() - since, ns = waited / 64;
-    b_sleep_ns((long)(ns < 2000 ? 2000 : ns > 200000 ? 200000 : ns));
+    kvw_room_state_t s;
+    while (!cli_room_ended(s = kvw_room_wait(room, B_WAIT_MS))) {
+    }
+    return s;
 }
 
 static uint64_t b_percentile(const uint64_t *v, uint32_t n, double p)
@@ -452,14 +450,35 @@ typedef struct b_job {
 
 /* ------------------------------------------------------------ prefill process */
 
+/* Rate loops: nothing to do, so wait until the oldest room in flight (the lowest
+ * sequence number among busy slots; rooms of one window finish about in order) ends on
+ * every rank. rooms[s * n + k]: slot s, rank k. */
+static void b_wait_oldest(kvw_room_h (*room_of)(const void *, size_t), const void *h,
+                          const bool *busy, const uint64_t *seq, uint32_t w, uint32_t n)
+{
+    uint32_t best = w;
+    for (uint32_t s = 0; s < w; s++)
+        if (busy[s] && (best == w || seq[s] < seq[best]))
+            best = s;
+    for (uint32_t k = 0; best < w && k < n; k++)
+        (void)b_wait_room(room_of(h, (size_t)best * n + k));
+}
+
+static kvw_room_h b_sender_room_at(const void *h, size_t i)
+{
+    return kvw_sender_room(((const kvw_sender_h *)h)[i]);
+}
+
+static kvw_room_h b_receiver_room_at(const void *h, size_t i)
+{
+    return kvw_receiver_room(((const kvw_receiver_h *)h)[i]);
+}
+
 static int b_wait_senders(kvw_sender_h *s, uint32_t n, char *err, size_t errcap)
 {
     int rc = 0;
-    uint64_t t0 = kvt_now_ns();
     for (uint32_t i = 0; i < n; i++) {
-        while (!cli_room_ended(kvw_room_poll(kvw_sender_room(s[i]))))
-            b_backoff(t0);
-        if (kvw_room_poll(kvw_sender_room(s[i])) != KVW_ROOM_SUCCESS && rc == 0) {
+        if (b_wait_room(kvw_sender_room(s[i])) != KVW_ROOM_SUCCESS && rc == 0) {
             snprintf(err, errcap, "prefill room failed: %s",
                      kvw_room_failure(kvw_sender_room(s[i])));
             rc = -1;
@@ -494,7 +513,8 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
     kvw_sender_h *snd = calloc((size_t)w * n, sizeof(*snd));
     b_pages_t *pg = calloc(w, sizeof(*pg));
     bool *busy = calloc(w, sizeof(*busy));
-    int rc = snd && pg && busy ? 0 : -1;
+    uint64_t *seq = calloc(w, sizeof(*seq));
+    int rc = snd && pg && busy && seq ? 0 : -1;
     for (uint32_t s = 0; s < w && rc == 0; s++)
         if (b_pages_init(&pg[s], 1, 1) ||
             b_pages_set(&pg[s], 1, c->page, window, s, s, b_has_state(m) ? (int64_t)s : -1))
@@ -526,12 +546,12 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
                 if (b_arm(in, cmd->room + next, 1, &pg[s], &snd[s * n], err, errcap))
                     rc = -1;
                 busy[s] = true;
-                next++;
+                seq[s] = next++;
                 progress = true;
             }
         }
-        if (!progress)
-            b_sleep_ns(B_RATE_POLL_NS);
+        if (!progress && rc == 0)
+            b_wait_oldest(b_sender_room_at, snd, busy, seq, w, n);
     }
     for (uint32_t s = 0; s < w && snd && busy; s++)
         if (busy[s])
@@ -542,6 +562,7 @@ static int b_prefill_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *
     free(snd);
     free(pg);
     free(busy);
+    free(seq);
     return rc;
 }
 
@@ -686,15 +707,8 @@ static int64_t b_heap_bytes(void)
 /* Waits until every receiver is terminal; returns 0 when all succeeded. */
 static int b_wait_receivers(kvw_receiver_h *r, uint32_t n, uint64_t room, char *err, size_t errcap)
 {
-    uint64_t t0 = kvt_now_ns();
-    for (;;) {
-        bool all = true;
-        for (uint32_t k = 0; k < n && all; k++)
-            all = cli_room_ended(kvw_room_poll(kvw_receiver_room(r[k])));
-        if (all)
-            break;
-        b_backoff(t0);
-    }
+    for (uint32_t k = 0; k < n; k++)
+        (void)b_wait_room(kvw_receiver_room(r[k]));
     for (uint32_t k = 0; k < n; k++)
         if (kvw_room_poll(kvw_receiver_room(r[k])) != KVW_ROOM_SUCCESS) {
             snprintf(err, errcap, "room %llu failed on decode rank %u: %s",
@@ -763,7 +777,8 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
     b_pages_t *pg = calloc(w, sizeof(*pg));
     uint64_t *t_post = calloc(w, sizeof(uint64_t)), *lat = calloc(total, sizeof(uint64_t));
     bool *busy = calloc(w, sizeof(*busy));
-    int rc = rcv && pg && t_post && lat && busy ? 0 : -1;
+    uint64_t *seq = calloc(w, sizeof(*seq));
+    int rc = rcv && pg && t_post && lat && busy && seq ? 0 : -1;
     for (uint32_t s = 0; s < w && rc == 0; s++)
         if (b_pages_init(&pg[s], 1, 1) ||
             b_pages_set(&pg[s], 1, c->page, window, s, s, b_has_state(m) ? (int64_t)s : -1))
@@ -818,12 +833,12 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
                     }
                 }
                 busy[s] = true;
-                next++;
+                seq[s] = next++;
                 progress = true;
             }
         }
-        if (!progress)
-            b_sleep_ns(B_RATE_POLL_NS);
+        if (!progress && rc == 0)
+            b_wait_oldest(b_receiver_room_at, rcv, busy, seq, w, n);
     }
     uint64_t t1 = b_now();
     for (uint32_t s = 0; s < w && busy && rcv; s++)
@@ -852,6 +867,7 @@ static int b_decode_rate(const bench_cfg_t *c, const kvt_model_t *m, b_inst_t *i
     free(t_post);
     free(lat);
     free(busy);
+    free(seq);
     return rc;
 }
 
@@ -1641,8 +1657,8 @@ static void b_usage(FILE *f)
             "                        of its run (per transport and topology)\n"
             "  --quick               lengths 64,1024,4096, 3 reps, 500 rate rooms, 200 memory\n"
             "                        rooms, 1 s budget (about 20 s on an idle 2-core host)\n"
-            "Each request runs alone: decode posts, prefill sends one chunk, decode polls until\n"
-            "SUCCESS; GB/s = payload bytes confirmed by the decode ranks / (post -> SUCCESS),\n"
+            "Each request runs alone: decode posts, prefill sends one chunk, decode waits until\n"
+            "SUCCESS (kvw_room_wait); GB/s = payload bytes confirmed by the decode ranks / (post -> SUCCESS),\n"
             "median of the reps. After each request, the same bytes through the transport's\n"
             "baseline: shm = one memcpy between pre-faulted buffers, tcp = a plain socket\n"
             "stream over 127.0.0.1 between the two processes (4 MiB writes); ucx: ucx_perftest\n"

@@ -164,9 +164,11 @@ void *kvw__ctrl_main(void *arg)
     kvw_peer_t **flush = NULL;
     uint32_t cap = 0;
     uint64_t last_timeout_scan = 0, last_reap = 0;
+    kvw__queue_ctrl_thread(ctx);
     for (;;) {
         pthread_mutex_lock(&ctx->mu);
         kvw__run_deferred(ctx);
+        kvw__queue_kick(ctx);
         if (ctx->stopping) {
             /* Send what is queued (a room's completion, an abort) before leaving: the
              * peer must not learn of it only through the closed connection. */
@@ -269,6 +271,13 @@ void *kvw__ctrl_main(void *arg)
             }
         }
         kvw__run_deferred(ctx);
+        /* Small rooms that the requests just read made ready go out from here, without
+         * a worker's wake-up; whatever is left wakes the workers. */
+        if (!kvw__queue_empty(ctx)) {
+            kvw__ctrl_serve(ctx);
+            kvw__run_deferred(ctx);
+        }
+        kvw__queue_kick(ctx);
         /* Peers with queued frames, copied under the lock: registration threads may
          * grow the peer table meanwhile. Peers are never freed before the context. */
         uint32_t nf = 0;

@@ -41,6 +41,45 @@ static bool kvw_mediated(const struct kvw_ctx *ctx)
     return (kvw__tl_caps(ctx->tl_ops, ctx->tl) & KVW_TL_CAP_MEDIATED) != 0;
 }
 
+/* Confirmations (ROOM_DONE) that the landing of one completion queues: they join the
+ * prefill rank's queue under mu, in order with every other frame to it, but are written
+ * only once the room's waiter was woken (kvw_confirms_send). A write on a loopback or
+ * Unix socket runs the peer's receive path and wakes its control thread right then,
+ * and on a small host that took the core the decode's waiter was about to run on.
+ * Collected only on the thread that lands a completion (kvw__on_notify). */
+#define KVW_CONFIRMS_MAX 16
+static _Thread_local struct {
+    bool on;
+    uint32_t n;
+    kvw_peer_t *peer[KVW_CONFIRMS_MAX]; /* peers live as long as the context */
+} kvw_confirms;
+
+/* Confirms room r to prefill rank `peer`. mu held. */
+static void kvw_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, uint32_t peer)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    kvw_peer_t *p = kvw__peer_at(ctx, peer);
+    bool seen = false;
+    for (uint32_t i = 0; i < kvw_confirms.n; i++)
+        seen |= kvw_confirms.peer[i] == p;
+    if (kvw_confirms.on && (seen || kvw_confirms.n < KVW_CONFIRMS_MAX)) {
+        kvw__send_room_msg_later(ctx, p, KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
+        if (!seen)
+            kvw_confirms.peer[kvw_confirms.n++] = p;
+        return;
+    }
+    kvw__send_room_msg(ctx, p, KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
+}
+
+/* Writes the confirmations queued (mu not held). */
+static void kvw_confirms_send(struct kvw_ctx *ctx)
+{
+    kvw_confirms.on = false;
+    for (uint32_t i = 0; i < kvw_confirms.n; i++)
+        kvw__peer_flush_after(ctx, kvw_confirms.peer[i]);
+    kvw_confirms.n = 0;
+}
+
 /* Decode: tells a prefill rank that every byte it owes the room, and the metadata it
  * announced, arrived. On a mediated transport (tcp, ucx am) the confirmation waits for the room-wide check
  * of where the bytes landed instead (kvw_receiver_done): a sender's own count cannot
@@ -48,8 +87,8 @@ static bool kvw_mediated(const struct kvw_ctx *ctx)
 static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_room_src_t *s)
 {
     if (s->done && s->got == s->expected && (!s->meta_expected || s->meta_got) &&
-        !(kvw_mediated(ctx)))
-        kvw__send_room_msg(ctx, kvw__peer_at(ctx, s->peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK, "");
+        !kvw_mediated(ctx))
+        kvw_confirm(ctx, r, s->peer);
 }
 
 /* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
@@ -161,8 +200,7 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
         }
     if (kvw_mediated(ctx))
         for (uint32_t i = 0; i < r->num_srcs; i++)
-            kvw__send_room_msg(ctx, kvw__peer_at(ctx, r->srcs[i].peer), KVW_MSG_ROOM_DONE, r->id, KVW_OK,
-                               "");
+            kvw_confirm(ctx, r, r->srcs[i].peer);
     kvw__room_advance(r, KVW_ROOM_SUCCESS);
     /* A span the room still holds (asked for and never written) goes back now. */
     kvw__stage_release_room(ctx, r->id);
@@ -399,12 +437,20 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
         if (c.last_chunk)
             s->meta_expected = meta_len;
     }
+    /* The room's waiter is woken once mu is let go, not while this thread holds it, and
+     * the prefill ranks' confirmations go out after that; a room nobody waits on (many
+     * in flight, polled) confirms at once, saving the second round on mu. */
+    kvw__room_wake_defer(ctx);
+    kvw_confirms.on = r->waiters > 0;
+    kvw_confirms.n = 0;
     kvw_src_confirm(ctx, r, s);
     kvw_receiver_check(ctx, r, &f);
 out:
     if (f.status != KVW_OK)
         kvw__room_fail(ctx, r, f.status, true, "%s", f.why);
     pthread_mutex_unlock(&ctx->mu);
+    kvw__room_wake_after(ctx);
+    kvw_confirms_send(ctx);
     kvw__staged_close(drop);
 }
 

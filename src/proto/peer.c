@@ -58,7 +58,7 @@ void kvw__frame_tag(const kvw_peer_t *peer, uint8_t dir, uint64_t seq, uint8_t t
  * when the queue is empty and the control thread is not inside a write (tx_busy), both
  * checked under mu.
  */
-void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
+static void kvw_peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w, bool now)
 {
     KVW_ASSERT_HELD(&ctx->mu);
     if (peer->authed && !peer->dead && !w->oom) {
@@ -73,7 +73,7 @@ void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
         return;
     }
     size_t off = 0;
-    if (peer->out_head == NULL && !peer->tx_busy && peer->fd >= 0) {
+    if (now && peer->out_head == NULL && !peer->tx_busy && peer->fd >= 0) {
         while (off < w->len) {
             ssize_t k = send(peer->fd, w->p + off, w->len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
             if (k > 0) {
@@ -113,11 +113,33 @@ void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
     else
         peer->out_head = m;
     peer->out_tail = m;
-    kvw__ctx_wake(ctx);
+    if (now)
+        kvw__ctx_wake(ctx);
 }
 
-void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
-                        kvw_status_t status, const char *reason)
+void kvw__peer_send(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
+{
+    kvw_peer_send(ctx, peer, w, true);
+}
+
+void kvw__peer_send_later(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w)
+{
+    kvw_peer_send(ctx, peer, w, false);
+}
+
+void kvw__peer_flush_after(struct kvw_ctx *ctx, kvw_peer_t *peer)
+{
+    kvw__peer_flush(ctx, peer, false);
+    pthread_mutex_lock(&ctx->mu);
+    /* What the socket did not take (or another thread is writing) is the control
+     * thread's, which polls for it once woken. */
+    if (kvw__peer_tx_queued(peer) && !peer->dead)
+        kvw__ctx_wake(ctx);
+    pthread_mutex_unlock(&ctx->mu);
+}
+
+static void kvw_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
+                         kvw_status_t status, const char *reason, bool now)
 {
     KVW_ASSERT_HELD(&ctx->mu);
     kvw_wbuf_t w;
@@ -129,7 +151,19 @@ void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uin
     char cut[256];
     snprintf(cut, sizeof(cut), "%s", reason ? reason : "");
     kvw__wb_str(&w, cut);
-    kvw__peer_send(ctx, peer, &w);
+    kvw_peer_send(ctx, peer, &w, now);
+}
+
+void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
+                        kvw_status_t status, const char *reason)
+{
+    kvw_room_msg(ctx, peer, type, room, status, reason, true);
+}
+
+void kvw__send_room_msg_later(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type,
+                              uint64_t room, kvw_status_t status, const char *reason)
+{
+    kvw_room_msg(ctx, peer, type, room, status, reason, false);
 }
 
 /* Sends queued frames; called without mu, takes it only to pop. */
@@ -148,7 +182,9 @@ void kvw__peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
         /* The head frame leaves the queue while it is written outside mu (a peer's death
          * meanwhile frees the queue, not this frame); tx_busy keeps direct sends out. */
         pthread_mutex_lock(&ctx->mu);
-        kvw_outmsg_t *m = peer->dead || peer->fd < 0 ? NULL : peer->out_head;
+        /* One writer at a time: a frame being written by another thread (tx_busy) is
+         * followed by the rest of the queue from that thread. */
+        kvw_outmsg_t *m = peer->dead || peer->fd < 0 || peer->tx_busy ? NULL : peer->out_head;
         if (m) {
             peer->out_head = m->next;
             if (peer->out_head == NULL)

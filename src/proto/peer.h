@@ -168,5 +168,15 @@ void kvw__peer_free(struct kvw_ctx *ctx, kvw_peer_t *p);
 
 void kvw__send_room_msg(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, uint64_t room,
                         kvw_status_t status, const char *reason);
+/* As kvw__peer_send and kvw__send_room_msg, but the frame only joins the peer's queue
+ * (in order with every other frame to it) and nothing is written or woken: the caller
+ * writes it with kvw__peer_flush_after once it let go of mu (decode: a room's
+ * confirmation goes out after its waiter was woken). */
+void kvw__peer_send_later(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_wbuf_t *w);
+void kvw__send_room_msg_later(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type,
+                              uint64_t room, kvw_status_t status, const char *reason);
+/* Writes the peer's queued frames without blocking (mu not held); what is left, or
+ * another thread is writing, is the control thread's (woken for it). */
+void kvw__peer_flush_after(struct kvw_ctx *ctx, kvw_peer_t *peer);
 
 #endif

@@ -312,6 +312,18 @@ kvw_room_t *kvw__dequeue_room(struct kvw_ctx *ctx);
 bool kvw__queue_empty(struct kvw_ctx *ctx);
 void kvw__queue_wait(struct kvw_ctx *ctx);
 void kvw__queue_stop(struct kvw_ctx *ctx, bool stop);
+/* The control thread: marks this thread as ctx's control thread (rooms it queues wake
+ * the workers only at kvw__queue_kick, when it lets go of mu); whether this thread is
+ * it; the wake-up owed; the head of the queue, left queued (NULL: empty; mu held). */
+void kvw__queue_ctrl_thread(struct kvw_ctx *ctx);
+bool kvw__queue_on_ctrl(const struct kvw_ctx *ctx);
+void kvw__queue_kick(struct kvw_ctx *ctx);
+kvw_room_t *kvw__queue_head(struct kvw_ctx *ctx);
+/* Prefill, on the control thread (mu held, dropped around each put): serves small rooms
+ * at the head of the workers' queue itself, on the direct path of a host transport,
+ * instead of waking a worker for each (the wake-up and the fight for mu were the largest
+ * part of a small room's time on a small host). Anything else stays for the workers. */
+void kvw__ctrl_serve(struct kvw_ctx *ctx);
 uint32_t kvw__queue_gen(struct kvw_ctx *ctx);
 void kvw__queue_spin(struct kvw_ctx *ctx, uint32_t seen);
 

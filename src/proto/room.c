@@ -22,6 +22,30 @@ void kvw__room_touch(struct kvw_ctx *ctx, kvw_room_t *room)
     room->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;
 }
 
+/* A thread that completes rooms under mu and lets go of it right after (the decode's
+ * landing, on the transport's receive thread) wakes their waiters once it let go
+ * (kvw__room_wake_after): woken under mu, a waiter would only run into the lock held
+ * and sleep again. */
+static _Thread_local struct kvw_ctx *kvw_wake_ctx;
+static _Thread_local bool kvw_wake_defer, kvw_wake_owed;
+
+void kvw__room_wake_defer(struct kvw_ctx *ctx)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    kvw_wake_ctx = ctx;
+    kvw_wake_defer = true;
+    kvw_wake_owed = false;
+}
+
+void kvw__room_wake_after(struct kvw_ctx *ctx)
+{
+    bool owed = kvw_wake_defer && kvw_wake_ctx == ctx && kvw_wake_owed;
+    kvw_wake_defer = kvw_wake_owed = false;
+    kvw_wake_ctx = NULL;
+    if (owed)
+        pthread_cond_broadcast(&ctx->done_cv);
+}
+
 void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
 {
     /* Monotonic: never back, never out of a terminal state. */
@@ -36,7 +60,10 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
         room->hop_ns[KVW_HOP_SUCCESS] = room->end_ns;
         if (room->ctx) {
             atomic_fetch_add_explicit(&room->ctx->done_gen, 1, memory_order_release);
-            pthread_cond_broadcast(&room->ctx->done_cv);
+            if (kvw_wake_defer && kvw_wake_ctx == room->ctx)
+                kvw_wake_owed = true;
+            else
+                pthread_cond_broadcast(&room->ctx->done_cv);
         }
     }
 }
@@ -233,6 +260,7 @@ kvw_room_state_t kvw_room_wait(kvw_room_h h, uint32_t timeout_ms)
         ts.tv_nsec -= 1000000000L;
     }
     pthread_mutex_lock(&ctx->mu);
+    h->waiters++;
     if (ctx->busy_poll_ns && timeout_ms && h->state != KVW_ROOM_SUCCESS &&
         h->state != KVW_ROOM_FAILED) {
         uint32_t seen_ = atomic_load_explicit(&ctx->done_gen, memory_order_acquire);
@@ -245,6 +273,7 @@ kvw_room_state_t kvw_room_wait(kvw_room_h h, uint32_t timeout_ms)
            pthread_cond_timedwait(&ctx->done_cv, &ctx->mu, &ts) != ETIMEDOUT) {
     }
     kvw_room_state_t s = h->state;
+    h->waiters--;
     pthread_mutex_unlock(&ctx->mu);
     return s;
 }

@@ -80,6 +80,7 @@ typedef struct kvw_room {
     uint64_t created_ns, deadline_ns, start_ns, end_ns;
     uint64_t bytes, runs;
     uint32_t inflight; /* worker jobs running on this room */
+    uint32_t waiters;  /* threads in kvw_room_wait on this room (mu) */
     bool quiesce_sent; /* prefill: told every decode rank it stopped writing */
     bool queued; /* in the workers' queue (queued and qnext: ctx->q.mu) */
     struct kvw_room *qnext;
@@ -157,6 +158,9 @@ typedef struct kvw_workq {
     kvw_room_t *head, *tail;
     bool stop; /* the workers leave (context teardown) */
     _Atomic uint32_t gen; /* bumped whenever a room is queued for the workers */
+    /* Rooms queued by the control thread wake the workers only when it lets go of mu
+     * (kvw__queue_kick): it may serve a small room itself first (kvw__ctrl_serve). */
+    bool wake_due;
 } kvw_workq_t;
 
 /* Stamps hop `h` of a room now (mu held); `first`: keep an earlier stamp. */
@@ -207,6 +211,11 @@ void kvw__room_free(kvw_room_t *room);
 void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
                     const char *fmt, ...) KVW_PRINTF(5, 6);
 void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state);
+/* From here (mu held) to kvw__room_wake_after (called once mu is let go), rooms that
+ * this thread moves to Success wake their waiters (kvw_room_wait) only then: woken
+ * under mu, a waiter would run into the lock and sleep again. */
+void kvw__room_wake_defer(struct kvw_ctx *ctx);
+void kvw__room_wake_after(struct kvw_ctx *ctx);
 
 /*
  * A failed prefill room tells its decode ranks, once no worker step runs on it any

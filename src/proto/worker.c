@@ -420,13 +420,25 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
     }
     pc->ctx = ctx, pc->peer = peer, pc->room = r, pc->n = 0, pc->runs = 0;
     st = kvw_plan_expand(plan, kvw_put_run, pc);
-    if (st == KVW_OK)
-        st = kvw_put_flush(pc);
-    if (st == KVW_OK) {
+    if (st == KVW_OK && ctx->tl_ops->put_notify) {
+        /* The last batch of writes and the completion in one call (tcp: one sendmsg). */
         kvw_wbuf_t w;
         kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
         kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
-        st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
+        st = kvw__wb_finish(&w);
+        out->out_ns = kvw__now_ns();
+        if (st == KVW_OK)
+            st = ctx->tl_ops->put_notify(peer->ep, r->id, pc->puts, pc->n, w.p, w.len);
+        pc->n = 0;
+        kvw__wb_free(&w);
+    } else if (st == KVW_OK) {
+        st = kvw_put_flush(pc);
+        if (st == KVW_OK) {
+            kvw_wbuf_t w;
+            kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+            kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
+            st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
+        }
     }
     out->runs = pc->runs;
     free(pc);
@@ -453,7 +465,8 @@ static void kvw_job_release(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di)
  * are sent, the room fails or a streamed chunk has no layer ready (mu held, dropped
  * around each step). The job is released here, or with its last GPU step when that one
  * is reaped. */
-static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_gpu_q_t *gq)
+static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_gpu_q_t *gq,
+                           bool one_chunk)
 {
     uint64_t job_seq = 0; /* this job's last GPU step still to be reaped, if any */
     uint32_t nl = ctx->rank->par.layer_end - ctx->rank->par.layer_begin;
@@ -538,6 +551,8 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
         if (q.c.last_chunk)
             d->last_sent = true;
         d->next_chunk++;
+        if (one_chunk)
+            break; /* a chunk queued meanwhile goes to the workers (released below) */
     }
     if (job_seq > gq->reaped) {
         /* Its last step is still in flight: released when that one is reaped. */
@@ -546,6 +561,67 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
                 gq->q[(gq->head + k) % KVWC_EXEC_SLOTS].closes_job = true;
     } else {
         kvw_job_release(ctx, r, i);
+    }
+}
+
+/* What the control thread serves itself (kvw__ctrl_serve): rooms whose one chunk left for
+ * the decode rank is at most this many tokens and bytes, at most this many per pass. A
+ * larger room, a staged or GPU path, a streamed chunk: the workers'. The bound on bytes
+ * keeps the control thread's writes far below the socket buffers, so that it does not
+ * wait on them. */
+#define KVW_CTRL_SERVE_TOKENS 256u
+#define KVW_CTRL_SERVE_BYTES (64u << 10)
+#define KVW_CTRL_SERVE_ROOMS 4u
+
+static bool kvw_ctrl_can_serve(struct kvw_ctx *ctx, const kvw_room_t *r, uint32_t di)
+{
+    const kvw_room_dst_t *d = &r->dsts[di];
+    if (d->next_chunk + 1 != r->num_chunks || d->peer >= kvw__peer_count(ctx))
+        return false;
+    kvw_peer_t *peer = kvw__peer_at(ctx, d->peer);
+    const kvw_qchunk_t *q = &r->chunks[d->next_chunk];
+    if (peer->dead || peer->mapped || peer->must_stage || peer->remote == NULL ||
+        q->ready != NULL || q->c.chunk_end - q->c.chunk_begin > KVW_CTRL_SERVE_TOKENS ||
+        d->prefix_len > q->c.num_tokens)
+        return false;
+    kvw_chunk_t c = q->c;
+    c.prefix_len = d->prefix_len;
+    kvw_plan_h plan;
+    if (kvw__plan_create_nopages(ctx->rank, peer->remote, &c, &plan) != KVW_OK)
+        return false;
+    bool ok = plan->bytes <= KVW_CTRL_SERVE_BYTES &&
+              !(plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan));
+    kvw_plan_destroy(plan);
+    return ok;
+}
+
+void kvw__ctrl_serve(struct kvw_ctx *ctx)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    /* Host memory only (GPU memory goes through the staged or mapped paths), on a
+     * transport whose writes wait on no thread of its own (ucx's may). */
+    if (ctx->side != KVW_SIDE_PREFILL || ctx->num_workers == 0 || ctx->staged_dev ||
+        ctx->mem_dev >= 0 || !(ctx->tl_ops->caps & KVW_TL_CAP_SYNC_PUT))
+        return;
+    for (uint32_t k = 0; k < KVW_CTRL_SERVE_ROOMS && !ctx->stopping; k++) {
+        kvw_room_t *r = kvw__queue_head(ctx);
+        int di = r ? kvw__room_next_dst(ctx, r) : -1;
+        if (di < 0 || !kvw_ctrl_can_serve(ctx, r, (uint32_t)di))
+            return;
+        (void)kvw__dequeue_room(ctx); /* r: the head, under mu since it was looked at */
+        /* As a worker takes a job (kvw__worker_main); the job drops mu around its put. */
+        uint32_t i = (uint32_t)di;
+        r->dsts[i].busy = true;
+        r->inflight++;
+        kvw__room_hop(r, KVW_HOP_WORKER, true);
+        if (!r->start_ns)
+            r->start_ns = kvw__now_ns();
+        if (kvw__room_next_dst(ctx, r) >= 0)
+            kvw__queue_room(ctx, r); /* a worker takes the next decode rank */
+        kvw_gpu_q_t g;
+        memset(&g, 0, sizeof(g));
+        g.depth = 1;
+        kvw_worker_job(ctx, r, i, &g, true);
     }
 }
 
@@ -614,7 +690,7 @@ void *kvw__worker_main(void *arg)
             r->start_ns = kvw__now_ns();
         if (kvw__room_next_dst(ctx, r) >= 0)
             kvw__queue_room(ctx, r); /* another worker takes the next decode rank */
-        kvw_worker_job(ctx, r, i, &g);
+        kvw_worker_job(ctx, r, i, &g, false);
     }
     pthread_mutex_unlock(&ctx->mu);
     return NULL;

@@ -22,6 +22,19 @@ void kvw__queue_fini(struct kvw_ctx *ctx)
     pthread_cond_destroy(&ctx->q.cv);
 }
 
+/* The context whose control thread runs on this thread (NULL on every other thread). */
+static _Thread_local const struct kvw_ctx *kvw_ctrl_self;
+
+void kvw__queue_ctrl_thread(struct kvw_ctx *ctx)
+{
+    kvw_ctrl_self = ctx;
+}
+
+bool kvw__queue_on_ctrl(const struct kvw_ctx *ctx)
+{
+    return kvw_ctrl_self == ctx;
+}
+
 void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
 {
     KVW_ASSERT_HELD(&ctx->mu);
@@ -35,9 +48,32 @@ void kvw__queue_room(struct kvw_ctx *ctx, kvw_room_t *room)
             ctx->q.head = room;
         ctx->q.tail = room;
         atomic_fetch_add_explicit(&ctx->q.gen, 1, memory_order_release);
-        pthread_cond_broadcast(&ctx->q.cv);
+        /* The control thread wakes the workers once it lets go of mu: a room it serves
+         * itself meanwhile costs no worker a wake-up (and no fight for mu). */
+        if (kvw_ctrl_self == ctx)
+            ctx->q.wake_due = true;
+        else
+            pthread_cond_broadcast(&ctx->q.cv);
     }
     pthread_mutex_unlock(&ctx->q.mu);
+}
+
+void kvw__queue_kick(struct kvw_ctx *ctx)
+{
+    pthread_mutex_lock(&ctx->q.mu);
+    if (ctx->q.wake_due && ctx->q.head)
+        pthread_cond_broadcast(&ctx->q.cv);
+    ctx->q.wake_due = false;
+    pthread_mutex_unlock(&ctx->q.mu);
+}
+
+kvw_room_t *kvw__queue_head(struct kvw_ctx *ctx)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    pthread_mutex_lock(&ctx->q.mu);
+    kvw_room_t *r = ctx->q.head;
+    pthread_mutex_unlock(&ctx->q.mu);
+    return r;
 }
 
 void kvw__unqueue_room(struct kvw_ctx *ctx, kvw_room_t *room)

@@ -92,7 +92,11 @@ enum {
     KVW_TL_CAP_MEDIATED = 1u << 0,
     /* It moves device (GPU) memory to device memory itself, and only that: buffers on
      * both sides are device memory, with no host staging in between (cuda_ipc). */
-    KVW_TL_CAP_DEVICE_MEM = 1u << 1
+    KVW_TL_CAP_DEVICE_MEM = 1u << 1,
+    /* put and notify finish their work in the caller's thread, waiting on no other
+     * thread of the transport (a socket write, a memcpy; tcp, shm): the prefill's control
+     * thread may send a small room itself (kvw__ctrl_serve). */
+    KVW_TL_CAP_SYNC_PUT = 1u << 2
 };
 
 /* One one-sided write. */
@@ -137,6 +141,13 @@ typedef struct kvw_tl_ops {
 
     /* Sends a notification delivered after every put posted before it on ep. */
     kvw_status_t (*notify)(kvw_tl_ep_h ep, const void *msg, size_t len);
+
+    /* Optional (NULL when absent): put(ep, room, puts, n) then notify(ep, msg, len) in
+     * one call, with the same checks and errors, so that a transport can hand both to
+     * the kernel at once (tcp: one sendmsg for a small room's frames and its
+     * completion). */
+    kvw_status_t (*put_notify)(kvw_tl_ep_h ep, uint64_t room, const kvw_tl_put_t *puts,
+                               size_t n, const void *msg, size_t len);
 
     /* Closes one endpoint; non-blocking; on_ep_error is not called for it. */
     void (*ep_close)(kvw_tl_ep_h ep);

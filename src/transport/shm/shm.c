@@ -933,5 +933,5 @@ const kvw_tl_ops_t kvw_tl_shm_ops = {
     .name = "shm",
     KVW_TL_OPS_SLOTS(shm),
     KVW__SOCKSERV_OPS_SLOTS,
-    .caps = 0, /* not mediated: the sending library confines its writes */
+    .caps = KVW_TL_CAP_SYNC_PUT, /* not mediated: the sending library confines its writes */
 };

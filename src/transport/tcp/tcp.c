@@ -71,7 +71,7 @@ enum { RX_HELLO, RX_HDR, RX_PAYLOAD, RX_DISCARD, RX_NOTIFY };
 typedef struct tcp_ep {
     kvw__sock_ep_t s;      /* fd, peer, peer_token (the receiver's), dead, tx_mu, ... */
     uint8_t *tx_hdrs;      /* TCP_MAX_BATCH headers */
-    struct iovec *tx_iov;  /* 2 * TCP_MAX_BATCH + 1 */
+    struct iovec *tx_iov;  /* 2 * TCP_MAX_BATCH + 2 (the frames and a NOTIFY) */
 
     /* Receive state, touched by the receive thread only. */
     int rx_state;
@@ -722,7 +722,7 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
         goto err_close_socket;
     }
     ep->tx_hdrs = malloc((size_t)TCP_MAX_BATCH * KVW_TCP_HDR_LEN);
-    ep->tx_iov = malloc((2 * (size_t)TCP_MAX_BATCH + 1) * sizeof(struct iovec));
+    ep->tx_iov = malloc((2 * (size_t)TCP_MAX_BATCH + 2) * sizeof(struct iovec));
     if (ep->tx_hdrs == NULL || ep->tx_iov == NULL) {
         free(ep->tx_hdrs);
         free(ep->tx_iov);
@@ -796,18 +796,28 @@ static kvw_status_t ep_send(tcp_ep_t *ep, struct iovec *iov, size_t cnt, const c
     return st;
 }
 
-static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, size_t n)
+/* Writes PUT frames for `puts` and then, with msg (NULL: none), one NOTIFY frame, in
+ * batches of TCP_MAX_BATCH frames per sendmsg: the notification goes in the last
+ * batch, so a small room's bytes and its completion leave in one call (and usually
+ * reach the receive thread in one wake-up). */
+static kvw_status_t tcp_send_frames(tcp_ep_t *ep, uint64_t room, const kvw_tl_put_t *puts,
+                                    size_t n, const void *msg, size_t len)
 {
-    tcp_ep_t *ep = to_ep(ep_h);
     /* Check every write before sending any, so a bad batch moves nothing. */
     kvw_status_t st =
         kvw__tl_check_puts(check_sendable(ep, "put"), ep ? &ep->s.hd : NULL, puts, n);
+    if (st == KVW_OK && msg)
+        st = kvw__tl_check_notify(KVW_OK, &ep->s.hd, msg, len);
     if (st != KVW_OK)
         return st;
+    uint8_t nh[KVW_TCP_HDR_LEN];
+    if (msg)
+        kvw_tcp_hdr_encode(nh, KVW_TCP_NOTIFY, 0, 0, 0, len);
     pthread_mutex_lock(&ep->s.tx_mu);
-    st = check_sendable(ep, "put");
+    st = check_sendable(ep, msg && n == 0 ? "notify" : "put");
     size_t i = 0;
-    while (st == KVW_OK && i < n) {
+    bool note = msg != NULL;
+    while (st == KVW_OK && (i < n || note)) {
         size_t cnt = 0, frames = 0;
         for (; i < n && frames < TCP_MAX_BATCH; i++) {
             const tcp_rkey_t *rk = (const tcp_rkey_t *)(const void *)puts[i].rkey;
@@ -821,11 +831,28 @@ static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t 
                 (struct iovec){.iov_base = (void *)puts[i].src, .iov_len = (size_t)puts[i].len};
             frames++;
         }
+        if (i == n && note) {
+            ep->tx_iov[cnt++] = (struct iovec){.iov_base = nh, .iov_len = sizeof(nh)};
+            if (len > 0)
+                ep->tx_iov[cnt++] = (struct iovec){.iov_base = (void *)msg, .iov_len = len};
+            note = false;
+        }
         if (cnt > 0)
-            st = ep_send(ep, ep->tx_iov, cnt, "tcp put");
+            st = ep_send(ep, ep->tx_iov, cnt, msg ? "tcp put+notify" : "tcp put");
     }
     pthread_mutex_unlock(&ep->s.tx_mu);
     return st;
+}
+
+static kvw_status_t tcp_put(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts, size_t n)
+{
+    return tcp_send_frames(to_ep(ep_h), room, puts, n, NULL, 0);
+}
+
+static kvw_status_t tcp_put_notify(kvw_tl_ep_h ep_h, uint64_t room, const kvw_tl_put_t *puts,
+                                   size_t n, const void *msg, size_t len)
+{
+    return tcp_send_frames(to_ep(ep_h), room, puts, n, msg, len);
 }
 
 static kvw_status_t tcp_notify(kvw_tl_ep_h ep_h, const void *msg, size_t len)
@@ -868,5 +895,6 @@ const kvw_tl_ops_t kvw_tl_tcp_ops = {
     .name = "tcp",
     KVW_TL_OPS_SLOTS(tcp),
     KVW__SOCKSERV_OPS_SLOTS,
-    .caps = KVW_TL_CAP_MEDIATED,
+    .put_notify = tcp_put_notify,
+    .caps = KVW_TL_CAP_MEDIATED | KVW_TL_CAP_SYNC_PUT,
 };
