@@ -264,10 +264,8 @@ static kvw_status_t kvw_ctx_decode_own_instance(struct kvw_ctx *ctx,
                                     sized ? params->prefill_dp : 0, ctx->secret, deadline,
                                     &entries, &ne)) != KVW_OK)
         goto out;
-    for (uint32_t i = 0; i < ne; i++)
-        if ((st = kvw__decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
-                                            deadline)) != KVW_OK)
-            goto out;
+    if ((st = kvw__decode_connect_all(ctx, entries, ne, (uint32_t)i0, 1, deadline)) != KVW_OK)
+        goto out;
     pthread_mutex_lock(&ctx->mu);
     if ((st = kvw__inst_connected(ctx, (uint32_t)i0, 1)) == KVW_OK)
         kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_READY);

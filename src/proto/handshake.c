@@ -750,15 +750,82 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
 kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
                                        uint32_t inst, uint32_t gen, uint64_t deadline)
 {
-    uint64_t backoff_ms = 20;
+    /* The prefill rank learns of the old connection's end from its own socket (EOF, or
+     * its heartbeat timeout): nothing here can wait on that, so a short capped backoff. */
+    uint64_t backoff_ms = 10;
     kvw_status_t st;
     while ((st = kvw_decode_connect(ctx, e, inst, gen, deadline)) == KVW_ERR_BUSY &&
            !kvw__insts_cancelled(ctx) &&
            kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
         usleep((useconds_t)(backoff_ms * 1000));
-        backoff_ms = KVW_MIN(backoff_ms * 2, 500);
+        backoff_ms = KVW_MIN(backoff_ms * 2, 100);
     }
+    /* The control thread polls the new peer's socket (and heartbeats it) now, not only
+     * once every rank of the instance is registered. */
+    if (st == KVW_OK)
+        kvw__ctx_wake(ctx);
     return st;
+}
+
+/* kvw__decode_connect_all: the registrations with an instance's ranks, up to
+ * KVW_PAR_REGISTRATIONS at once. Each registration is a few round trips across three
+ * threads of the prefill process (accept, registration, transport), so done one after
+ * the other they take the sum of every wake-up latency: on a loaded host, seconds for
+ * 48 ranks. Workers take the next entry from a shared index; the first failure stops
+ * the others from starting new ones and is what the call reports. */
+typedef struct kvw_conn_all {
+    struct kvw_ctx *ctx;
+    const kvw_bs_entry_t *entries;
+    uint32_t n, inst, gen;
+    uint64_t deadline;
+    pthread_mutex_t mu;
+    uint32_t next;
+    kvw_status_t st;
+    char why[512];
+} kvw_conn_all_t;
+
+static void *kvw_conn_all_main(void *arg)
+{
+    kvw_conn_all_t *a = arg;
+    for (;;) {
+        pthread_mutex_lock(&a->mu);
+        uint32_t i = a->st == KVW_OK ? a->next++ : a->n;
+        pthread_mutex_unlock(&a->mu);
+        if (i >= a->n)
+            return NULL;
+        kvw_status_t st = kvw__decode_connect_retry(a->ctx, &a->entries[i], a->inst, a->gen,
+                                                    a->deadline);
+        if (st != KVW_OK) {
+            pthread_mutex_lock(&a->mu);
+            if (a->st == KVW_OK) {
+                a->st = st;
+                snprintf(a->why, sizeof(a->why), "%s", kvw_last_error());
+            }
+            pthread_mutex_unlock(&a->mu);
+        }
+    }
+}
+
+kvw_status_t kvw__decode_connect_all(struct kvw_ctx *ctx, const kvw_bs_entry_t *entries,
+                                     uint32_t n, uint32_t inst, uint32_t gen, uint64_t deadline)
+{
+    kvw_conn_all_t a = {.ctx = ctx, .entries = entries, .n = n, .inst = inst, .gen = gen,
+                        .deadline = deadline, .st = KVW_OK};
+    pthread_t t[KVW_PAR_REGISTRATIONS];
+    uint32_t nt = 0, want = KVW_MIN(n, KVW_PAR_REGISTRATIONS);
+    pthread_mutex_init(&a.mu, NULL);
+    /* This thread is one of the workers; the others are helpers (none when a thread
+     * cannot be started: the registrations then go one after the other). */
+    for (; nt + 1 < want; nt++)
+        if (pthread_create(&t[nt], NULL, kvw_conn_all_main, &a) != 0)
+            break;
+    kvw_conn_all_main(&a);
+    for (uint32_t i = 0; i < nt; i++)
+        pthread_join(t[i], NULL);
+    pthread_mutex_destroy(&a.mu);
+    if (a.st != KVW_OK)
+        return kvw__error(a.st, "%s", a.why);
+    return KVW_OK;
 }
 
 /* Registrations run on their own short-lived threads: a silent or slow connection to

@@ -121,8 +121,8 @@ static void *kvw_inst_connect_main(void *arg)
     uint32_t ne = 0;
     kvw_status_t st = kvw__bootstrap_lookup_ex(a->addr, 0, 0, 0, ctx->secret, deadline, true,
                                                &ctx->insts.cancel, &entries, &ne);
-    for (uint32_t i = 0; st == KVW_OK && i < ne; i++)
-        st = kvw__decode_connect_retry(ctx, &entries[i], a->inst, a->gen, deadline);
+    if (st == KVW_OK)
+        st = kvw__decode_connect_all(ctx, entries, ne, a->inst, a->gen, deadline);
     free(entries);
     char why[400];
     snprintf(why, sizeof(why), "%s", st == KVW_OK ? "" : kvw_last_error());

@@ -333,6 +333,12 @@ void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char
 kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
                                        uint32_t inst, uint32_t gen, uint64_t deadline);
 
+/* Registers with every rank of `entries` (kvw__decode_connect_retry each), up to
+ * KVW_PAR_REGISTRATIONS at once; the first failure is the result. */
+#define KVW_PAR_REGISTRATIONS 8
+kvw_status_t kvw__decode_connect_all(struct kvw_ctx *ctx, const kvw_bs_entry_t *entries,
+                                     uint32_t n, uint32_t inst, uint32_t gen, uint64_t deadline);
+
 void kvw__start_handshake(struct kvw_ctx *ctx, int fd);
 
 /* Context create: every registration slot free. Destroy: registration threads still
