@@ -181,6 +181,7 @@ static kvw_status_t kvw_ctx_prefill_start(struct kvw_ctx *ctx, const kvw_ctx_par
         pthread_mutex_lock(&ctx->mu);
         kvw__entry_bind(e.nonce, e.addr, ctx->bs_bind);
         ctx->bs_bound = true;
+        pthread_cond_broadcast(&ctx->cv); /* registrations waiting for it (handshake.c) */
         pthread_mutex_unlock(&ctx->mu);
     }
     return st;

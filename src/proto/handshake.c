@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 /* The remote rank's description with its buffers at the addresses this process maps
@@ -244,15 +245,21 @@ static kvw_status_t kvw_hs_verify_mac(struct kvw_ctx *ctx, kvw_hs_t *h)
     if (ctx->secret[0]) {
         uint8_t want[32], eb[32];
         /* A decode can reach us between the endpoint's answer to our registration and
-         * the moment we stored what it bound: wait for it (until the deadline). */
-        for (bool bound = false; !bound;) {
-            pthread_mutex_lock(&ctx->mu);
-            bound = ctx->bs_bound || kvw__now_ns() >= h->deadline;
-            memcpy(eb, ctx->bs_bind, sizeof(eb));
-            pthread_mutex_unlock(&ctx->mu);
-            if (!bound)
-                usleep(1000);
+         * the moment we stored what it bound: wait for it (until the deadline), woken
+         * when it is stored (ctx->cv). */
+        pthread_mutex_lock(&ctx->mu);
+        for (uint64_t now; !ctx->bs_bound && !ctx->stopping &&
+                           (now = kvw__now_ns()) < h->deadline;) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            uint64_t wait = KVW_MIN(h->deadline - now, 50000000ull);
+            ts.tv_nsec += (long)(wait % 1000000000ull);
+            ts.tv_sec += (time_t)(wait / 1000000000ull) + ts.tv_nsec / 1000000000L;
+            ts.tv_nsec %= 1000000000L;
+            pthread_cond_timedwait(&ctx->cv, &ctx->mu, &ts);
         }
+        memcpy(eb, ctx->bs_bind, sizeof(eb));
+        pthread_mutex_unlock(&ctx->mu);
         kvw_auth_mac(ctx, "kvwire-hello-3", h->nonce, h->dnonce, hello_body, hello_body_len, eb,
                      sizeof(eb), want);
         if (!h->has_mac || !kvw__ct_equal(h->mac, want, 32)) {
