@@ -166,6 +166,7 @@ typedef struct kvw_hs {
     uint8_t mac[32], dnonce[KVW_NONCE];
     uint32_t id_at_remote;
     uint64_t instance;
+    uint64_t admitted; /* its order among admitted registrations (ctx->hs.admitted) */
     char tl_name[32];
     const void *addr;
     size_t addr_len;
@@ -350,6 +351,8 @@ static kvw_status_t kvw_hs_admit(struct kvw_ctx *ctx, kvw_hs_t *h)
                      "alive (two decode instances need distinct instance ids)", o->desc);
         }
     }
+    if (st == KVW_OK)
+        h->admitted = ++ctx->hs.admitted;
     pthread_mutex_unlock(&ctx->mu);
     return st;
 }
@@ -513,26 +516,31 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
     pthread_mutex_lock(&ctx->mu);
     const kvw_parallel_t *rpar = kvw_rank_parallel(h->remote);
     /* The same rank of the same decode instance registering again replaces the old
-     * registration (a restarted process whose death was not noticed yet). */
+     * registration (a restarted process whose death was not noticed yet). No such peer
+     * was alive when this one was admitted, so one alive now registered meanwhile: the
+     * one admitted later is the newer. ACCEPT goes out before the peer is added here, so
+     * a decode rank can take it, leave and register again while this thread is still on
+     * its way: this registration, admitted first, must not replace the newer one. */
+    bool stale = false;
     for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
         kvw_peer_t *o = kvw__peer_at(ctx, i);
         if (!o->dead && o->instance == h->instance && o->dp == rpar->dp_rank &&
-            o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
-            kvw__peer_doom(ctx, o, KVW_ERR_PEER_DEAD,
-                           "replaced by a new registration of the same rank (two decode "
-                           "instances need distinct instance ids)");
+            o->tp == rpar->tp_rank && o->pp == rpar->pp_rank) {
+            if (o->admitted > h->admitted)
+                stale = true;
+            else
+                kvw__peer_doom(ctx, o, KVW_ERR_PEER_DEAD,
+                               "replaced by a new registration of the same rank (two decode "
+                               "instances need distinct instance ids)");
+        }
     }
-    kvw_peer_t *peer = kvw__peer_add(ctx, fd);
+    kvw_peer_t *peer = stale ? NULL : kvw__peer_add(ctx, fd);
     if (peer == NULL) {
         pthread_mutex_unlock(&ctx->mu);
-        if (h->staging_rkey)
-            ctx->tl_ops->rkey_release(h->staging_rkey);
-        for (uint32_t i = 0; i < h->nb; i++)
-            ctx->tl_ops->rkey_release(h->rkeys[i]);
-        free(h->rkeys);
-        ctx->tl_ops->ep_close(h->ep);
-        kvw_rank_destroy(h->mapped);
-        kvw_rank_destroy(h->remote);
+        kvw_hs_release(ctx, h);
+        if (stale)
+            return kvw__error(KVW_ERR_PEER_DEAD, "a newer registration of the same decode "
+                              "rank was accepted meanwhile");
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
     }
     const kvw_parallel_t *rp = kvw_rank_parallel(h->remote);
@@ -543,6 +551,7 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
     peer->id_at_remote = h->id_at_remote;
     peer->mapped = h->mapped;
     peer->instance = h->instance;
+    peer->admitted = h->admitted;
     peer->staging_rkey = h->staging_rkey;
     peer->staging_len = h->staging_len;
     peer->must_stage = h->must_stage;

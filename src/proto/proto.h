@@ -121,6 +121,7 @@ typedef struct kvw_hs_slots {
         bool evicted; /* displaced: its thread is on its way out */
     } slot[2 * KVW_MAX_HANDSHAKES];
     uint32_t running;  /* registration threads still running */
+    uint64_t admitted; /* registrations admitted so far: each one's order (kvw_hs_admit) */
     uint64_t refusals; /* registrations refused, and the last reason */
     char last_refusal[480];
 } kvw_hs_slots_t;
