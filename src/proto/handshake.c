@@ -415,9 +415,14 @@ static kvw_status_t kvw_hs_connect_data(struct kvw_ctx *ctx, kvw_hs_t *h)
     if (h->staging_len) {
         size_t kl = 0;
         const void *k = kvw__rb_bytes(&h->r, KVW_TL_MAX_RKEY, &kl);
-        if (k == NULL || ctx->tl_ops->rkey_unpack(h->ep, k, kl, &h->staging_rkey) != KVW_OK) {
+        if (k == NULL) {
             snprintf(h->reason, sizeof(h->reason), "bad staging key in the registration");
             return KVW_ERR_MALFORMED;
+        }
+        if ((st = ctx->tl_ops->rkey_unpack(h->ep, k, kl, &h->staging_rkey)) != KVW_OK) {
+            snprintf(h->reason, sizeof(h->reason), "bad staging key in the registration: %s",
+                     kvw_last_error());
+            return st;
         }
     }
     /* A decode's staging area is KVW_STAGING_MB whole MiB: a smaller or larger one
