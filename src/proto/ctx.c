@@ -185,6 +185,7 @@ static kvw_status_t kvw_ctx_prefill_start(struct kvw_ctx *ctx, const kvw_ctx_par
         pthread_mutex_lock(&ctx->mu);
         kvw__entry_bind(e.nonce, e.addr, ctx->bs_bind);
         ctx->bs_bound = true;
+        pthread_cond_broadcast(&ctx->cv); /* registrations waiting for it (handshake.c) */
         pthread_mutex_unlock(&ctx->mu);
     }
     return st;
@@ -252,10 +253,14 @@ static kvw_status_t kvw_ctx_decode_own_instance(struct kvw_ctx *ctx,
     kvw_bs_entry_t *entries = NULL;
     uint32_t ne = 0;
     kvw_status_t st;
+    /* The control thread runs already: the instance table is touched under mu. */
+    pthread_mutex_lock(&ctx->mu);
     int i0 = kvw__inst_find_or_add(ctx, ctx->bootstrap_addr);
+    if (i0 >= 0)
+        kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_CONNECTING);
+    pthread_mutex_unlock(&ctx->mu);
     if (i0 < 0)
         return KVW_ERR_INVALID_PARAM;
-    kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_CONNECTING);
     /* The sizes are read only with their bit (field-mask contract): clear, all three
      * come from the bootstrap. */
     bool sized = params->field_mask & KVW_CTX_FIELD_PREFILL_SIZE;
@@ -264,29 +269,34 @@ static kvw_status_t kvw_ctx_decode_own_instance(struct kvw_ctx *ctx,
                                     sized ? params->prefill_dp : 0, ctx->secret, deadline,
                                     &entries, &ne)) != KVW_OK)
         goto out;
-    for (uint32_t i = 0; i < ne; i++)
-        if ((st = kvw__decode_connect_retry(ctx, &entries[i], (uint32_t)i0, 1,
-                                            deadline)) != KVW_OK)
-            goto out;
-    kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_READY);
+    if ((st = kvw__decode_connect_all(ctx, entries, ne, (uint32_t)i0, 1, deadline)) != KVW_OK)
+        goto out;
+    pthread_mutex_lock(&ctx->mu);
+    if ((st = kvw__inst_connected(ctx, (uint32_t)i0, 1)) == KVW_OK)
+        kvw__inst_set(ctx, (uint32_t)i0, 1, KVW_INST_READY);
+    pthread_mutex_unlock(&ctx->mu);
 out:
     free(entries);
     return st;
 }
 
-/* Decode: register every buffer, then register with every prefill rank of the context's
- * own instance (when it names one), then start the control thread. */
+/* Decode: register every buffer, start the control thread, then register with every
+ * prefill rank of the context's own instance (when it names one). The control thread
+ * runs first so that each prefill rank hears this rank (heartbeats) from its
+ * registration on: a prefill rank declares a peer that stays silent for the peer
+ * timeout (3 s) dead, and registering with a large instance on a loaded host can take
+ * longer than that. */
 static kvw_status_t kvw_ctx_decode_start(struct kvw_ctx *ctx, const kvw_ctx_params_t *params,
                                          bool has_bs, uint64_t deadline)
 {
     kvw_status_t st;
     if ((st = kvw_ctx_decode_mem_reg(ctx)) != KVW_OK)
         return st;
-    if (has_bs && (st = kvw_ctx_decode_own_instance(ctx, params, deadline)) != KVW_OK)
-        return st;
     if (pthread_create(&ctx->ctrl_thread, NULL, kvw__ctrl_main, ctx) != 0)
         return kvw__error(KVW_ERR_IO, "cannot start the control thread");
     ctx->ctrl_started = true;
+    if (has_bs && (st = kvw_ctx_decode_own_instance(ctx, params, deadline)) != KVW_OK)
+        return st;
     return KVW_OK;
 }
 

@@ -13,6 +13,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
 
 /* The remote rank's description with its buffers at the addresses this process maps
@@ -165,6 +166,7 @@ typedef struct kvw_hs {
     uint8_t mac[32], dnonce[KVW_NONCE];
     uint32_t id_at_remote;
     uint64_t instance;
+    uint64_t admitted; /* its order among admitted registrations (ctx->hs.admitted) */
     char tl_name[32];
     const void *addr;
     size_t addr_len;
@@ -244,15 +246,21 @@ static kvw_status_t kvw_hs_verify_mac(struct kvw_ctx *ctx, kvw_hs_t *h)
     if (ctx->secret[0]) {
         uint8_t want[32], eb[32];
         /* A decode can reach us between the endpoint's answer to our registration and
-         * the moment we stored what it bound: wait for it (until the deadline). */
-        for (bool bound = false; !bound;) {
-            pthread_mutex_lock(&ctx->mu);
-            bound = ctx->bs_bound || kvw__now_ns() >= h->deadline;
-            memcpy(eb, ctx->bs_bind, sizeof(eb));
-            pthread_mutex_unlock(&ctx->mu);
-            if (!bound)
-                usleep(1000);
+         * the moment we stored what it bound: wait for it (until the deadline), woken
+         * when it is stored (ctx->cv). */
+        pthread_mutex_lock(&ctx->mu);
+        for (uint64_t now; !ctx->bs_bound && !ctx->stopping &&
+                           (now = kvw__now_ns()) < h->deadline;) {
+            struct timespec ts;
+            clock_gettime(CLOCK_REALTIME, &ts);
+            uint64_t wait = KVW_MIN(h->deadline - now, 50000000ull);
+            ts.tv_nsec += (long)(wait % 1000000000ull);
+            ts.tv_sec += (time_t)(wait / 1000000000ull) + ts.tv_nsec / 1000000000L;
+            ts.tv_nsec %= 1000000000L;
+            pthread_cond_timedwait(&ctx->cv, &ctx->mu, &ts);
         }
+        memcpy(eb, ctx->bs_bind, sizeof(eb));
+        pthread_mutex_unlock(&ctx->mu);
         kvw_auth_mac(ctx, "kvwire-hello-3", h->nonce, h->dnonce, hello_body, hello_body_len, eb,
                      sizeof(eb), want);
         if (!h->has_mac || !kvw__ct_equal(h->mac, want, 32)) {
@@ -343,6 +351,8 @@ static kvw_status_t kvw_hs_admit(struct kvw_ctx *ctx, kvw_hs_t *h)
                      "alive (two decode instances need distinct instance ids)", o->desc);
         }
     }
+    if (st == KVW_OK)
+        h->admitted = ++ctx->hs.admitted;
     pthread_mutex_unlock(&ctx->mu);
     return st;
 }
@@ -405,9 +415,14 @@ static kvw_status_t kvw_hs_connect_data(struct kvw_ctx *ctx, kvw_hs_t *h)
     if (h->staging_len) {
         size_t kl = 0;
         const void *k = kvw__rb_bytes(&h->r, KVW_TL_MAX_RKEY, &kl);
-        if (k == NULL || ctx->tl_ops->rkey_unpack(h->ep, k, kl, &h->staging_rkey) != KVW_OK) {
+        if (k == NULL) {
             snprintf(h->reason, sizeof(h->reason), "bad staging key in the registration");
             return KVW_ERR_MALFORMED;
+        }
+        if ((st = ctx->tl_ops->rkey_unpack(h->ep, k, kl, &h->staging_rkey)) != KVW_OK) {
+            snprintf(h->reason, sizeof(h->reason), "bad staging key in the registration: %s",
+                     kvw_last_error());
+            return st;
         }
     }
     /* A decode's staging area is KVW_STAGING_MB whole MiB: a smaller or larger one
@@ -506,26 +521,31 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
     pthread_mutex_lock(&ctx->mu);
     const kvw_parallel_t *rpar = kvw_rank_parallel(h->remote);
     /* The same rank of the same decode instance registering again replaces the old
-     * registration (a restarted process whose death was not noticed yet). */
+     * registration (a restarted process whose death was not noticed yet). No such peer
+     * was alive when this one was admitted, so one alive now registered meanwhile: the
+     * one admitted later is the newer. ACCEPT goes out before the peer is added here, so
+     * a decode rank can take it, leave and register again while this thread is still on
+     * its way: this registration, admitted first, must not replace the newer one. */
+    bool stale = false;
     for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
         kvw_peer_t *o = kvw__peer_at(ctx, i);
         if (!o->dead && o->instance == h->instance && o->dp == rpar->dp_rank &&
-            o->tp == rpar->tp_rank && o->pp == rpar->pp_rank)
-            kvw__peer_doom(ctx, o, KVW_ERR_PEER_DEAD,
-                           "replaced by a new registration of the same rank (two decode "
-                           "instances need distinct instance ids)");
+            o->tp == rpar->tp_rank && o->pp == rpar->pp_rank) {
+            if (o->admitted > h->admitted)
+                stale = true;
+            else
+                kvw__peer_doom(ctx, o, KVW_ERR_PEER_DEAD,
+                               "replaced by a new registration of the same rank (two decode "
+                               "instances need distinct instance ids)");
+        }
     }
-    kvw_peer_t *peer = kvw__peer_add(ctx, fd);
+    kvw_peer_t *peer = stale ? NULL : kvw__peer_add(ctx, fd);
     if (peer == NULL) {
         pthread_mutex_unlock(&ctx->mu);
-        if (h->staging_rkey)
-            ctx->tl_ops->rkey_release(h->staging_rkey);
-        for (uint32_t i = 0; i < h->nb; i++)
-            ctx->tl_ops->rkey_release(h->rkeys[i]);
-        free(h->rkeys);
-        ctx->tl_ops->ep_close(h->ep);
-        kvw_rank_destroy(h->mapped);
-        kvw_rank_destroy(h->remote);
+        kvw_hs_release(ctx, h);
+        if (stale)
+            return kvw__error(KVW_ERR_PEER_DEAD, "a newer registration of the same decode "
+                              "rank was accepted meanwhile");
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory adding a peer");
     }
     const kvw_parallel_t *rp = kvw_rank_parallel(h->remote);
@@ -536,6 +556,7 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
     peer->id_at_remote = h->id_at_remote;
     peer->mapped = h->mapped;
     peer->instance = h->instance;
+    peer->admitted = h->admitted;
     peer->staging_rkey = h->staging_rkey;
     peer->staging_len = h->staging_len;
     peer->must_stage = h->must_stage;
@@ -750,15 +771,82 @@ static kvw_status_t kvw_decode_connect(struct kvw_ctx *ctx, const kvw_bs_entry_t
 kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
                                        uint32_t inst, uint32_t gen, uint64_t deadline)
 {
-    uint64_t backoff_ms = 20;
+    /* The prefill rank learns of the old connection's end from its own socket (EOF, or
+     * its heartbeat timeout): nothing here can wait on that, so a short capped backoff. */
+    uint64_t backoff_ms = 10;
     kvw_status_t st;
     while ((st = kvw_decode_connect(ctx, e, inst, gen, deadline)) == KVW_ERR_BUSY &&
            !kvw__insts_cancelled(ctx) &&
            kvw__now_ns() + backoff_ms * 1000000ull < deadline) {
         usleep((useconds_t)(backoff_ms * 1000));
-        backoff_ms = KVW_MIN(backoff_ms * 2, 500);
+        backoff_ms = KVW_MIN(backoff_ms * 2, 100);
     }
+    /* The control thread polls the new peer's socket (and heartbeats it) now, not only
+     * once every rank of the instance is registered. */
+    if (st == KVW_OK)
+        kvw__ctx_wake(ctx);
     return st;
+}
+
+/* kvw__decode_connect_all: the registrations with an instance's ranks, up to
+ * KVW_PAR_REGISTRATIONS at once. Each registration is a few round trips across three
+ * threads of the prefill process (accept, registration, transport), so done one after
+ * the other they take the sum of every wake-up latency: on a loaded host, seconds for
+ * 48 ranks. Workers take the next entry from a shared index; the first failure stops
+ * the others from starting new ones and is what the call reports. */
+typedef struct kvw_conn_all {
+    struct kvw_ctx *ctx;
+    const kvw_bs_entry_t *entries;
+    uint32_t n, inst, gen;
+    uint64_t deadline;
+    pthread_mutex_t mu;
+    uint32_t next;
+    kvw_status_t st;
+    char why[512];
+} kvw_conn_all_t;
+
+static void *kvw_conn_all_main(void *arg)
+{
+    kvw_conn_all_t *a = arg;
+    for (;;) {
+        pthread_mutex_lock(&a->mu);
+        uint32_t i = a->st == KVW_OK ? a->next++ : a->n;
+        pthread_mutex_unlock(&a->mu);
+        if (i >= a->n)
+            return NULL;
+        kvw_status_t st = kvw__decode_connect_retry(a->ctx, &a->entries[i], a->inst, a->gen,
+                                                    a->deadline);
+        if (st != KVW_OK) {
+            pthread_mutex_lock(&a->mu);
+            if (a->st == KVW_OK) {
+                a->st = st;
+                snprintf(a->why, sizeof(a->why), "%s", kvw_last_error());
+            }
+            pthread_mutex_unlock(&a->mu);
+        }
+    }
+}
+
+kvw_status_t kvw__decode_connect_all(struct kvw_ctx *ctx, const kvw_bs_entry_t *entries,
+                                     uint32_t n, uint32_t inst, uint32_t gen, uint64_t deadline)
+{
+    kvw_conn_all_t a = {.ctx = ctx, .entries = entries, .n = n, .inst = inst, .gen = gen,
+                        .deadline = deadline, .st = KVW_OK};
+    pthread_t t[KVW_PAR_REGISTRATIONS];
+    uint32_t nt = 0, want = KVW_MIN(n, KVW_PAR_REGISTRATIONS);
+    pthread_mutex_init(&a.mu, NULL);
+    /* This thread is one of the workers; the others are helpers (none when a thread
+     * cannot be started: the registrations then go one after the other). */
+    for (; nt + 1 < want; nt++)
+        if (pthread_create(&t[nt], NULL, kvw_conn_all_main, &a) != 0)
+            break;
+    kvw_conn_all_main(&a);
+    for (uint32_t i = 0; i < nt; i++)
+        pthread_join(t[i], NULL);
+    pthread_mutex_destroy(&a.mu);
+    if (a.st != KVW_OK)
+        return kvw__error(a.st, "%s", a.why);
+    return KVW_OK;
 }
 
 /* Registrations run on their own short-lived threads: a silent or slow connection to

@@ -20,8 +20,21 @@ void kvw__insts_fini(struct kvw_ctx *ctx)
 
 void kvw__inst_set(struct kvw_ctx *ctx, uint32_t i, uint32_t gen, int state)
 {
+    KVW_ASSERT_HELD(&ctx->mu);
+    if (ctx->insts.tab[i].gen != gen)
+        ctx->insts.tab[i].lost = false;
     ctx->insts.tab[i].gen = gen;
     ctx->insts.tab[i].state = state;
+}
+
+kvw_status_t kvw__inst_connected(struct kvw_ctx *ctx, uint32_t i, uint32_t gen)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    kvw_inst_t *in = &ctx->insts.tab[i];
+    if (in->gen == gen && in->lost)
+        return kvw__error(KVW_ERR_PEER_DEAD, "a rank of prefill instance %s went away while "
+                          "it was being connected: %s", in->addr, in->why);
+    return KVW_OK;
 }
 
 void kvw__inst_peer_down(struct kvw_ctx *ctx, const kvw_peer_t *peer, const char *reason)
@@ -32,6 +45,10 @@ void kvw__inst_peer_down(struct kvw_ctx *ctx, const kvw_peer_t *peer, const char
     kvw_inst_t *in = &ctx->insts.tab[peer->inst];
     if (in->gen == peer->inst_gen && in->state == KVW_INST_READY) {
         in->state = KVW_INST_DOWN;
+        snprintf(in->why, sizeof(in->why), "%s: %s", peer->desc, reason);
+    } else if (in->gen == peer->inst_gen && in->state == KVW_INST_CONNECTING && !in->lost) {
+        /* Its connection completes as a failure (kvw__inst_connected). */
+        in->lost = true;
         snprintf(in->why, sizeof(in->why), "%s: %s", peer->desc, reason);
     }
 }
@@ -104,13 +121,15 @@ static void *kvw_inst_connect_main(void *arg)
     uint32_t ne = 0;
     kvw_status_t st = kvw__bootstrap_lookup_ex(a->addr, 0, 0, 0, ctx->secret, deadline, true,
                                                &ctx->insts.cancel, &entries, &ne);
-    for (uint32_t i = 0; st == KVW_OK && i < ne; i++)
-        st = kvw__decode_connect_retry(ctx, &entries[i], a->inst, a->gen, deadline);
+    if (st == KVW_OK)
+        st = kvw__decode_connect_all(ctx, entries, ne, a->inst, a->gen, deadline);
     free(entries);
     char why[400];
     snprintf(why, sizeof(why), "%s", st == KVW_OK ? "" : kvw_last_error());
     pthread_mutex_lock(&ctx->mu);
     kvw_inst_t *in = &ctx->insts.tab[a->inst];
+    if (st == KVW_OK && (st = kvw__inst_connected(ctx, a->inst, a->gen)) != KVW_OK)
+        snprintf(why, sizeof(why), "%s", kvw_last_error());
     if (in->gen == a->gen) {
         if (st == KVW_OK) {
             in->state = KVW_INST_READY;
@@ -146,6 +165,17 @@ int kvw__inst_use(struct kvw_ctx *ctx, uint32_t i, kvw_inst_settle_fn settle)
         return KVW_INST_DOWN;
     in->gen++;
     in->state = KVW_INST_CONNECTING;
+    in->lost = false;
+    /* The ranks of the instance's previous connection that are still alive go: each
+     * prefill rank refuses a second registration of this rank while the first is
+     * alive (BUSY), so the new one could never complete beside them. The rooms still
+     * on them fail with this reason. */
+    for (uint32_t k = 0; k < kvw__peer_count(ctx); k++) {
+        kvw_peer_t *p = kvw__peer_at(ctx, k);
+        if (p->inst == i && p->inst_gen != in->gen && !p->dead && !p->registering)
+            kvw__peer_doom(ctx, p, KVW_ERR_PEER_DEAD, "its prefill instance is being "
+                           "connected again (another of its ranks went down)");
+    }
     *a = (kvw_conn_arg_t){.ctx = ctx, .inst = i, .gen = in->gen, .settle = settle};
     snprintf(a->addr, sizeof(a->addr), "%s", in->addr);
     ctx->insts.connecting++;

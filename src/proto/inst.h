@@ -23,7 +23,8 @@ typedef struct kvw_inst {
     char addr[128];
     uint32_t gen; /* bumped on every (re)connection; peers and rooms carry it */
     int state;
-    char why[400]; /* why it went down */
+    bool lost;     /* a rank of this generation died while it was being connected */
+    char why[400]; /* why it went down (or was lost) */
 } kvw_inst_t;
 
 /* A room that ended while its instance was being connected; its prefill ranks are told
@@ -57,8 +58,12 @@ void kvw__insts_fini(struct kvw_ctx *ctx);
 /* Sets instance `i`'s generation and state (the context's own instance, connected at
  * creation). mu held. */
 void kvw__inst_set(struct kvw_ctx *ctx, uint32_t i, uint32_t gen, int state);
+/* Whether instance `i`'s connection of generation `gen` ends connected: KVW_OK, or
+ * PEER_DEAD (message set) when one of its ranks died while the others were being
+ * registered with. mu held. */
+kvw_status_t kvw__inst_connected(struct kvw_ctx *ctx, uint32_t i, uint32_t gen);
 /* A rank of a ready instance died: the instance is down (the next room that names it
- * connects again). mu held. */
+ * connects again); of one being connected: that connection is lost. mu held. */
 void kvw__inst_peer_down(struct kvw_ctx *ctx, const struct kvw_peer *peer, const char *reason);
 /* A room posted while its instance (inst, gen) was being connected ended: its prefill
  * ranks of DP rank `dp` hear of it once the instance is connected. mu held. */

@@ -32,6 +32,7 @@ typedef struct kvw_peer {
     kvw_rank_h remote;
     uint32_t dp, tp, pp;
     uint64_t instance; /* decode instance id (prefill side) */
+    uint64_t admitted; /* prefill side: the order its registration was admitted in */
     bool needed;   /* the topology makes this peer and us exchange bytes */
     uint64_t last_rx_ns, last_tx_ns;
     kvw_outmsg_t *out_head, *out_tail;

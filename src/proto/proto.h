@@ -121,6 +121,7 @@ typedef struct kvw_hs_slots {
         bool evicted; /* displaced: its thread is on its way out */
     } slot[2 * KVW_MAX_HANDSHAKES];
     uint32_t running;  /* registration threads still running */
+    uint64_t admitted; /* registrations admitted so far: each one's order (kvw_hs_admit) */
     uint64_t refusals; /* registrations refused, and the last reason */
     char last_refusal[480];
 } kvw_hs_slots_t;
@@ -346,6 +347,12 @@ void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char
  * known dead there yet (a restart): back off and try again until the deadline. */
 kvw_status_t kvw__decode_connect_retry(struct kvw_ctx *ctx, const kvw_bs_entry_t *e,
                                        uint32_t inst, uint32_t gen, uint64_t deadline);
+
+/* Registers with every rank of `entries` (kvw__decode_connect_retry each), up to
+ * KVW_PAR_REGISTRATIONS at once; the first failure is the result. */
+#define KVW_PAR_REGISTRATIONS 8
+kvw_status_t kvw__decode_connect_all(struct kvw_ctx *ctx, const kvw_bs_entry_t *entries,
+                                     uint32_t n, uint32_t inst, uint32_t gen, uint64_t deadline);
 
 void kvw__start_handshake(struct kvw_ctx *ctx, int fd);
 

@@ -16,13 +16,18 @@
 #include <kvwire/cuda.h>
 #include <kvwire/xfer.h>
 
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
+#include <linux/tcp.h>
+#include <netinet/in.h>
+#include <stddef.h>
 #include <stdbool.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -50,6 +55,7 @@ typedef struct demo_cfg {
     kvw_layout_t playout, dlayout;
     int quiet;
     int metrics; /* --metrics: each context's kvw_ctx_metrics at the end */
+    int startup; /* --startup: what starting the contexts cost (demo_startup_*) */
     char role[16];       /* both (default), prefill or decode */
     char bootstrap[128]; /* prefill: where to listen; decode: where to look up */
     bool external_bs;    /* prefill: register at bootstrap (running already), host none */
@@ -330,6 +336,73 @@ static int demo_validate(const demo_cfg_t *c, const kvt_model_t *m)
     return 0;
 }
 
+/* ------------------------------------------------------------ start-up cost */
+
+/* What this process holds, for --startup: open fds, threads, and what its open TCP
+ * connections carried (TCP_INFO: bytes and data segments, both directions). Over
+ * loopback a frame written at once is one segment, so the segments count the control
+ * frames (and, over tcp, the data connections' frames); bootstrap lookups, whose
+ * connections are closed by then, and the shm transport's Unix sockets are not in it. */
+typedef struct demo_usage {
+    uint64_t t_ns, tcp_bytes, tcp_segs;
+    uint32_t fds, threads, tcp_conns;
+} demo_usage_t;
+
+static void demo_usage_now(demo_usage_t *u)
+{
+    *u = (demo_usage_t){.t_ns = kvt_now_ns()};
+    char line[256];
+    FILE *f = fopen("/proc/self/status", "r");
+    while (f && fgets(line, sizeof(line), f))
+        if (sscanf(line, "Threads: %u", &u->threads) == 1)
+            break;
+    if (f)
+        fclose(f);
+    DIR *d = opendir("/proc/self/fd");
+    int self = d ? dirfd(d) : -1;
+    for (struct dirent *e; d && (e = readdir(d)) != NULL;) {
+        if (e->d_name[0] == '.')
+            continue;
+        int fd = atoi(e->d_name);
+        if (fd == self)
+            continue;
+        u->fds++;
+        struct tcp_info ti;
+        socklen_t tl = sizeof(ti);
+        memset(&ti, 0, sizeof(ti));
+        if (getsockopt(fd, IPPROTO_TCP, TCP_INFO, &ti, &tl) == 0 &&
+            tl >= offsetof(struct tcp_info, tcpi_data_segs_out) + sizeof(ti.tcpi_data_segs_out) &&
+            ti.tcpi_state == 1 /* TCP_ESTABLISHED */) {
+            u->tcp_conns++;
+            u->tcp_bytes += ti.tcpi_bytes_acked + ti.tcpi_bytes_received;
+            u->tcp_segs += (uint64_t)ti.tcpi_data_segs_in + ti.tcpi_data_segs_out;
+        }
+    }
+    if (d)
+        closedir(d);
+}
+
+/* One line: how long this side's contexts took to start and what they hold, with the
+ * cost per rank pair (`pairs`: the control connections they opened or accepted). */
+static void demo_startup_print(const char *side, uint32_t ranks, uint32_t pairs,
+                               const demo_usage_t *a, const demo_usage_t *b)
+{
+    double s = (double)(b->t_ns - a->t_ns) / 1e9;
+    if (pairs == 0) {
+        printf("demo: start-up: %s: %u ranks, %.3f s; %u tcp connections carried %.1f KiB in "
+               "%llu segments; %u fds, %u threads\n", side, ranks, s, b->tcp_conns,
+               (double)b->tcp_bytes / 1024.0, (unsigned long long)b->tcp_segs, b->fds,
+               b->threads);
+    } else {
+        printf("demo: start-up: %s: %u ranks, %u rank pairs, %.3f s (%.2f ms per pair); %u "
+               "tcp connections carried %.1f KiB in %llu segments (%.0f B, %.1f segments per "
+               "pair); %u fds, %u threads\n", side, ranks, pairs, s, s * 1e3 / pairs,
+               b->tcp_conns, (double)b->tcp_bytes / 1024.0, (unsigned long long)b->tcp_segs,
+               (double)b->tcp_bytes / pairs, (double)b->tcp_segs / pairs, b->fds, b->threads);
+    }
+    fflush(stdout);
+}
+
 /* ------------------------------------------------------------ prefill process */
 
 static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, int go_fd)
@@ -341,8 +414,14 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
         return 1;
     char bs[160];
     bool refused;
+    demo_usage_t u0, u1;
+    demo_usage_now(&u0);
     kvw_ctx_h *ctx = demo_contexts(c, &inst, true, c->bootstrap[0] ? c->bootstrap : "127.0.0.1:0",
                                    bs, sizeof(bs), &refused);
+    if (ctx && c->startup) {
+        demo_usage_now(&u1);
+        demo_startup_print("prefill, up and registered at the bootstrap", inst.n, 0, &u0, &u1);
+    }
     if (ctx == NULL) {
         demo_free_inst(&inst);
         return refused ? DEMO_REFUSED : 1;
@@ -365,6 +444,12 @@ static int demo_prefill(const demo_cfg_t *c, const kvt_model_t *m, int bs_pipe, 
     if (go_fd >= 0 && read(go_fd, &go, 1) != 1) {
         fprintf(stderr, "demo: the decode process never came up\n");
         return 1;
+    }
+    if (go_fd >= 0 && c->startup) {
+        /* From this process's start-up to every decode rank registered here. */
+        demo_usage_now(&u1);
+        demo_startup_print("prefill, every decode rank registered", inst.n,
+                           inst.n * c->dtp * c->dpp, &u0, &u1);
     }
     demo_req_t *reqs = calloc(c->requests, sizeof(*reqs));
     demo_gen(c, reqs);
@@ -458,7 +543,14 @@ static int demo_decode(const demo_cfg_t *c, const kvt_model_t *m, const char *bs
     if (demo_build(c, m, true, &src, c->seed * 7 + 1, false))
         return 1;
     bool refused;
+    demo_usage_t u0, u1;
+    demo_usage_now(&u0);
     kvw_ctx_h *ctx = demo_contexts(c, &inst, false, bs, NULL, 0, &refused);
+    if (ctx && c->startup) {
+        demo_usage_now(&u1);
+        demo_startup_print("decode, registered with every prefill rank", inst.n,
+                           inst.n * c->ptp * c->ppp, &u0, &u1);
+    }
     if (ctx == NULL) {
         demo_free_inst(&inst);
         demo_free_inst(&src);
@@ -679,6 +771,8 @@ static void demo_usage(FILE *f)
             "The table counts rooms once per decode rank: 24 requests to 4 decode ranks are\n"
             "96 rooms.\n"
             "  --metrics             print each context's metrics (kvw_ctx_metrics) at the end\n"
+            "  --startup             print what starting each side's contexts cost: time, per\n"
+            "                        rank pair, socket I/O, fds and threads (docs/SCALING.md)\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
             "failed run; 2 a usage error; 3 a configuration refused before any transfer,\n"
             "by the demo's own checks or at the handshake (configurations or secrets that\n"
@@ -717,7 +811,7 @@ static int cmd_demo(int argc, char **argv)
         {"gpu", 2, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},
         {"external-bootstrap", 0, 0, 'E'}, {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},
         {"help", 0, 0, 'h'},          {"secret-file", 1, 0, 'K'},   {"metrics", 0, 0, 'M'},
-        {0, 0, 0, 0}};
+        {"startup", 0, 0, 'U'},       {0, 0, 0, 0}};
     static const char *const layouts[] = {"nhd", "hnd", NULL};
     static const char *const roles[] = {"both", "prefill", "decode", NULL};
     static const char *const gpu_sides[] = {"both", "prefill", "decode", NULL};
@@ -783,6 +877,7 @@ static int cmd_demo(int argc, char **argv)
             break;
         case 'q': c.quiet = 1; break;
         case 'M': c.metrics = 1; break;
+        case 'U': c.startup = 1; break;
         case 'H': bad = cli_opt_u32("demo", "--kv-heads", optarg, 1, DEMO_MAX_HEADS, &c.kv_heads); break;
         case 'G':
             idx = 0;

@@ -70,6 +70,8 @@
 #define SHM_MAX_MSG (SHM_HDR_LEN + KVW_TL_MAX_NOTIFY)
 #define SHM_RX_BUDGET 64 /* messages taken from one connection before the others */
 #define SHM_MAX_CONNS 4096
+/* Regions up to this size are mapped with their page tables built (map_region). */
+#define SHM_POPULATE_MAX (8ull << 20)
 #define SHM_BATCH 1024 /* process_vm_writev iovecs per call */
 
 /*
@@ -729,9 +731,14 @@ static kvw_status_t map_region(shm_ep_t *ep, shm_rkey_t *rk, uint64_t secret)
         st = kvw__error(KVW_ERR_OUT_OF_RANGE, "shm rkey_unpack: region too large to map");
         goto err_close_fd;
     }
-    /* MAP_POPULATE builds the page tables now, at handshake time, instead of taking a
-     * fault per page on the first transfer. */
-    void *m = mmap(NULL, (size_t)map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
+    /* A small region's page tables are built now (MAP_POPULATE), at handshake time,
+     * instead of taking a fault per page on its first transfer. A large one is left to
+     * fault in the pages that are written: populating costs time and page tables for
+     * every page of the region for every pair of ranks (a decode rank's 64 MiB staging
+     * area took 90% of the start-up of 48 prefill ranks x 8 decode ranks on one host,
+     * docs/SCALING.md), where a rank pair writes only the pages of its rooms. */
+    int populate = map_len <= SHM_POPULATE_MAX ? MAP_POPULATE : 0;
+    void *m = mmap(NULL, (size_t)map_len, PROT_READ | PROT_WRITE, MAP_SHARED | populate,
                    memfd, (off_t)map_off);
     if (m == MAP_FAILED) {
         st = kvw__error(errno == ENOMEM ? KVW_ERR_NO_MEMORY : KVW_ERR_IO,
