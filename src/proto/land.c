@@ -147,49 +147,68 @@ void kvw__handle_digest(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     kvw_receiver_done(ctx, r);
 }
 
-/* Decode, a verified room whose every byte landed (mu held): the digest of this rank's
- * destination pages, per source, against the source's own; false (and *f) on the first
- * difference, named by source, layer, component, head and tokens. */
-static bool kvw_verify_room(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
+/* Decode, a verified room whose every byte landed (mu held): this rank's digest of its
+ * destination pages for each source's pair (s->mine); false (and *f) if it cannot be
+ * computed. The pair's whole-room plan: the decode's own pages and the source's
+ * geometry, the same segments the prefill's chunk plans cut by token. */
+static kvw_status_t kvw_pair_plan(struct kvw_ctx *ctx, const kvw_room_t *r,
+                                  const kvw_room_src_t *s, kvw_plan_h *plan_p)
 {
-    uint32_t units = kvw__digest_units(ctx->rank);
-    uint64_t *mine = calloc(units ? units : 1, 8);
-    if (mine == NULL) {
-        kvw_fail_set(f, KVW_ERR_NO_MEMORY, "room %llu: out of memory verifying",
-                     (unsigned long long)r->id);
-        return false;
-    }
     kvw_chunk_t whole = {.num_tokens = r->num_tokens, .chunk_begin = 0,
                          .chunk_end = r->num_tokens, .prefix_len = r->prefix_len,
                          .last_chunk = 1};
-    bool ok = true;
-    for (uint32_t i = 0; i < r->num_srcs && ok; i++) {
+    return kvw__plan_create_staged(kvw__peer_at(ctx, s->peer)->remote, ctx->rank, &whole, NULL,
+                                   &r->post_pages, plan_p);
+}
+
+static bool kvw_verify_compute(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
+{
+    uint32_t units = kvw__digest_units(ctx->rank);
+    for (uint32_t i = 0; i < r->num_srcs; i++) {
         kvw_room_src_t *s = &r->srcs[i];
-        kvw_peer_t *p = kvw__peer_at(ctx, s->peer);
         kvw_plan_h plan = NULL;
-        memset(mine, 0, (size_t)units * 8);
-        kvw_status_t st = kvw__plan_create_staged(p->remote, ctx->rank, &whole, NULL,
-                                                  &r->post_pages, &plan);
+        if (s->mine == NULL && (s->mine = calloc(units ? units : 1, 8)) == NULL) {
+            kvw_fail_set(f, KVW_ERR_NO_MEMORY, "room %llu: out of memory verifying",
+                         (unsigned long long)r->id);
+            return false;
+        }
+        kvw_status_t st = kvw_pair_plan(ctx, r, s, &plan);
         if (st == KVW_OK)
-            st = kvw__plan_digest(plan, true, NULL, 0, mine, units);
+            st = kvw__plan_digest(plan, true, NULL, 0, s->mine, units);
+        kvw_plan_destroy(plan);
         if (st != KVW_OK) {
             kvw_fail_set(f, st, "room %llu: verifying %s failed: %s", (unsigned long long)r->id,
-                         p->desc, kvw_last_error());
-            ok = false;
+                         kvw__peer_at(ctx, s->peer)->desc, kvw_last_error());
+            return false;
         }
-        for (uint32_t u = 0; ok && u < units; u++) {
-            if (mine[u] == s->digest[u])
-                continue;
-            char where[160];
-            kvw__digest_locate(plan, u, where, sizeof(where));
-            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH, "room %llu: KV digest mismatch at %s (from "
-                         "%.80s)", (unsigned long long)r->id, where, p->desc);
-            ok = false;
-        }
-        kvw_plan_destroy(plan);
     }
-    free(mine);
-    return ok;
+    return true;
+}
+
+/* Both digests of every pair are there: false (and *f) on the first difference, named by
+ * source, layer, component, head and tokens. */
+static bool kvw_verify_compare(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
+{
+    uint32_t units = kvw__digest_units(ctx->rank);
+    for (uint32_t i = 0; i < r->num_srcs; i++) {
+        kvw_room_src_t *s = &r->srcs[i];
+        for (uint32_t u = 0; u < units; u++) {
+            if (s->mine[u] == s->digest[u])
+                continue;
+            char where[160] = "";
+            kvw_plan_h plan = NULL;
+            if (kvw_pair_plan(ctx, r, s, &plan) == KVW_OK)
+                kvw__digest_locate(plan, u, where, sizeof(where));
+            else
+                snprintf(where, sizeof(where), "unit %u", u);
+            kvw_plan_destroy(plan);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH, "room %llu: KV digest mismatch at %s (from "
+                         "%.80s)", (unsigned long long)r->id, where,
+                         kvw__peer_at(ctx, s->peer)->desc);
+            return false;
+        }
+    }
+    return true;
 }
 
 /* Completes a room whose every source is done (mu held); a room whose bytes do not add
@@ -197,8 +216,7 @@ static bool kvw_verify_room(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
 static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
 {
     for (uint32_t i = 0; i < r->num_srcs; i++)
-        if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got) ||
-            (r->verify && !r->srcs[i].digest_got))
+        if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got))
             return;
     /* A staged window still being scattered (mu dropped meanwhile) has not landed: the
      * room is checked again when it has (every completion ends in this check). */
@@ -253,11 +271,22 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
                          (unsigned long long)r->srcs[i].expected);
             return;
         }
-    /* Strictly after the room's landing is complete (every source's final completion,
-     * metadata and digest, no scatter running, and on tcp the landing log checked): the
-     * digest of the bytes that are there now. */
+    /* Strictly after the room's landing is complete (every source's final completion
+     * and metadata, no scatter running, and on tcp the landing log checked): this rank's
+     * digest of the bytes that are there now, once; then, when every source's digest
+     * arrived too, the comparison. */
     if (r->verify) {
-        if (!kvw_verify_room(ctx, r, f)) {
+        bool computed = true;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            computed &= r->srcs[i].mine != NULL;
+        if (!computed && !kvw_verify_compute(ctx, r, f)) {
+            kvw__metrics_verify(ctx, false);
+            return;
+        }
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            if (!r->srcs[i].digest_got)
+                return;
+        if (!kvw_verify_compare(ctx, r, f)) {
             kvw__metrics_verify(ctx, false);
             return;
         }

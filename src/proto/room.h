@@ -72,6 +72,9 @@ typedef struct kvw_room_src {
      * (KVW_MSG_DIGEST, one per unit of this rank), once it arrived. */
     uint64_t *digest;
     bool digest_got;
+    /* ... and this rank's digest of the same pair over its destination pages, computed
+     * once the room's landing is complete (NULL: not yet). */
+    uint64_t *mine;
 } kvw_room_src_t;
 
 typedef struct kvw_room {

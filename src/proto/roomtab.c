@@ -107,6 +107,7 @@ void kvw__room_free(kvw_room_t *r)
     for (uint32_t i = 0; i < r->num_srcs; i++) {
         kvw__staged_close(r->srcs[i].scatter); /* a chunk the room ended in the middle of */
         free(r->srcs[i].digest);
+        free(r->srcs[i].mine);
     }
     free(r->srcs);
     for (int p = 0; p < KVW_NUM_POOLS; p++)

@@ -413,17 +413,16 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
     st = kvw__plan_create(ctx->rank, peer->remote, &c, &q->pages, &d->pages, &plan);
     if (st != KVW_OK)
         return st;
-    /* A read pass over the source rows this step sends, before they go. */
-    if (s->digest &&
-        (st = kvw__plan_digest(plan, false, take, lb, s->digest, s->num_units)) != KVW_OK) {
-        kvw_plan_destroy(plan);
-        return st;
-    }
     /* Staged or direct is decided on the whole chunk's plan, so that every step of a
-     * streamed chunk takes the same path. */
+     * streamed chunk takes the same path. A verified room's source rows are read once
+     * the step's bytes and completion are out (the source pages stay in place until the
+     * room ends), so that the decode's read pass of its pages runs meanwhile: the
+     * decode checks when it has both digests. */
     out->staged = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
     if (out->staged) {
         st = kvw_send_staged(ctx, s, plan, &c, out);
+        if (st == KVW_OK && s->digest)
+            st = kvw__plan_digest(plan, false, take, lb, s->digest, s->num_units);
         kvw_plan_destroy(plan);
         return st;
     }
@@ -445,6 +444,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
         st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
+    if (st == KVW_OK && s->digest) /* the layers taken only: the plan keeps no others */
+        st = kvw__plan_digest(plan, false, NULL, lb, s->digest, s->num_units);
     out->runs = pc->runs;
     free(pc);
     kvw_plan_destroy(plan);
