@@ -18,10 +18,19 @@ static inline uint64_t kvw_fmix(uint64_t z)
 
 /* Tokens are below 2^40 and heads below 2^24 (kvwire's limits), so (head, token) and
  * (layer, comp) pack into one word each without loss. */
+static inline uint64_t kvw_seed_base(uint32_t layer, uint32_t comp)
+{
+    return kvw_fmix(((uint64_t)layer << 32 | comp) + 0x6b767764ull);
+}
+
+static inline uint64_t kvw_seed_of(uint64_t base, uint32_t head, uint64_t token)
+{
+    return kvw_fmix(base ^ ((uint64_t)head << 40 | (token & ((1ull << 40) - 1))));
+}
+
 uint64_t kvw__digest_seed(uint32_t layer, uint32_t comp, uint32_t head, uint64_t token)
 {
-    uint64_t a = kvw_fmix(((uint64_t)layer << 32 | comp) + 0x6b767764ull);
-    return kvw_fmix(a ^ ((uint64_t)head << 40 | (token & ((1ull << 40) - 1))));
+    return kvw_seed_of(kvw_seed_base(layer, comp), head, token);
 }
 
 uint64_t kvw__digest_row(const void *row, size_t len, uint64_t seed)
@@ -142,6 +151,7 @@ kvw_status_t kvw__plan_digest(const struct kvw_plan *plan, bool dst_side, const 
             return kvw__error(KVW_ERR_INTERNAL, "digest: segment %u (layer %u) has no %s pages",
                               i, s->layer, dst_side ? "destination" : "source");
         uint64_t *acc = units + u.unit;
+        uint64_t base0 = kvw_seed_base(s->layer, u.comp);
         uint32_t ps = v->page_size ? v->page_size : 1;
         for (uint64_t t = s->tok_begin; t < s->tok_end;) {
             uint64_t rel = t - m->first_token;
@@ -154,8 +164,7 @@ kvw_status_t kvw__plan_digest(const struct kvw_plan *plan, bool dst_side, const 
                 for (uint32_t k = 0; k < s->num_heads; k++)
                     acc[k] += XXH3_64bits_withSeed(tb + (uint64_t)(h0 + k) * v->head_stride,
                                                    s->head_bytes,
-                                                   kvw__digest_seed(s->layer, u.comp,
-                                                                    u.head0 + k, t + j));
+                                                   kvw_seed_of(base0, u.head0 + k, t + j));
             }
             t += n;
         }
