@@ -28,7 +28,9 @@
  * pages changed; the metrics count the verified and the failed room. These runs use the
  * direct path (every byte in the pages when the completion arrives); a staged pass then
  * corrupts one byte of a staged window in the staging area before it is scattered, and
- * moves honest rooms, which must succeed.
+ * moves honest rooms, which must succeed. Last, a decode verifying half its rooms
+ * (sample:0.5): the rooms verified and sampled out are exactly those the sampling rule,
+ * written out again here, picks, and every honest room succeeds.
  *
  * Env: KVW_VERIFY_TL=tcp|shm|ucx, KVW_VERIFY_ONLY=geometry name, KVW_VERIFY_REPEAT=N.
  * Exit: 0 pass, 1 fail, 77 skip (transport not usable here).
@@ -76,6 +78,22 @@ static const char *const fault_names[F_NUM] = {"corrupt", "swap", "stale", "reor
 
 static const char *g_tl = "tcp";
 static char g_dtl[64];
+static const char *g_verify = "every"; /* the decode contexts' mode */
+static uint32_t g_sample_ppm;          /* sample:F, for the predictions below */
+static uint64_t g_picked[2];           /* rooms predicted verified, not verified */
+
+/* Whether room `id` is verified under g_verify: the sampling rule of xfer.h written out
+ * again (splitmix64 of the id, below the fraction in parts per million). */
+static bool picked(uint64_t id)
+{
+    if (strcmp(g_verify, "every") == 0)
+        return true;
+    uint64_t z = id + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return z % 1000000u < g_sample_ppm;
+}
 
 typedef struct setup {
     const geo_t *g;
@@ -396,7 +414,7 @@ static int setup_up(setup_t *s, const geo_t *g)
             .side = KVW_SIDE_DECODE, .rank = s->d[k].h, .transport = g_dtl,
             .bootstrap_addr = bs, .bootstrap_timeout_ms = kvt_tmo_ms(20000),
             .wait_timeout_ms = kvt_tmo_ms(30000), .prefill_tp = g->ptp, .prefill_pp = g->ppp,
-            .prefill_dp = 1, .verify = "every"};
+            .prefill_dp = 1, .verify = g_verify};
         CHECK(kvw_ctx_create(&p, &s->dctx[k]) == KVW_OK, "%s: decode ctx %u: %s", g->name, k,
               kvw_last_error());
         if (failures)
@@ -405,13 +423,16 @@ static int setup_up(setup_t *s, const geo_t *g)
     return 0;
 }
 
+/* which: 0 verified, 1 failed, 2 sampled out. */
 static uint64_t verify_metric(kvw_ctx_h ctx, int which)
 {
     kvw_ctx_metrics_t m = {.field_mask = KVW_CTX_METRICS_FIELD_ROOMS_VERIFIED |
-                                         KVW_CTX_METRICS_FIELD_ROOMS_VERIFY_FAILED};
+                                         KVW_CTX_METRICS_FIELD_ROOMS_VERIFY_FAILED |
+                                         KVW_CTX_METRICS_FIELD_ROOMS_VERIFY_SKIPPED};
     if (kvw_ctx_metrics(ctx, &m) != KVW_OK)
         return UINT64_MAX;
-    return which ? m.rooms_verify_failed : m.rooms_verified;
+    return which == 1 ? m.rooms_verify_failed : which == 2 ? m.rooms_verify_skipped
+                                                           : m.rooms_verified;
 }
 
 static bool terminal(kvw_room_state_t s)
@@ -482,6 +503,7 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
                                sizeof(msg)) == 0, "%s: reference B: %s", what, msg);
     }
     uint64_t ver0 = verify_metric(s->dctx[target], 0), bad0 = verify_metric(s->dctx[target], 1);
+    uint64_t skip0 = verify_metric(s->dctx[target], 2);
 
     pthread_mutex_lock(&H.mu);
     H.room = fault == -2 ? 0 : a;
@@ -586,10 +608,18 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
               (unsigned long long)verify_metric(s->dctx[target], 1),
               (unsigned long long)(bad0 + 1));
     }
-    CHECK(verify_metric(s->dctx[target], 0) == ver0 + 1 + (fault == -2),
-          "%s: rooms_verified %llu, wanted %llu", what,
-          (unsigned long long)verify_metric(s->dctx[target], 0),
-          (unsigned long long)(ver0 + 1 + (fault == -2)));
+    /* Verified: room B (if picked), and A when honest (if picked); sampling counts the
+     * others (every: none). */
+    uint64_t want_ver = picked(a + 1) + (fault == -2 && picked(a));
+    g_picked[0] += want_ver;
+    g_picked[1] += (uint64_t)(1 + (fault == -2)) - want_ver;
+    uint64_t want_skip = strcmp(g_verify, "every") ? (uint64_t)(1 + (fault == -2)) - want_ver : 0;
+    CHECK(verify_metric(s->dctx[target], 0) == ver0 + want_ver &&
+              verify_metric(s->dctx[target], 2) == skip0 + want_skip,
+          "%s: rooms_verified %llu, sampled out %llu, wanted %llu and %llu", what,
+          (unsigned long long)(verify_metric(s->dctx[target], 0) - ver0),
+          (unsigned long long)(verify_metric(s->dctx[target], 2) - skip0),
+          (unsigned long long)want_ver, (unsigned long long)want_skip);
 
     /* Bytes: B's as the reference has them, nothing outside A's pages changed, guards. */
     for (uint32_t k = 0; k < s->nd; k++) {
@@ -688,6 +718,23 @@ int main(void)
                    failures);
             fflush(stdout);
         }
+    /* Sampled: half the rooms, the same ones on every decode rank and both sides (the
+     * prefill computes what each request asks); honest rooms all succeed. */
+    if (!only || !only[0]) {
+        setup_t s;
+        g_verify = "sample:0.5";
+        g_sample_ppm = 500000;
+        setenv("KVW_PATH", "direct", 1);
+        g_picked[0] = g_picked[1] = 0;
+        if (setup_up(&s, &geos[0]) == 0)
+            for (int k = 0; k < 8; k++, room += 2)
+                run_pair(&s, -2, room, room * 7);
+        CHECK(g_picked[0] > 0 && g_picked[1] > 0, "sampling picked %llu rooms of %llu",
+              (unsigned long long)g_picked[0], (unsigned long long)(g_picked[0] + g_picked[1]));
+        setup_down(&s);
+        unsetenv("KVW_PATH");
+        printf("test_verify: %s sampled rooms done (%d failures so far)\n", g_tl, failures);
+    }
     kvw__tl_fault_set_notify_hook(NULL);
     if (failures) {
         fprintf(stderr, "test_verify: %d failures\n", failures);
