@@ -676,6 +676,9 @@ int main(void)
     if (tl && tl[0])
         g_tl = tl;
     snprintf(g_dtl, sizeof(g_dtl), "fault:%s@", g_tl);
+    /* Up to four decode contexts at once: a small staging area each (windows of 2 MiB)
+     * keeps the shared-memory footprint small beside the other tests ctest runs. */
+    setenv("KVW_STAGING_MB", "8", 0);
     kvw__tl_fault_register();
     kvw__tl_fault_set_notify_hook(hook);
     bool usable = false;
