@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs the Debian 12 packages kvwire needs, only when some are missing.
 set -euo pipefail
-pkgs=(build-essential cmake pkg-config libucx-dev ucx-utils iproute2 clang
+pkgs=(build-essential cmake pkg-config libucx-dev ucx-utils libxxhash-dev iproute2 clang
       libclang-rt-14-dev python3 python3-numpy python3-venv gnuplot-nox)
 missing=()
 for p in "${pkgs[@]}"; do

@@ -12,6 +12,7 @@ with a wall-clock limit and classifies the outcome:
   crashed   the demo or one of its processes died of a signal, or a sanitizer reported
   hung      still running at the per-run limit (the whole process group is killed)
 
+Every run checks each room's KV digest end to end (--verify every, the default).
 Only verified and refused pass. The exit status is 1 if any run failed, crashed or hung.
 Run i of seed S always draws the same configuration, and every failing run is printed as
 the exact command line that reproduces it.
@@ -138,6 +139,9 @@ def draw(seed, i, models, tls, a):
     # Rooms time out well inside the run's limit, so a stuck room is a failure with a
     # reason rather than a hang.
     args += ["--timeout-ms", str(a.room_timeout_ms), "--quiet"]
+    # Every room's KV digest checked end to end (a mismatch fails the room, and the run).
+    if a.verify:
+        args += ["--verify", a.verify]
     return args
 
 
@@ -220,6 +224,9 @@ def main():
     ap.add_argument("--transports", default="", help="comma list to draw from "
                     "(default: shm, tcp and, where usable, ucx)")
     ap.add_argument("--only", type=int, default=None, help="run only run number N (1-based)")
+    ap.add_argument("--verify", default="every",
+                    help="the demo's --verify (default every: each room's KV digest is "
+                    "checked; '' leaves it to KVW_VERIFY)")
     a = ap.parse_args()
 
     cli = a.cli or os.path.join(os.environ.get("BUILD", "build"), "kvwire")

@@ -77,7 +77,7 @@ static void check_table(void)
         "KVW_BUSY_POLL_US", "KVW_CUDA_MODULE",  "KVW_TL_MODULE_DIR", "KVW_UCX_TIMEOUT_MS",
         "KVW_UCX_PUT",     "KVW_UCX_ERR_MODE",  "KVW_MAX_PEER_ROOMS", "KVW_MAX_HELLO_KB",
         "KVW_MAX_PEERS",   "KVW_MAX_CONN_PER_SOURCE", "KVW_DATA_HELLO_MS",
-        "KVW_BS_MAX_SOURCE_ENTRIES",
+        "KVW_BS_MAX_SOURCE_ENTRIES", "KVW_VERIFY",
     };
     for (size_t k = 0; k < KVW_ARRAY_SIZE(read); k++) {
         bool found = false;
@@ -157,6 +157,12 @@ static void check_accepted(void)
         {"KVW_CUDA_MODULE", "/x/libkvwire_cuda.so", 0},
         {"KVW_TL_MODULE_DIR", "/opt/kvwire/lib", 0},
         {"UCX_TLS", "not,checked,here", 0},
+        {"KVW_VERIFY", "off", 0},
+        {"KVW_VERIFY", "every", 0},
+        {"KVW_VERIFY", "sample:0.1", 0},
+        {"KVW_VERIFY", "sample:0", 0},
+        {"KVW_VERIFY", "sample:1", 0},
+        {"KVW_VERIFY", "sample:1.000000", 0},
     };
     for (size_t i = 0; i < KVW_ARRAY_SIZE(ok); i++) {
         unset_all();
@@ -197,6 +203,16 @@ static const struct {
     {"KVW_UCX_TIMEOUT_MS", "0", "out of range"},
     {"KVW_UCX_TIMEOUT_MS", "4294967296", "out of range"},
     {"KVW_PATH", "fast", "not a known value"},
+    {"KVW_VERIFY", "on", "is not off, every or sample:F"},
+    {"KVW_VERIFY", "Every", "is not off, every or sample:F"},
+    {"KVW_VERIFY", "sample", "is not off, every or sample:F"},
+    {"KVW_VERIFY", "sample:", "needs a fraction"},
+    {"KVW_VERIFY", "sample:1.5", "above 1"},
+    {"KVW_VERIFY", "sample:2", "above 1"},
+    {"KVW_VERIFY", "sample:0.", "no digits after the point"},
+    {"KVW_VERIFY", "sample:0.1234567", "more than 6 digits"},
+    {"KVW_VERIFY", "sample:0.1x", "not a decimal fraction"},
+    {"KVW_VERIFY", "sample:-0.1", "needs a fraction"},
     {"KVW_PATH", "Direct", "not a known value"},
     {"KVW_PATH", "direct ", "not a known value"},
     {"KVW_PATH", "auto|direct", "not a known value"},
@@ -253,6 +269,7 @@ static void check_context(void)
         {"KVW_PATH", "fastest"},
         {"KVW_GPU_INFLIGHT", "100"}, /* read by worker threads, checked at creation */
         {"KVW_UCX_PUT", "rdma"},     /* parsed by the ucx module, checked for every context */
+        {"KVW_VERIFY", "sample:3"},
     };
     for (size_t i = 0; i < KVW_ARRAY_SIZE(cases); i++) {
         unset_all();
@@ -266,6 +283,18 @@ static void check_context(void)
         if (ctx)
             kvw_ctx_destroy(ctx);
     }
+    /* The parameter is checked as the variable is, and named. */
+    unset_all();
+    kvw_ctx_params_t pv = p;
+    pv.field_mask |= KVW_CTX_FIELD_VERIFY;
+    pv.verify = "sometimes";
+    kvw_ctx_h vctx = NULL;
+    kvw_status_t vst = kvw_ctx_create(&pv, &vctx);
+    CHECK(vst == KVW_ERR_INVALID_PARAM && vctx == NULL &&
+              strstr(kvw_last_error(), "verify 'sometimes' is not off, every or sample:F"),
+          "verify parameter: %s: %s", kvw_status_string(vst), kvw_last_error());
+    if (vctx)
+        kvw_ctx_destroy(vctx);
     unset_all();
     setenv("KVW_STAGING_MB", "1", 1);
     kvw_ctx_h ctx = NULL;
@@ -276,9 +305,39 @@ static void check_context(void)
     kvt_rank_free(&r);
 }
 
+/* KVW_VERIFY's values as the library reads them: mode and rooms per million. */
+static void check_verify_parse(void)
+{
+    static const struct {
+        const char *text;
+        int mode;
+        uint32_t ppm;
+    } cases[] = {
+        {NULL, KVW_VERIFY_OFF, 0},
+        {"off", KVW_VERIFY_OFF, 0},
+        {"every", KVW_VERIFY_EVERY, 1000000},
+        {"sample:0.1", KVW_VERIFY_SAMPLE, 100000},
+        {"sample:0.25", KVW_VERIFY_SAMPLE, 250000},
+        {"sample:0.000001", KVW_VERIFY_SAMPLE, 1},
+        {"sample:0", KVW_VERIFY_SAMPLE, 0},
+        {"sample:1", KVW_VERIFY_SAMPLE, 1000000},
+        {"sample:01.0", KVW_VERIFY_SAMPLE, 1000000},
+    };
+    for (size_t i = 0; i < KVW_ARRAY_SIZE(cases); i++) {
+        int mode = -1;
+        uint32_t ppm = 7;
+        const char *why = kvw__verify_parse(cases[i].text, &mode, &ppm);
+        CHECK(why == NULL && mode == cases[i].mode && ppm == cases[i].ppm,
+              "verify '%s': %s, mode %d, %u ppm (want %d, %u)",
+              cases[i].text ? cases[i].text : "(null)", why ? why : "ok", mode, ppm,
+              cases[i].mode, cases[i].ppm);
+    }
+}
+
 int main(void)
 {
     setvbuf(stdout, NULL, _IOLBF, 0);
+    check_verify_parse();
     check_table();
     check_defaults();
     check_accepted();

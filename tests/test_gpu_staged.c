@@ -385,6 +385,101 @@ static void refusals(void)
 }
 
 /*
+ * KV verification covers host memory only, and never claims more: a context on GPU
+ * buffers refuses the setting at creation (the parameter and KVW_VERIFY alike), and a
+ * GPU prefill rank fails a room whose host decode rank asks for it, naming why, on both
+ * sides, while the same decode's unverified room from it succeeds.
+ */
+static void verify_refusals(const char *tl)
+{
+    grank_t g, h;
+    CHECK(grank_make(1, 0, true, 5, &g) == KVW_OK && grank_make(1, 0, false, 6, &h) == KVW_OK,
+          "%s", kvw_last_error());
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_DECODE, &g.r, tl, NULL, false);
+    p.field_mask &= ~(uint64_t)(KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP);
+    p.field_mask |= KVW_CTX_FIELD_VERIFY;
+    p.verify = "every";
+    kvw_ctx_h ctx = NULL;
+    kvw_status_t st = kvw_ctx_create(&p, &ctx);
+    CHECK(st == KVW_ERR_UNSUPPORTED && ctx == NULL &&
+              kvt_contains(kvw_last_error(), "KV verification") &&
+              kvt_contains(kvw_last_error(), "covers host memory only"),
+          "%s: GPU decode with verify: %s: %s", tl, kvw_status_string(st), kvw_last_error());
+    kvw_ctx_destroy(st == KVW_OK ? ctx : NULL);
+    setenv("KVW_VERIFY", "sample:0.5", 1);
+    kvw_ctx_params_t pp = ip_params(KVW_SIDE_PREFILL, &g.r, tl, "127.0.0.1:0", true);
+    st = kvw_ctx_create(&pp, &ctx);
+    CHECK(st == KVW_ERR_UNSUPPORTED && ctx == NULL &&
+              kvt_contains(kvw_last_error(), "covers host memory only"),
+          "%s: GPU prefill with KVW_VERIFY: %s: %s", tl, kvw_status_string(st), kvw_last_error());
+    kvw_ctx_destroy(st == KVW_OK ? ctx : NULL);
+    unsetenv("KVW_VERIFY");
+
+    /* A GPU prefill (verification off) and a host decode that verifies half its rooms. */
+    kvw_ctx_h pctx = NULL, dctx = NULL;
+    st = make_ctx(&g, KVW_SIDE_PREFILL, tl, "127.0.0.1:0", true, &pctx);
+    if (st == KVW_ERR_UNSUPPORTED && strcmp(tl, "ucx") == 0)
+        goto out;
+    CHECK(st == KVW_OK, "%s: prefill: %s", tl, kvw_last_error());
+    if (st != KVW_OK)
+        goto out;
+    char bs[128];
+    snprintf(bs, sizeof(bs), "%s", kvw_ctx_bootstrap_addr(pctx));
+    kvw_ctx_params_t dp = ip_params(KVW_SIDE_DECODE, &h.r, tl, bs, false);
+    dp.peer_timeout_ms = kvt_tmo_ms(10000);
+    dp.wait_timeout_ms = kvt_tmo_ms(60000);
+    dp.field_mask |= KVW_CTX_FIELD_VERIFY;
+    dp.verify = "every";
+    CHECK(kvw_ctx_create(&dp, &dctx) == KVW_OK, "%s: host decode with verify: %s", tl,
+          kvw_last_error());
+    if (dctx == NULL)
+        goto out;
+    kvt_rng_t rng = {77};
+    kvt_req_spec_t rs = {.full_begin = 0, .full_end = 100, .swa_begin = 0, .swa_end = 100,
+                         .state_slot = -1};
+    kvt_req_pages_t sp, dpg;
+    CHECK(kvt_req_pages_make(&g.r, &rs, &rng, &sp) == 0 &&
+              kvt_req_pages_make(&h.r, &rs, &rng, &dpg) == 0, "pages");
+    kvw_receiver_h rcv = NULL;
+    kvw_sender_h snd = NULL;
+    kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = 100,
+                            .pages = dpg.side};
+    CHECK(kvw_receiver_create(dctx, 900, 0, &rcv) == KVW_OK &&
+              kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
+    kvw_send_chunk_t c = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL, .num_tokens = 100,
+                          .chunk_end = 100, .last_chunk = 1, .pages = sp.side};
+    CHECK(kvw_sender_create(pctx, 900, &snd) == KVW_OK && kvw_sender_send(snd, &c) == KVW_OK,
+          "%s", kvw_last_error());
+    kvw_room_state_t ds = rcv ? ip_wait_recv(rcv, kvt_tmo_ns(120ull * 1000000000ull))
+                              : KVW_ROOM_FAILED;
+    kvw_room_state_t ps = snd ? kvw_room_wait(kvw_sender_room(snd), kvt_tmo_ms(120000))
+                              : KVW_ROOM_FAILED;
+    const char *dwhy = rcv ? kvw_room_failure(kvw_receiver_room(rcv)) : "";
+    const char *pwhy = snd ? kvw_room_failure(kvw_sender_room(snd)) : "";
+    CHECK(ds == KVW_ROOM_FAILED && kvt_contains(dwhy, "cannot do: its buffers are") &&
+              kvt_contains(dwhy, "verification covers host memory only"),
+          "%s: verified room from a GPU prefill: decode ended %s: %s", tl,
+          kvw_room_state_string(ds), dwhy);
+    CHECK(ps == KVW_ROOM_FAILED && kvt_contains(pwhy, "verification covers host memory only"),
+          "%s: verified room from a GPU prefill: prefill ended %s: %s", tl,
+          kvw_room_state_string(ps), pwhy);
+    kvw_ctx_metrics_t m = {.field_mask = KVW_CTX_METRICS_FIELD_ROOMS_VERIFIED};
+    CHECK(kvw_ctx_metrics(dctx, &m) == KVW_OK && m.rooms_verified == 0,
+          "%s: %llu rooms counted verified", tl, (unsigned long long)m.rooms_verified);
+    if (snd)
+        kvw_room_destroy(kvw_sender_room(snd));
+    if (rcv)
+        kvw_room_destroy(kvw_receiver_room(rcv));
+    kvt_req_pages_free(&sp);
+    kvt_req_pages_free(&dpg);
+out:
+    kvw_ctx_destroy(dctx);
+    kvw_ctx_destroy(pctx);
+    grank_free(&g);
+    grank_free(&h);
+}
+
+/*
  * The test kit's CUDA helpers (tools/testkit/cuda_mod.c) load the module by the
  * library's rule: a module the library refuses, they refuse with the same reason. Runs
  * in a child that has loaded nothing yet: KVW_CUDA_MODULE `module`, and the stand-in's
@@ -490,6 +585,8 @@ int main(void)
         printf("test_gpu_staged: event cases run on the CPU stand-in only\n");
     }
     refusals();
+    verify_refusals("tcp");
+    verify_refusals("shm");
     kit(emu);
     return ip_summary("test_gpu_staged");
 }

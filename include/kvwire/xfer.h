@@ -51,10 +51,11 @@ enum {
     KVW_CTX_FIELD_SECRET = 1u << 7,
     KVW_CTX_FIELD_PREFILL_SIZE = 1u << 8,
     KVW_CTX_FIELD_INSTANCE = 1u << 9,
-    KVW_CTX_FIELD_BUSY_POLL = 1u << 10
+    KVW_CTX_FIELD_BUSY_POLL = 1u << 10,
+    KVW_CTX_FIELD_VERIFY = 1u << 11
 };
 
-#define KVW_CTX_FIELDS_ALL 0x7ffull
+#define KVW_CTX_FIELDS_ALL 0xfffull
 
 typedef struct kvw_ctx_params {
     uint64_t field_mask; /* KVW_CTX_FIELD_*; SIDE and RANK are required */
@@ -101,6 +102,17 @@ typedef struct kvw_ctx_params {
      * event before they sleep. Each spinning thread costs a CPU core while it spins; 0
      * (default; also KVW_BUSY_POLL_US) sleeps at once, woken by the event itself. */
     uint32_t busy_poll_us;
+    /* End-to-end KV verification (KVW_CTX_FIELD_VERIFY; NULL or the bit clear: the
+     * KVW_VERIFY variable, default "off"): "off", "every" or "sample:F" (a fraction F of
+     * rooms in [0, 1], chosen by room id). Decided by the decode, per room, and carried in
+     * its request: the prefill computes what each room's request asks for. A verified
+     * room reaches SUCCESS only if every decode rank's digest of its destination pages
+     * equals the prefill ranks' digests of their source pages (a 64-bit sum of seeded
+     * row hashes per layer, component and KV head: README "Verified rooms"); a mismatch
+     * fails the room on both sides, the reason naming layer, component, head and
+     * tokens. Host memory only: a context on GPU buffers refuses any mode but "off"
+     * (UNSUPPORTED), and a prefill rank on GPU buffers fails the rooms that ask. */
+    const char *verify;
 } kvw_ctx_params_t;
 
 /*
@@ -180,9 +192,12 @@ enum {
     KVW_CTX_METRICS_FIELD_STAGING_IN_USE = 1u << 11,
     KVW_CTX_METRICS_FIELD_STAGING_HIGH_WATER = 1u << 12,
     KVW_CTX_METRICS_FIELD_PEERS_CONNECTED = 1u << 13,
-    KVW_CTX_METRICS_FIELD_PEERS_DIED = 1u << 14
+    KVW_CTX_METRICS_FIELD_PEERS_DIED = 1u << 14,
+    KVW_CTX_METRICS_FIELD_ROOMS_VERIFIED = 1u << 15,
+    KVW_CTX_METRICS_FIELD_ROOMS_VERIFY_SKIPPED = 1u << 16,
+    KVW_CTX_METRICS_FIELD_ROOMS_VERIFY_FAILED = 1u << 17
 };
-#define KVW_CTX_METRICS_FIELDS_ALL 0x7fffull
+#define KVW_CTX_METRICS_FIELDS_ALL 0x3ffffull
 
 /* Output: the caller sets field_mask to the fields it wants; kvw_ctx_metrics fills
  * exactly those, leaves the others untouched, and keeps field_mask as it was. */
@@ -207,6 +222,11 @@ typedef struct kvw_ctx_metrics {
     /* Peers registered and alive now (decode: prefill ranks; prefill: decode ranks), and
      * peers declared dead since the context was created. */
     uint64_t peers_connected, peers_died;
+    /* Decode, KV verification (kvw_ctx_params_t.verify): rooms whose digests matched
+     * (each also counts in rooms_succeeded), rooms that succeeded unverified because
+     * sampling left them out, and rooms failed by a digest mismatch (also in rooms_failed,
+     * status BYTE_MISMATCH). 0 on a prefill context. */
+    uint64_t rooms_verified, rooms_verify_skipped, rooms_verify_failed;
 } kvw_ctx_metrics_t;
 
 /*

@@ -47,12 +47,12 @@ KVW_RUN_FIELDS_ALL = 0x1f
 KVW_SEND_CHUNK_FIELDS_ALL = 0x1f
 KVW_RECV_POST_FIELDS_ALL = 0x7
 KVW_ROOM_METRICS_FIELDS_ALL = 0x3f
-KVW_CTX_METRICS_FIELDS_ALL = 0x7fff
+KVW_CTX_METRICS_FIELDS_ALL = 0x3ffff
 KVW_CTX_METRICS_STATUS_SLOTS = 64
 KVW_CTX_METRICS_LATENCY_BUCKETS = 32
 KVW_CTX_METRICS_ACTIVE_STATES = 3
 KVW_RANK_FIELDS_ALL = 0x7
-KVW_CTX_FIELDS_ALL = 0x7ff
+KVW_CTX_FIELDS_ALL = 0xfff
 
 c_enum = ctypes.c_int  # every kvwire enum is passed and stored as a C int
 
@@ -218,6 +218,7 @@ class kvw_ctx_params_t(ctypes.Structure):
         ("prefill_dp", ctypes.c_uint32),
         ("instance_id", ctypes.c_uint64),
         ("busy_poll_us", ctypes.c_uint32),
+        ("verify", ctypes.c_char_p),
     ]
 
 
@@ -283,6 +284,9 @@ class kvw_ctx_metrics_t(ctypes.Structure):
         ("staging_high_water", ctypes.c_uint64),
         ("peers_connected", ctypes.c_uint64),
         ("peers_died", ctypes.c_uint64),
+        ("rooms_verified", ctypes.c_uint64),
+        ("rooms_verify_skipped", ctypes.c_uint64),
+        ("rooms_verify_failed", ctypes.c_uint64),
     ]
 
 

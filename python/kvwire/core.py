@@ -103,6 +103,7 @@ class CtxField(enum.IntFlag):
     PREFILL_SIZE = 1 << 8
     INSTANCE = 1 << 9
     BUSY_POLL = 1 << 10
+    VERIFY = 1 << 11
 
 
 class RoomState(enum.IntEnum):
@@ -748,12 +749,16 @@ class Context:
     rank of one decode instance, distinct per decode instance sharing a prefill
     instance (library default 0). Timeouts in ms; 0 keeps the library default.
     busy_poll_us: spin that long for the next event before sleeping (latency-critical
-    deployments; costs a core per spinning thread); None keeps KVW_BUSY_POLL_US / 0."""
+    deployments; costs a core per spinning thread); None keeps KVW_BUSY_POLL_US / 0.
+    verify (decode): end-to-end KV verification, "off", "every" or "sample:F" (a
+    fraction of rooms, by room id); a verified room succeeds only if its digests match,
+    and fails on both sides otherwise (README "Verified rooms"). None keeps KVW_VERIFY /
+    "off". Host memory only: a GPU rank refuses any mode but "off"."""
 
     def __init__(self, rank, side, bootstrap_addr, *, transport=None, host_bootstrap=False,
                  listen_host=None, heartbeat_ms=0, peer_timeout_ms=0, bootstrap_timeout_ms=0,
                  wait_timeout_ms=0, secret=None, prefill_tp=0, prefill_pp=0, prefill_dp=0,
-                 instance_id=None, busy_poll_us=None):
+                 instance_id=None, busy_poll_us=None, verify=None):
         lib = N.load()
         self.rank = rank
         self.side = _enum(Side, side, "side")
@@ -764,7 +769,8 @@ class Context:
         mask = CtxField.SIDE | CtxField.RANK
         if bootstrap_addr:
             mask |= CtxField.BOOTSTRAP
-        self._keep = [_enc(transport), _enc(bootstrap_addr), _enc(listen_host), _enc(secret)]
+        self._keep = [_enc(transport), _enc(bootstrap_addr), _enc(listen_host), _enc(secret),
+                      _enc(verify)]
         p = N.kvw_ctx_params_t(side=int(self.side), rank=rank.handle,
                                bootstrap_addr=self._keep[1])
         if transport is not None:
@@ -794,6 +800,9 @@ class Context:
         if busy_poll_us is not None:
             mask |= CtxField.BUSY_POLL
             p.busy_poll_us = int(busy_poll_us)
+        if verify is not None:
+            mask |= CtxField.VERIFY
+            p.verify = self._keep[4]
         p.field_mask = int(mask)
         h = ctypes.c_void_p()
         _check(lib.kvw_ctx_create(ctypes.byref(p), ctypes.byref(h)))
@@ -1205,6 +1214,8 @@ def _metrics_dict(m):
         "staging": {"capacity": int(m.staging_capacity), "in_use": int(m.staging_in_use),
                     "high_water": int(m.staging_high_water)},
         "peers": {"connected": int(m.peers_connected), "died": int(m.peers_died)},
+        "verify": {"verified": int(m.rooms_verified), "skipped": int(m.rooms_verify_skipped),
+                   "failed": int(m.rooms_verify_failed)},
     }
 
 
@@ -1232,7 +1243,8 @@ def prometheus_text(metrics, labels=None):
     room_failures_total{status} counters, bytes_total{path} counter,
     room_latency_seconds histogram (post to Success, power-of-two buckets from 1 us),
     staging_{capacity,in_use,high_water}_bytes gauges, peers_connected gauge,
-    peers_died_total counter. Returns the text, newline-terminated."""
+    peers_died_total counter, rooms_verify_total{outcome} counter (verified, skipped,
+    failed). Returns the text, newline-terminated."""
     if isinstance(metrics, dict):
         metrics = [metrics]
     items = [(m, dict(labels or {})) if isinstance(m, dict) else (m[0], dict(m[1] or {}))
@@ -1275,6 +1287,9 @@ def prometheus_text(metrics, labels=None):
         each(lambda m: [({}, m["peers"]["connected"])]))
     fam("peers_died_total", "counter", "Peers declared dead.",
         each(lambda m: [({}, m["peers"]["died"])]))
+    fam("rooms_verify_total", "counter",
+        "Decode rooms by KV verification outcome (skipped: left out by sampling).",
+        each(lambda m: [({"outcome": k}, v) for k, v in m.get("verify", {}).items()]))
     lines = []
     for name, typ, text, samples in fams:
         lines.append("# HELP %s %s" % (name, text))

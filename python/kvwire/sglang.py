@@ -792,6 +792,11 @@ class KVManager:
             kw["transport"] = t
         lh = os.environ.get("KVWIRE_SGLANG_LISTEN_HOST")
         kw["listen_host"] = _strip_brackets(lh) if lh else _local_ip()
+        # End-to-end KV verification (off, every, sample:F), decided by the decode per
+        # room; the library checks the value (KVW_VERIFY when unset).
+        vf = os.environ.get("KVWIRE_SGLANG_VERIFY", "").strip()
+        if vf:
+            kw["verify"] = vf
         kw.update(context_kwargs)
         self.rank = Rank(self.model, self.parallel, buffers)
         try:

@@ -173,6 +173,7 @@ class TestContextMetrics(unittest.TestCase):
                              {"kvwire_peers_connected": m["peers"]["connected"]})
             self.assertEqual(values("kvwire_peers_died_total", None),
                              {"kvwire_peers_died_total": m["peers"]["died"]})
+            self.assertEqual(values("kvwire_rooms_verify_total", "outcome"), m["verify"])
             hist = values("kvwire_room_latency_seconds", "le")
             self.assertEqual(hist.pop("kvwire_room_latency_seconds_count"),
                              m["latency_us"]["count"])
@@ -190,6 +191,32 @@ class TestContextMetrics(unittest.TestCase):
         one = parse_prometheus(self.dctx.prometheus_text({"rank": "x"}))
         got = {lab["path"]: v for _, lab, v in one["kvwire_bytes_total"]["samples"]}
         self.assertEqual(got, self.dctx.metrics()["bytes"])
+
+    def test_verify(self):
+        # A decode context verifying every room: one room moved, its digests matched.
+        with self.assertRaises(kvwire.KvwireError) as cm:
+            kvwire.Context(self.dst.rank, "decode", self.pctx.bootstrap_addr, prefill_tp=1,
+                           bootstrap_timeout_ms=10000, verify="always")
+        self.assertEqual(cm.exception.status, kvwire.Status.ERR_INVALID_PARAM)
+        self.assertIn("verify 'always' is not off, every or sample:F", str(cm.exception))
+        dst = U.HostRank(self.model, 1, 0, page_size=U.FULL_PS, swa_page_size=U.SWA_PS,
+                         full_pages=16, swa_pages=8, seed=5)
+        d = kvwire.Context(dst.rank, "decode", self.pctx.bootstrap_addr, prefill_tp=1,
+                           bootstrap_timeout_ms=10000, verify="every", instance_id=7)
+        try:
+            before = d.metrics()["verify"]
+            self.assertEqual(before, {"verified": 0, "skipped": 0, "failed": 0})
+            rv = d.receiver(11)
+            rv.post(40, 0, [0, 1, 2], 0, [0, 1, 2], 0)
+            s = self.pctx.sender(11)
+            s.send(40, full_pages=[9, 10, 11], swa_pages=[5, 6, 7])
+            self.assertEqual(rv.wait(30), RoomState.SUCCESS, rv.failure_reason)
+            self.assertEqual(s.wait(30), RoomState.SUCCESS, s.failure_reason)
+            s.close()
+            rv.close()
+            self.assertEqual(d.metrics()["verify"], {"verified": 1, "skipped": 0, "failed": 0})
+        finally:
+            d.close()
 
     def test_closed_context(self):
         p = kvwire.Context(self.srcs[0].rank, "prefill", "127.0.0.1:0", host_bootstrap=True)

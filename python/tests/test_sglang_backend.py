@@ -286,12 +286,15 @@ class TestSGLangBackend(unittest.TestCase):
         dranks = [SglRank(model, decode_tp, r, U.DECODE_SEED, kinds, mla=mla)
                   for r in range(decode_tp)]
         dmgrs = []
+        # The decode ranks verify every room's KV end to end (KVWIRE_SGLANG_VERIFY).
+        os.environ["KVWIRE_SGLANG_VERIFY"] = "every"
         try:
             for d in dranks:
                 dmgrs.append(KVManager(d.args, "decode", server_args(decode_tp, port=31000),
                                        mla, model_config=model_config(kinds),
                                        transport=TRANSPORT,
                                        wait_timeout_ms=30000))
+            os.environ.pop("KVWIRE_SGLANG_VERIFY", None)
             spages = req_pages(reqs, 31)    # every rank of an instance shares its page table
             dpages = req_pages(reqs, 37)
             before = [d.hr.snapshot() for d in dranks]
@@ -425,6 +428,8 @@ class TestSGLangBackend(unittest.TestCase):
             for m in dmgrs:
                 mt = m.metrics()
                 self.assertEqual(mt["rooms_finished"]["success"], ok, mt)
+                self.assertEqual(mt["verify"]["verified"], ok, mt)
+                self.assertEqual(mt["verify"]["failed"], 0, mt)
                 self.assertGreaterEqual(mt["rooms_finished"]["failed"], len(d_done) - ok, mt)
                 text = m.prometheus_text({"instance": "d0"})
                 self.assertIn('side="decode"', text)
@@ -500,6 +505,7 @@ class TestSGLangBackend(unittest.TestCase):
                 for rv in rvs:
                     rv.clear()
         finally:
+            os.environ.pop("KVWIRE_SGLANG_VERIFY", None)
             for m in dmgrs:
                 m.close()
 

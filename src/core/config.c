@@ -18,6 +18,54 @@
  * a mistake (a busy-poll of more than a second). Keep the rows in the order `kvwire
  * info` should list them.
  */
+static const char *kvw__verify_check(const char *text)
+{
+    int mode;
+    uint32_t ppm;
+    return kvw__verify_parse(text, &mode, &ppm);
+}
+
+const char *kvw__verify_parse(const char *text, int *mode_p, uint32_t *ppm_p)
+{
+    *mode_p = KVW_VERIFY_OFF;
+    *ppm_p = 0;
+    if (text == NULL || strcmp(text, "off") == 0)
+        return NULL;
+    if (strcmp(text, "every") == 0) {
+        *mode_p = KVW_VERIFY_EVERY;
+        *ppm_p = 1000000;
+        return NULL;
+    }
+    if (strncmp(text, "sample:", 7) != 0)
+        return "is not off, every or sample:F";
+    const char *c = text + 7;
+    uint64_t whole = 0, frac = 0, scale = 1000000;
+    if (*c < '0' || *c > '9')
+        return "needs a fraction after sample: (sample:0.1)";
+    for (; *c >= '0' && *c <= '9'; c++)
+        if ((whole = whole * 10 + (uint64_t)(*c - '0')) > 1)
+            return "has a fraction above 1";
+    if (*c == '.') {
+        c++;
+        if (*c < '0' || *c > '9')
+            return "has no digits after the point";
+        for (; *c >= '0' && *c <= '9'; c++) {
+            if (scale == 1)
+                return "has more than 6 digits after the point";
+            scale /= 10;
+            frac += (uint64_t)(*c - '0') * scale;
+        }
+    }
+    if (*c != '\0')
+        return "is not a decimal fraction";
+    uint64_t ppm = whole * 1000000 + frac;
+    if (ppm > 1000000)
+        return "has a fraction above 1";
+    *mode_p = KVW_VERIFY_SAMPLE;
+    *ppm_p = (uint32_t)ppm;
+    return NULL;
+}
+
 static const kvw_cfg_def_t kvw_cfg_table[] = {
     {.name = "KVW_WORKERS", .type = KVW_CFG_U64, .def = "4", .min = 1, .max = 16,
      .help = "prefill sender threads per context (decode ranks served in parallel)"},
@@ -33,6 +81,10 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
      .help = "force the data path of every plan (auto: chosen per plan)"},
     {.name = "KVW_BUSY_POLL_US", .type = KVW_CFG_U64, .def = "0", .min = 0, .max = 1000000,
      .help = "spin this long for the next event before sleeping (latency)"},
+    {.name = "KVW_VERIFY", .type = KVW_CFG_STRING, .def = "off",
+     .help = "decode: end-to-end KV digest per room (off, every, sample:F with F in [0, 1]); "
+             "a room verified and wrong fails, on both sides [off|every|sample:F]",
+     .check = kvw__verify_check},
     {.name = "KVW_MAX_PEER_ROOMS", .type = KVW_CFG_U64, .def = "4096", .min = 1,
      .max = 1u << 24,
      .help = "prefill: rooms one decode rank may create by REQ or ABORT before the engine "
@@ -142,6 +194,11 @@ static kvw_status_t cfg_parse(const kvw_cfg_def_t *d, const char *text, uint64_t
         if (cfg_is_choice(d, text))
             return KVW_OK;
         why = "is not a known value";
+    } else if (d->type == KVW_CFG_STRING && d->check) {
+        if ((why = d->check(text)) == NULL)
+            return KVW_OK;
+        return kvw__error(KVW_ERR_INVALID_PARAM, "environment variable %s='%.128s' %s",
+                          d->name, text, why);
     } else {
         return KVW_OK;
     }

@@ -36,6 +36,9 @@ typedef struct kvw_cfg_def {
     const char *choices; /* KVW_CFG_CHOICE: the allowed words, separated by '|' */
     const char *shown;   /* the default in words for `kvwire info`; NULL: def */
     const char *help;
+    /* KVW_CFG_STRING: optional check of the text (KVW_OK, or INVALID_PARAM with the
+     * reason, which cfg_parse prefixes with the variable's name and value). */
+    const char *(*check)(const char *text);
 } kvw_cfg_def_t;
 
 /* The table; *count_p gets its length. */
@@ -56,5 +59,16 @@ kvw_status_t kvw__config_check(void);
  */
 kvw_status_t kvw__config_u64(const char *name, uint64_t *value_p);
 kvw_status_t kvw__config_str(const char *name, const char **value_p);
+
+/*
+ * KV verification modes (KVW_VERIFY, kvw_ctx_params_t.verify): "off", "every" (every
+ * room) or "sample:F" with F a fraction in [0, 1] written as a decimal ("sample:0.1",
+ * "sample:1", at most 6 digits after the point). Parsed into a mode and, for sampling,
+ * parts per million. NULL: the text is fine; else why not (static text).
+ */
+#define KVW_VERIFY_OFF 0
+#define KVW_VERIFY_EVERY 1
+#define KVW_VERIFY_SAMPLE 2
+const char *kvw__verify_parse(const char *text, int *mode_p, uint32_t *ppm_p);
 
 #endif

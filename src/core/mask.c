@@ -108,7 +108,7 @@ KVW_SPEC_LAID_OUT(kvw__spec_recv_post, kvw_recv_post_t,
 KVW_SPEC_LAID_OUT(kvw__spec_room_metrics, kvw_room_metrics_t, 0, KVW_ROOM_METRICS_LIST);
 KVW_SPEC(kvw__spec_ctx_params, "kvw_ctx_params_t", KVW_CTX_FIELD_SIDE | KVW_CTX_FIELD_RANK,
          "side", "rank", "transport", "bootstrap_addr", "host_bootstrap", "listen_host",
-         "timeouts", "secret", "prefill_size", "instance_id", "busy_poll_us");
+         "timeouts", "secret", "prefill_size", "instance_id", "busy_poll_us", "verify");
 KVW_SPEC(kvw__spec_bootstrap_params, "kvw_bootstrap_params_t", KVW_BOOTSTRAP_FIELD_ADDR, "addr",
          "secret");
 

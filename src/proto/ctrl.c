@@ -21,6 +21,8 @@ static uint32_t kvw_ctrl_max_payload(uint8_t type)
         return KVW_WIRE_MAX_PAYLOAD;
     case KVW_MSG_META:
         return KVW_MAX_ROOM_METADATA + 64 + KVW_TAG;
+    case KVW_MSG_DIGEST: /* room, count, count units (the decode checks count exactly) */
+        return 12 + 8u * KVW_DIGEST_MAX_UNITS + KVW_TAG;
     case KVW_MSG_HEARTBEAT:
         return KVW_TAG;
     default: /* room messages: id, status and a reason (the reader keeps 255 bytes) */

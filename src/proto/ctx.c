@@ -58,6 +58,14 @@ static kvw_status_t kvw_ctx_params_check(const kvw_ctx_params_t *params, kvw_ctx
     uint64_t fm = params->field_mask;
     if ((fm & KVW_CTX_FIELD_SECRET) && params->secret && strlen(params->secret) >= 256)
         return kvw__error(KVW_ERR_INVALID_PARAM, "the shared secret is longer than 255 bytes");
+    if ((fm & KVW_CTX_FIELD_VERIFY) && params->verify && params->verify[0]) {
+        int mode;
+        uint32_t ppm;
+        const char *why = kvw__verify_parse(params->verify, &mode, &ppm);
+        if (why)
+            return kvw__error(KVW_ERR_INVALID_PARAM, "kvw_ctx_create: verify '%.64s' %s",
+                              params->verify, why);
+    }
     return kvw__config_check();
 }
 
@@ -111,6 +119,12 @@ static void kvw_ctx_params_resolve(struct kvw_ctx *ctx, const kvw_ctx_params_t *
                                                       : ctx->cfg.busy_poll_us;
     ctx->busy_poll_ns = KVW_MIN(busy_us, 1000000ull) * 1000ull; /* at most 1 s */
     ctx->path_mode = ctx->cfg.path_mode;
+    const char *verify = NULL;
+    if ((fm & KVW_CTX_FIELD_VERIFY) && params->verify && params->verify[0])
+        verify = params->verify;
+    else
+        kvw__config_str("KVW_VERIFY", &verify);
+    (void)kvw__verify_parse(verify, &ctx->cfg.verify, &ctx->cfg.verify_ppm); /* checked */
     pthread_mutex_init(&ctx->mu, NULL);
     pthread_cond_init(&ctx->cv, NULL);
     kvw__queue_init(ctx);
@@ -144,7 +158,15 @@ static kvw_status_t kvw_ctx_tl_open(struct kvw_ctx *ctx, const kvw_ctx_params_t 
     kvw_status_t st = ctx->tl_ops->init(&tp, &ctx->tl);
     if (st != KVW_OK)
         return st;
-    return kvw_check_mem_kinds(ctx);
+    if ((st = kvw_check_mem_kinds(ctx)) != KVW_OK)
+        return st;
+    /* The digest is computed by the CPU over host pages: a context on GPU buffers would
+     * only claim to verify. */
+    if (ctx->cfg.verify != KVW_VERIFY_OFF && ctx->mem->is_device)
+        return kvw__error(KVW_ERR_UNSUPPORTED, "KV verification (KVW_VERIFY or the verify "
+                          "parameter) covers host memory only; this rank's buffers are %s "
+                          "memory: set it to off", ctx->mem->name);
+    return KVW_OK;
 }
 
 /* Prefill: the bootstrap endpoint when this rank hosts it, the control listener, the

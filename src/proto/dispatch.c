@@ -75,6 +75,11 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
             break;
         kvw__handle_meta(ctx, peer, &rb);
         return;
+    case KVW_MSG_DIGEST:
+        if (ctx->side != KVW_SIDE_DECODE)
+            break;
+        kvw__handle_digest(ctx, peer, &rb);
+        return;
     case KVW_MSG_ABORT:
     case KVW_MSG_FAILED:
     case KVW_MSG_ABORT_ACK: {

@@ -5,6 +5,7 @@
 #include "proto/proto.h"
 
 #include "core/sha256.h"
+#include "plan/digest.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -87,7 +88,7 @@ static void kvw_confirms_send(struct kvw_ctx *ctx)
 static void kvw_src_confirm(struct kvw_ctx *ctx, const kvw_room_t *r, const kvw_room_src_t *s)
 {
     if (s->done && s->got == s->expected && (!s->meta_expected || s->meta_got) &&
-        !kvw_mediated(ctx))
+        !kvw_mediated(ctx) && !r->verify)
         kvw_confirm(ctx, r, s->peer);
 }
 
@@ -142,6 +143,120 @@ void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     kvw_receiver_done(ctx, r);
 }
 
+/* Decode: a prefill rank's KV digest for a verified room (mu held): from a source of the
+ * room, once, one value per unit of this rank. */
+void kvw__handle_digest(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    uint64_t id = kvw__rb_u64(rb);
+    uint32_t n = kvw__rb_u32(rb);
+    uint32_t want = kvw__digest_units(ctx->rank);
+    if (rb->bad || n > KVW_DIGEST_MAX_UNITS || rb->len - rb->pos < (uint64_t)n * 8) {
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "malformed digest frame");
+        return;
+    }
+    const uint8_t *vals = rb->p + rb->pos;
+    rb->pos += (size_t)n * 8;
+    if (kvw__rb_done(rb, "digest") != KVW_OK) {
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
+        return;
+    }
+    kvw_room_t *r = kvw__room_find(ctx, id);
+    if (r == NULL || r->is_sender || r->state == KVW_ROOM_FAILED || r->state == KVW_ROOM_SUCCESS)
+        return;
+    kvw_room_src_t *s = NULL;
+    for (uint32_t i = 0; i < r->num_srcs; i++)
+        if (r->srcs[i].peer == peer->id)
+            s = &r->srcs[i];
+    if (s == NULL)
+        return; /* not one of the room's sources: no say in it */
+    if (!r->verify || s->digest_got || n != want) {
+        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent %s (%u units, this "
+                       "rank has %u)", (unsigned long long)id, peer->desc,
+                       !r->verify ? "a digest the room did not ask for"
+                       : s->digest_got ? "its digest twice" : "a digest of the wrong size",
+                       n, want);
+        return;
+    }
+    s->digest = malloc((size_t)(n ? n : 1) * 8);
+    if (s->digest == NULL) {
+        kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory for a room's digest");
+        return;
+    }
+    for (uint32_t u = 0; u < n; u++) {
+        uint64_t v = 0;
+        for (int b = 0; b < 8; b++)
+            v |= (uint64_t)vals[8 * u + b] << (8 * b);
+        s->digest[u] = v;
+    }
+    s->digest_got = true;
+    kvw_receiver_done(ctx, r);
+}
+
+/* Decode, a verified room whose every byte landed (mu held): this rank's digest of its
+ * destination pages for each source's pair (s->mine); false (and *f) if it cannot be
+ * computed. The pair's whole-room plan: the decode's own pages and the source's
+ * geometry, the same segments the prefill's chunk plans cut by token. */
+static kvw_status_t kvw_pair_plan(struct kvw_ctx *ctx, const kvw_room_t *r,
+                                  const kvw_room_src_t *s, kvw_plan_h *plan_p)
+{
+    kvw_chunk_t whole = {.num_tokens = r->num_tokens, .chunk_begin = 0,
+                         .chunk_end = r->num_tokens, .prefix_len = r->prefix_len,
+                         .last_chunk = 1};
+    return kvw__plan_create_staged(kvw__peer_at(ctx, s->peer)->remote, ctx->rank, &whole, NULL,
+                                   &r->post_pages, plan_p);
+}
+
+static bool kvw_verify_compute(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
+{
+    uint32_t units = kvw__digest_units(ctx->rank);
+    for (uint32_t i = 0; i < r->num_srcs; i++) {
+        kvw_room_src_t *s = &r->srcs[i];
+        kvw_plan_h plan = NULL;
+        if (s->mine == NULL && (s->mine = calloc(units ? units : 1, 8)) == NULL) {
+            kvw_fail_set(f, KVW_ERR_NO_MEMORY, "room %llu: out of memory verifying",
+                         (unsigned long long)r->id);
+            return false;
+        }
+        kvw_status_t st = kvw_pair_plan(ctx, r, s, &plan);
+        if (st == KVW_OK)
+            st = kvw__plan_digest(plan, true, NULL, 0, s->mine, units);
+        kvw_plan_destroy(plan);
+        if (st != KVW_OK) {
+            kvw_fail_set(f, st, "room %llu: verifying %s failed: %s", (unsigned long long)r->id,
+                         kvw__peer_at(ctx, s->peer)->desc, kvw_last_error());
+            return false;
+        }
+    }
+    return true;
+}
+
+/* Both digests of every pair are there: false (and *f) on the first difference, named by
+ * source, layer, component, head and tokens. */
+static bool kvw_verify_compare(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
+{
+    uint32_t units = kvw__digest_units(ctx->rank);
+    for (uint32_t i = 0; i < r->num_srcs; i++) {
+        kvw_room_src_t *s = &r->srcs[i];
+        for (uint32_t u = 0; u < units; u++) {
+            if (s->mine[u] == s->digest[u])
+                continue;
+            char where[160] = "";
+            kvw_plan_h plan = NULL;
+            if (kvw_pair_plan(ctx, r, s, &plan) == KVW_OK)
+                kvw__digest_locate(plan, u, where, sizeof(where));
+            else
+                snprintf(where, sizeof(where), "unit %u", u);
+            kvw_plan_destroy(plan);
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH, "room %llu: KV digest mismatch at %s (from "
+                         "%.80s)", (unsigned long long)r->id, where,
+                         kvw__peer_at(ctx, s->peer)->desc);
+            return false;
+        }
+    }
+    return true;
+}
+
 /* Completes a room whose every source is done (mu held); a room whose bytes do not add
  * up is not completed, and *f says why. */
 static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
@@ -149,6 +264,10 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
     for (uint32_t i = 0; i < r->num_srcs; i++)
         if (!r->srcs[i].done || (r->srcs[i].meta_expected && !r->srcs[i].meta_got))
             return;
+    /* A staged window still being scattered (mu dropped meanwhile) has not landed: the
+     * room is checked again when it has (every completion ends in this check). */
+    if (r->inflight)
+        return;
     /* On transports whose receiver sees every write (tcp, ucx am), the bytes that actually landed
      * must match too: a sender's own count cannot vouch for writes lost on the way. */
     if (kvw_mediated(ctx)) {
@@ -198,7 +317,30 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
                          (unsigned long long)r->srcs[i].expected);
             return;
         }
-    if (kvw_mediated(ctx))
+    /* Strictly after the room's landing is complete (every source's final completion
+     * and metadata, no scatter running, and on tcp the landing log checked): this rank's
+     * digest of the bytes that are there now, once; then, when every source's digest
+     * arrived too, the comparison. */
+    if (r->verify) {
+        bool computed = true;
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            computed &= r->srcs[i].mine != NULL;
+        if (!computed && !kvw_verify_compute(ctx, r, f)) {
+            kvw__metrics_verify(ctx, false);
+            return;
+        }
+        for (uint32_t i = 0; i < r->num_srcs; i++)
+            if (!r->srcs[i].digest_got)
+                return;
+        if (!kvw_verify_compare(ctx, r, f)) {
+            kvw__metrics_verify(ctx, false);
+            return;
+        }
+        kvw__metrics_verify(ctx, true);
+    } else if (ctx->cfg.verify == KVW_VERIFY_SAMPLE) {
+        kvw__metrics_verify_skipped(ctx);
+    }
+    if (kvw_mediated(ctx) || r->verify)
         for (uint32_t i = 0; i < r->num_srcs; i++)
             kvw_confirm(ctx, r, r->srcs[i].peer);
     kvw__room_advance(r, KVW_ROOM_SUCCESS);

@@ -67,6 +67,19 @@ void kvw__metrics_staging(struct kvw_ctx *ctx, int64_t delta)
     }
 }
 
+void kvw__metrics_verify(struct kvw_ctx *ctx, bool ok)
+{
+    if (ok)
+        KVW_M_ADD(ctx->metrics.verified, 1);
+    else
+        KVW_M_ADD(ctx->metrics.verify_failed, 1);
+}
+
+void kvw__metrics_verify_skipped(struct kvw_ctx *ctx)
+{
+    KVW_M_ADD(ctx->metrics.verify_skipped, 1);
+}
+
 void kvw__metrics_peer_up(struct kvw_ctx *ctx)
 {
     KVW_M_ADD(ctx->metrics.peers_up, 1);
@@ -84,7 +97,8 @@ void kvw__metrics_peer_died(struct kvw_ctx *ctx)
     X(T, side) X(T, transport) X(T, rooms_in_state) X(T, rooms_succeeded)                 \
     X(T, rooms_failed) X(T, rooms_failed_by_status) X(T, bytes_direct) X(T, bytes_staged) \
     X(T, latency_us_buckets) X(T, latency_us_sum) X(T, staging_capacity)                  \
-    X(T, staging_in_use) X(T, staging_high_water) X(T, peers_connected) X(T, peers_died)
+    X(T, staging_in_use) X(T, staging_high_water) X(T, peers_connected) X(T, peers_died)  \
+    X(T, rooms_verified) X(T, rooms_verify_skipped) X(T, rooms_verify_failed)
 #define KVW_M_NAME(T, f) #f,
 #define KVW_M_PLACE(T, f) {offsetof(T, f), sizeof(((T *)0)->f)},
 
@@ -121,6 +135,9 @@ kvw_status_t kvw_ctx_metrics(kvw_ctx_h ctx, kvw_ctx_metrics_t *out)
     all.staging_high_water = KVW_M_GET(m->stage_high);
     all.peers_connected = KVW_M_GET(m->peers_up);
     all.peers_died = KVW_M_GET(m->peers_died);
+    all.rooms_verified = KVW_M_GET(m->verified);
+    all.rooms_verify_skipped = KVW_M_GET(m->verify_skipped);
+    all.rooms_verify_failed = KVW_M_GET(m->verify_failed);
     kvw__mask_copy(&kvw_spec_ctx_metrics, want, &all, out);
     return KVW_OK;
 }

@@ -24,6 +24,7 @@ typedef struct kvw_metrics {
     _Atomic uint64_t lat_us_sum;
     _Atomic uint64_t stage_in_use, stage_high;
     _Atomic uint64_t peers_up, peers_died;
+    _Atomic uint64_t verified, verify_skipped, verify_failed;
 } kvw_metrics_t;
 
 /* A room was created (it starts Bootstrapping). */
@@ -36,6 +37,9 @@ void kvw__metrics_room_moves(struct kvw_room *r, kvw_room_state_t to, kvw_status
 void kvw__metrics_bytes(struct kvw_ctx *ctx, bool staged, uint64_t n);
 /* Staging granted (delta > 0) or given back (delta < 0). */
 void kvw__metrics_staging(struct kvw_ctx *ctx, int64_t delta);
+/* Decode: a verified room's digests matched (ok) or not; a room sampling left out. */
+void kvw__metrics_verify(struct kvw_ctx *ctx, bool ok);
+void kvw__metrics_verify_skipped(struct kvw_ctx *ctx);
 /* A peer finished its registration; a registered peer was declared dead. */
 void kvw__metrics_peer_up(struct kvw_ctx *ctx);
 void kvw__metrics_peer_died(struct kvw_ctx *ctx);

@@ -40,6 +40,7 @@
 
 #include "core/hmap.h"
 #include "core/lock.h"
+#include "core/config.h"
 #include "core/mask.h"
 #include "exec/staged.h"
 #include "plan/rank.h"
@@ -207,6 +208,8 @@ struct kvw_ctx {
         uint64_t max_peer_rooms; /* KVW_MAX_PEER_ROOMS */
         uint64_t max_hello;      /* KVW_MAX_HELLO_KB, in bytes */
         uint64_t max_peers;      /* KVW_MAX_PEERS */
+        int verify;              /* KVW_VERIFY (or the params' verify): KVW_VERIFY_* */
+        uint32_t verify_ppm;     /* rooms verified per million (sample) */
     } cfg;
     uint64_t room_serial;
     char secret[256]; /* shared secret, "" when none */
@@ -376,6 +379,10 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
 /* Decode: a prefill rank's metadata for a room (mu held). Accepted only from a prefill
  * rank that writes the room, once, bounded; several ranks must agree byte for byte. */
 void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
+
+/* Decode: a prefill rank's KV digest for a verified room (mu held): accepted from a
+ * source of the room, once, with one value per unit of this rank. */
+void kvw__handle_digest(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb);
 
 /* Context destroy: forgets the data connections' bindings. */
 void kvw__binds_fini(struct kvw_ctx *ctx);

@@ -190,6 +190,22 @@ kvw_status_t kvw_receiver_post(kvw_receiver_h rv, const kvw_recv_post_t *post)
     return st;
 }
 
+/* Whether room `id` is verified: every room, none, or (sampled) the rooms whose mixed
+ * id falls below the fraction; the id alone decides, so a room is verified or not
+ * whichever decode rank asks, and a repeated run verifies the same rooms. */
+static bool kvw_verify_pick(const struct kvw_ctx *ctx, uint64_t id)
+{
+    if (ctx->cfg.verify == KVW_VERIFY_OFF)
+        return false;
+    if (ctx->cfg.verify == KVW_VERIFY_EVERY)
+        return true;
+    uint64_t z = id + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    z ^= z >> 31;
+    return z % 1000000u < ctx->cfg.verify_ppm;
+}
+
 kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
                                        const kvw_recv_post_t *post)
 {
@@ -265,6 +281,7 @@ kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
     }
     r->num_tokens = n;
     r->prefix_len = post->prefix_len;
+    r->verify = kvw_verify_pick(ctx, r->id);
     r->post_pages = post->pages;
     r->post_store = malloc(sizeof(uint32_t) *
                            ((size_t)post->pages.full.num_pages + post->pages.swa.num_pages + 1));
@@ -296,6 +313,10 @@ kvw_status_t kvw__receiver_post_locked(struct kvw_ctx *ctx, kvw_room_t *r,
         kvw__wire_put_pages(&w, &post->pages.full);
         kvw__wire_put_pages(&w, &post->pages.swa);
         kvw__wb_u64(&w, (uint64_t)post->pages.state_slot);
+        /* Flags, only when one is set (a request without them is the same frame as
+         * before): bit 0, verify the room's KV (the prefill sends its digest). */
+        if (r->verify)
+            kvw__wb_u8(&w, 1);
         kvw__peer_send(ctx, kvw__peer_at(ctx, i), &w);
     }
     r->deadline_ns = kvw__now_ns() + (uint64_t)ctx->wait_timeout_ms * 1000000ull;

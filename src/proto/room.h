@@ -47,6 +47,12 @@ typedef struct kvw_room_dst {
     bool busy;           /* a worker is sending to this decode rank */
     int64_t grant_off;   /* staging grant from the decode rank, -1 while waiting */
     uint64_t grant_len;
+    /* KV verification: the decode rank's request asked for it; the digest of what this
+     * rank sent it so far, per unit of its rank (plan/digest.h; allocated on the first
+     * step), sent with the last chunk's final step (KVW_MSG_DIGEST). */
+    bool verify;
+    uint64_t *digest;
+    uint32_t num_units;
 } kvw_room_dst_t;
 
 /* Decode: one prefill rank's half of a room. */
@@ -62,6 +68,13 @@ typedef struct kvw_room_src {
     kvw_staged_t *scatter;
     uint64_t scatter_begin, scatter_end;
     bool scatter_last;
+    /* A verified room: the digest the prefill rank computed over its source pages
+     * (KVW_MSG_DIGEST, one per unit of this rank), once it arrived. */
+    uint64_t *digest;
+    bool digest_got;
+    /* ... and this rank's digest of the same pair over its destination pages, computed
+     * once the room's landing is complete (NULL: not yet). */
+    uint64_t *mine;
 } kvw_room_src_t;
 
 typedef struct kvw_room {
@@ -105,6 +118,9 @@ typedef struct kvw_room {
     uint32_t *granted[KVW_NUM_POOLS]; /* sorted pages the room may write */
     uint32_t num_granted[KVW_NUM_POOLS];
     uint64_t prefix_len;
+    /* Decode: the room is verified (decided at the post: KVW_VERIFY, by room id when
+     * sampled); its request says so to the prefill ranks. */
+    bool verify;
     uint64_t landed; /* decode: bytes the receiver saw land (mediated transports) */
     kvw_ivlog_t writes;     /* decode: where they landed (direct, and staged until scattered) */
     uint64_t staged_exact;  /* decode: staged bytes whose window was covered exactly once */

@@ -96,6 +96,7 @@ void kvw__room_free(kvw_room_t *r)
     for (uint32_t i = 0; i < r->num_dsts; i++) {
         free(r->dsts[i].store);
         free(r->dsts[i].sent);
+        free(r->dsts[i].digest);
     }
     free(r->dsts);
     for (uint32_t i = 0; i < r->num_chunks; i++) {
@@ -103,8 +104,11 @@ void kvw__room_free(kvw_room_t *r)
         free(r->chunks[i].ready);
     }
     free(r->chunks);
-    for (uint32_t i = 0; i < r->num_srcs; i++)
+    for (uint32_t i = 0; i < r->num_srcs; i++) {
         kvw__staged_close(r->srcs[i].scatter); /* a chunk the room ended in the middle of */
+        free(r->srcs[i].digest);
+        free(r->srcs[i].mine);
+    }
     free(r->srcs);
     for (int p = 0; p < KVW_NUM_POOLS; p++)
         free(r->granted[p]);

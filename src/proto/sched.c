@@ -174,7 +174,10 @@ void kvw__handle_req(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
         return;
     }
     d.pages.state_slot = (int64_t)kvw__rb_u64(rb);
-    if (kvw__rb_done(rb, "request") != KVW_OK) {
+    /* Flags (optional, one byte): bit 0 asks for the room's KV digest. */
+    uint8_t flags = rb->pos < rb->len ? kvw__rb_u8(rb) : 0;
+    d.verify = flags & 1;
+    if (kvw__rb_done(rb, "request") != KVW_OK || (flags & ~1u)) {
         free(s1);
         free(s2);
         kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());

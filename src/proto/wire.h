@@ -18,6 +18,9 @@
 #define KVW_WIRE_VERSION 1
 #define KVW_WIRE_HDR 12
 #define KVW_WIRE_MAX_PAYLOAD (64u << 20)
+/* Units of one KVW_MSG_DIGEST frame at most (layers x components x local heads of a
+ * decode rank: 8 MiB of digest). */
+#define KVW_DIGEST_MAX_UNITS (1u << 20)
 
 typedef enum kvw_msg_type {
     KVW_MSG_HELLO = 1,     /* decode -> prefill: registration */
@@ -45,6 +48,8 @@ typedef enum kvw_msg_type {
                                   32-byte nonce the registration on this connection MACs */
     KVW_MSG_CHALLENGE = 30,   /* prefill -> decode: nonce for the shared secret */
     KVW_MSG_META = 13,        /* prefill -> decode: room, the room's metadata bytes */
+    KVW_MSG_DIGEST = 14, /* at most KVW_DIGEST_MAX_UNITS units */      /* prefill -> decode: room, the KV digest of what this rank
+                                 sent the decode rank (u32 count, count u64 units) */
     KVW_MSG_MAX = 31
 } kvw_msg_type_t;
 

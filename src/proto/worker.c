@@ -7,6 +7,7 @@
  * ends each step.
  */
 #include "cuda/module.h"
+#include "plan/digest.h"
 #include "plan/walk.h"
 #include "proto/proto.h"
 
@@ -91,6 +92,10 @@ typedef struct kvw_step {
     const uint8_t *take;
     bool final;
     uint32_t meta_len;
+    /* A verified room: the step adds the digest of what it sends (its source pages) to
+     * digest[0 .. num_units); NULL: not verified. */
+    uint64_t *digest;
+    uint32_t num_units;
 } kvw_step_t;
 
 /* What a step did: bytes and runs moved, whether staged, when its completion went out
@@ -353,6 +358,12 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
                           (unsigned long long)c.prefix_len, (unsigned long long)c.num_tokens);
     kvw_plan_h plan;
     kvw_status_t st;
+    /* The digest is read by the CPU: GPU buffers cannot be verified (the decode asked;
+     * its room fails with this reason rather than pass unverified). */
+    if (s->digest && (peer->mapped || ctx->mem->is_device))
+        return kvw__error(KVW_ERR_UNSUPPORTED, "the decode asked to verify the room's KV, which "
+                          "this prefill rank cannot do: its buffers are %s memory (verification "
+                          "covers host memory only)", ctx->mem->name);
     if (peer->mapped) {
         /* The decode buffers are mapped here (CUDA IPC): one fused kernel writes them
          * directly, and the notification goes out only after it completed. */
@@ -403,10 +414,15 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
     if (st != KVW_OK)
         return st;
     /* Staged or direct is decided on the whole chunk's plan, so that every step of a
-     * streamed chunk takes the same path. */
+     * streamed chunk takes the same path. A verified room's source rows are read once
+     * the step's bytes and completion are out (the source pages stay in place until the
+     * room ends), so that the decode's read pass of its pages runs meanwhile: the
+     * decode checks when it has both digests. */
     out->staged = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
     if (out->staged) {
         st = kvw_send_staged(ctx, s, plan, &c, out);
+        if (st == KVW_OK && s->digest)
+            st = kvw__plan_digest(plan, false, take, lb, s->digest, s->num_units);
         kvw_plan_destroy(plan);
         return st;
     }
@@ -440,6 +456,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
             st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
         }
     }
+    if (st == KVW_OK && s->digest) /* the layers taken only: the plan keeps no others */
+        st = kvw__plan_digest(plan, false, NULL, lb, s->digest, s->num_units);
     out->runs = pc->runs;
     free(pc);
     kvw_plan_destroy(plan);
@@ -513,9 +531,23 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
             kvw__wb_bytes(&mw, r->meta, r->meta_len);
             kvw__peer_send(ctx, peer, &mw);
         }
+        /* A verified room: this step's digest, added to the room's once it is sent. */
+        uint64_t *part = NULL;
+        uint32_t units = 0;
+        if (d->verify) {
+            units = kvw__digest_units(peer->remote);
+            if ((d->digest == NULL && (d->digest = calloc(units ? units : 1, 8)) == NULL) ||
+                (part = calloc(units ? units : 1, 8)) == NULL) {
+                free(take);
+                kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory verifying");
+                break;
+            }
+            d->num_units = units;
+        }
         pthread_mutex_unlock(&ctx->mu);
         kvw_step_t step = {.r = r, .di = i, .peer = peer, .d = &dcopy, .q = &q, .take = take,
-                           .final = final, .meta_len = meta_len};
+                           .final = final, .meta_len = meta_len, .digest = part,
+                           .num_units = units};
         kvw_step_out_t so = {0};
         kvw_status_t st = kvw_worker_step(ctx, &step, gq, &so);
         if (so.seq)
@@ -524,6 +556,22 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
         snprintf(msg, sizeof(msg), "%s", kvw_last_error());
         pthread_mutex_lock(&ctx->mu);
         d = &r->dsts[i];
+        if (st == KVW_OK && part) {
+            for (uint32_t u = 0; u < units; u++)
+                d->digest[u] += part[u];
+            /* The whole room's digest for this decode rank follows its last completion
+             * (the decode waits for both before it checks). */
+            if (final && q.c.last_chunk) {
+                kvw_wbuf_t dw;
+                kvw__wb_init(&dw, KVW_MSG_DIGEST);
+                kvw__wb_u64(&dw, r->id);
+                kvw__wb_u32(&dw, units);
+                for (uint32_t u = 0; u < units; u++)
+                    kvw__wb_u64(&dw, d->digest[u]);
+                kvw__peer_send(ctx, peer, &dw);
+            }
+        }
+        free(part);
         if (st != KVW_OK) {
             free(take);
             if (r->state != KVW_ROOM_FAILED)

@@ -12,6 +12,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -56,8 +57,14 @@ typedef struct fault_slot {
     uint64_t instances;
 } fault_slot_t;
 
+/* The receiver's callbacks, behind the notify hook (instances the wrapper starts). */
+typedef struct fault_cbs {
+    kvw_tl_callbacks_t orig;
+} fault_cbs_t;
+
 typedef struct fault_tl {
     uint32_t magic;
+    fault_cbs_t *cbs; /* NULL: attached, the receiver's callbacks go straight */
     fault_slot_t *slot;
     fault_cfg_t cfg; /* the slot's, or the one given to kvw__tl_fault_attach */
     kvw_tl_h inner;
@@ -190,6 +197,35 @@ static kvw_status_t fault_parse(const char *spec, fault_cfg_t *c)
 }
 
 /* ------------------------------------------------------------------ helpers */
+
+static _Atomic(kvw_fault_notify_hook_t) fault_notify_hook;
+
+void kvw__tl_fault_set_notify_hook(kvw_fault_notify_hook_t hook)
+{
+    atomic_store(&fault_notify_hook, hook);
+}
+
+static void fault_cb_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
+{
+    fault_cbs_t *c = arg;
+    kvw_fault_notify_hook_t hook = atomic_load(&fault_notify_hook);
+    if (hook)
+        hook(c->orig.arg, msg, len);
+    c->orig.on_notify(c->orig.arg, ep, msg, len);
+}
+
+static kvw_status_t fault_cb_check_write(void *arg, kvw_tl_ep_h ep, uint64_t room,
+                                         uint64_t region, uint64_t off, uint64_t len)
+{
+    fault_cbs_t *c = arg;
+    return c->orig.check_write(c->orig.arg, ep, room, region, off, len);
+}
+
+static void fault_cb_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason)
+{
+    fault_cbs_t *c = arg;
+    c->orig.on_ep_error(c->orig.arg, ep, status, reason);
+}
 
 static fault_tl_t *fault_tl(kvw_tl_h h)
 {
@@ -352,14 +388,28 @@ static void fault_stop_flusher(fault_tl_t *t)
 static kvw_status_t fault_init(fault_slot_t *s, const kvw_tl_params_t *params, kvw_tl_h *tl_p)
 {
     kvw_tl_h inner = NULL;
-    kvw_status_t st = s->inner->init(params, &inner);
-    if (st != KVW_OK)
+    fault_cbs_t *cbs = calloc(1, sizeof(*cbs));
+    if (cbs == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory wrapping a transport");
+    cbs->orig = params->cb;
+    kvw_tl_params_t p = *params;
+    p.cb.arg = cbs;
+    p.cb.on_notify = params->cb.on_notify ? fault_cb_notify : NULL;
+    p.cb.check_write = params->cb.check_write ? fault_cb_check_write : NULL;
+    p.cb.on_ep_error = params->cb.on_ep_error ? fault_cb_ep_error : NULL;
+    kvw_status_t st = s->inner->init(&p, &inner);
+    if (st != KVW_OK) {
+        free(cbs);
         return st;
+    }
     if ((st = fault_tl_new(s, &s->cfg, inner, tl_p)) != KVW_OK) {
         s->inner->close(inner);
         s->inner->stop(inner);
         s->inner->fini(inner);
+        free(cbs);
+        return st;
     }
+    fault_tl(*tl_p)->cbs = cbs;
     return st;
 }
 
@@ -677,6 +727,7 @@ static void fault_fini(kvw_tl_h tl)
     s->inner->fini(t->inner);
     t->magic = 0;
     pthread_mutex_destroy(&t->rng_mu);
+    free(t->cbs);
     free(t);
 }
 

@@ -103,6 +103,17 @@ kvw_status_t kvw__tl_fault_attach(const kvw_tl_ops_t *ops, kvw_tl_h inner, const
  * before creating contexts. */
 void kvw__tl_fault_register(void);
 
+/*
+ * Receive side: every instance the wrapper starts itself (a context created on a
+ * "fault:NAME" transport, not one attached after creation) passes each notification
+ * to `hook` first, with the callbacks' own argument (the receiving context), then on
+ * to the receiver. Tests use it to act between the landing of a sender's bytes and the
+ * completion that announces them (every write posted before a notification has landed
+ * when it arrives). NULL: none. Process-wide; set it before the contexts exist.
+ */
+typedef void (*kvw_fault_notify_hook_t)(void *arg, const void *msg, size_t len);
+void kvw__tl_fault_set_notify_hook(kvw_fault_notify_hook_t hook);
+
 /* Process-wide counters of injected faults since start (or the last reset). */
 void kvw__tl_fault_stats(uint64_t counts[KVW_FAULT_NUM_KINDS]);
 void kvw__tl_fault_stats_reset(void);

@@ -62,6 +62,7 @@ typedef struct demo_cfg {
     char listen_host[64];
     int gpu; /* KV caches in GPU memory: 1 prefill (GPU 0), 2 decode (GPU 1, or 0) */
     char secret[256]; /* shared secret ("" none), from --secret-file or KVW_SECRET_FILE */
+    char verify[32];  /* --verify: the decode contexts' KV verification ("" KVW_VERIFY) */
 } demo_cfg_t;
 
 typedef struct demo_req {
@@ -272,6 +273,10 @@ static kvw_ctx_h *demo_contexts(const demo_cfg_t *c, demo_inst_t *inst, bool pre
     if (c->secret[0]) {
         p.field_mask |= KVW_CTX_FIELD_SECRET;
         p.secret = c->secret;
+    }
+    if (c->verify[0] && !prefill) {
+        p.field_mask |= KVW_CTX_FIELD_VERIFY;
+        p.verify = c->verify;
     }
     uint32_t i;
     char why[512];
@@ -773,6 +778,9 @@ static void demo_usage(FILE *f)
             "  --metrics             print each context's metrics (kvw_ctx_metrics) at the end\n"
             "  --startup             print what starting each side's contexts cost: time, per\n"
             "                        rank pair, socket I/O, fds and threads (docs/SCALING.md)\n"
+            "  --verify MODE         decode ranks verify the KV end to end: off, every or\n"
+            "                        sample:F (default: KVW_VERIFY, else off); a mismatch\n"
+            "                        fails the room, naming layer, component, head, tokens\n"
             "Exit status: 0 only if every destination byte and guard byte verified; 1 a\n"
             "failed run; 2 a usage error; 3 a configuration refused before any transfer,\n"
             "by the demo's own checks or at the handshake (configurations or secrets that\n"
@@ -811,7 +819,7 @@ static int cmd_demo(int argc, char **argv)
         {"gpu", 2, 0, 'G'},           {"role", 1, 0, 'R'},          {"bootstrap", 1, 0, 'B'},
         {"external-bootstrap", 0, 0, 'E'}, {"listen-host", 1, 0, 'I'}, {"quiet", 0, 0, 'q'},
         {"help", 0, 0, 'h'},          {"secret-file", 1, 0, 'K'},   {"metrics", 0, 0, 'M'},
-        {"startup", 0, 0, 'U'},       {0, 0, 0, 0}};
+        {"startup", 0, 0, 'U'},       {"verify", 1, 0, 'V'},        {0, 0, 0, 0}};
     static const char *const layouts[] = {"nhd", "hnd", NULL};
     static const char *const roles[] = {"both", "prefill", "decode", NULL};
     static const char *const gpu_sides[] = {"both", "prefill", "decode", NULL};
@@ -906,6 +914,20 @@ static int cmd_demo(int argc, char **argv)
             if (kvw_cli_read_secret("demo", optarg, c.secret, sizeof(c.secret)))
                 return 2;
             break;
+        case 'V': {
+            /* The shape here (a usage error); the library checks the fraction's digits. */
+            char *end = NULL;
+            double f = strncmp(optarg, "sample:", 7) == 0 ? strtod(optarg + 7, &end) : -1;
+            bool ok = !strcmp(optarg, "off") || !strcmp(optarg, "every") ||
+                      (end && end != optarg + 7 && *end == '\0' && f >= 0 && f <= 1);
+            if (!ok || strlen(optarg) >= sizeof(c.verify)) {
+                fprintf(stderr, "demo: --verify takes off, every or sample:F with F from 0 to "
+                        "1, not '%s'\n", optarg);
+                bad = 1;
+            }
+            snprintf(c.verify, sizeof(c.verify), "%s", optarg);
+            break;
+        }
         case 'h': demo_usage(stdout); return 0;
         default:
             /* getopt named the option already ("unrecognized option", "requires an

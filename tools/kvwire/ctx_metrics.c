@@ -85,6 +85,12 @@ void cli_print_metrics(FILE *f, const char *who, uint32_t rank, kvw_ctx_h ctx)
                         cli_size(m.staging_in_use, a, sizeof(a)),
                         cli_size(m.staging_capacity, b, sizeof(b)),
                         cli_size(m.staging_high_water, c, sizeof(c)));
+    if (m.rooms_verified || m.rooms_verify_skipped || m.rooms_verify_failed)
+        len += snprintf(out + len, sizeof(out) - (size_t)len,
+                        "metrics:   KV verification: %llu rooms verified, %llu sampled out, "
+                        "%llu failed\n", (unsigned long long)m.rooms_verified,
+                        (unsigned long long)m.rooms_verify_skipped,
+                        (unsigned long long)m.rooms_verify_failed);
     snprintf(out + len, sizeof(out) - (size_t)len, "metrics:   peers: %llu connected, %llu died\n",
              (unsigned long long)m.peers_connected, (unsigned long long)m.peers_died);
     fputs(out, f);
