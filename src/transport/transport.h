@@ -62,8 +62,8 @@ typedef struct kvw_tl_callbacks {
     /* A mediated write from accepted endpoint `ep` is about to land at [off, off + len)
      * of registered region `region_id` for `room`; not one byte of it has landed yet.
      * Return KVW_OK to allow it; any error drops the write (the receiving protocol
-     * fails that room itself where the write was the room's own sender's; tcp then
-     * discards the payload and keeps the connection, ucx fails the connection). */
+     * fails that room itself where the write was the room's own sender's; tcp and ucx
+     * then drop the write and keep the connection). */
     kvw_status_t (*check_write)(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region_id,
                                 uint64_t off, uint64_t len);
     /* An endpoint (accepted or connected) failed or closed; no more notifications

@@ -16,7 +16,8 @@
  *    the fabric has them). The receiver mediates every write (KVW_TL_CAP_MEDIATED):
  *    it checks it against its registered regions, then asks cb.check_write (with the
  *    room the message names and the connection) before a byte lands, eager or
- *    rendezvous; a refused write lands nowhere and fails the connection. It drops the
+ *    rendezvous; a refused write lands nowhere (a rendezvous one is received into scratch,
+ *    up to UCX_DISCARD_MAX at once) and the connection stays. It drops the
  *    writes of a connection that failed, and reports that failure only once its
  *    rendezvous receives have ended, so nothing of a dead or misbehaving sender lands
  *    after on_ep_error. A NOTIFY is delivered only after the receives of its
@@ -195,7 +196,12 @@ typedef struct ucx_recv {
     ucx_region_t *region;
     uint64_t acc_id;
     size_t len;
+    void *discard; /* a refused rendezvous write is received here and freed */
 } ucx_recv_t;
+
+/* Refused rendezvous writes received into scratch at once, in bytes, at most; more
+ * (or a larger one) fails the connection instead of dropping the write. */
+#define UCX_DISCARD_MAX (64ull << 20)
 
 typedef struct ucx_ep {
     kvw__tl_ep_t hd; /* accepted, peer, peer_token */
@@ -289,6 +295,7 @@ struct ucx_iface {
     bool err_deferred; /* progress thread: a report waits for receives to end */
     bool ev_held;      /* a queued NOTIFY waits for its connection's receives to end */
     atomic_bool ev_new; /* a message was queued since the progress thread last looked */
+    uint64_t discard_bytes; /* mu: refused rendezvous writes being received into scratch */
 
     pthread_mutex_t reg_mu; /* regions */
     kvw_hmap_t regions; /* by id: the receive path looks writes up here */

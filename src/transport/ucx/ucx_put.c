@@ -13,6 +13,8 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
     ucx_ep_t *ep;
     for (ep = tl->eps; ep && !(ep->hd.accepted && ep->id == rc->acc_id); ep = ep->next)
         ;
+    if (rc->discard)
+        tl->discard_bytes -= rc->len;
     if (ep) {
         ep->inflight--;
         if (status != UCS_OK)
@@ -26,6 +28,7 @@ static void recv_done(void *request, ucs_status_t status, size_t length, void *u
     pthread_mutex_unlock(&tl->reg_mu);
     if (status != UCS_OK || ep)
         kvw__tl_wake(tl->wake_fd); /* a deferred report may be due */
+    free(rc->discard);
     free(rc);
     if (request)
         ucp_request_free(request);
@@ -98,22 +101,35 @@ ucs_status_t ucx_on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t
     kvw_status_t chk = KVW_OK;
     if (len > 0 && tl->cb.check_write)
         chk = tl->cb.check_write(tl->cb.arg, (kvw_tl_ep_h)(void *)ep, h->e, h->c, h->d, len);
+    /* A refused write lands nowhere and, as on tcp, leaves the connection up: the
+     * protocol has failed the room it was for where that was the room's own sender's
+     * (a write arriving after its room ended is an honest race, and the connection
+     * carries other rooms). A rendezvous write is received into scratch and freed, up
+     * to UCX_DISCARD_MAX at once; beyond that the connection fails. */
+    void *discard = NULL;
     pthread_mutex_lock(&tl->mu);
     ep = data_ep(tl, h);
-    if (ep && chk != KVW_OK)
-        ucx_ep_fail_locked(ep, chk, true,
-                           "write of %zu bytes at offset %llu of region %llu for room %llu was "
-                           "refused by the receiver (%s)",
-                           len, (unsigned long long)h->d, (unsigned long long)h->c,
-                           (unsigned long long)h->e, kvw_status_string(chk));
-    bool go = ep != NULL && chk == KVW_OK;
+    if (ep && chk != KVW_OK && rndv) {
+        if (len <= UCX_DISCARD_MAX - KVW_MIN(tl->discard_bytes, UCX_DISCARD_MAX) &&
+            (discard = malloc(len)) != NULL)
+            tl->discard_bytes += len;
+        else
+            ucx_ep_fail_locked(ep, chk, true,
+                               "write of %zu bytes at offset %llu of region %llu for room %llu "
+                               "was refused by the receiver (%s), with %llu refused bytes "
+                               "already being dropped",
+                               len, (unsigned long long)h->d, (unsigned long long)h->c,
+                               (unsigned long long)h->e, kvw_status_string(chk),
+                               (unsigned long long)tl->discard_bytes);
+    }
+    bool go = ep != NULL && (chk == KVW_OK || discard != NULL);
     pthread_mutex_unlock(&tl->mu);
     if (!go) {
         data_unref(tl, h, r);
         kvw__tl_wake(tl->wake_fd); /* a report, or a held NOTIFY, may be due */
         return rndv ? UCS_ERR_REJECTED : UCS_OK;
     }
-    uint8_t *dst = (uint8_t *)(uintptr_t)r->base + h->d;
+    uint8_t *dst = discard ? discard : (uint8_t *)(uintptr_t)r->base + h->d;
     if (!rndv) {
         pthread_mutex_lock(&tl->reg_mu);
         if (len)
@@ -124,7 +140,10 @@ ucs_status_t ucx_on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t
     }
     ucx_recv_t *rc = malloc(sizeof(*rc));
     if (rc == NULL) {
+        free(discard);
         pthread_mutex_lock(&tl->mu);
+        if (discard)
+            tl->discard_bytes -= len;
         if ((ep = data_ep(tl, h)) != NULL)
             ucx_ep_fail_locked(ep, KVW_ERR_NO_MEMORY, true, "no memory to receive %zu bytes",
                                len);
@@ -134,7 +153,7 @@ ucs_status_t ucx_on_data(ucx_iface_t *tl, const msg_hdr_t *h, void *data, size_t
         return UCS_ERR_NO_MEMORY;
     }
     /* The counts taken above now belong to the receive: recv_done ends them. */
-    *rc = (ucx_recv_t){.tl = tl, .region = r, .acc_id = h->a, .len = len};
+    *rc = (ucx_recv_t){.tl = tl, .region = r, .acc_id = h->a, .len = len, .discard = discard};
     ucp_request_param_t prm = {
         .op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
                         UCP_OP_ATTR_FIELD_MEMORY_TYPE | UCP_OP_ATTR_FLAG_NO_IMM_CMPL,
