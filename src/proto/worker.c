@@ -643,6 +643,20 @@ static bool kvw_ctrl_can_serve(struct kvw_ctx *ctx, const kvw_room_t *r, uint32_
     return ok;
 }
 
+/* Takes decode rank i of room r as a job (mu held): busy, in flight, timed, and the room
+ * queued again when another decode rank is left for another thread. */
+static void kvw_job_take(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    r->dsts[i].busy = true;
+    r->inflight++;
+    kvw__room_hop(r, KVW_HOP_WORKER, true);
+    if (!r->start_ns)
+        r->start_ns = kvw__now_ns();
+    if (kvw__room_next_dst(ctx, r) >= 0)
+        kvw__queue_room(ctx, r);
+}
+
 void kvw__ctrl_serve(struct kvw_ctx *ctx)
 {
     KVW_ASSERT_HELD(&ctx->mu);
@@ -659,13 +673,7 @@ void kvw__ctrl_serve(struct kvw_ctx *ctx)
         (void)kvw__dequeue_room(ctx); /* r: the head, under mu since it was looked at */
         /* As a worker takes a job (kvw__worker_main); the job drops mu around its put. */
         uint32_t i = (uint32_t)di;
-        r->dsts[i].busy = true;
-        r->inflight++;
-        kvw__room_hop(r, KVW_HOP_WORKER, true);
-        if (!r->start_ns)
-            r->start_ns = kvw__now_ns();
-        if (kvw__room_next_dst(ctx, r) >= 0)
-            kvw__queue_room(ctx, r); /* a worker takes the next decode rank */
+        kvw_job_take(ctx, r, i);
         kvw_gpu_q_t g;
         memset(&g, 0, sizeof(g));
         g.depth = 1;
@@ -731,13 +739,7 @@ void *kvw__worker_main(void *arg)
             continue;
         }
         uint32_t i = (uint32_t)di;
-        r->dsts[i].busy = true;
-        r->inflight++;
-        kvw__room_hop(r, KVW_HOP_WORKER, true);
-        if (!r->start_ns)
-            r->start_ns = kvw__now_ns();
-        if (kvw__room_next_dst(ctx, r) >= 0)
-            kvw__queue_room(ctx, r); /* another worker takes the next decode rank */
+        kvw_job_take(ctx, r, i);
         kvw_worker_job(ctx, r, i, &g, false);
     }
     pthread_mutex_unlock(&ctx->mu);
