@@ -438,6 +438,35 @@ static bool kvw_bound(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint32_t peer_id)
     return false;
 }
 
+/* Decode: whether the staged window [goff, +slen) of a completion may be scattered into
+ * room r (mu held); *f says why not. It must be exactly a span the room was granted, and
+ * where writes are mediated it must have been written exactly once, all of it: stale
+ * staging bytes would otherwise land in the room's pages. */
+static bool kvw_staged_window_ok(struct kvw_ctx *ctx, kvw_room_t *r, uint64_t goff,
+                                 uint64_t slen, kvw_fail_t *f)
+{
+    if (!kvw__stage_is_span(ctx, r->id, goff, slen)) {
+        kvw_fail_set(f, KVW_ERR_OUT_OF_RANGE,
+                     "room %llu: staged data at [%llu, +%llu) was never granted",
+                     (unsigned long long)r->id, (unsigned long long)goff,
+                     (unsigned long long)slen);
+        return false;
+    }
+    if (kvw_mediated(ctx)) {
+        uint64_t got = 0;
+        if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
+            got != slen) {
+            kvw_fail_set(f, KVW_ERR_BYTE_MISMATCH, "room %llu: staged window [%llu, +%llu) was %s",
+                         (unsigned long long)r->id, (unsigned long long)goff,
+                         (unsigned long long)slen,
+                         got == slen ? "partly written twice" : "not written exactly once");
+            return false;
+        }
+        r->staged_exact += slen;
+    }
+    return true;
+}
+
 void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
 {
     struct kvw_ctx *ctx = arg;
@@ -504,29 +533,8 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     kvw__room_advance(r, KVW_ROOM_TRANSFERRING);
     kvw__room_touch(ctx, r);
     if (staged) {
-        /* The window must be exactly a span this room was granted. */
-        if (!kvw__stage_is_span(ctx, id, goff, slen)) {
-            kvw_fail_set(&f, KVW_ERR_OUT_OF_RANGE,
-                         "room %llu: staged data at [%llu, +%llu) was never granted",
-                         (unsigned long long)id, (unsigned long long)goff,
-                         (unsigned long long)slen);
+        if (!kvw_staged_window_ok(ctx, r, goff, slen, &f))
             goto out;
-        }
-        /* Where writes are mediated the window must have been written exactly once, all of it, before it is
-         * scattered: stale staging bytes would otherwise land in the room's pages. */
-        if (kvw_mediated(ctx)) {
-            uint64_t got = 0;
-            if (!kvw__ivlog_take(&r->writes, KVW_IV_STAGED | goff, goff, goff + slen, &got) ||
-                got != slen) {
-                kvw_fail_set(&f, KVW_ERR_BYTE_MISMATCH,
-                             "room %llu: staged window [%llu, +%llu) was %s",
-                             (unsigned long long)id, (unsigned long long)goff,
-                             (unsigned long long)slen,
-                             got == slen ? "partly written twice" : "not written exactly once");
-                goto out;
-            }
-            r->staged_exact += slen;
-        }
         c.num_tokens = r->num_tokens;
         c.prefix_len = r->prefix_len;
         kvw_rank_h src = kvw__peer_at(ctx, peer_id)->remote;
