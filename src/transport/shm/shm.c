@@ -70,6 +70,10 @@
 #define SHM_MAX_MSG (SHM_HDR_LEN + KVW_TL_MAX_NOTIFY)
 #define SHM_RX_BUDGET 64 /* messages taken from one connection before the others */
 #define SHM_MAX_CONNS 4096
+/* rkey fetches: attempts when the receiver ends the connection without a reply, and how
+ * long the receiver waits for room to send its reply. */
+#define SHM_FETCH_TRIES 4
+#define SHM_REPLY_STALL_NS (100ull * 1000000ull)
 /* Regions up to this size are mapped with their page tables built (map_region). */
 #define SHM_POPULATE_MAX (8ull << 20)
 #define SHM_BATCH 1024 /* process_vm_writev iovecs per call */
@@ -345,8 +349,11 @@ static void serve_fd_req(shm_iface_t *tl, shm_ep_t *ep, const uint8_t *p)
     }
     pthread_mutex_unlock(&tl->srv.reg_mu);
     kvw__le32_put(rep, (uint32_t)status);
-    /* The reply is small and the socket fresh: do not wait for room. */
-    (void)send_msg(ep->s.fd, SHM_FD_REP, rep, sizeof(rep), fd, 0, "shm fd reply");
+    /* The reply is small and the socket fresh: room is waited for briefly only. */
+    if (send_msg(ep->s.fd, SHM_FD_REP, rep, sizeof(rep), fd, SHM_REPLY_STALL_NS,
+                 "shm fd reply") != KVW_OK)
+        kvw__log(KVW_LOG_WARN, "shm: answering an rkey fetch for region %llu: %s",
+                 (unsigned long long)id, kvw_last_error());
     if (fd >= 0)
         close(fd);
     ep->state = CONN_DONE;
@@ -688,16 +695,26 @@ static kvw_status_t map_region(shm_ep_t *ep, shm_rkey_t *rk, uint64_t secret)
 {
     uint64_t tmo = ep_iface(ep)->srv.timeout_ns;
     int sock, memfd = -1;
-    kvw_status_t st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tmo, "shm rkey fetch", &sock);
-    if (st != KVW_OK)
-        return st;
     uint8_t req[16], rep[24];
     kvw__le64_put(req, rk->hd.region_id);
     kvw__le64_put(req + 8, secret);
-    st = send_msg(sock, SHM_FD_REQ, req, sizeof(req), -1, tmo, "shm rkey fetch");
-    if (st == KVW_OK)
-        st = recv_msg(sock, SHM_FD_REP, rep, sizeof(rep), &memfd, tmo, "shm rkey fetch");
-    close(sock);
+    kvw_status_t st = KVW_OK;
+    /* A fetch only asks for a descriptor, so a connection that ended without a reply is
+     * asked again (a few times): on a loaded host the receiver's reply was seen to be
+     * lost about once in a hundred start-ups of many ranks. */
+    for (int attempt = 0; attempt < SHM_FETCH_TRIES; attempt++) {
+        if (attempt)
+            usleep(1000u << attempt);
+        st = connect_sun(&ep->peer_sun, ep->peer_sun_len, tmo, "shm rkey fetch", &sock);
+        if (st != KVW_OK)
+            return st;
+        st = send_msg(sock, SHM_FD_REQ, req, sizeof(req), -1, tmo, "shm rkey fetch");
+        if (st == KVW_OK)
+            st = recv_msg(sock, SHM_FD_REP, rep, sizeof(rep), &memfd, tmo, "shm rkey fetch");
+        close(sock);
+        if (st != KVW_ERR_CONN_CLOSED)
+            break;
+    }
     if (st != KVW_OK)
         return st;
     int32_t status = (int32_t)kvw__le32_get(rep);
