@@ -337,6 +337,9 @@ static kvw_status_t kvw_hs_admit(struct kvw_ctx *ctx, kvw_hs_t *h)
     uint32_t live = 0;
     for (uint32_t i = 0; i < kvw__peer_count(ctx); i++)
         live += !kvw__peer_at(ctx, i)->dead;
+    /* Registrations admitted and not yet added (their ACCEPT may be out already) count
+     * as live: otherwise one arriving meanwhile got past the bound. */
+    live += ctx->hs.pending;
     if (live >= ctx->cfg.max_peers) {
         st = KVW_ERR_BUSY;
         snprintf(h->reason, sizeof(h->reason), "this prefill rank already has %u live peers "
@@ -351,8 +354,10 @@ static kvw_status_t kvw_hs_admit(struct kvw_ctx *ctx, kvw_hs_t *h)
                      "alive (two decode instances need distinct instance ids)", o->desc);
         }
     }
-    if (st == KVW_OK)
+    if (st == KVW_OK) {
         h->admitted = ++ctx->hs.admitted;
+        ctx->hs.pending++;
+    }
     pthread_mutex_unlock(&ctx->mu);
     return st;
 }
@@ -519,6 +524,7 @@ static kvw_status_t kvw_hs_add_peer(struct kvw_ctx *ctx, int fd, kvw_hs_t *h,
                                     kvw_peer_t **peer_p)
 {
     pthread_mutex_lock(&ctx->mu);
+    ctx->hs.pending--; /* a peer now, or released below */
     const kvw_parallel_t *rpar = kvw_rank_parallel(h->remote);
     /* The same rank of the same decode instance registering again replaces the old
      * registration (a restarted process whose death was not noticed yet). No such peer
@@ -593,11 +599,19 @@ kvw_status_t kvw__prefill_handshake(struct kvw_ctx *ctx, int fd, kvw_peer_t **pe
         return kvw__error(kvw_hs_reply(ctx, fd, &h, st), "%s", h.reason);
     if (st != KVW_OK)
         return st;
+    bool admitted = false;
     if ((st = kvw_hs_read_hello(&h)) == KVW_OK && (st = kvw_hs_verify_mac(ctx, &h)) == KVW_OK &&
-        (st = kvw_hs_admit(ctx, &h)) == KVW_OK)
+        (st = kvw_hs_admit(ctx, &h)) == KVW_OK) {
+        admitted = true;
         st = kvw_hs_connect_data(ctx, &h);
+    }
     st = kvw_hs_reply(ctx, fd, &h, st);
     if (st != KVW_OK) {
+        if (admitted) {
+            pthread_mutex_lock(&ctx->mu);
+            ctx->hs.pending--;
+            pthread_mutex_unlock(&ctx->mu);
+        }
         kvw_hs_release(ctx, &h);
         return h.reason[0] ? kvw__error(st, "%s", h.reason) : st;
     }

@@ -123,6 +123,7 @@ typedef struct kvw_hs_slots {
     } slot[2 * KVW_MAX_HANDSHAKES];
     uint32_t running;  /* registration threads still running */
     uint64_t admitted; /* registrations admitted so far: each one's order (kvw_hs_admit) */
+    uint32_t pending;  /* admitted, not yet a peer nor released: count as live (mu) */
     uint64_t refusals; /* registrations refused, and the last reason */
     char last_refusal[480];
 } kvw_hs_slots_t;
