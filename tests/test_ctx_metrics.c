@@ -239,8 +239,11 @@ static void check_side(const char *side, const tcase_t *tc, const kvw_ctx_metric
           NUM_ROOMS);
     check_histogram(side, m->latency_us_buckets, lat);
     uint64_t want_sum = sum(lat, NUM_ROOMS);
-    CHECK(m->latency_us_sum + 2 * NUM_ROOMS >= want_sum &&
-              m->latency_us_sum <= want_sum + 2 * NUM_ROOMS,
+    /* The counter and the hop stamps read the clock at nearby, not identical, moments:
+     * 2 us a room of rounding, plus 1% (under TSan on a loaded host the two readings
+     * drifted 66 us apart over the rooms). */
+    uint64_t slack = 2 * NUM_ROOMS + want_sum / 100;
+    CHECK(m->latency_us_sum + slack >= want_sum && m->latency_us_sum <= want_sum + slack,
           "%s: latency sum %llu us, the hop stamps say %llu", side,
           (unsigned long long)m->latency_us_sum, (unsigned long long)want_sum);
     CHECK(m->peers_connected == 1 && m->peers_died == 0, "%s: peers connected %llu died %llu",
