@@ -82,6 +82,28 @@ static inline kvw_ctx_params_t ip_params(kvw_side_t side, const kvt_rank_t *r, c
                               .host_bootstrap = host};
 }
 
+/* A context of decode instance `instance` (or, `prefill`, a prefill rank hosting its
+ * bootstrap on 127.0.0.1:0), on transport `tl`, with `secret` when it is not empty; a
+ * decode context names its prefill instance per room. */
+static inline kvw_status_t ip_ctx_instance(kvt_rank_t *r, bool prefill, const char *tl,
+                                           const char *secret, uint64_t instance,
+                                           kvw_ctx_h *ctx)
+{
+    kvw_ctx_params_t p = ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, tl,
+                                   "127.0.0.1:0", prefill);
+    if (!prefill)
+        p.field_mask &= ~(uint64_t)(KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP);
+    if (secret[0]) {
+        p.field_mask |= KVW_CTX_FIELD_SECRET;
+        p.secret = secret;
+    }
+    p.field_mask |= KVW_CTX_FIELD_INSTANCE;
+    p.instance_id = instance;
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
+    p.wait_timeout_ms = kvt_tmo_ms(20000);
+    return kvw_ctx_create(&p, ctx);
+}
+
 /* Turns the parameters of a prefill context that hosts its bootstrap into those of a
  * decode context for rank `dst` registering there: the address is copied into bs. */
 static inline void ip_params_decode(kvw_ctx_params_t *p, kvw_ctx_h pctx, const kvt_rank_t *dst,

@@ -34,24 +34,6 @@
 
 static kvt_model_t model;
 
-static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *secret, uint64_t instance,
-                             kvw_ctx_h *ctx)
-{
-    kvw_ctx_params_t p = ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, "tcp",
-                                   "127.0.0.1:0", prefill);
-    if (!prefill)
-        p.field_mask &= ~(uint64_t)(KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP);
-    if (secret[0]) {
-        p.field_mask |= KVW_CTX_FIELD_SECRET;
-        p.secret = secret;
-    }
-    p.field_mask |= KVW_CTX_FIELD_INSTANCE;
-    p.instance_id = instance;
-    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
-    p.wait_timeout_ms = kvt_tmo_ms(20000);
-    return kvw_ctx_create(&p, ctx);
-}
-
 /* The live peer of a context (the one decode rank a prefill rank serves here). */
 static kvw_peer_t *live_peer(struct kvw_ctx *c)
 {
@@ -153,8 +135,9 @@ static void run(const char *secret)
     kvt_rank_fill(&rd, 3);
     kvt_rank_fill(&re, 4);
     kvw_ctx_h a = NULL, b = NULL, d = NULL, e = NULL;
-    CHECK(make_ctx(&ra, true, secret, 0, &a) == KVW_OK && make_ctx(&rb, true, secret, 0, &b) == KVW_OK &&
-              make_ctx(&rd, false, secret, 1, &d) == KVW_OK,
+    CHECK(ip_ctx_instance(&ra, true, "tcp", secret, 0, &a) == KVW_OK &&
+              ip_ctx_instance(&rb, true, "tcp", secret, 0, &b) == KVW_OK &&
+              ip_ctx_instance(&rd, false, "tcp", secret, 1, &d) == KVW_OK,
           "[%s] contexts: %s", mode, kvw_last_error());
     if (!a || !b || !d)
         return;
@@ -214,7 +197,7 @@ static void run(const char *secret)
     kvw_receiver_h xrv = NULL;
     kvt_rank_t rx = {0};
     CHECK(ip_rank(&model, 1, 0, 16, 1, &rx) == KVW_OK &&
-              make_ctx(&rx, false, secret, 3, &x) == KVW_OK &&
+              ip_ctx_instance(&rx, false, "tcp", secret, 3, &x) == KVW_OK &&
               kvw_receiver_create_from(x, 44, bsa, 0, &xrv) == KVW_OK &&
               kvw_receiver_post(xrv, &bpost) == KVW_OK,
           "[%s] instance 3: %s", mode, kvw_last_error());
@@ -234,7 +217,7 @@ static void run(const char *secret)
     kvw_receiver_h erv = NULL;
     if (secret[0]) {
         /* A second decode instance holding the secret claims room 41 at A. */
-        CHECK(make_ctx(&re, false, secret, 2, &e) == KVW_OK, "[%s] instance 2: %s", mode,
+        CHECK(ip_ctx_instance(&re, false, "tcp", secret, 2, &e) == KVW_OK, "[%s] instance 2: %s", mode,
               kvw_last_error());
         kvt_req_pages_t esp, edp;
         pages_make(&ra, &re, 42, &esp, &edp);

@@ -39,24 +39,6 @@
 static kvt_model_t model;
 static const char *g_tl = "tcp";
 
-static kvw_status_t make_ctx(kvt_rank_t *r, bool prefill, const char *secret, uint64_t instance,
-                             kvw_ctx_h *ctx)
-{
-    kvw_ctx_params_t p = ip_params(prefill ? KVW_SIDE_PREFILL : KVW_SIDE_DECODE, r, g_tl,
-                                   "127.0.0.1:0", prefill);
-    if (!prefill)
-        p.field_mask &= ~(uint64_t)(KVW_CTX_FIELD_BOOTSTRAP | KVW_CTX_FIELD_HOST_BOOTSTRAP);
-    if (secret[0]) {
-        p.field_mask |= KVW_CTX_FIELD_SECRET;
-        p.secret = secret;
-    }
-    p.field_mask |= KVW_CTX_FIELD_INSTANCE;
-    p.instance_id = instance;
-    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
-    p.wait_timeout_ms = kvt_tmo_ms(20000);
-    return kvw_ctx_create(&p, ctx);
-}
-
 /* The live peer of a prefill context (the one decode rank it serves here). */
 static kvw_peer_t *live_peer(struct kvw_ctx *c)
 {
@@ -226,10 +208,10 @@ static void run(const char *secret)
     kvt_rank_fill(&rc, 3);
     kvt_rank_fill(&rd, 4);
     kvw_ctx_h a = NULL, b = NULL, c = NULL, d = NULL;
-    CHECK(make_ctx(&ra, true, secret, 0, &a) == KVW_OK &&
-              make_ctx(&rb, true, secret, 0, &b) == KVW_OK &&
-              make_ctx(&rc, true, secret, 0, &c) == KVW_OK &&
-              make_ctx(&rd, false, secret, 1, &d) == KVW_OK,
+    CHECK(ip_ctx_instance(&ra, true, g_tl, secret, 0, &a) == KVW_OK &&
+              ip_ctx_instance(&rb, true, g_tl, secret, 0, &b) == KVW_OK &&
+              ip_ctx_instance(&rc, true, g_tl, secret, 0, &c) == KVW_OK &&
+              ip_ctx_instance(&rd, false, g_tl, secret, 1, &d) == KVW_OK,
           "[%s, %s] contexts: %s", g_tl, mode, kvw_last_error());
     if (!a || !b || !c || !d)
         goto out_ctx;
@@ -361,7 +343,8 @@ static void rma_caps(void)
     CHECK(ip_rank(&model, 1, 0, POOL_PAGES, 1, &r) == KVW_OK, "%s", kvw_last_error());
     setenv("KVW_UCX_PUT", "rma", 1);
     kvw_ctx_h d = NULL;
-    CHECK(make_ctx(&r, false, "", 1, &d) == KVW_OK, "[ucx rma] decode: %s", kvw_last_error());
+    CHECK(ip_ctx_instance(&r, false, g_tl, "", 1, &d) == KVW_OK, "[ucx rma] decode: %s",
+          kvw_last_error());
     unsetenv("KVW_UCX_PUT");
     if (d) {
         struct kvw_ctx *dc = d;
