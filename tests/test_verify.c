@@ -32,7 +32,14 @@
  * (sample:0.5): the rooms verified and sampled out are exactly those the sampling rule,
  * written out again here, picks, and every honest room succeeds.
  *
- * Env: KVW_VERIFY_TL=tcp|shm|ucx, KVW_VERIFY_ONLY=geometry name, KVW_VERIFY_REPEAT=N.
+ * GPU buffers (KVW_VERIFY_GPU=prefill or decode, with the CPU stand-in of the CUDA module as
+ * KVW_CUDA_MODULE): that side's ranks hold their KV in "device" memory, so its digest is
+ * the module's (the kernel's code, src/cuda/digest_core.h) while the other side's is the
+ * CPU's: every verified room cross-checks the two implementations, and the faults are
+ * made in the decode's device buffers (the stand-in's device memory is host memory).
+ *
+ * Env: KVW_VERIFY_TL=tcp|shm|ucx, KVW_VERIFY_ONLY=geometry name, KVW_VERIFY_REPEAT=N,
+ * KVW_VERIFY_GPU=prefill|decode.
  * Exit: 0 pass, 1 fail, 77 skip (transport not usable here).
  */
 #include "testkit.h"
@@ -77,6 +84,7 @@ enum { F_CORRUPT, F_SWAP, F_STALE, F_REORDER, F_DROP, F_NUM };
 static const char *const fault_names[F_NUM] = {"corrupt", "swap", "stale", "reorder", "drop"};
 
 static const char *g_tl = "tcp";
+static bool g_gpu_p, g_gpu_d; /* KVW_VERIFY_GPU: prefill or decode ranks on the "GPU" */
 static char g_dtl[64];
 static const char *g_verify = "every"; /* the decode contexts' mode */
 static uint32_t g_sample_ppm;          /* sample:F, for the predictions below */
@@ -102,6 +110,7 @@ typedef struct setup {
     kvt_rank_t p[MAXR * 2], d[MAXR];
     kvw_ctx_h pctx[MAXR * 2], dctx[MAXR];
     uint32_t pfull, pswa, dfull, dswa; /* pool pages */
+    uint8_t ***pdev, ***ddev; /* KVW_VERIFY_GPU: the device copies (kvt_gpu_attach) */
 } setup_t;
 
 /* ------------------------------------------------------------------ the hook */
@@ -343,10 +352,22 @@ static void setup_down(setup_t *s)
     for (uint32_t j = 0; j < s->np; j++)
         if (s->pctx[j])
             kvw_ctx_destroy(s->pctx[j]), s->pctx[j] = NULL;
+    kvt_gpu_free(s->d, s->nd, s->ddev);
+    kvt_gpu_free(s->p, s->np, s->pdev);
+    s->ddev = s->pdev = NULL;
     for (uint32_t k = 0; k < s->nd; k++)
         kvt_rank_free(&s->d[k]);
     for (uint32_t j = 0; j < s->np; j++)
         kvt_rank_free(&s->p[j]);
+}
+
+/* KVW_VERIFY_GPU: the host images (just filled) copied to the device copies. */
+static void push(kvt_rank_t *r, uint32_t n, uint8_t ***dev)
+{
+    for (uint32_t k = 0; dev && k < n; k++)
+        for (uint32_t b = 0; b < r[k].num_bufs; b++)
+            CHECK(kvt_cuda_memcpy(dev[k][b], r[k].mem[b], r[k].alloc_len[b] + 2ull * r[k].guard,
+                                  NULL) == KVW_OK, "to the device: %s", kvt_cuda_error());
 }
 
 static int setup_up(setup_t *s, const geo_t *g)
@@ -390,6 +411,12 @@ static int setup_up(setup_t *s, const geo_t *g)
             return -1;
         kvt_model_relink(&s->d[k].model);
     }
+    char msg[256];
+    CHECK((!g_gpu_p || kvt_gpu_attach(s->p, s->np, 0, &s->pdev, msg, sizeof(msg)) == 0) &&
+              (!g_gpu_d || kvt_gpu_attach(s->d, s->nd, 0, &s->ddev, msg, sizeof(msg)) == 0),
+          "%s: GPU copies: %s", g->name, msg);
+    if (failures)
+        return -1;
     char bs[160] = "127.0.0.1:0";
     for (uint32_t j = 0; j < s->np; j++) {
         kvw_ctx_params_t p = {
@@ -457,7 +484,7 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
 {
     const geo_t *g = s->g;
     char what[96];
-    snprintf(what, sizeof(what), "%s/%s/%s", g_tl, g->name,
+    snprintf(what, sizeof(what), "%s%s/%s/%s", g_tl, g_gpu_p ? "/gpu-prefill" : g_gpu_d ? "/gpu-decode" : "", g->name,
              fault >= 0 ? fault_names[fault] : fault == -1 ? "staged-corrupt" : "honest");
     kvt_rng_t rng = {seed};
     uint32_t *pstore = malloc(sizeof(uint32_t) * (s->pfull + s->pswa));
@@ -502,6 +529,8 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
         CHECK(kvt_ref_transfer(&s->model.m, ss, s->np, &ds, &whole, NULL, NULL, msg,
                                sizeof(msg)) == 0, "%s: reference B: %s", what, msg);
     }
+    push(s->p, s->np, s->pdev);
+    push(s->d, s->nd, s->ddev);
     uint64_t ver0 = verify_metric(s->dctx[target], 0), bad0 = verify_metric(s->dctx[target], 1);
     uint64_t skip0 = verify_metric(s->dctx[target], 2);
 
@@ -520,7 +549,8 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
                          .pre = pre[target].data, .pages = &dp[0]};
     uint8_t *live[64];
     for (uint32_t b = 0; b < s->d[target].num_bufs && b < 64; b++)
-        live[b] = kvt_rank_data(&s->d[target], b);
+        live[b] = s->ddev ? s->ddev[target][b] + s->d[target].guard
+                          : kvt_rank_data(&s->d[target], b);
     H.mut.data = live;
     H.applied = false;
     pthread_mutex_unlock(&H.mu);
@@ -563,6 +593,8 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
     bool applied = H.applied;
     H.room = 0;
     pthread_mutex_unlock(&H.mu);
+    if (s->ddev) /* what the checks below read: the device's bytes, guards included */
+        CHECK(kvt_gpu_pull(s->d, s->nd, s->ddev, msg, sizeof(msg)) == 0, "%s: %s", what, msg);
 
     /* Room B: Success everywhere. */
     for (uint32_t k = 0; k < s->nd; k++)
@@ -679,6 +711,21 @@ int main(void)
     /* Up to four decode contexts at once: a small staging area each (windows of 2 MiB)
      * keeps the shared-memory footprint small beside the other tests ctest runs. */
     setenv("KVW_STAGING_MB", "8", 0);
+    const char *gpu = getenv("KVW_VERIFY_GPU");
+    g_gpu_p = gpu && strcmp(gpu, "prefill") == 0;
+    g_gpu_d = gpu && strcmp(gpu, "decode") == 0;
+    if (gpu && gpu[0] && !g_gpu_p && !g_gpu_d) {
+        fprintf(stderr, "test_verify: KVW_VERIFY_GPU=%s: prefill or decode\n", gpu);
+        return 1;
+    }
+    void *probe = NULL;
+    if ((g_gpu_p || g_gpu_d) && kvt_cuda_malloc(64, &probe) != KVW_OK) {
+        printf("test_verify: KVW_VERIFY_GPU=%s: no CUDA module (%s): skipped\n", gpu,
+               kvt_cuda_error());
+        return 77;
+    }
+    if (probe)
+        kvt_cuda_free(probe);
     kvw__tl_fault_register();
     kvw__tl_fault_set_notify_hook(hook);
     bool usable = false;

@@ -370,6 +370,11 @@ static uint64_t kvwc_now_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+cudaStream_t kvwc_exec_stream(kvwc_exec_h x)
+{
+    return x->stream;
+}
+
 void kvwc_exec_destroy(kvwc_exec_h x)
 {
     if (x == NULL)

@@ -37,6 +37,9 @@ void kvwc_exec_plan_free(kvwc_exec_h x, kvwc_plan_h plan);
 kvw_status_t kvwc_exec_stage(kvwc_exec_h x, kvwc_plan_h plan, int scatter, void *host,
                              uint64_t lo, uint64_t hi, int *slot_p, kvwc_step_prof_t *prof);
 kvw_status_t kvwc_busy(void *stream, uint64_t ns);
+/* The executor's stream (copy.cu), and the digest on it (digest.cu). */
+cudaStream_t kvwc_exec_stream(kvwc_exec_h exec);
+kvw_status_t kvwc_exec_digest(kvwc_exec_h exec, const kvwc_digest_in_t *in);
 kvw_status_t kvwc_exec_reap(kvwc_exec_h exec, int slot, int block, int *done_p,
                             kvwc_step_prof_t *prof);
 

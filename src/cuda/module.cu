@@ -366,6 +366,7 @@ static const kvwc_ops_t kvwc_ops = {
     .event_destroy = kvwc_event_destroy,
     .busy = kvwc_busy,
     .pointer_kind = kvwc_pointer_kind,
+    .exec_digest = kvwc_exec_digest,
 };
 
 extern "C" __attribute__((visibility("default"))) const kvwc_ops_t *kvw_cuda_module_entry(void)

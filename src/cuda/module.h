@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 6
+#define KVWC_ABI_VERSION 7
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -99,6 +99,31 @@ enum {
     KVWC_PTR_DEVICE = 2,          /* device memory (cudaMalloc, IPC-mapped peer memory) */
     KVWC_PTR_MANAGED = 3          /* managed memory (cudaMallocManaged) */
 };
+
+/*
+ * The KV digest of a plan's rows on one side (src/plan/digest.h defines it; ABI 7): per
+ * segment of the plan, the unit its first head adds to, the global head of that head and
+ * the seed base of its (layer, component). The module adds, for every row (token, head)
+ * of every segment, XXH3_64bits_withSeed(row, head_bytes, seed) to units[unit + head]
+ * (mod 2^64), reading the side `dst_side` names (its buffers must be device memory of
+ * the current device, or mapped into it). `secret`: XXH3's default secret as 24
+ * little-endian words.
+ */
+typedef struct kvwc_dig_seg {
+    uint64_t seed_base;
+    uint32_t unit, head0;
+} kvwc_dig_seg_t;
+
+#define KVWC_DIGEST_SECRET_WORDS 24
+
+typedef struct kvwc_digest_in {
+    const kvwc_plan_in_t *plan;
+    const kvwc_dig_seg_t *dsegs; /* plan->num_segs of them */
+    int dst_side;
+    uint64_t secret[KVWC_DIGEST_SECRET_WORDS];
+    uint64_t *units; /* host memory; added to */
+    uint32_t num_units;
+} kvwc_digest_in_t;
 
 typedef struct kvwc_ops {
     uint32_t abi;  /* KVWC_ABI_VERSION */
@@ -180,6 +205,9 @@ typedef struct kvwc_ops {
      * the driver holds no CUDA memory, so every pointer is KVWC_PTR_HOST there.
      * UNSUPPORTED when no CUDA driver can be asked (none installed). ABI 6. */
     kvw_status_t (*pointer_kind)(const void *ptr, int *kind_p, int *device_p);
+    /* The KV digest of a plan's rows (kvwc_digest_in_t), on the executor's stream, waited
+     * for before it returns (the units are added to when it returns OK). ABI 7. */
+    kvw_status_t (*exec_digest)(kvwc_exec_h exec, const kvwc_digest_in_t *in);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -202,6 +230,12 @@ void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
  * waits for, a launched slot, in launch order; *done_p tells whether the bytes have
  * landed. Both add their figures to *prof. Errors as kvw_cuda_plan_upload, plus the
  * kernel's. */
+/* The KV digest (plan/digest.h) of a plan's rows on the GPU: the read side's buffers
+ * must all be GPU memory of one device; adds to units (host memory) like
+ * kvw__plan_digest, on the calling thread's executor of that device, and returns when
+ * done. UNSUPPORTED for a side mixing host and GPU buffers. */
+kvw_status_t kvw__cuda_plan_digest(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
+                                   uint32_t layer_begin, uint64_t *units, uint32_t num_units);
 kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
                                    struct kvw_cuda_profile *prof);
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, struct kvw_cuda_profile *prof);

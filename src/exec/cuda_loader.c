@@ -8,6 +8,7 @@
 #include "core/core.h"
 #include "core/cuda_rt.h"
 #include "cuda/module.h"
+#include "plan/digest.h"
 #include "plan/plan.h"
 
 #include <kvwire/cuda.h>
@@ -322,6 +323,77 @@ kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
     kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
     st = ops->exec_launch(t->ex, &in, slot_p, &sp);
     return kvw_step_launched(t, &in, kvw__cuda_ret(ops, st), *slot_p, &sp, prof);
+}
+
+/* The side of a plan the digest reads: every segment's buffer there must be GPU memory
+ * (the device of the first: the calling thread's current device is set to it for the
+ * call, and put back after). */
+static kvw_status_t kvw_digest_device(const struct kvw_plan *plan, bool dst_side, int *dev_p)
+{
+    kvw_rank_h side = dst_side ? plan->dst : plan->src;
+    *dev_p = -1;
+    for (uint32_t i = 0; i < plan->num_segs; i++) {
+        const kvw_seg_t *s = &plan->segs[i];
+        const kvw_buffer_desc_t *b = kvw_rank_buffer(side, dst_side ? s->dst_buf : s->src_buf);
+        if (b == NULL || b->mem_kind != KVW_MEM_CUDA || (*dev_p >= 0 && b->device != *dev_p))
+            return kvw__error(KVW_ERR_UNSUPPORTED, "KV verification on the GPU needs all of a "
+                              "rank's buffers in the memory of one GPU (layer %u's %s buffer "
+                              "is %s)", s->layer, dst_side ? "destination" : "source",
+                              b == NULL ? "missing" : b->mem_kind != KVW_MEM_CUDA
+                              ? "host memory" : "on another GPU");
+        *dev_p = b->device;
+    }
+    return KVW_OK;
+}
+
+kvw_status_t kvw__cuda_plan_digest(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
+                                   uint32_t layer_begin, uint64_t *units, uint32_t num_units)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    int dev = -1, prev = -1;
+    kvw_status_t st = kvw_digest_device(plan, dst_side, &dev);
+    if (st != KVW_OK || dev < 0)
+        return st; /* no segments: nothing to add */
+    if ((st = kvw__cuda_get(&ops)) != KVW_OK ||
+        (st = kvw__cuda_ret(ops, ops->get_device(&prev))) != KVW_OK)
+        return st;
+    if ((st = kvw__cuda_ret(ops, ops->set_device(dev))) != KVW_OK)
+        return st;
+    if ((st = kvw_texec_get(ops, &t)) == KVW_OK &&
+        (st = kvw__cuda_plan_in_make(plan, dst_side ? KVWC_USE_SCATTER : KVWC_USE_GATHER, maps,
+                                     &in)) == KVW_OK) {
+        kvwc_dig_seg_t *ds = calloc(plan->num_segs ? plan->num_segs : 1, sizeof(*ds));
+        kvwc_seg_in_t *segs = (kvwc_seg_in_t *)in.segs;
+        uint32_t n = 0;
+        for (uint32_t i = 0; ds && st == KVW_OK && i < plan->num_segs; i++) {
+            const kvw_seg_t *s = &plan->segs[i];
+            if ((take && (s->layer < layer_begin || !take[s->layer - layer_begin])) ||
+                s->tok_begin >= s->tok_end || s->num_heads == 0)
+                continue;
+            if (!kvw__digest_seg(plan, i, &ds[n].unit, &ds[n].seed_base, &ds[n].head0) ||
+                ds[n].unit + s->num_heads > num_units)
+                st = kvw__error(KVW_ERR_INTERNAL, "digest: segment %u (layer %u) names no unit "
+                                "of the destination", i, s->layer);
+            segs[n++] = segs[i];
+        }
+        if (ds == NULL)
+            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory for a digest on the GPU");
+        if (st == KVW_OK) {
+            in.num_segs = n;
+            kvwc_digest_in_t din = {.plan = &in, .dsegs = ds, .dst_side = dst_side,
+                                    .units = units, .num_units = num_units};
+            kvw__digest_secret(din.secret);
+            st = kvw__cuda_ret(ops, ops->exec_digest(t->ex, &din));
+        }
+        free(ds);
+        kvw__cuda_plan_in_free(&in);
+    }
+    if (prev >= 0 && prev != dev)
+        (void)ops->set_device(prev);
+    return st;
 }
 
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, kvw_cuda_profile_t *prof)

@@ -4,6 +4,7 @@
  */
 #include "cuda/module.h"
 #include "exec/memops.h"
+#include "plan/digest.h"
 #include "plan/rank.h"
 
 #include <pthread.h>
@@ -158,6 +159,7 @@ static const kvw_memops_t kvw_memops_host = {
     .window_wait = host_window_wait,
     .stream_close = host_stream_close,
     .window_buf = host_window_buf,
+    .digest = kvw__plan_digest,
 };
 
 /* ---------------------------------------------------------------- CUDA */
@@ -229,6 +231,7 @@ static const kvw_memops_t kvw_memops_cuda = {
     .window_wait = cuda_window_wait,
     .stream_close = cuda_stream_close,
     .window_buf = cuda_window_buf,
+    .digest = kvw__cuda_plan_digest,
     .warm = kvw__cuda_warm,
 };
 

@@ -51,6 +51,11 @@ typedef struct kvw_memops {
     /* The calling thread's host buffer `which` (0 or 1) for windows of up to `size`
      * bytes, kept for the thread's life (CUDA: pinned). */
     kvw_status_t (*window_buf)(int which, uint64_t size, uint8_t **buf_p);
+    /* The KV digest of a plan's rows on one side whose buffers are this kind
+     * (plan/digest.h, kvw__plan_digest's arguments): host, the CPU; CUDA, a kernel on the
+     * calling thread's executor of the buffers' device, waited for. */
+    kvw_status_t (*digest)(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
+                           uint32_t layer_begin, uint64_t *units, uint32_t num_units);
     /* Prepares the calling thread for steps on `device` (CUDA: its executor, made now
      * instead of on the first step); NULL for the host kind. */
     kvw_status_t (*warm)(int device);

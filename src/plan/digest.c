@@ -28,6 +28,11 @@ static inline uint64_t kvw_seed_of(uint64_t base, uint32_t head, uint64_t token)
     return kvw_fmix(base ^ ((uint64_t)head << 40 | (token & ((1ull << 40) - 1))));
 }
 
+uint64_t kvw__digest_seed_base(uint32_t layer, uint32_t comp)
+{
+    return kvw_seed_base(layer, comp);
+}
+
 uint64_t kvw__digest_seed(uint32_t layer, uint32_t comp, uint32_t head, uint64_t token)
 {
     return kvw_seed_of(kvw_seed_base(layer, comp), head, token);
@@ -203,4 +208,29 @@ void kvw__digest_locate(const struct kvw_plan *plan, uint32_t unit, char *buf, s
         return;
     }
     snprintf(buf, cap, "unit %u", unit);
+}
+
+bool kvw__digest_seg(const struct kvw_plan *plan, uint32_t i, uint32_t *unit_p,
+                     uint64_t *seed_base_p, uint32_t *head0_p)
+{
+    kvw_seg_unit_t u;
+    if (i >= plan->num_segs || !kvw_seg_unit(plan->dst, &plan->segs[i], &u))
+        return false;
+    *unit_p = u.unit;
+    *seed_base_p = kvw_seed_base(plan->segs[i].layer, u.comp);
+    *head0_p = u.head0;
+    return true;
+}
+
+void kvw__digest_secret(uint64_t words[KVW_DIGEST_SECRET_WORDS])
+{
+    uint8_t b[8 * KVW_DIGEST_SECRET_WORDS];
+    _Static_assert(sizeof(b) == XXH3_SECRET_DEFAULT_SIZE, "XXH3's default secret is 192 bytes");
+    XXH3_generateSecret_fromSeed(b, 0); /* seed 0: the default secret itself */
+    for (unsigned i = 0; i < KVW_DIGEST_SECRET_WORDS; i++) {
+        uint64_t w = 0;
+        for (unsigned k = 0; k < 8; k++)
+            w |= (uint64_t)b[8 * i + k] << (8 * k);
+        words[i] = w;
+    }
 }

@@ -16,7 +16,9 @@
  * Both sides compute it over the same plan (prefill rank, decode rank, chunk): the
  * prefill over its source pages, the decode over its destination pages; the unit index
  * is the decode rank's (kvw__digest_units), which both sides derive from the decode's
- * rank description. Host memory only (the rows are read by the CPU).
+ * rank description. kvw__plan_digest reads host memory with the CPU; the CUDA module
+ * computes the same function over GPU memory (src/cuda/digest_core.h, driven by
+ * src/exec/cuda_loader.c with kvw__digest_seg and kvw__digest_secret).
  */
 #ifndef KVW_PLAN_DIGEST_H
 #define KVW_PLAN_DIGEST_H
@@ -31,6 +33,8 @@ uint32_t kvw__digest_units(kvw_rank_h dst);
 uint64_t kvw__digest_row(const void *row, size_t len, uint64_t seed);
 /* The seed of (layer, component code, global head, token): see digest.c. */
 uint64_t kvw__digest_seed(uint32_t layer, uint32_t comp, uint32_t head, uint64_t token);
+/* Its (layer, component) part, what kvw__digest_seg gives a segment. */
+uint64_t kvw__digest_seed_base(uint32_t layer, uint32_t comp);
 
 /*
  * Adds the digest of `plan`'s segments (those of the layers `take` marks, one byte per
@@ -42,6 +46,16 @@ uint64_t kvw__digest_seed(uint32_t layer, uint32_t comp, uint32_t head, uint64_t
  */
 kvw_status_t kvw__plan_digest(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
                               uint32_t layer_begin, uint64_t *units, uint32_t num_units);
+
+/* For an executor that walks the plan itself (the GPU's): segment i's first unit, the
+ * seed base of its (layer, component) and the global head of its first head; false if
+ * it names no unit of the destination. */
+bool kvw__digest_seg(const struct kvw_plan *plan, uint32_t i, uint32_t *unit_p,
+                     uint64_t *seed_base_p, uint32_t *head0_p);
+
+/* XXH3's default secret (192 bytes) as 24 little-endian words, from libxxhash. */
+#define KVW_DIGEST_SECRET_WORDS 24
+void kvw__digest_secret(uint64_t words[KVW_DIGEST_SECRET_WORDS]);
 
 /* Where unit `unit` of `plan`'s destination lies, for a failure's reason: "layer L K
  * head H tokens [b, e)" (the tokens of the plan's segment holding it). */

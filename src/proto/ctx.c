@@ -160,12 +160,6 @@ static kvw_status_t kvw_ctx_tl_open(struct kvw_ctx *ctx, const kvw_ctx_params_t 
         return st;
     if ((st = kvw_check_mem_kinds(ctx)) != KVW_OK)
         return st;
-    /* The digest is computed by the CPU over host pages: a context on GPU buffers would
-     * only claim to verify. */
-    if (ctx->cfg.verify != KVW_VERIFY_OFF && ctx->mem->is_device)
-        return kvw__error(KVW_ERR_UNSUPPORTED, "KV verification (KVW_VERIFY or the verify "
-                          "parameter) covers host memory only; this rank's buffers are %s "
-                          "memory: set it to off", ctx->mem->name);
     return KVW_OK;
 }
 

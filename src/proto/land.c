@@ -220,7 +220,7 @@ static bool kvw_verify_compute(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
         }
         kvw_status_t st = kvw_pair_plan(ctx, r, s, &plan);
         if (st == KVW_OK)
-            st = kvw__plan_digest(plan, true, NULL, 0, s->mine, units);
+            st = ctx->mem->digest(plan, true, NULL, 0, s->mine, units);
         kvw_plan_destroy(plan);
         if (st != KVW_OK) {
             kvw_fail_set(f, st, "room %llu: verifying %s failed: %s", (unsigned long long)r->id,

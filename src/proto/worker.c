@@ -358,12 +358,6 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
                           (unsigned long long)c.prefix_len, (unsigned long long)c.num_tokens);
     kvw_plan_h plan;
     kvw_status_t st;
-    /* The digest is read by the CPU: GPU buffers cannot be verified (the decode asked;
-     * its room fails with this reason rather than pass unverified). */
-    if (s->digest && (peer->mapped || ctx->mem->is_device))
-        return kvw__error(KVW_ERR_UNSUPPORTED, "the decode asked to verify the room's KV, which "
-                          "this prefill rank cannot do: its buffers are %s memory (verification "
-                          "covers host memory only)", ctx->mem->name);
     if (peer->mapped) {
         /* The decode buffers are mapped here (CUDA IPC): one fused kernel writes them
          * directly, and the notification goes out only after it completed. */
@@ -393,6 +387,10 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
                 kvw__wb_free(&e->done);
         }
         ctx->mem->profile_add(&prof);
+        /* A verified room: the digest of the source rows, on this worker's executor
+         * (behind the copy; the plan keeps only the layers taken). */
+        if (st == KVW_OK && s->digest)
+            st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units);
         kvw_plan_destroy(plan);
         if (st != KVW_OK) {
             if (e->slot >= 0) {
@@ -422,7 +420,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
     if (out->staged) {
         st = kvw_send_staged(ctx, s, plan, &c, out);
         if (st == KVW_OK && s->digest)
-            st = kvw__plan_digest(plan, false, take, lb, s->digest, s->num_units);
+            st = ctx->mem->digest(plan, false, take, lb, s->digest, s->num_units);
         kvw_plan_destroy(plan);
         return st;
     }
@@ -457,7 +455,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         }
     }
     if (st == KVW_OK && s->digest) /* the layers taken only: the plan keeps no others */
-        st = kvw__plan_digest(plan, false, NULL, lb, s->digest, s->num_units);
+        st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units);
     out->runs = pc->runs;
     free(pc);
     kvw_plan_destroy(plan);

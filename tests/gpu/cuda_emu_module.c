@@ -18,6 +18,7 @@
  * plain host memory (a table of live allocations, any address inside one counts).
  */
 #include "cuda/copy_core.h"
+#include "cuda/digest_core.h"
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -517,6 +518,43 @@ static kvw_status_t emu_busy(void *stream, uint64_t ns)
     return KVW_OK;
 }
 
+/* The digest as the kernel computes it (digest.cu): block by block over digest_core.h's
+ * decomposition, each block's rows summed, then added to its unit. A segment whose rows
+ * start outside memory this stand-in handed out as device memory is an error, as an
+ * illegal address would be on a device. */
+static kvw_status_t emu_exec_digest(kvwc_exec_h x, const kvwc_digest_in_t *in)
+{
+    const kvwc_plan_in_t *p = in ? in->plan : NULL;
+    if (x == NULL || p == NULL || in->units == NULL || (p->num_segs && in->dsegs == NULL))
+        return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: NULL argument");
+    for (uint32_t i = 0; i < p->num_segs; i++) {
+        const kvwc_seg_in_t *s = &p->segs[i];
+        const kvwc_side_t *sd = in->dst_side ? &s->dst : &s->src;
+        const kvwc_dig_seg_t *ds = &in->dsegs[i];
+        if (s->num_heads && (ds->unit + s->num_heads > in->num_units))
+            return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: segment %u adds to units "
+                             "[%u, %u) of %u", i, ds->unit, ds->unit + s->num_heads,
+                             in->num_units);
+        int kind = 0, dev = -1;
+        uint64_t blocks = kvwc_digest_seg_blocks(s);
+        if (blocks && (emu_pointer_kind((const void *)(uintptr_t)sd->base, &kind, &dev) != KVW_OK ||
+                       kind != KVWC_PTR_DEVICE))
+            return emu_error(KVW_ERR_INTERNAL, "exec_digest: segment %u's rows (%p) are not "
+                             "device memory (an illegal address on a device)", i,
+                             (void *)(uintptr_t)sd->base);
+        const uint32_t *pages = p->maps[sd->map].pages;
+        for (uint64_t b = 0; b < blocks; b++) {
+            uint64_t sum = 0, h = 0;
+            uint32_t unit = 0;
+            for (uint32_t j = 0; j < KVWC_DIGEST_TOK; j++)
+                if (kvwc_digest_row(s, sd, pages, ds, in->secret, b, j, &h, &unit))
+                    sum += h;
+            in->units[unit] += sum;
+        }
+    }
+    return KVW_OK;
+}
+
 static const kvwc_ops_t emu_ops = {
     .abi = KVWC_ABI_VERSION,
     .size = sizeof(kvwc_ops_t),
@@ -560,6 +598,7 @@ static const kvwc_ops_t emu_ops = {
     .event_destroy = emu_ok_ptr,
     .busy = emu_busy,
     .pointer_kind = emu_pointer_kind,
+    .exec_digest = emu_exec_digest,
 };
 
 /* KVW_CUDA_EMU_ABI, for tests: the table claims that ABI number instead, so that a
