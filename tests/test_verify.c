@@ -32,14 +32,15 @@
  * (sample:0.5): the rooms verified and sampled out are exactly those the sampling rule,
  * written out again here, picks, and every honest room succeeds.
  *
- * GPU buffers (KVW_VERIFY_GPU=prefill or decode, with the CPU stand-in of the CUDA module as
- * KVW_CUDA_MODULE): that side's ranks hold their KV in "device" memory, so its digest is
- * the module's (the kernel's code, src/cuda/digest_core.h) while the other side's is the
- * CPU's: every verified room cross-checks the two implementations, and the faults are
- * made in the decode's device buffers (the stand-in's device memory is host memory).
+ * GPU buffers (KVW_VERIFY_GPU=prefill, decode or both; on a GPU, or on the CPU stand-in of
+ * the CUDA module given as KVW_CUDA_MODULE): that side's ranks hold their KV in device
+ * memory, so its digest is the module's (the kernel, src/cuda/digest_core.h) while the
+ * other side's is the CPU's: every verified room cross-checks the two implementations.
+ * Faults in device buffers go through the host (mutate_dev). With both sides on the GPU,
+ * KVW_VERIFY_TL may be cuda_ipc.
  *
  * Env: KVW_VERIFY_TL=tcp|shm|ucx, KVW_VERIFY_ONLY=geometry name, KVW_VERIFY_REPEAT=N,
- * KVW_VERIFY_GPU=prefill|decode.
+ * KVW_VERIFY_GPU=prefill|decode|both.
  * Exit: 0 pass, 1 fail, 77 skip (transport not usable here).
  */
 #include "testkit.h"
@@ -121,9 +122,45 @@ typedef struct mutation {
     uint8_t *const *data;      /* the buffers to alter */
     uint8_t *const *pre;       /* their contents before the transfer */
     const kvw_side_pages_t *pages;
+    uint8_t **dev;             /* KVW_VERIFY_GPU: the rank's device copies (data: host) */
 } mutation_t;
 
 static void mutate(const mutation_t *m);
+
+/* A fault in device buffers: the rank's bytes copied to its host image, altered there,
+ * and only the bytes that changed copied back (a window still being scattered elsewhere
+ * in the buffer is left alone). Works on a GPU and on the CPU stand-in alike. */
+static void mutate_dev(const mutation_t *m)
+{
+    const kvt_rank_t *r = m->rank;
+    uint8_t **snap = calloc(r->num_bufs, sizeof(*snap));
+    for (uint32_t b = 0; snap && b < r->num_bufs; b++) {
+        if ((snap[b] = malloc(r->alloc_len[b])) == NULL ||
+            kvt_cuda_memcpy(m->data[b], m->dev[b] + r->guard, r->alloc_len[b], NULL) != KVW_OK) {
+            CHECK(0, "fault: from the device: %s", kvt_cuda_error());
+            goto out;
+        }
+        memcpy(snap[b], m->data[b], r->alloc_len[b]);
+    }
+    mutate(m);
+    for (uint32_t b = 0; snap && b < r->num_bufs; b++)
+        for (uint64_t i = 0; i < r->alloc_len[b];) {
+            if (m->data[b][i] == snap[b][i]) {
+                i++;
+                continue;
+            }
+            uint64_t e = i;
+            while (e < r->alloc_len[b] && m->data[b][e] != snap[b][e])
+                e++;
+            CHECK(kvt_cuda_memcpy(m->dev[b] + r->guard + i, m->data[b] + i, e - i, NULL) ==
+                      KVW_OK, "fault: to the device: %s", kvt_cuda_error());
+            i = e;
+        }
+out:
+    for (uint32_t b = 0; snap && b < r->num_bufs; b++)
+        free(snap[b]);
+    free(snap);
+}
 
 static struct {
     pthread_mutex_t mu;
@@ -160,7 +197,10 @@ static void hook(void *arg, const void *msg, size_t len)
             }
         } else if (dm.final && dm.last_chunk && ++H.got[H.target] == H.need[H.target] &&
                    !H.applied) {
-            mutate(&H.mut);
+            if (H.mut.dev)
+                mutate_dev(&H.mut);
+            else
+                mutate(&H.mut);
             H.applied = true;
         }
     }
@@ -484,7 +524,9 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
 {
     const geo_t *g = s->g;
     char what[96];
-    snprintf(what, sizeof(what), "%s%s/%s/%s", g_tl, g_gpu_p ? "/gpu-prefill" : g_gpu_d ? "/gpu-decode" : "", g->name,
+    snprintf(what, sizeof(what), "%s%s/%s/%s", g_tl,
+             g_gpu_p && g_gpu_d ? "/gpu" : g_gpu_p ? "/gpu-prefill" : g_gpu_d ? "/gpu-decode" : "",
+             g->name,
              fault >= 0 ? fault_names[fault] : fault == -1 ? "staged-corrupt" : "honest");
     kvt_rng_t rng = {seed};
     uint32_t *pstore = malloc(sizeof(uint32_t) * (s->pfull + s->pswa));
@@ -549,8 +591,8 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
                          .pre = pre[target].data, .pages = &dp[0]};
     uint8_t *live[64];
     for (uint32_t b = 0; b < s->d[target].num_bufs && b < 64; b++)
-        live[b] = s->ddev ? s->ddev[target][b] + s->d[target].guard
-                          : kvt_rank_data(&s->d[target], b);
+        live[b] = kvt_rank_data(&s->d[target], b);
+    H.mut.dev = s->ddev ? s->ddev[target] : NULL;
     H.mut.data = live;
     H.applied = false;
     pthread_mutex_unlock(&H.mu);
@@ -712,10 +754,10 @@ int main(void)
      * keeps the shared-memory footprint small beside the other tests ctest runs. */
     setenv("KVW_STAGING_MB", "8", 0);
     const char *gpu = getenv("KVW_VERIFY_GPU");
-    g_gpu_p = gpu && strcmp(gpu, "prefill") == 0;
-    g_gpu_d = gpu && strcmp(gpu, "decode") == 0;
+    g_gpu_p = gpu && (strcmp(gpu, "prefill") == 0 || strcmp(gpu, "both") == 0);
+    g_gpu_d = gpu && (strcmp(gpu, "decode") == 0 || strcmp(gpu, "both") == 0);
     if (gpu && gpu[0] && !g_gpu_p && !g_gpu_d) {
-        fprintf(stderr, "test_verify: KVW_VERIFY_GPU=%s: prefill or decode\n", gpu);
+        fprintf(stderr, "test_verify: KVW_VERIFY_GPU=%s: prefill, decode or both\n", gpu);
         return 1;
     }
     void *probe = NULL;
