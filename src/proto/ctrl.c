@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 /* The largest payload a control frame of `type` may have (its session tag included):
@@ -35,15 +36,50 @@ static uint32_t kvw_ctrl_max_payload(uint8_t type)
  * announced. */
 #define KVW_CTRL_FIRST_ALLOC (64u << 10)
 
-/* Reads what is available on a peer's socket; handles complete frames. mu held. */
+/* A peer's frame header is complete in peer->hdr: checks it and makes the payload's
+ * buffer. False when the peer was dropped. mu held. */
+static bool kvw_peer_header(struct kvw_ctx *ctx, kvw_peer_t *peer)
+{
+    uint8_t type = 0;
+    uint32_t len = 0;
+    if (kvw__wire_header(peer->hdr, &type, &len) != KVW_OK) {
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
+        return false;
+    }
+    if (len > kvw_ctrl_max_payload(type)) {
+        char why[160];
+        snprintf(why, sizeof(why), "a %u-byte control frame of type %u (at most %u "
+                 "bytes for that type)", len, type, kvw_ctrl_max_payload(type));
+        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
+        return false;
+    }
+    peer->payload_cap = KVW_MIN(len, KVW_CTRL_FIRST_ALLOC);
+    peer->payload = malloc(peer->payload_cap ? peer->payload_cap : 1);
+    if (peer->payload == NULL) {
+        kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
+        return false;
+    }
+    peer->payload_len = len;
+    peer->payload_got = 0;
+    return true;
+}
+
+/* Reads what is available on a peer's socket; handles complete frames. mu held.
+ * The read that completes a frame's payload also takes the next frame's header, and a
+ * read that comes back short found the socket drained: the reader returns then instead
+ * of asking again only to hear EAGAIN (the control thread's poll is level-triggered, so
+ * bytes that arrive meanwhile are seen at once). A small frame costs two reads, not
+ * three, and frames back to back one each. */
 static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
 {
     KVW_ASSERT_HELD(&ctx->mu);
     for (;;) {
         ssize_t k;
+        size_t asked = 0, ahead = 0;
+        uint8_t next[KVW_WIRE_HDR];
         if (peer->hdr_got < KVW_WIRE_HDR) {
-            k = recv(peer->fd, peer->hdr + peer->hdr_got, KVW_WIRE_HDR - peer->hdr_got,
-                     MSG_DONTWAIT);
+            asked = KVW_WIRE_HDR - peer->hdr_got;
+            k = recv(peer->fd, peer->hdr + peer->hdr_got, asked, MSG_DONTWAIT);
         } else {
             if (peer->payload_got == peer->payload_cap && peer->payload_cap < peer->payload_len) {
                 uint32_t cap = (uint32_t)KVW_MIN((uint64_t)peer->payload_cap * 2,
@@ -56,11 +92,22 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
                 peer->payload = np;
                 peer->payload_cap = cap;
             }
-            k = recv(peer->fd, peer->payload + peer->payload_got,
-                     peer->payload_cap - peer->payload_got, MSG_DONTWAIT);
-            if (peer->payload_len == 0)
+            size_t want = peer->payload_cap - peer->payload_got;
+            bool last = peer->payload_got + want == peer->payload_len;
+            struct iovec iov[2] = {{.iov_base = peer->payload + peer->payload_got,
+                                    .iov_len = want},
+                                   {.iov_base = next, .iov_len = sizeof(next)}};
+            struct msghdr msg = {.msg_iov = iov, .msg_iovlen = last ? 2 : 1};
+            asked = want + (last ? sizeof(next) : 0);
+            if (peer->payload_len == 0) {
                 k = 0, errno = 0;
+            } else {
+                k = recvmsg(peer->fd, &msg, MSG_DONTWAIT);
+                if (k > 0 && (size_t)k > want)
+                    ahead = (size_t)k - want, k = (ssize_t)want;
+            }
         }
+        bool drained = k >= 0 && (size_t)k + ahead < asked;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
             return;
         if (k < 0 || (k == 0 && !(peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0))) {
@@ -71,29 +118,13 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
         peer->last_rx_ns = kvw__now_ns();
         if (peer->hdr_got < KVW_WIRE_HDR) {
             peer->hdr_got += (uint32_t)k;
-            if (peer->hdr_got < KVW_WIRE_HDR)
+            if (peer->hdr_got < KVW_WIRE_HDR) {
+                if (drained)
+                    return;
                 continue;
-            uint8_t type = 0;
-            uint32_t len = 0;
-            if (kvw__wire_header(peer->hdr, &type, &len) != KVW_OK) {
-                kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
-                return;
             }
-            if (len > kvw_ctrl_max_payload(type)) {
-                char why[160];
-                snprintf(why, sizeof(why), "a %u-byte control frame of type %u (at most %u "
-                         "bytes for that type)", len, type, kvw_ctrl_max_payload(type));
-                kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
+            if (!kvw_peer_header(ctx, peer))
                 return;
-            }
-            peer->payload_cap = KVW_MIN(len, KVW_CTRL_FIRST_ALLOC);
-            peer->payload = malloc(peer->payload_cap ? peer->payload_cap : 1);
-            if (peer->payload == NULL) {
-                kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
-                return;
-            }
-            peer->payload_len = len;
-            peer->payload_got = 0;
         } else {
             peer->payload_got += (uint32_t)k;
         }
@@ -124,6 +155,15 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
             free(payload);
             if (peer->dead)
                 return;
+            /* The next frame's header bytes that came with this payload. */
+            memcpy(peer->hdr, next, ahead);
+            peer->hdr_got = (uint32_t)ahead;
+            if (ahead == KVW_WIRE_HDR && !kvw_peer_header(ctx, peer))
+                return;
+            if (drained && !(peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0))
+                return;
+        } else if (drained) {
+            return;
         }
     }
 }
