@@ -186,13 +186,19 @@ static void compare(const char *what, const uint64_t *got, const uint64_t *want,
         }
 }
 
-static void run_model(const char *preset, uint32_t layers)
+/* kdim, vdim: head dims in place of the preset's (0: the preset's), for rows of other
+ * lengths (the digest instantiates 64-, 128- and 256-byte rows with a constant length). */
+static void run_model(const char *preset, uint32_t layers, uint32_t kdim, uint32_t vdim)
 {
     kvt_model_t m;
     if (kvt_model_preset(preset, &m) || kvt_model_truncate(&m, layers)) {
         CHECK(0, "no preset %s", preset);
         return;
     }
+    if (kdim)
+        m.m.k_head_dim = kdim;
+    if (vdim)
+        m.m.v_head_dim = vdim;
     for (uint32_t l = 0; l < m.m.num_layers; l++)
         if (m.layers[l].kind == KVW_LAYER_SWA)
             m.layers[l].window = WINDOW;
@@ -207,8 +213,8 @@ static void run_model(const char *preset, uint32_t layers)
         for (size_t si = 0; si < 3; si++) {
             side_t dst;
             char what[128];
-            snprintf(what, sizeof(what), "%s %s pages of %u", preset, lay ? "HND" : "NHD",
-                     sizes[si]);
+            snprintf(what, sizeof(what), "%s (head dims %u/%u) %s pages of %u", preset,
+                     m.m.k_head_dim, m.m.v_head_dim, lay ? "HND" : "NHD", sizes[si]);
             if (side_make(&m, 1, 0, lay ? KVW_LAYOUT_HND : KVW_LAYOUT_NHD, sizes[si],
                           100 + si * 2 + (uint64_t)lay, &dst)) {
                 CHECK(0, "%s: %s", what, kvw_last_error());
@@ -275,8 +281,10 @@ int main(void)
               kvw__digest_seed(0, 1, 0, 0) != kvw__digest_seed(0, 0, 1, 0) &&
               kvw__digest_seed(3, 1, 2, 77) == seed_of(3, 1, 2, 77),
           "seed mixing");
-    run_model("gpt-oss-120b", 2);
-    run_model("deepseek-v3", 2);
+    run_model("gpt-oss-120b", 2, 0, 0);  /* 128-byte rows */
+    run_model("gpt-oss-120b", 2, 32, 128); /* K 64-byte rows, V 256-byte rows */
+    run_model("gpt-oss-120b", 2, 48, 20);  /* 96- and 40-byte rows */
+    run_model("deepseek-v3", 2, 0, 0);
     if (failures) {
         fprintf(stderr, "test_digest: %d failures\n", failures);
         return 1;

@@ -207,26 +207,57 @@ static kvw_status_t kvw_pair_plan(struct kvw_ctx *ctx, const kvw_room_t *r,
                                    &r->post_pages, plan_p);
 }
 
+/* This rank's digest of each source's pair (s->mine), read with mu dropped: the room is
+ * pinned by inflight meanwhile (kvw_room_destroy waits for it, and another landing event
+ * sees r->inflight and leaves the room to this thread), and every source's final
+ * completion is in, so a write that still arrives is one too many and fails the room.
+ * The plans are built under mu; the values are kept only if the room did not end
+ * meanwhile. false (and *f) if they cannot be computed; true with no s->mine set if the
+ * room failed meanwhile (the caller sees its state). mu held on entry and on return. */
 static bool kvw_verify_compute(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f)
 {
-    uint32_t units = kvw__digest_units(ctx->rank);
-    for (uint32_t i = 0; i < r->num_srcs; i++) {
-        kvw_room_src_t *s = &r->srcs[i];
-        kvw_plan_h plan = NULL;
-        if (s->mine == NULL && (s->mine = calloc(units ? units : 1, 8)) == NULL) {
-            kvw_fail_set(f, KVW_ERR_NO_MEMORY, "room %llu: out of memory verifying",
-                         (unsigned long long)r->id);
-            return false;
+    uint32_t units = kvw__digest_units(ctx->rank), n = r->num_srcs;
+    uint64_t **mine = calloc(n ? n : 1, sizeof(*mine));
+    kvw_plan_h *plans = calloc(n ? n : 1, sizeof(*plans));
+    kvw_status_t st = mine && plans ? KVW_OK : kvw__error(KVW_ERR_NO_MEMORY, "out of memory");
+    uint32_t bad = 0;
+    for (uint32_t i = 0; st == KVW_OK && i < n; i++) {
+        bad = i;
+        if ((mine[i] = calloc(units ? units : 1, 8)) == NULL)
+            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory");
+        else
+            st = kvw_pair_plan(ctx, r, &r->srcs[i], &plans[i]);
+    }
+    if (st == KVW_OK) {
+        r->inflight++;
+        pthread_mutex_unlock(&ctx->mu);
+        for (uint32_t i = 0; st == KVW_OK && i < n; i++) {
+            bad = i;
+            st = ctx->mem->digest(plans[i], true, NULL, 0, mine[i], units);
         }
-        kvw_status_t st = kvw_pair_plan(ctx, r, s, &plan);
-        if (st == KVW_OK)
-            st = ctx->mem->digest(plan, true, NULL, 0, s->mine, units);
-        kvw_plan_destroy(plan);
-        if (st != KVW_OK) {
-            kvw_fail_set(f, st, "room %llu: verifying %s failed: %s", (unsigned long long)r->id,
-                         kvw__peer_at(ctx, s->peer)->desc, kvw_last_error());
-            return false;
-        }
+        char why[256];
+        snprintf(why, sizeof(why), "%s", st == KVW_OK ? "" : kvw_last_error());
+        pthread_mutex_lock(&ctx->mu);
+        r->inflight--;
+        pthread_cond_broadcast(&ctx->cv);
+        if (st != KVW_OK)
+            (void)kvw__error(st, "%s", why);
+    }
+    bool kept = st == KVW_OK && r->state != KVW_ROOM_FAILED;
+    for (uint32_t i = 0; plans && i < n; i++)
+        kvw_plan_destroy(plans[i]);
+    for (uint32_t i = 0; mine && i < n; i++) {
+        if (kept && r->srcs[i].mine == NULL)
+            r->srcs[i].mine = mine[i];
+        else
+            free(mine[i]);
+    }
+    free(plans);
+    free(mine);
+    if (st != KVW_OK) {
+        kvw_fail_set(f, st, "room %llu: verifying %s failed: %s", (unsigned long long)r->id,
+                     n ? kvw__peer_at(ctx, r->srcs[bad].peer)->desc : "?", kvw_last_error());
+        return false;
     }
     return true;
 }
@@ -329,6 +360,9 @@ static void kvw_receiver_check(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
             kvw__metrics_verify(ctx, false);
             return;
         }
+        /* mu was dropped while reading: the room may have failed (its reason given). */
+        if (r->state == KVW_ROOM_FAILED)
+            return;
         for (uint32_t i = 0; i < r->num_srcs; i++)
             if (!r->srcs[i].digest_got)
                 return;
