@@ -90,7 +90,31 @@ run_demo "shm host->GPU TP2->TP4" --gpu=decode --transport shm --prefill-tp 2 --
 if [ -f "$BUILD/libkvwire-ucx.so" ]; then
     run_demo "ucx GPU->GPU TP1->TP2" --transport ucx --prefill-tp 1 --decode-tp 2
 fi
+# KV verification on GPU buffers (every room): the digest kernel on each GPU side, the
+# CPU's where a side is host memory, across reshards.
+run_demo "verified cuda_ipc TP3->TP2" --verify every --prefill-tp 3 --decode-tp 2 --kv-heads 6
+run_demo "verified cuda_ipc MLA TP4->TP2" --verify every --model deepseek-v3 --prefill-tp 4 --decode-tp 2
+run_demo "verified cuda_ipc GDN TP1->TP4" --verify every --model qwen3-next --layers 8
+run_demo "verified cuda_ipc pages 16->64 PP2" --verify every --prefill-pp 2 --page-size 16 --decode-page-size 64
+run_demo "verified tcp GPU->GPU TP1->TP4" --verify every --transport tcp --prefill-tp 1 --decode-tp 4
+run_demo "verified tcp GPU->host TP4->TP1" --verify every --gpu=prefill --transport tcp --prefill-tp 4 --decode-tp 1
+run_demo "verified shm host->GPU TP2->TP4" --verify every --gpu=decode --transport shm --prefill-tp 2 --decode-tp 4
 unset KVW_STAGING_MB
+# test_verify's faults (a corrupted byte, swapped heads, a stale page, reordered pages, a
+# dropped chunk) made in GPU buffers: each must fail its room naming where, and the
+# untouched room beside it must succeed.
+if cmake --build "$BUILD" -j "$JOBS" --target test_verify >>"$BUILD/gpu-build.log" 2>&1; then
+    for v in both:cuda_ipc both:tcp prefill:tcp decode:shm; do
+        if out=$(KVW_CUDA_MODULE="$BUILD/libkvwire_cuda.so" KVW_VERIFY_GPU=${v%%:*} \
+                 KVW_VERIFY_TL=${v##*:} timeout 600 "$BUILD/test_verify" 2>&1); then
+            table+=$(printf '%-34s PASS  %s' "test_verify GPU ${v/:/ }" "$(tail -n 1 <<<"$out")")$'\n'
+        else
+            table+=$(printf '%-34s %s' "test_verify GPU ${v/:/ }" "FAIL")$'\n'
+            echo "$out" | tail -n 20
+            demo_fail=1
+        fi
+    done
+fi
 # The in-process staged test on the real module (every kind combination, tcp/shm/ucx).
 if cmake --build "$BUILD" -j "$JOBS" --target test_gpu_staged >>"$BUILD/gpu-build.log" 2>&1 &&
     out=$(KVW_CUDA_MODULE="$BUILD/libkvwire_cuda.so" timeout 300 "$BUILD/test_gpu_staged" 2>&1); then
@@ -130,9 +154,11 @@ else
         echo "gpu-check: skipped: SGLang's scheduler code on CUDA KV pools (no SGLang source at" \
              "$sglang_src; set SGLANG_SRC to an SGLang checkout's python/ directory)"
     else
-        for t in cuda_ipc tcp; do
-            echo "gpu-check: SGLang's scheduler code on CUDA KV pools, KVWIRE_TRANSPORT=$t ($sglang_src)"
-            KVWIRE_LIB="$lib" KVW_SGLANG_DEVICE=cuda KVWIRE_TRANSPORT=$t \
+        for t in cuda_ipc tcp cuda_ipc:every; do
+            vf=""; [[ $t == *:* ]] && vf=${t##*:} && t=${t%%:*}
+            echo "gpu-check: SGLang's scheduler code on CUDA KV pools, KVWIRE_TRANSPORT=$t" \
+                 "${vf:+KVWIRE_SGLANG_VERIFY=$vf }($sglang_src)"
+            KVWIRE_LIB="$lib" KVW_SGLANG_DEVICE=cuda KVWIRE_TRANSPORT=$t KVWIRE_SGLANG_VERIFY=$vf \
                 timeout 600 python3 python/tests/sglang_real/run.py "$sglang_src" || demo_fail=1
         done
     fi
