@@ -770,7 +770,8 @@ int main(void)
         kvt_cuda_free(probe);
     kvw__tl_fault_register();
     kvw__tl_fault_set_notify_hook(hook);
-    bool usable = false;
+    /* cuda_ipc comes with the CUDA module (both sides on the GPU), not in the list. */
+    bool usable = g_gpu_p && g_gpu_d && strcmp(g_tl, "cuda_ipc") == 0;
     for (const char *const *n = kvw_transport_names(); *n; n++)
         usable |= strcmp(*n, g_tl) == 0;
     if (!usable) {
