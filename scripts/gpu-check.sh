@@ -102,9 +102,10 @@ run_demo "verified shm host->GPU TP2->TP4" --verify every --gpu=decode --transpo
 unset KVW_STAGING_MB
 # test_verify's faults (a corrupted byte, swapped heads, a stale page, reordered pages, a
 # dropped chunk) made in GPU buffers: each must fail its room naming where, and the
-# untouched room beside it must succeed.
+# untouched room beside it must succeed. (In one process, so not over cuda_ipc: CUDA maps
+# no IPC handle into the process that exported it; the verified demos above cover it.)
 if cmake --build "$BUILD" -j "$JOBS" --target test_verify >>"$BUILD/gpu-build.log" 2>&1; then
-    for v in both:cuda_ipc both:tcp prefill:tcp decode:shm; do
+    for v in both:tcp prefill:tcp decode:shm; do
         if out=$(KVW_CUDA_MODULE="$BUILD/libkvwire_cuda.so" KVW_VERIFY_GPU=${v%%:*} \
                  KVW_VERIFY_TL=${v##*:} timeout 600 "$BUILD/test_verify" 2>&1); then
             table+=$(printf '%-34s PASS  %s' "test_verify GPU ${v/:/ }" "$(tail -n 1 <<<"$out")")$'\n'

@@ -36,8 +36,8 @@
  * the CUDA module given as KVW_CUDA_MODULE): that side's ranks hold their KV in device
  * memory, so its digest is the module's (the kernel, src/cuda/digest_core.h) while the
  * other side's is the CPU's: every verified room cross-checks the two implementations.
- * Faults in device buffers go through the host (mutate_dev). With both sides on the GPU,
- * KVW_VERIFY_TL may be cuda_ipc.
+ * Faults in device buffers go through the host (mutate_dev). Not cuda_ipc: CUDA maps no
+ * IPC handle into the process that exported it, and these contexts share one process.
  *
  * Env: KVW_VERIFY_TL=tcp|shm|ucx, KVW_VERIFY_ONLY=geometry name, KVW_VERIFY_REPEAT=N,
  * KVW_VERIFY_GPU=prefill|decode|both.
@@ -770,8 +770,7 @@ int main(void)
         kvt_cuda_free(probe);
     kvw__tl_fault_register();
     kvw__tl_fault_set_notify_hook(hook);
-    /* cuda_ipc comes with the CUDA module (both sides on the GPU), not in the list. */
-    bool usable = g_gpu_p && g_gpu_d && strcmp(g_tl, "cuda_ipc") == 0;
+    bool usable = false;
     for (const char *const *n = kvw_transport_names(); *n; n++)
         usable |= strcmp(*n, g_tl) == 0;
     if (!usable) {
