@@ -753,7 +753,7 @@ class Context:
     verify (decode): end-to-end KV verification, "off", "every" or "sample:F" (a
     fraction of rooms, by room id); a verified room succeeds only if its digests match,
     and fails on both sides otherwise (README "Verified rooms"). None keeps KVW_VERIFY /
-    "off". Host memory only: a GPU rank refuses any mode but "off"."""
+    "off". Host and GPU (CUDA) buffers alike."""
 
     def __init__(self, rank, side, bootstrap_addr, *, transport=None, host_bootstrap=False,
                  listen_host=None, heartbeat_ms=0, peer_timeout_ms=0, bootstrap_timeout_ms=0,
