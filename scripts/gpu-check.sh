@@ -104,25 +104,29 @@ unset KVW_STAGING_MB
 # dropped chunk) made in GPU buffers: each must fail its room naming where, and the
 # untouched room beside it must succeed. (In one process, so not over cuda_ipc: CUDA maps
 # no IPC handle into the process that exported it; the verified demos above cover it.)
-if cmake --build "$BUILD" -j "$JOBS" --target test_verify >>"$BUILD/gpu-build.log" 2>&1; then
+# One in-process test program on the real module: a table row, its output's tail on failure.
+run_test() {
+    local name=$1
+    shift
+    local out
+    if out=$(timeout 600 env KVW_CUDA_MODULE="$BUILD/libkvwire_cuda.so" "$@" 2>&1); then
+        table+=$(printf '%-34s PASS  %s' "$name" "$(tail -n 1 <<<"$out")")$'\n'
+    else
+        table+=$(printf '%-34s %s' "$name" "FAIL")$'\n'
+        echo "$out" | tail -n 20
+        demo_fail=1
+    fi
+}
+# test_verify's faults, then the staged test (every kind combination, tcp/shm/ucx).
+if cmake --build "$BUILD" -j "$JOBS" --target test_verify test_gpu_staged >>"$BUILD/gpu-build.log" 2>&1; then
     for v in both:tcp prefill:tcp decode:shm; do
-        if out=$(KVW_CUDA_MODULE="$BUILD/libkvwire_cuda.so" KVW_VERIFY_GPU=${v%%:*} \
-                 KVW_VERIFY_TL=${v##*:} timeout 600 "$BUILD/test_verify" 2>&1); then
-            table+=$(printf '%-34s PASS  %s' "test_verify GPU ${v/:/ }" "$(tail -n 1 <<<"$out")")$'\n'
-        else
-            table+=$(printf '%-34s %s' "test_verify GPU ${v/:/ }" "FAIL")$'\n'
-            echo "$out" | tail -n 20
-            demo_fail=1
-        fi
+        run_test "test_verify GPU ${v/:/ }" KVW_VERIFY_GPU="${v%%:*}" KVW_VERIFY_TL="${v##*:}" \
+            "$BUILD/test_verify"
     done
-fi
-# The in-process staged test on the real module (every kind combination, tcp/shm/ucx).
-if cmake --build "$BUILD" -j "$JOBS" --target test_gpu_staged >>"$BUILD/gpu-build.log" 2>&1 &&
-    out=$(KVW_CUDA_MODULE="$BUILD/libkvwire_cuda.so" timeout 300 "$BUILD/test_gpu_staged" 2>&1); then
-    table+=$(printf '%-34s PASS  %s' "test_gpu_staged (real GPU)" "$(tail -n 1 <<<"$out")")$'\n'
+    run_test "test_gpu_staged (real GPU)" "$BUILD/test_gpu_staged"
 else
-    table+=$(printf '%-34s %s' "test_gpu_staged (real GPU)" "FAIL")$'\n'
-    echo "${out:-build failed}" | tail -n 20
+    table+=$(printf '%-34s %s' "test_verify, test_gpu_staged" "FAIL (build)")$'\n'
+    tail -n 20 "$BUILD/gpu-build.log"
     demo_fail=1
 fi
 echo
