@@ -389,8 +389,9 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         ctx->mem->profile_add(&prof);
         /* A verified room: the digest of the source rows, on this worker's executor
          * (behind the copy; the plan keeps only the layers taken). */
-        if (st == KVW_OK && s->digest)
-            st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units);
+        if (st == KVW_OK && s->digest &&
+            (st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units)) != KVW_OK)
+            kvw__wb_free(&e->done); /* encoded, and never to be sent */
         kvw_plan_destroy(plan);
         if (st != KVW_OK) {
             if (e->slot >= 0) {
