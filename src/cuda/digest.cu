@@ -95,16 +95,17 @@ kvw_status_t kvwc_exec_digest(kvwc_exec_h x, const kvwc_digest_in_t *in)
     memcpy(img + L.segs, p->segs, (size_t)p->num_segs * sizeof(kvwc_seg_in_t));
     memcpy(img + L.dsegs, in->dsegs, (size_t)p->num_segs * sizeof(kvwc_dig_seg_t));
     uint64_t *blk0 = (uint64_t *)(img + L.blk0), *map_off = (uint64_t *)(img + L.map_off);
+    uint32_t bad = kvwc_digest_bad_seg(in);
+    if (bad < p->num_segs) {
+        free(img);
+        return kvwc_error(KVW_ERR_INVALID_PARAM, "exec_digest: segment %u's %u heads from unit "
+                          "%u are past the %u units", bad, p->segs[bad].num_heads,
+                          in->dsegs[bad].unit, in->num_units);
+    }
     uint64_t total = 0;
     for (uint32_t i = 0; i < p->num_segs; i++) {
         blk0[i] = total;
         total += kvwc_digest_seg_blocks(&p->segs[i]);
-        uint32_t last = in->dsegs[i].unit + p->segs[i].num_heads;
-        if (p->segs[i].num_heads && (last > in->num_units || last < in->dsegs[i].unit)) {
-            free(img);
-            return kvwc_error(KVW_ERR_INVALID_PARAM, "exec_digest: segment %u adds to units "
-                              "[%u, %u) of %u", i, in->dsegs[i].unit, last, in->num_units);
-        }
     }
     blk0[p->num_segs] = total;
     uint64_t at = 0;

@@ -18,6 +18,7 @@
 #define KVW_CUDA_DIGEST_CORE_H
 
 #include "cuda/copy_core.h"
+#include "plan/digest_seed.h"
 
 #include <stdint.h>
 #include <string.h>
@@ -234,20 +235,6 @@ KVWC_HD uint64_t kvwc_xxh3(const void *p, uint64_t len, const uint64_t *secret, 
     return kvwc_xxh3_long(in, len, secret, seed);
 }
 
-/* The digest's seeds (src/plan/digest.c computes the same; the core hands each segment
- * its kvwc_seed_base(layer, comp) value). */
-KVWC_HD uint64_t kvwc_fmix(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-KVWC_HD uint64_t kvwc_seed_of(uint64_t base, uint32_t head, uint64_t token)
-{
-    return kvwc_fmix(base ^ ((uint64_t)head << 40 | (token & ((1ull << 40) - 1))));
-}
-
 /*
  * Work decomposition: a segment's rows are cut into blocks of one head and up to
  * KVWC_DIGEST_TOK consecutive tokens (one token per thread), numbered segment by
@@ -258,6 +245,18 @@ KVWC_HD uint64_t kvwc_seed_of(uint64_t base, uint32_t head, uint64_t token)
 #ifndef KVWC_DIGEST_TOK
 #define KVWC_DIGEST_TOK 128u
 #endif
+
+/* The first segment whose heads do not all fall inside the digest's units (num_segs:
+ * none), checked before any block runs. */
+KVWC_HD uint32_t kvwc_digest_bad_seg(const kvwc_digest_in_t *in)
+{
+    for (uint32_t i = 0; i < in->plan->num_segs; i++) {
+        uint32_t n = in->plan->segs[i].num_heads, u = in->dsegs[i].unit;
+        if (n && (u > in->num_units || n > in->num_units - u))
+            return i;
+    }
+    return in->plan->num_segs;
+}
 
 /* The segment of block `b` (binary search over blk0). */
 KVWC_HD uint32_t kvwc_digest_seg_of(const uint64_t *blk0, uint32_t num_segs, uint64_t b)
@@ -298,7 +297,7 @@ KVWC_HD int kvwc_digest_row(const kvwc_seg_in_t *s, const kvwc_side_t *sd, const
     uint64_t a = sd->base + (uint64_t)pages[rel / ps] * sd->page_stride +
                  (rel % ps) * sd->token_stride + (uint64_t)k * sd->head_stride;
     *hash_p = kvwc_xxh3((const void *)(uintptr_t)a, s->head_bytes, secret,
-                        kvwc_seed_of(ds->seed_base, ds->head0 + k, t));
+                        kvw_digest_seed_of(ds->seed_base, ds->head0 + k, t));
     return 1;
 }
 

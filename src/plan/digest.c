@@ -3,39 +3,15 @@
 #include <xxhash.h>
 
 #include "plan/digest.h"
+#include "plan/digest_seed.h"
 #include "plan/rank.h"
 
 #include <stdio.h>
 #include <string.h>
 
-/* splitmix64's finaliser: a bijection on 64-bit words. */
-static inline uint64_t kvw_fmix(uint64_t z)
-{
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-
-/* Tokens are below 2^40 and heads below 2^24 (kvwire's limits), so (head, token) and
- * (layer, comp) pack into one word each without loss. */
-static inline uint64_t kvw_seed_base(uint32_t layer, uint32_t comp)
-{
-    return kvw_fmix(((uint64_t)layer << 32 | comp) + 0x6b767764ull);
-}
-
-static inline uint64_t kvw_seed_of(uint64_t base, uint32_t head, uint64_t token)
-{
-    return kvw_fmix(base ^ ((uint64_t)head << 40 | (token & ((1ull << 40) - 1))));
-}
-
-uint64_t kvw__digest_seed_base(uint32_t layer, uint32_t comp)
-{
-    return kvw_seed_base(layer, comp);
-}
-
 uint64_t kvw__digest_seed(uint32_t layer, uint32_t comp, uint32_t head, uint64_t token)
 {
-    return kvw_seed_of(kvw_seed_base(layer, comp), head, token);
+    return kvw_digest_seed_of(kvw_digest_seed_base(layer, comp), head, token);
 }
 
 uint64_t kvw__digest_row(const void *row, size_t len, uint64_t seed)
@@ -140,7 +116,7 @@ kvw_hash_rows(uint64_t *acc, const uint8_t *row0, uint64_t stride, uint32_t nh, 
 {
     for (uint32_t k = 0; k < nh; k++)
         acc[k] += XXH3_64bits_withSeed(row0 + (uint64_t)k * stride, len,
-                                       kvw_seed_of(base0, head0 + k, t));
+                                       kvw_digest_seed_of(base0, head0 + k, t));
 }
 
 static void kvw_hash_token(uint64_t *acc, const uint8_t *row0, uint64_t stride, uint32_t nh,
@@ -181,7 +157,7 @@ kvw_status_t kvw__plan_digest(const struct kvw_plan *plan, bool dst_side, const 
             return kvw__error(KVW_ERR_INTERNAL, "digest: segment %u (layer %u) has no %s pages",
                               i, s->layer, dst_side ? "destination" : "source");
         uint64_t *acc = units + u.unit;
-        uint64_t base0 = kvw_seed_base(s->layer, u.comp);
+        uint64_t base0 = kvw_digest_seed_base(s->layer, u.comp);
         uint32_t ps = v->page_size ? v->page_size : 1;
         for (uint64_t t = s->tok_begin; t < s->tok_end;) {
             uint64_t rel = t - m->first_token;
@@ -238,7 +214,7 @@ bool kvw__digest_seg(const struct kvw_plan *plan, uint32_t i, uint32_t *unit_p,
     if (i >= plan->num_segs || !kvw_seg_unit(plan->dst, &plan->segs[i], &u))
         return false;
     *unit_p = u.unit;
-    *seed_base_p = kvw_seed_base(plan->segs[i].layer, u.comp);
+    *seed_base_p = kvw_digest_seed_base(plan->segs[i].layer, u.comp);
     *head0_p = u.head0;
     return true;
 }

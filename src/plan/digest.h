@@ -33,8 +33,6 @@ uint32_t kvw__digest_units(kvw_rank_h dst);
 uint64_t kvw__digest_row(const void *row, size_t len, uint64_t seed);
 /* The seed of (layer, component code, global head, token): see digest.c. */
 uint64_t kvw__digest_seed(uint32_t layer, uint32_t comp, uint32_t head, uint64_t token);
-/* Its (layer, component) part, what kvw__digest_seg gives a segment. */
-uint64_t kvw__digest_seed_base(uint32_t layer, uint32_t comp);
 
 /*
  * Adds the digest of `plan`'s segments (those of the layers `take` marks, one byte per

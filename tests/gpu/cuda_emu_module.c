@@ -527,14 +527,15 @@ static kvw_status_t emu_exec_digest(kvwc_exec_h x, const kvwc_digest_in_t *in)
     const kvwc_plan_in_t *p = in ? in->plan : NULL;
     if (x == NULL || p == NULL || in->units == NULL || (p->num_segs && in->dsegs == NULL))
         return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: NULL argument");
+    uint32_t bad = kvwc_digest_bad_seg(in);
+    if (bad < p->num_segs)
+        return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: segment %u's %u heads from unit "
+                         "%u are past the %u units", bad, p->segs[bad].num_heads,
+                         in->dsegs[bad].unit, in->num_units);
     for (uint32_t i = 0; i < p->num_segs; i++) {
         const kvwc_seg_in_t *s = &p->segs[i];
         const kvwc_side_t *sd = in->dst_side ? &s->dst : &s->src;
         const kvwc_dig_seg_t *ds = &in->dsegs[i];
-        if (s->num_heads && (ds->unit + s->num_heads > in->num_units))
-            return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: segment %u adds to units "
-                             "[%u, %u) of %u", i, ds->unit, ds->unit + s->num_heads,
-                             in->num_units);
         int kind = 0, dev = -1;
         uint64_t blocks = kvwc_digest_seg_blocks(s);
         if (blocks && (emu_pointer_kind((const void *)(uintptr_t)sd->base, &kind, &dev) != KVW_OK ||
