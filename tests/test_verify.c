@@ -677,6 +677,18 @@ static void run_pair(setup_t *s, int fault, uint64_t a, uint64_t seed)
                   "%s: faulted room on prefill rank %u ended %s '%s'", what, j,
                   kvw_room_state_string(pst[0][j]), pw);
         }
+        /* And every other rank of room A ends with it, not at its wait timeout: a decode
+         * rank failed by one source aborts the room on its other sources. */
+        for (uint32_t j = 0; j < s->np; j++) {
+            const char *pw = snd[0][j] ? kvw_room_failure(kvw_sender_room(snd[0][j])) : "";
+            CHECK(strstr(pw, "timed out") == NULL, "%s: faulted room on prefill rank %u ended "
+                  "at its wait timeout: '%s'", what, j, pw);
+        }
+        for (uint32_t k = 0; k < s->nd; k++) {
+            const char *dw = rcv[0][k] ? kvw_room_failure(kvw_receiver_room(rcv[0][k])) : "";
+            CHECK(strstr(dw, "timed out") == NULL, "%s: faulted room on decode rank %u ended at "
+                  "its wait timeout: '%s'", what, k, dw);
+        }
         CHECK(verify_metric(s->dctx[target], 1) == bad0 + 1,
               "%s: rooms_verify_failed %llu, wanted %llu", what,
               (unsigned long long)verify_metric(s->dctx[target], 1),

@@ -135,9 +135,12 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
         } else if (type == KVW_MSG_FAILED && ctx->side == KVW_SIDE_DECODE && r &&
                    kvw_is_source(r, peer)) {
             /* Only a rank the room reads from may fail it: a FAILED from any other (a
-             * prefill instance the room does not read from) is ignored. */
-            kvw__room_fail(ctx, r, st == KVW_ERR_ABORTED ? KVW_ERR_ABORTED : KVW_ERR_REMOTE_FAILED,
-                           false, "%s failed the room: %s", peer->desc, reason);
+             * prefill instance the room does not read from) is ignored. The room's other
+             * sources hear of it (ABORT): one whose part was fine would otherwise hold the
+             * request until its wait timeout. */
+            kvw__room_fail_from(ctx, r,
+                                st == KVW_ERR_ABORTED ? KVW_ERR_ABORTED : KVW_ERR_REMOTE_FAILED,
+                                peer->id, "%s failed the room: %s", peer->desc, reason);
         } else if (type == KVW_MSG_ABORT_ACK && ctx->side == KVW_SIDE_DECODE && r) {
             for (uint32_t i = 0; i < r->num_srcs; i++)
                 if (r->srcs[i].peer == peer->id)

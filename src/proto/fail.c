@@ -153,8 +153,10 @@ void kvw__room_quiesce(struct kvw_ctx *ctx, kvw_room_t *r)
 
 /* Marks the room failed and queues its effects: the control thread gives back its
  * staging spans and sends its frames (kvw__run_deferred). */
-void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
-                    const char *fmt, ...)
+/* kvw__room_fail, and with `notify` on a decode room, no ABORT to source peer `skip`
+ * (UINT32_MAX: none skipped). */
+static void kvw_room_vfail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status,
+                           bool notify, uint32_t skip, const char *fmt, va_list ap)
 {
     KVW_ASSERT_HELD(&ctx->mu);
     if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS)
@@ -163,10 +165,7 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
     room->state = KVW_ROOM_FAILED;
     room->status = status;
     room->end_ns = kvw__now_ns();
-    va_list ap;
-    va_start(ap, fmt);
     vsnprintf(room->reason, sizeof(room->reason), fmt, ap);
-    va_end(ap);
     kvw__log(KVW_LOG_WARN, "%s room %llu failed (%s): %s", room->is_sender ? "prefill" : "decode",
              (unsigned long long)room->id, kvw_status_string(status), room->reason);
     kvw_room_effect_t *e = kvw_effect_new(room);
@@ -200,10 +199,31 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
                                 room->reason);
     } else if (notify) {
         for (uint32_t i = 0; e && i < room->num_srcs; i++)
-            kvw_effect_frame(e, room->srcs[i].peer, KVW_MSG_ABORT, status, false);
+            if (room->srcs[i].peer != skip)
+                kvw_effect_frame(e, room->srcs[i].peer, KVW_MSG_ABORT, status, false);
     }
     kvw_quiesce_into(room, e);
     kvw_effect_push(ctx, e);
     if (notify)
         pthread_cond_broadcast(&ctx->cv);
+}
+
+void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
+                    const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    kvw_room_vfail(ctx, room, status, notify, UINT32_MAX, fmt, ap);
+    va_end(ap);
+}
+
+void kvw__room_fail_from(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status,
+                         uint32_t from, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    /* A room not posted yet has no sources: nothing to tell (the branch for it aborts
+     * on the whole DP group, which is not this failure's business). */
+    kvw_room_vfail(ctx, room, status, !room->is_sender && room->num_srcs > 0, from, fmt, ap);
+    va_end(ap);
 }

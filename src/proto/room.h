@@ -226,6 +226,10 @@ void kvw__room_free(kvw_room_t *room);
 /* Fails a room (sticky) with a reason; tells peers when `notify` is set. mu held. */
 void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, bool notify,
                     const char *fmt, ...) KVW_PRINTF(5, 6);
+/* Decode: fails a room that its source `from` (a peer id) failed, and aborts it on the
+ * room's other sources, which would otherwise hold it until their wait timeout. mu held. */
+void kvw__room_fail_from(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status,
+                         uint32_t from, const char *fmt, ...) KVW_PRINTF(5, 6);
 void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state);
 /* From here (mu held) to kvw__room_wake_after (called once mu is let go), rooms that
  * this thread moves to Success wake their waiters (kvw_room_wait) only then: woken
