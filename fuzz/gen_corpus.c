@@ -203,6 +203,7 @@ static void gen_done(gen_buf_t *b, uint64_t room, uint32_t peer, uint64_t cb, ui
     kvw__wb_u64(&w, goff);
     kvw__wb_u8(&w, final);
     kvw__wb_u32(&w, 0); /* no room metadata */
+    kvw__wb_u32(&w, 0); /* no digest */
     if (kvw__wb_finish(&w) != KVW_OK)
         exit(1);
     gb_u8(b, 2);
@@ -225,7 +226,7 @@ static void gen_frame(void)
     gb_u8(&b, 7);  /* get_rank */
     gb_u8(&b, 8);  /* done */
     kvw__wb_init(&w, KVW_MSG_REQ);
-    kvw_pages_t pl = {(const uint32_t[]){4, 5, 6}, 3, 8};
+    kvw_pages_t pl = {.pages = (const uint32_t[]){4, 5, 6}, .num_pages = 3, .first_token = 8};
     kvw__wire_put_pages(&w, &pl);
     kvw__wire_put_rank(&w, rk->d1->h);
     gb_frame(&b, &w);

@@ -121,6 +121,7 @@
 #define MAXP 4 /* processes per case */
 
 #define WIRE_MAGIC 0x3157564bu
+#define WIRE_VER 2 /* the wire version this build speaks (1: before digests rode in DONE) */
 #define T_HELLO 1
 #define T_REJECT 3
 #define T_REQ 4
@@ -926,7 +927,7 @@ static int raw_connect(const char *addr, int timeout_ms)
 static int read_frame(int fd, uint8_t *type, uint8_t **payload, uint32_t *len)
 {
     uint8_t h[12];
-    if (kvt_read_full(fd, h, 12) || get_le32(h) != WIRE_MAGIC || h[4] != 1)
+    if (kvt_read_full(fd, h, 12) || get_le32(h) != WIRE_MAGIC || h[4] != WIRE_VER)
         return -1;
     *type = h[5];
     *len = get_le32(h + 8);
@@ -995,7 +996,7 @@ static int bs_lookup(const char *bs, char *ctl_addr, size_t cap)
     uint8_t h[12], type;
     uint8_t *p = NULL;
     uint32_t len;
-    put_hdr(h, WIRE_MAGIC, 1, T_BS_LOOKUP, 0);
+    put_hdr(h, WIRE_MAGIC, WIRE_VER, T_BS_LOOKUP, 0);
     int n = -1;
     if (kvt_write_full(fd, h, 12) == 0 && read_frame(fd, &type, &p, &len) == 0) {
         if (type == T_BS_TABLE && len >= 4) {
@@ -1076,19 +1077,19 @@ static const struct attack_def {
 } g_attacks[] = {
     {"garbage bytes", AT_BOTH, 0, 0, 0, 0, 0, AT_GARBAGE, true},
     {"bad magic", AT_BOTH, 0x3257564bu /* KVW2 */, 1, AT_LOOKUP, 0, 0, AT_WHOLE, true},
-    {"bad version", AT_BOTH, WIRE_MAGIC, 2, AT_LOOKUP, 0, 0, AT_WHOLE, true},
-    {"oversized length", AT_BOTH, WIRE_MAGIC, 1, AT_LOOKUP, 0x7fffffffu, 0, AT_WHOLE, true},
-    {"unknown frame type 0", AT_BOTH, WIRE_MAGIC, 1, 0, 0, 0, AT_WHOLE, true},
-    {"unknown frame type 200", AT_BOTH, WIRE_MAGIC, 1, 200, 0, 0, AT_WHOLE, true},
-    {"half a header, then close", AT_BOTH, WIRE_MAGIC, 1, AT_LOOKUP, 0, 0, 6, false},
-    {"truncated payload, then close", AT_BOTH, WIRE_MAGIC, 1, AT_LOOKUP, 64, 10, AT_WHOLE, false},
+    {"bad version (the previous one)", AT_BOTH, WIRE_MAGIC, WIRE_VER - 1, AT_LOOKUP, 0, 0, AT_WHOLE, true},
+    {"oversized length", AT_BOTH, WIRE_MAGIC, WIRE_VER, AT_LOOKUP, 0x7fffffffu, 0, AT_WHOLE, true},
+    {"unknown frame type 0", AT_BOTH, WIRE_MAGIC, WIRE_VER, 0, 0, 0, AT_WHOLE, true},
+    {"unknown frame type 200", AT_BOTH, WIRE_MAGIC, WIRE_VER, 200, 0, 0, AT_WHOLE, true},
+    {"half a header, then close", AT_BOTH, WIRE_MAGIC, WIRE_VER, AT_LOOKUP, 0, 0, 6, false},
+    {"truncated payload, then close", AT_BOTH, WIRE_MAGIC, WIRE_VER, AT_LOOKUP, 64, 10, AT_WHOLE, false},
     {"connect and close", AT_BOTH, 0, 0, 0, 0, 0, AT_NOTHING, false},
-    {"lookup with trailing bytes", AT_BS, WIRE_MAGIC, 1, T_BS_LOOKUP, 4, 4, AT_WHOLE, true},
-    {"truncated register", AT_BS, WIRE_MAGIC, 1, T_BS_REGISTER, 8, 8, AT_WHOLE, true},
-    {"control frame on the bootstrap", AT_BS, WIRE_MAGIC, 1, T_HELLO, 0, 0, AT_WHOLE, true},
-    {"request before registration", AT_CTL, WIRE_MAGIC, 1, T_REQ, 0, 0, AT_WHOLE, true},
-    {"heartbeat before registration", AT_CTL, WIRE_MAGIC, 1, T_HEARTBEAT, 0, 0, AT_WHOLE, true},
-    {"truncated registration", AT_CTL, WIRE_MAGIC, 1, T_HELLO, 3, 3, AT_WHOLE, true},
+    {"lookup with trailing bytes", AT_BS, WIRE_MAGIC, WIRE_VER, T_BS_LOOKUP, 4, 4, AT_WHOLE, true},
+    {"truncated register", AT_BS, WIRE_MAGIC, WIRE_VER, T_BS_REGISTER, 8, 8, AT_WHOLE, true},
+    {"control frame on the bootstrap", AT_BS, WIRE_MAGIC, WIRE_VER, T_HELLO, 0, 0, AT_WHOLE, true},
+    {"request before registration", AT_CTL, WIRE_MAGIC, WIRE_VER, T_REQ, 0, 0, AT_WHOLE, true},
+    {"heartbeat before registration", AT_CTL, WIRE_MAGIC, WIRE_VER, T_HEARTBEAT, 0, 0, AT_WHOLE, true},
+    {"truncated registration", AT_CTL, WIRE_MAGIC, WIRE_VER, T_HELLO, 3, 3, AT_WHOLE, true},
 };
 
 /* Builds the list of malformed inputs for the bootstrap or the control port. */
@@ -1146,7 +1147,7 @@ static void hello_probe(const char *addr, uint32_t layers)
         memcpy(b + o, g_tl, tl_len), o += tl_len;
         put_le32(b + o, 0), o += 4;       /* empty transport address */
         put_le32(b + o, layers), o += 4;  /* the rank description starts: layer count */
-        put_hdr(b, WIRE_MAGIC, 1, T_HELLO, (uint32_t)(o - 12));
+        put_hdr(b, WIRE_MAGIC, WIRE_VER, T_HELLO, (uint32_t)(o - 12));
         kvt_write_full(fd, b, o);
         bool closed = expect_dropped(fd, kvt_tmo_ms(3000), last, sizeof(last));
         close(fd);
@@ -1401,7 +1402,7 @@ static int proxy_main(env_t *e)
                         put_le32(out + o, (uint32_t)sl), o += 4;
                         memcpy(out + o, fake_ctl, sl), o += sl;
                         out[o++] = 0; /* no MAC (no secret in these cases) */
-                        put_hdr(out, WIRE_MAGIC, 1, T_BS_TABLE, (uint32_t)(o - 12));
+                        put_hdr(out, WIRE_MAGIC, WIRE_VER, T_BS_TABLE, (uint32_t)(o - 12));
                         kvt_write_full(c, out, o);
                     }
                 }
@@ -1794,10 +1795,10 @@ static void di_corrupt(drv_t *x)
     case 2: n = mk_hdr(f, 0xdeadbeefu, 1, T_HEARTBEAT, 0); break;
     case 3: n = mk_hdr(f, WIRE_MAGIC, 9, T_HEARTBEAT, 0), dir = "inject_p2d"; break;
     case 4:
-        n = mk_hdr(f, WIRE_MAGIC, 1, T_ABORT, 3) + 3;
+        n = mk_hdr(f, WIRE_MAGIC, WIRE_VER, T_ABORT, 3) + 3;
         f[12] = f[13] = f[14] = 7;
         break;
-    default: n = mk_hdr(f, WIRE_MAGIC, 1, T_HEARTBEAT, 0x7ffffff0u), dir = "inject_p2d"; break;
+    default: n = mk_hdr(f, WIRE_MAGIC, WIRE_VER, T_HEARTBEAT, 0x7ffffff0u), dir = "inject_p2d"; break;
     }
     char hex[80];
     for (size_t i = 0; i < n; i++)
@@ -1977,7 +1978,9 @@ static void di_forge(drv_t *x)
                 kvw__wb_u64(&w, 0);
                 kvw__wb_u64(&w, 0);
                 kvw__wb_u64(&w, 0);
-                kvw__wb_u8(&w, 1); /* final */
+                kvw__wb_u8(&w, 1);  /* final */
+                kvw__wb_u32(&w, 0); /* no metadata */
+                kvw__wb_u32(&w, 0); /* no digest: a well-formed DONE, refused for its sender */
                 CHECK(kvw__wb_finish(&w) == KVW_OK && ops->notify(ep, w.p, w.len) == KVW_OK,
                       "forger notify: %s", kvw_last_error());
                 kvw__wb_free(&w);
@@ -2252,7 +2255,7 @@ static void stall_connections(drv_t *x)
         silent[i] = raw_connect(ctl, kvt_tmo_ms(3000));
     int s2 = raw_connect(ctl, kvt_tmo_ms(3000));
     uint8_t h[12];
-    put_hdr(h, WIRE_MAGIC, 1, T_HELLO, 100);
+    put_hdr(h, WIRE_MAGIC, WIRE_VER, T_HELLO, 100);
     if (s2 >= 0)
         kvt_write_full(s2, h, 6);
     int s3 = raw_connect(x->d->bs, kvt_tmo_ms(3000));

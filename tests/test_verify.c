@@ -171,6 +171,8 @@ static struct {
     mutation_t mut;
     bool applied;
     bool staged_seen; /* the staged pass: a window of the room was altered */
+    /* Last chunks' final completions seen, with the room's digest inside and without. */
+    uint64_t dig_inline, dig_apart;
 } H = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static void hook(void *arg, const void *msg, size_t len)
@@ -186,6 +188,8 @@ static void hook(void *arg, const void *msg, size_t len)
     if (kvw__done_decode(&rb, &dm) != KVW_OK)
         return;
     pthread_mutex_lock(&H.mu);
+    if (dm.final && dm.last_chunk)
+        *(dm.digest_n ? &H.dig_inline : &H.dig_apart) += 1;
     if (H.room && dm.room == H.room && H.nd && arg == (void *)H.dctx[H.target]) {
         if (H.mut.fault < 0) {
             /* Staged: the first window of the room, altered in the staging area. */
@@ -800,7 +804,17 @@ int main(void)
             setup_t s;
             /* Direct path: every byte of a chunk is in the pages when its completion
              * arrives. */
+            /* The room's digest inside the last completion or in its own frame (DIGEST,
+             * on the control channel): one geometry in three with the default rule (inside
+             * when the last step is at most 256 KiB), one always apart, one always inside. */
             setenv("KVW_PATH", "direct", 1);
+            int dig_mode = (int)(gi % 3);
+            bool apart = dig_mode == 1;
+            if (dig_mode)
+                setenv("KVW_VERIFY_INLINE_KB", apart ? "0" : "65536", 1);
+            pthread_mutex_lock(&H.mu);
+            H.dig_inline = H.dig_apart = 0;
+            pthread_mutex_unlock(&H.mu);
             if (setup_up(&s, &geos[gi]) == 0) {
                 for (int f = 0; f < F_NUM; f++, room += 2)
                     run_pair(&s, f, room, room * 7 + (uint64_t)it);
@@ -808,6 +822,14 @@ int main(void)
                 room += 2;
             }
             setup_down(&s);
+            unsetenv("KVW_VERIFY_INLINE_KB");
+            pthread_mutex_lock(&H.mu);
+            CHECK(dig_mode == 0 || (apart ? H.dig_inline == 0 && H.dig_apart > 0
+                                          : H.dig_inline > 0 && H.dig_apart == 0),
+                  "%s: digests %s: %llu final completions carried one, %llu did not",
+                  geos[gi].name, apart ? "apart" : dig_mode ? "inside" : "by size",
+                  (unsigned long long)H.dig_inline, (unsigned long long)H.dig_apart);
+            pthread_mutex_unlock(&H.mu);
             /* Staged path: a window altered in the staging area, and honest rooms. */
             setenv("KVW_PATH", "staged", 1);
             if (setup_up(&s, &geos[gi]) == 0) {

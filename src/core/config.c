@@ -85,6 +85,11 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
      .help = "decode: end-to-end KV digest per room (off, every, sample:F with F in [0, 1]); "
              "a room verified and wrong fails, on both sides [off|every|sample:F]",
      .check = kvw__verify_check},
+    {.name = "KVW_VERIFY_INLINE_KB", .type = KVW_CFG_U64, .def = "256", .min = 0,
+     .max = 1u << 20,
+     .help = "prefill: a verified room's last step of at most this many KiB is hashed "
+             "first and its completion carries the digest; a larger one sends the digest "
+             "after it (0: always after)"},
     {.name = "KVW_MAX_PEER_ROOMS", .type = KVW_CFG_U64, .def = "4096", .min = 1,
      .max = 1u << 24,
      .help = "prefill: rooms one decode rank may create by REQ or ABORT before the engine "

@@ -184,14 +184,19 @@ static const struct {
     {offsetof(kvw_done_msg_t, bytes), 8},       {offsetof(kvw_done_msg_t, last_chunk), 1},
     {offsetof(kvw_done_msg_t, staged), 1},      {offsetof(kvw_done_msg_t, soff), 8},
     {offsetof(kvw_done_msg_t, slen), 8},        {offsetof(kvw_done_msg_t, goff), 8},
-    {offsetof(kvw_done_msg_t, final), 1},       {offsetof(kvw_done_msg_t, meta_len), 4}};
+    {offsetof(kvw_done_msg_t, final), 1},       {offsetof(kvw_done_msg_t, meta_len), 4},
+    {offsetof(kvw_done_msg_t, digest_n), 4}};
+/* The fields (71 bytes), then digest_n values of 8 bytes, then (with a session key) the
+ * tag: the largest frame is one notification. */
+_Static_assert(KVW_WIRE_HDR + 71 + 8 * KVW_DONE_DIGEST_MAX + KVW_TAG <= KVW_TL_MAX_NOTIFY,
+               "a DONE frame with its digest fits in one notification");
 
 /* The tag of a DONE frame's fields under a session key. */
 static void kvw_done_tag(const uint8_t *key, const uint8_t *fields, size_t n, uint8_t out[32])
 {
     kvw_hmac_t h;
     kvw__hmac_init(&h, key, 32);
-    kvw__hmac_update(&h, "kvwire-done-3", strlen("kvwire-done-3"));
+    kvw__hmac_update(&h, "kvwire-done-4", strlen("kvwire-done-4"));
     kvw__hmac_update(&h, fields, n);
     kvw__hmac_final(&h, out);
 }
@@ -215,6 +220,8 @@ void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m, const uint8_t *key
             kvw__wb_u8(w, (uint8_t)v);
         }
     }
+    for (uint32_t u = 0; u < m->digest_n; u++)
+        kvw__wb_u64(w, m->digest[u]);
     if (key && !w->oom) {
         uint8_t t[32];
         kvw_done_tag(key, w->p + KVW_WIRE_HDR, w->len - KVW_WIRE_HDR, t);
@@ -232,10 +239,23 @@ static size_t kvw_done_fields_len(void)
     return n;
 }
 
-kvw_status_t kvw__done_check_tag(const uint8_t *payload, size_t len, const uint8_t *key)
+/* Bytes of a DONE frame's payload before its tag: the fields and the digest values
+ * (digest_n, the last field, says how many); 0 if the payload is too short to say. */
+static size_t kvw_done_body_len(const uint8_t *payload, size_t len)
 {
     size_t n = kvw_done_fields_len();
-    if (len != n + KVW_TAG)
+    if (len < n)
+        return 0;
+    const uint8_t *c = payload + n - 4;
+    uint32_t digest_n = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 |
+                        (uint32_t)c[3] << 24;
+    return digest_n > KVW_DONE_DIGEST_MAX ? 0 : n + 8 * (size_t)digest_n;
+}
+
+kvw_status_t kvw__done_check_tag(const uint8_t *payload, size_t len, const uint8_t *key)
+{
+    size_t n = kvw_done_body_len(payload, len);
+    if (n == 0 || len != n + KVW_TAG)
         return kvw__error(KVW_ERR_AUTH, "a completion without the session's tag");
     uint8_t t[32];
     kvw_done_tag(key, payload, n, t);
@@ -270,6 +290,13 @@ kvw_status_t kvw__done_decode(kvw_rbuf_t *r, kvw_done_msg_t *m)
             memcpy(f, &v, sizeof(v));
         }
     }
+    if (r->bad)
+        return kvw__rb_done(r, "done");
+    if (m->digest_n > KVW_DONE_DIGEST_MAX || r->len - r->pos < 8ull * m->digest_n)
+        return kvw__error(KVW_ERR_MALFORMED, "done: %u digest values in a %zu-byte frame",
+                          m->digest_n, r->len);
+    m->digest_le = r->p + r->pos;
+    r->pos += 8ull * m->digest_n;
     if (r->len - r->pos == KVW_TAG)
         r->pos += KVW_TAG; /* the tag: kvw__done_check_tag */
     return kvw__rb_done(r, "done");

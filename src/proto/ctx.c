@@ -80,6 +80,8 @@ void kvw__ctx_cfg_read(struct kvw_ctx *ctx)
     kvw__config_u64("KVW_MAX_HELLO_KB", &ctx->cfg.max_hello);
     ctx->cfg.max_hello <<= 10;
     kvw__config_u64("KVW_MAX_PEERS", &ctx->cfg.max_peers);
+    kvw__config_u64("KVW_VERIFY_INLINE_KB", &ctx->cfg.verify_inline);
+    ctx->cfg.verify_inline <<= 10;
     const char *path;
     kvw__config_str("KVW_PATH", &path);
     ctx->cfg.path_mode = path && !strcmp(path, "direct")   ? KVW_PATH_DIRECT

@@ -143,14 +143,44 @@ void kvw__handle_meta(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
     kvw_receiver_done(ctx, r);
 }
 
-/* Decode: a prefill rank's KV digest for a verified room (mu held): from a source of the
- * room, once, one value per unit of this rank. */
+/* Decode: source s's KV digest for verified room r (mu held): once, one value per unit of
+ * this rank, n values at `le` (little-endian), from its final completion or its DIGEST
+ * frame. false (and *f) if the room cannot take it. */
+static bool kvw_src_digest(struct kvw_ctx *ctx, kvw_room_t *r, kvw_room_src_t *s,
+                           const kvw_peer_t *peer, uint32_t n, const uint8_t *le, kvw_fail_t *f)
+{
+    uint32_t want = kvw__digest_units(ctx->rank);
+    if (!r->verify || s->digest_got || n != want) {
+        kvw_fail_set(f, KVW_ERR_MALFORMED, "room %llu: %s sent %s (%u units, this rank has %u)",
+                     (unsigned long long)r->id, peer->desc,
+                     !r->verify ? "a digest the room did not ask for"
+                     : s->digest_got ? "its digest twice" : "a digest of the wrong size",
+                     n, want);
+        return false;
+    }
+    s->digest = malloc((size_t)(n ? n : 1) * 8);
+    if (s->digest == NULL) {
+        kvw_fail_set(f, KVW_ERR_NO_MEMORY, "room %llu: out of memory for a room's digest",
+                     (unsigned long long)r->id);
+        return false;
+    }
+    for (uint32_t u = 0; u < n; u++) {
+        uint64_t v = 0;
+        for (int b = 0; b < 8; b++)
+            v |= (uint64_t)le[8 * u + b] << (8 * b);
+        s->digest[u] = v;
+    }
+    s->digest_got = true;
+    return true;
+}
+
+/* Decode: a prefill rank's KV digest for a verified room (mu held), when it did not fit in
+ * its final completion: from a source of the room, once. */
 void kvw__handle_digest(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
 {
     KVW_ASSERT_HELD(&ctx->mu);
     uint64_t id = kvw__rb_u64(rb);
     uint32_t n = kvw__rb_u32(rb);
-    uint32_t want = kvw__digest_units(ctx->rank);
     if (rb->bad || n > KVW_DIGEST_MAX_UNITS || rb->len - rb->pos < (uint64_t)n * 8) {
         kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, "malformed digest frame");
         return;
@@ -170,26 +200,11 @@ void kvw__handle_digest(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rbuf_t *rb)
             s = &r->srcs[i];
     if (s == NULL)
         return; /* not one of the room's sources: no say in it */
-    if (!r->verify || s->digest_got || n != want) {
-        kvw__room_fail(ctx, r, KVW_ERR_MALFORMED, true, "room %llu: %s sent %s (%u units, this "
-                       "rank has %u)", (unsigned long long)id, peer->desc,
-                       !r->verify ? "a digest the room did not ask for"
-                       : s->digest_got ? "its digest twice" : "a digest of the wrong size",
-                       n, want);
+    kvw_fail_t f = {KVW_OK, ""};
+    if (!kvw_src_digest(ctx, r, s, peer, n, vals, &f)) {
+        kvw__room_fail(ctx, r, f.status, true, "%s", f.why);
         return;
     }
-    s->digest = malloc((size_t)(n ? n : 1) * 8);
-    if (s->digest == NULL) {
-        kvw__room_fail(ctx, r, KVW_ERR_NO_MEMORY, true, "out of memory for a room's digest");
-        return;
-    }
-    for (uint32_t u = 0; u < n; u++) {
-        uint64_t v = 0;
-        for (int b = 0; b < 8; b++)
-            v |= (uint64_t)vals[8 * u + b] << (8 * b);
-        s->digest[u] = v;
-    }
-    s->digest_got = true;
     kvw_receiver_done(ctx, r);
 }
 
@@ -616,6 +631,17 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
     s->got += bytes;
     r->bytes += bytes;
     kvw__metrics_bytes(ctx, staged, bytes);
+    /* A verified room's digest rides in the last chunk's final completion (when it fits
+     * in one): nowhere else. */
+    if (dm.digest_n && !(final && c.last_chunk)) {
+        kvw_fail_set(&f, KVW_ERR_MALFORMED, "room %llu: %s sent a digest in a completion "
+                     "that does not end the room", (unsigned long long)id,
+                     kvw__peer_at(ctx, peer_id)->desc);
+        goto out;
+    }
+    if (dm.digest_n &&
+        !kvw_src_digest(ctx, r, s, kvw__peer_at(ctx, peer_id), dm.digest_n, dm.digest_le, &f))
+        goto out;
     if (final) {
         s->done = c.last_chunk;
         if (c.last_chunk)

@@ -81,11 +81,22 @@ typedef struct kvw_done_msg {
     /* Metadata bytes the prefill rank sent on the control channel (the last chunk's final
      * completion only, else 0): the decode waits for them before Success. */
     uint32_t meta_len;
+    /* A verified room's KV digest for this decode rank (plan/digest.h), whole room, one
+     * value per unit: only in the last chunk's final completion, when it fits in one
+     * notification (KVW_DONE_DIGEST_MAX units); otherwise it follows on the control
+     * channel (KVW_MSG_DIGEST). digest_n 0: none. Encoding reads digest[0 .. digest_n);
+     * decoding points digest_le at the values as they lie in the frame (little-endian). */
+    uint32_t digest_n;
+    const uint64_t *digest;
+    const uint8_t *digest_le;
 } kvw_done_msg_t;
+/* The most digest units a DONE frame carries: the frame (header, fields, values, tag)
+ * stays within one notification (KVW_TL_MAX_NOTIFY). */
+#define KVW_DONE_DIGEST_MAX 480u
 /* Starts w as a DONE frame holding m (the caller finishes it). */
 /* With a session key (`key`, NULL: none) the frame ends in a tag (KVW_TAG bytes):
- * HMAC(key, "kvwire-done-3" | the fields), so only the prefill rank of the session can
- * complete a room. */
+ * HMAC(key, "kvwire-done-4" | the fields and digest values), so only the prefill rank
+ * of the session can complete a room, or vouch for its digest. */
 void kvw__done_encode(kvw_wbuf_t *w, const kvw_done_msg_t *m, const uint8_t *key);
 /* Reads a DONE frame's payload; MALFORMED (message set) unless it is exactly one, with
  * or without a tag. With `key` (the session key of the peer the frame names), the tag
@@ -202,6 +213,7 @@ struct kvw_ctx {
     struct {
         uint64_t workers;      /* KVW_WORKERS */
         uint64_t gpu_inflight; /* KVW_GPU_INFLIGHT */
+        uint64_t verify_inline; /* KVW_VERIFY_INLINE_KB, in bytes */
         uint64_t gpu_warm;     /* KVW_GPU_WARM */
         uint64_t staging_mb;   /* KVW_STAGING_MB */
         uint64_t busy_poll_us; /* KVW_BUSY_POLL_US */

@@ -15,7 +15,8 @@
 #include <stdint.h>
 
 #define KVW_WIRE_MAGIC 0x3157564bu /* "KVW1" */
-#define KVW_WIRE_VERSION 1
+/* 2: DONE frames carry the digest of a verified room (kvw_done_msg_t.digest_n). */
+#define KVW_WIRE_VERSION 2
 #define KVW_WIRE_HDR 12
 #define KVW_WIRE_MAX_PAYLOAD (64u << 20)
 /* Units of one KVW_MSG_DIGEST frame at most (layers x components x local heads of a

@@ -93,9 +93,11 @@ typedef struct kvw_step {
     bool final;
     uint32_t meta_len;
     /* A verified room: the step adds the digest of what it sends (its source pages) to
-     * digest[0 .. num_units); NULL: not verified. */
+     * digest[0 .. num_units); NULL: not verified. room_digest: the decode rank's sums of
+     * the steps before (added to under mu, by this job's steps only). */
     uint64_t *digest;
     uint32_t num_units;
+    const uint64_t *room_digest;
 } kvw_step_t;
 
 /* What a step did: bytes and runs moved, whether staged, when its completion went out
@@ -106,7 +108,33 @@ typedef struct kvw_step_out {
     bool staged;
     uint64_t out_ns;
     uint64_t seq;
+    bool digest_sent; /* the room's digest went in the final completion */
 } kvw_step_out_t;
+
+/* A verified room's last step for a decode rank puts the room's digest in its final
+ * completion (one frame, one wake-up of the decode) when it fits in one and the step is
+ * small enough to hash before that completion goes out: at most KVW_VERIFY_INLINE_KB
+ * (default 256 KiB, about 30 us of hashing here, what a separate DIGEST frame costs the
+ * decode; 0: never). A larger step sends its completion first and hashes meanwhile, beside
+ * the decode's read pass. GPU steps (bytes 0 here) hash on the stream before their DONE
+ * goes out anyway. */
+static bool kvw_digest_inline(const struct kvw_ctx *ctx, const kvw_step_t *s, uint64_t bytes)
+{
+    return s->digest && s->final && s->q->c.last_chunk && s->num_units <= KVW_DONE_DIGEST_MAX &&
+           ctx->cfg.verify_inline && bytes <= ctx->cfg.verify_inline;
+}
+
+/* Puts the room's digest (the steps before plus this one's, s->digest) into DONE dm;
+ * vals: room for s->num_units values, alive until dm is encoded. */
+static void kvw_done_digest(const kvw_step_t *s, kvw_done_msg_t *dm, uint64_t *vals,
+                            kvw_step_out_t *out)
+{
+    for (uint32_t u = 0; u < s->num_units; u++)
+        vals[u] = (s->room_digest ? s->room_digest[u] : 0) + s->digest[u];
+    dm->digest_n = s->num_units;
+    dm->digest = vals;
+    out->digest_sent = true;
+}
 
 /* The DONE of step s for chunk c, having moved `bytes`, final or not (not staged). */
 static kvw_done_msg_t kvw_step_done(const kvw_step_t *s, const kvw_chunk_t *c, uint64_t bytes,
@@ -195,11 +223,20 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, const kvw_step_t *s,
         if (kvw_seg_taken(&plan->segs[i], take, lb))
             total += kvw__seg_bytes(&plan->segs[i]);
     out->bytes = total;
+    /* A small last step hashes first: its final completion carries the room's digest. */
+    uint64_t dvals[KVW_DONE_DIGEST_MAX];
+    bool dig_inline = kvw_digest_inline(ctx, s, total);
+    kvw_status_t st = KVW_OK;
+    if (dig_inline && total &&
+        (st = ctx->mem->digest(plan, false, take, lb, s->digest, s->num_units)) != KVW_OK)
+        return st;
     if (total == 0) {
         /* None of this step's layers holds bytes for this decode rank (SWA layers of an
          * early chunk): only the completion goes, which may be the final one. */
         kvw_wbuf_t w;
         kvw_done_msg_t dm = kvw_step_done(s, c, 0, s->final);
+        if (dig_inline)
+            kvw_done_digest(s, &dm, dvals, out);
         kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
         return kvw_notify_done(ctx, peer, &w, &out->out_ns);
     }
@@ -212,8 +249,8 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, const kvw_step_t *s,
     bool have = kvw_win_next(&it, &wb, &we);
     uint64_t wmax = KVW_MAX(KVW_MIN(total, piece_max), 1);
     kvw_staged_t *sg = NULL;
-    kvw_status_t st = kvw__staged_open(ctx->mem, ctx->mem_dev, (struct kvw_plan *)plan, false,
-                                       true, wmax, &sg);
+    st = kvw__staged_open(ctx->mem, ctx->mem_dev, (struct kvw_plan *)plan, false, true, wmax,
+                          &sg);
     if (st == KVW_OK && have)
         st = kvw__staged_gather(sg, wb, we);
     uint64_t sent = 0;
@@ -260,6 +297,8 @@ static kvw_status_t kvw_send_staged(struct kvw_ctx *ctx, const kvw_step_t *s,
         kvw_wbuf_t dw;
         kvw_done_msg_t dm = kvw_step_done(s, c, len, s->final && sent == total);
         dm.staged = true, dm.soff = wb, dm.slen = len, dm.goff = (uint64_t)goff;
+        if (dig_inline && sent == total)
+            kvw_done_digest(s, &dm, dvals, out);
         kvw__done_encode(&dw, &dm, peer->authed ? peer->skey : NULL);
         st = kvw_notify_done(ctx, peer, &dw, &out->out_ns);
         out->runs++;
@@ -380,18 +419,21 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         *e = (kvw_gpu_step_t){.r = r, .di = di, .peer = peer, .slot = -1};
         if ((st = ctx->mem->select(ctx->mem_dev)) == KVW_OK)
             st = ctx->mem->step_launch(plan, &e->slot, &prof);
+        /* A verified room: the digest of the source rows, on this worker's executor
+         * (behind the copy; the plan keeps only the layers taken), before the DONE is
+         * made: it goes out after both, and the last one carries the room's digest. */
+        if (st == KVW_OK && s->digest)
+            st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units);
         if (st == KVW_OK) {
+            uint64_t dvals[KVW_DONE_DIGEST_MAX];
             kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+            if (kvw_digest_inline(ctx, s, 0))
+                kvw_done_digest(s, &dm, dvals, out);
             kvw__done_encode(&e->done, &dm, peer->authed ? peer->skey : NULL);
             if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
                 kvw__wb_free(&e->done);
         }
         ctx->mem->profile_add(&prof);
-        /* A verified room: the digest of the source rows, on this worker's executor
-         * (behind the copy; the plan keeps only the layers taken). */
-        if (st == KVW_OK && s->digest &&
-            (st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units)) != KVW_OK)
-            kvw__wb_free(&e->done); /* encoded, and never to be sent */
         kvw_plan_destroy(plan);
         if (st != KVW_OK) {
             if (e->slot >= 0) {
@@ -420,7 +462,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
     out->staged = plan->bytes > 0 && kvw_choose_staged(ctx, peer, plan);
     if (out->staged) {
         st = kvw_send_staged(ctx, s, plan, &c, out);
-        if (st == KVW_OK && s->digest)
+        if (st == KVW_OK && s->digest && !out->digest_sent)
             st = ctx->mem->digest(plan, false, take, lb, s->digest, s->num_units);
         kvw_plan_destroy(plan);
         return st;
@@ -434,11 +476,19 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         return kvw__error(KVW_ERR_NO_MEMORY, "out of memory sending");
     }
     pc->ctx = ctx, pc->peer = peer, pc->room = r, pc->n = 0, pc->runs = 0;
-    st = kvw_plan_expand(plan, kvw_put_run, pc);
+    /* A small last step hashes first: its final completion carries the room's digest. */
+    uint64_t dvals[KVW_DONE_DIGEST_MAX];
+    bool dig_inline = kvw_digest_inline(ctx, s, plan->bytes);
+    kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
+    st = KVW_OK;
+    if (dig_inline && (st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units)) ==
+                          KVW_OK)
+        kvw_done_digest(s, &dm, dvals, out);
+    if (st == KVW_OK)
+        st = kvw_plan_expand(plan, kvw_put_run, pc);
     if (st == KVW_OK && ctx->tl_ops->put_notify) {
         /* The last batch of writes and the completion in one call (tcp: one sendmsg). */
         kvw_wbuf_t w;
-        kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
         kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
         st = kvw__wb_finish(&w);
         out->out_ns = kvw__now_ns();
@@ -450,12 +500,11 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         st = kvw_put_flush(pc);
         if (st == KVW_OK) {
             kvw_wbuf_t w;
-            kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
             kvw__done_encode(&w, &dm, peer->authed ? peer->skey : NULL);
             st = kvw_notify_done(ctx, peer, &w, &out->out_ns);
         }
     }
-    if (st == KVW_OK && s->digest) /* the layers taken only: the plan keeps no others */
+    if (st == KVW_OK && s->digest && !dig_inline) /* the layers taken only: the plan keeps no others */
         st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units);
     out->runs = pc->runs;
     free(pc);
@@ -546,7 +595,7 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
         pthread_mutex_unlock(&ctx->mu);
         kvw_step_t step = {.r = r, .di = i, .peer = peer, .d = &dcopy, .q = &q, .take = take,
                            .final = final, .meta_len = meta_len, .digest = part,
-                           .num_units = units};
+                           .num_units = units, .room_digest = d->digest};
         kvw_step_out_t so = {0};
         kvw_status_t st = kvw_worker_step(ctx, &step, gq, &so);
         if (so.seq)
@@ -560,7 +609,7 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
                 d->digest[u] += part[u];
             /* The whole room's digest for this decode rank follows its last completion
              * (the decode waits for both before it checks). */
-            if (final && q.c.last_chunk) {
+            if (final && q.c.last_chunk && !so.digest_sent) {
                 kvw_wbuf_t dw;
                 kvw__wb_init(&dw, KVW_MSG_DIGEST);
                 kvw__wb_u64(&dw, r->id);
