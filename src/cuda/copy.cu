@@ -596,10 +596,12 @@ kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
     *done_p = 1;
     /* A digest riding on the step (exec_digest) completed with it: added now, or, after
      * an error, dropped. */
+    bool dig = slot < KVWC_EXEC_SLOTS && x->dig[slot].units != NULL;
     if (slot < KVWC_EXEC_SLOTS)
         kvwc_dig_buf_finish(&x->dig[slot], e == cudaSuccess);
     if (e != cudaSuccess)
-        return kvwc_cuda_error(e, "the copy kernel");
+        return kvwc_cuda_error(e, dig ? "the copy kernel or the digest behind it" :
+                               "the copy kernel");
     float up = 0, kern = 0;
     if (cudaEventElapsedTime(&up, s->ev[0], s->ev[1]) == cudaSuccess &&
         cudaEventElapsedTime(&kern, s->ev[1], s->ev[2]) == cudaSuccess) {

@@ -125,7 +125,8 @@ typedef struct kvwc_digest_in {
     uint64_t *units; /* host memory; added to (see exec_digest for when) */
     uint32_t num_units;
     /* -1: computed now (exec_digest waits); 0 .. KVWC_EXEC_SLOTS - 1: attached to that
-     * executor slot, added to `units` when exec_reap reports the slot done (ABI 8). */
+     * executor slot, added to `units` when exec_reap reports the slot done (ABI 8).
+     * Always set it: a zero-initialised entry names slot 0. */
     int slot;
 } kvwc_digest_in_t;
 
