@@ -46,25 +46,32 @@
 #define NPLANS 3
 #define MAXU 1024
 
-static kvt_model_t model;
+static kvt_model_t model, bigmodel;
+
+/* The big case: page size 1 and BIG_TOKENS tokens, so that a digest's image (its page
+ * lists above all) outgrows the module's digest buffers (256 KiB at first), which grow. */
+#define BIG_TOKENS 70000
 
 /* One plan twice: between host ranks (the reference) and between device ranks. */
 typedef struct pair {
     kvt_rank_t hs, hd;   /* host source and destination */
     kvt_rank_t gs, gd;   /* the same bytes, buffers on the device */
     uint8_t ***gsdev, ***gddev;
+    const kvt_model_t *m;
+    uint64_t tokens;
     kvt_req_pages_t sp, dp;
     kvw_plan_h hplan, gplan;
     uint32_t n;           /* units */
     uint64_t want[MAXU];  /* the reference digest (either side, after the copy) */
 } pair_t;
 
-static kvw_status_t rank_make(uint64_t seed, kvt_rank_t *r)
+static kvw_status_t rank_make(const pair_t *p, uint64_t seed, kvt_rank_t *r)
 {
-    kvt_rank_spec_t s = {.model = &model, .layout = KVW_LAYOUT_NHD, .page_size = {16, 16},
-                         .num_pages = {40, 40}, .num_slots = 1};
+    uint32_t ps = p->tokens > TOKENS ? 1 : 16, np = (uint32_t)(p->tokens / ps + 20);
+    kvt_rank_spec_t s = {.model = p->m, .layout = KVW_LAYOUT_NHD, .page_size = {ps, ps},
+                         .num_pages = {np, np}, .num_slots = 1};
     s.par = (kvw_parallel_t){.field_mask = KVW_PARALLEL_FIELDS_ALL, .tp_size = 1, .tp_rank = 0,
-                             .pp_size = 1, .layer_begin = 0, .layer_end = model.m.num_layers,
+                             .pp_size = 1, .layer_begin = 0, .layer_end = p->m->m.num_layers,
                              .dp_size = 1};
     kvw_status_t st = kvt_rank_build(&s, r);
     if (st == KVW_OK)
@@ -72,13 +79,15 @@ static kvw_status_t rank_make(uint64_t seed, kvt_rank_t *r)
     return st;
 }
 
-static int pair_make(uint32_t i, pair_t *p)
+static int pair_make(const kvt_model_t *m, uint64_t tokens, uint32_t i, pair_t *p)
 {
     memset(p, 0, sizeof(*p));
+    p->m = m;
+    p->tokens = tokens;
     char msg[512];
     uint64_t s0 = 1000 + 10 * i, d0 = 2000 + 10 * i;
-    if (rank_make(s0, &p->hs) != KVW_OK || rank_make(d0, &p->hd) != KVW_OK ||
-        rank_make(s0, &p->gs) != KVW_OK || rank_make(d0, &p->gd) != KVW_OK) {
+    if (rank_make(p, s0, &p->hs) != KVW_OK || rank_make(p, d0, &p->hd) != KVW_OK ||
+        rank_make(p, s0, &p->gs) != KVW_OK || rank_make(p, d0, &p->gd) != KVW_OK) {
         CHECK(0, "plan %u: ranks: %s", i, kvw_last_error());
         return -1;
     }
@@ -88,15 +97,15 @@ static int pair_make(uint32_t i, pair_t *p)
         return -1;
     }
     kvt_rng_t rng = {77 + i};
-    kvt_req_spec_t rs = {.full_begin = 0, .full_end = TOKENS, .swa_begin = 0,
-                         .swa_end = TOKENS, .state_slot = -1};
+    kvt_req_spec_t rs = {.full_begin = 0, .full_end = tokens, .swa_begin = 0,
+                         .swa_end = tokens, .state_slot = -1};
     if (kvt_req_pages_make(&p->hs, &rs, &rng, &p->sp) || kvt_req_pages_make(&p->hd, &rs, &rng,
                                                                               &p->dp)) {
         CHECK(0, "plan %u: pages", i);
         return -1;
     }
-    kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = TOKENS,
-                     .chunk_end = TOKENS, .last_chunk = 1};
+    kvw_chunk_t c = {.field_mask = KVW_CHUNK_FIELDS_ALL, .num_tokens = tokens,
+                     .chunk_end = tokens, .last_chunk = 1};
     if (kvw_plan_create(p->hs.h, p->hd.h, &c, &p->sp.side, &p->dp.side, &p->hplan) != KVW_OK ||
         kvw_plan_create(p->gs.h, p->gd.h, &c, &p->sp.side, &p->dp.side, &p->gplan) != KVW_OK) {
         CHECK(0, "plan %u: %s", i, kvw_last_error());
@@ -304,6 +313,33 @@ static void batch(const kvw_memops_t *mem, pair_t *p, bool gpu)
     }
 }
 
+/* Digests larger than the module's buffers: a step's, then a batch of two (each grows
+ * the buffers on a GPU; the stand-in has none to grow). */
+static void big(const kvw_memops_t *mem, pair_t *b)
+{
+    static uint64_t units[MAXU], two[2][MAXU];
+    uint64_t pages = 0;
+    for (uint32_t k = 0; k < KVW_NUM_POOLS; k++)
+        pages += b->gplan->src_maps[k].num_pages + b->gplan->dst_maps[k].num_pages;
+    CHECK(4 * pages > (256u << 10), "the big plan's page lists (%llu pages) fit the module's "
+          "first digest buffers", (unsigned long long)pages);
+    int slot = launch(mem, b, "big step");
+    if (slot < 0)
+        return;
+    memset(units, 0, sizeof(units));
+    CHECK(mem->step_digest(b->gplan, slot, units, b->n) == KVW_OK, "big step digest: %s",
+          kvw_last_error());
+    reap(mem, slot, "big step");
+    expect_sum("big step digest", units, NULL, b->want, b->n);
+    memset(two, 0, sizeof(two));
+    const struct kvw_plan *plans[2] = {b->gplan, b->gplan};
+    uint64_t *u2[2] = {two[0], two[1]};
+    CHECK(mem->digest_n(plans, 2, true, u2, b->n) == KVW_OK, "big digest_n: %s",
+          kvw_last_error());
+    expect_sum("big digest_n, first", two[0], NULL, b->want, b->n);
+    expect_sum("big digest_n, second", two[1], NULL, b->want, b->n);
+}
+
 /* The previous module ABI is refused, in a child that has loaded nothing. */
 static void old_abi(const char *module)
 {
@@ -340,10 +376,20 @@ int main(void)
         return 1;
     }
     kvt_model_relink(&model);
-    static pair_t p[NPLANS];
+    /* One layer of one KV head with 16-byte rows: small buffers, long page lists. */
+    if (kvt_model_preset("llama-3.1-70b", &bigmodel) || kvt_model_truncate(&bigmodel, 1)) {
+        fprintf(stderr, "no model preset\n");
+        return 1;
+    }
+    bigmodel.m.num_kv_heads = 1;
+    bigmodel.m.k_head_dim = bigmodel.m.v_head_dim = 8;
+    kvt_model_relink(&bigmodel);
+    static pair_t p[NPLANS], b;
     int ok = 1;
     for (uint32_t i = 0; i < NPLANS && ok; i++)
-        ok = pair_make(i, &p[i]) == 0;
+        ok = pair_make(&model, TOKENS, i, &p[i]) == 0;
+    if (ok)
+        ok = pair_make(&bigmodel, BIG_TOKENS, 7, &b) == 0;
     const kvw_memops_t *mem = kvw__memops(KVW_MEM_CUDA), *host = kvw__memops(KVW_MEM_HOST);
     CHECK(host->step_digest == NULL && host->digest_n != NULL && mem->step_digest != NULL &&
               mem->digest_n != NULL, "the memops tables' digest slots");
@@ -357,9 +403,11 @@ int main(void)
         pipeline(mem, p);
         batch(mem, p, true);
         batch(host, p, false);
+        big(mem, &b);
     }
     for (uint32_t i = 0; i < NPLANS; i++)
         pair_free(&p[i]);
+    pair_free(&b);
     if (failures) {
         fprintf(stderr, "test_cuda_digest_async: %d of %d checks failed\n", failures, checks);
         return 1;
