@@ -20,6 +20,9 @@
  *     order, each add their own plan's digest;
  *   - digest_n over three plans equals three single digests and the reference, on
  *     both sides; the host kind's digest_n too, and it has no step_digest;
+ *   - plans on two devices: a batch of them, and a step digest of another device's
+ *     buffers, are refused (UNSUPPORTED), adding nothing; device 1's batch alone adds
+ *     its digest (two devices or more: the stand-in is given two by CMake);
  *   - with the CPU stand-in: a module claiming the previous ABI (7) is refused.
  *
  * Without a GPU it runs on the CPU stand-in (KVW_CUDA_MODULE, set by CMake); with
@@ -79,7 +82,7 @@ static kvw_status_t rank_make(const pair_t *p, uint64_t seed, kvt_rank_t *r)
     return st;
 }
 
-static int pair_make(const kvt_model_t *m, uint64_t tokens, uint32_t i, pair_t *p)
+static int pair_make(const kvt_model_t *m, uint64_t tokens, uint32_t i, int dev, pair_t *p)
 {
     memset(p, 0, sizeof(*p));
     p->m = m;
@@ -91,8 +94,8 @@ static int pair_make(const kvt_model_t *m, uint64_t tokens, uint32_t i, pair_t *
         CHECK(0, "plan %u: ranks: %s", i, kvw_last_error());
         return -1;
     }
-    if (kvt_gpu_attach(&p->gs, 1, 0, &p->gsdev, msg, sizeof(msg)) != 0 ||
-        kvt_gpu_attach(&p->gd, 1, 0, &p->gddev, msg, sizeof(msg)) != 0) {
+    if (kvt_gpu_attach(&p->gs, 1, dev, &p->gsdev, msg, sizeof(msg)) != 0 ||
+        kvt_gpu_attach(&p->gd, 1, dev, &p->gddev, msg, sizeof(msg)) != 0) {
         CHECK(0, "plan %u: device copies: %s", i, msg);
         return -1;
     }
@@ -340,6 +343,48 @@ static void big(const kvw_memops_t *mem, pair_t *b)
     expect_sum("big digest_n, second", two[1], NULL, b->want, b->n);
 }
 
+/* Plans on two devices: a batch reads one, a step's digest reads the executor's. */
+static void two_devices(const kvw_memops_t *mem, pair_t *p0)
+{
+    int count = 0;
+    if (kvw_cuda_device_count(&count) != KVW_OK || count < 2) {
+        printf("test_cuda_digest_async: one device: the two-device refusals skipped\n");
+        return;
+    }
+    static pair_t q;
+    static uint64_t u[2][MAXU];
+    /* Attaching makes device 1 current (the test kit and the library share the runtime). */
+    int ok = pair_make(&model, TOKENS, 9, 1, &q) == 0;
+    CHECK(mem->select(0) == KVW_OK, "%s", kvw_last_error());
+    if (ok) {
+        memset(u, 0, sizeof(u));
+        const struct kvw_plan *plans[2] = {p0->gplan, q.gplan};
+        uint64_t *units[2] = {u[0], u[1]};
+        kvw_status_t st = mem->digest_n(plans, 2, false, units, p0->n);
+        CHECK(st == KVW_ERR_UNSUPPORTED && strstr(kvw_last_error(), "one batch of digests reads "
+                                                  "one GPU") != NULL,
+              "digest_n over two devices: %s: %s", kvw_status_string(st), kvw_last_error());
+        int slot = launch(mem, p0, "two devices");
+        if (slot >= 0) {
+            st = mem->step_digest(q.gplan, slot, u[0], p0->n);
+            CHECK(st == KVW_ERR_UNSUPPORTED && strstr(kvw_last_error(), "executor on GPU 0"),
+                  "a step digest of device 1's buffers on device 0's step: %s: %s",
+                  kvw_status_string(st), kvw_last_error());
+            reap(mem, slot, "two devices");
+        }
+        for (uint32_t k = 0; k < p0->n; k++)
+            if (u[0][k] || u[1][k]) {
+                CHECK(0, "a refused digest added to unit %u", k);
+                break;
+            }
+        /* Each device's alone. */
+        CHECK(mem->digest_n(&plans[1], 1, false, &units[1], q.n) == KVW_OK, "digest_n on "
+              "device 1: %s", kvw_last_error());
+        expect_sum("digest_n on device 1", u[1], NULL, q.want, q.n);
+    }
+    pair_free(&q);
+}
+
 /* The previous module ABI is refused, in a child that has loaded nothing. */
 static void old_abi(const char *module)
 {
@@ -387,9 +432,9 @@ int main(void)
     static pair_t p[NPLANS], b;
     int ok = 1;
     for (uint32_t i = 0; i < NPLANS && ok; i++)
-        ok = pair_make(&model, TOKENS, i, &p[i]) == 0;
+        ok = pair_make(&model, TOKENS, i, 0, &p[i]) == 0;
     if (ok)
-        ok = pair_make(&bigmodel, BIG_TOKENS, 7, &b) == 0;
+        ok = pair_make(&bigmodel, BIG_TOKENS, 7, 0, &b) == 0;
     const kvw_memops_t *mem = kvw__memops(KVW_MEM_CUDA), *host = kvw__memops(KVW_MEM_HOST);
     CHECK(host->step_digest == NULL && host->digest_n != NULL && mem->step_digest != NULL &&
               mem->digest_n != NULL, "the memops tables' digest slots");
@@ -404,6 +449,7 @@ int main(void)
         batch(mem, p, true);
         batch(host, p, false);
         big(mem, &b);
+        two_devices(mem, &p[0]);
     }
     for (uint32_t i = 0; i < NPLANS; i++)
         pair_free(&p[i]);

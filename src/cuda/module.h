@@ -247,8 +247,8 @@ void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
  * released when the thread exits). step_launch enqueues a plan's direct copy and
  * returns at once (*slot_p -1: nothing to move); step_reap checks, or with `block`
  * waits for, a launched slot, in launch order; *done_p tells whether the bytes have
- * landed. Both add their figures to *prof. Errors as kvw_cuda_plan_upload, plus the
- * kernel's. */
+ * landed (and a digest riding on the step, kvw__cuda_step_digest, was added). Both add
+ * their figures to *prof. Errors as kvw_cuda_plan_upload, plus the kernel's. */
 /* The KV digest (plan/digest.h) of a plan's rows on the GPU: the read side's buffers
  * must all be GPU memory of one device; adds to units (host memory) like
  * kvw__plan_digest, on the calling thread's executor of that device, and returns when
