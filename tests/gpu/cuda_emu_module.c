@@ -8,7 +8,8 @@
  * checked. Never installed.
  *
  * What it checks of its caller as a real device would: a slot launched twice without a
- * reap, a reap of a slot not in flight, and a window outside its plan are errors; a
+ * reap, a reap of a slot not in flight, a digest riding on a slot not in flight or on
+ * one that carries a digest already, and a window outside its plan are errors; a
  * staged plan released while a window that uses it is still in flight aborts (on a
  * device, the kernel would read freed memory).
  *
@@ -543,7 +544,7 @@ static kvw_status_t emu_busy(void *stream, uint64_t ns)
  * was launched) into the slot's own sums, which emu_exec_reap adds to its units when it
  * reaps the slot, as the module does. Every entry is checked before any is computed. */
 static kvw_status_t emu_digest_check(kvwc_exec_h x, const kvwc_digest_in_t *in, uint32_t i,
-                                     const kvwc_digest_in_t *all, uint64_t *blocks_p)
+                                     const kvwc_digest_in_t *all)
 {
     const kvwc_plan_in_t *p = in->plan;
     if (p == NULL || in->units == NULL || (p->num_segs && in->dsegs == NULL))
@@ -556,7 +557,6 @@ static kvw_status_t emu_digest_check(kvwc_exec_h x, const kvwc_digest_in_t *in, 
         return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: segment %u's %u heads from unit "
                          "%u are past the %u units", bad, p->segs[bad].num_heads,
                          in->dsegs[bad].unit, in->num_units);
-    uint64_t blocks = 0;
     for (uint32_t k = 0; k < p->num_segs; k++) {
         const kvwc_seg_in_t *s = &p->segs[k];
         const kvwc_side_t *sd = in->dst_side ? &s->dst : &s->src;
@@ -567,7 +567,6 @@ static kvw_status_t emu_digest_check(kvwc_exec_h x, const kvwc_digest_in_t *in, 
             return emu_error(KVW_ERR_INTERNAL, "exec_digest: segment %u's rows (%p) are not "
                              "device memory (an illegal address on a device)", k,
                              (void *)(uintptr_t)sd->base);
-        blocks += b;
     }
     if (in->slot >= 0) {
         if (!x->busy[in->slot])
@@ -582,7 +581,6 @@ static kvw_status_t emu_digest_check(kvwc_exec_h x, const kvwc_digest_in_t *in, 
                 return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: entries %u and %u both "
                                  "ride on slot %d (one digest per step)", k, i, in->slot);
     }
-    *blocks_p = blocks;
     return KVW_OK;
 }
 
@@ -610,14 +608,13 @@ static kvw_status_t emu_exec_digest(kvwc_exec_h x, const kvwc_digest_in_t *in, u
 {
     if (x == NULL || (n && in == NULL))
         return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: NULL argument");
-    uint64_t blocks = 0;
     for (uint32_t i = 0; i < n; i++) {
-        kvw_status_t st = emu_digest_check(x, &in[i], i, in, &blocks);
+        kvw_status_t st = emu_digest_check(x, &in[i], i, in);
         if (st != KVW_OK)
             return st;
     }
     for (uint32_t i = 0; i < n; i++) {
-        blocks = 0;
+        uint64_t blocks = 0;
         for (uint32_t k = 0; k < in[i].plan->num_segs; k++)
             blocks += kvwc_digest_seg_blocks(&in[i].plan->segs[k]);
         if (in[i].slot >= 0 && blocks == 0)
