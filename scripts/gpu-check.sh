@@ -118,12 +118,14 @@ run_test() {
     fi
 }
 # test_verify's faults, then the staged test (every kind combination, tcp/shm/ucx).
-if cmake --build "$BUILD" -j "$JOBS" --target test_verify test_gpu_staged >>"$BUILD/gpu-build.log" 2>&1; then
+if cmake --build "$BUILD" -j "$JOBS" --target test_verify test_gpu_staged test_cuda_digest_async \
+    >>"$BUILD/gpu-build.log" 2>&1; then
     for v in both:tcp prefill:tcp decode:shm; do
         run_test "test_verify GPU ${v/:/ }" KVW_VERIFY_GPU="${v%%:*}" KVW_VERIFY_TL="${v##*:}" \
             "$BUILD/test_verify"
     done
     run_test "test_gpu_staged (real GPU)" "$BUILD/test_gpu_staged"
+    run_test "test_cuda_digest_async" "$BUILD/test_cuda_digest_async"
 else
     table+=$(printf '%-34s %s' "test_verify, test_gpu_staged" "FAIL (build)")$'\n'
     tail -n 20 "$BUILD/gpu-build.log"

@@ -361,6 +361,10 @@ struct kvwc_exec {
     kvwc_slot slot[KVWC_EXEC_SLOTS];
     unsigned next; /* slots are used, and reaped, in turn */
     kvwc_stage_slot stage[KVWC_STAGE_SLOTS];
+    /* Digests (digest.cu): one buffer per step slot, riding on its step, and the last
+     * for a batch of slot -1 digests, waited for on dig_done. */
+    kvwc_dig_buf_t dig[KVWC_EXEC_SLOTS + 1];
+    cudaEvent_t dig_done;
 };
 
 static uint64_t kvwc_now_ns(void)
@@ -373,6 +377,24 @@ static uint64_t kvwc_now_ns(void)
 cudaStream_t kvwc_exec_stream(kvwc_exec_h x)
 {
     return x->stream;
+}
+
+kvwc_dig_buf_t *kvwc_exec_dig_buf(kvwc_exec_h x, int slot, cudaEvent_t *done_p)
+{
+    if (slot == -1) {
+        *done_p = x->dig_done;
+        return &x->dig[KVWC_EXEC_SLOTS];
+    }
+    if (slot < 0 || slot >= KVWC_EXEC_SLOTS || !x->slot[slot].busy)
+        return NULL;
+    *done_p = x->slot[slot].ev[2];
+    return &x->dig[slot];
+}
+
+kvwc_dig_buf_t *kvwc_exec_dig_bufs(kvwc_exec_h x, uint32_t *n_p)
+{
+    *n_p = KVWC_EXEC_SLOTS + 1;
+    return x->dig;
 }
 
 void kvwc_exec_destroy(kvwc_exec_h x)
@@ -394,6 +416,10 @@ void kvwc_exec_destroy(kvwc_exec_h x)
     for (int k = 0; k < KVWC_STAGE_SLOTS; k++)
         if (x->stage[k].scratch)
             cudaFree(x->stage[k].scratch);
+    for (int k = 0; k < KVWC_EXEC_SLOTS + 1; k++)
+        kvwc_dig_buf_free(&x->dig[k]); /* a digest still pending adds nothing */
+    if (x->dig_done)
+        cudaEventDestroy(x->dig_done);
     if (x->stream)
         cudaStreamDestroy(x->stream);
     free(x);
@@ -447,6 +473,11 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
             if ((e = cudaEventCreate(&s->ev[i])) != cudaSuccess)
                 what = "cudaEventCreate";
         }
+    if (st == KVW_OK && what == NULL &&
+        (e = cudaEventCreateWithFlags(&x->dig_done, cudaEventDisableTiming)) != cudaSuccess) {
+        x->dig_done = NULL;
+        what = "cudaEventCreateWithFlags";
+    }
     if (what)
         st = kvwc_cuda_error(e, what);
     /* What a first step would otherwise pay: every slot's pinned image and device plan
@@ -456,6 +487,11 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
      * makes it when it starts takes this out of its first room. */
     for (int k = 0; st == KVW_OK && k < KVWC_EXEC_SLOTS; k++)
         st = kvwc_slot_alloc(&x->slot[k], kvwc_grown(0, 0));
+    /* The same for digests: each slot's and the batch's buffers, and the kernel. */
+    for (int k = 0; st == KVW_OK && k < KVWC_EXEC_SLOTS + 1; k++)
+        st = kvwc_dig_buf_init(&x->dig[k]);
+    if (st == KVW_OK)
+        st = kvwc_digest_warm();
     if (st == KVW_OK) {
         cudaFuncAttributes fa;
         if ((e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_DIRECT>)) != cudaSuccess ||
@@ -545,7 +581,9 @@ kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
                           slot);
     cudaError_t e;
     if (block) {
-        /* The step's own last event: neither the device nor other threads' work. */
+        /* The step's own last event (after its digest, when one rides on it, so the
+         * kernel figure below includes the digest): neither the device nor other
+         * threads' work. */
         uint64_t t0 = kvwc_now_ns();
         e = cudaEventSynchronize(s->ev[2]);
         prof->wait_ns += kvwc_now_ns() - t0;
@@ -556,8 +594,14 @@ kvw_status_t kvwc_exec_reap(kvwc_exec_h x, int slot, int block, int *done_p,
     }
     s->busy = 0;
     *done_p = 1;
+    /* A digest riding on the step (exec_digest) completed with it: added now, or, after
+     * an error, dropped. */
+    bool dig = slot < KVWC_EXEC_SLOTS && x->dig[slot].units != NULL;
+    if (slot < KVWC_EXEC_SLOTS)
+        kvwc_dig_buf_finish(&x->dig[slot], e == cudaSuccess);
     if (e != cudaSuccess)
-        return kvwc_cuda_error(e, "the copy kernel");
+        return kvwc_cuda_error(e, dig ? "the copy kernel or the digest behind it" :
+                               "the copy kernel");
     float up = 0, kern = 0;
     if (cudaEventElapsedTime(&up, s->ev[0], s->ev[1]) == cudaSuccess &&
         cudaEventElapsedTime(&kern, s->ev[1], s->ev[2]) == cudaSuccess) {

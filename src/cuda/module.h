@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 7
+#define KVWC_ABI_VERSION 8
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -101,7 +101,8 @@ enum {
 };
 
 /*
- * The KV digest of a plan's rows on one side (src/plan/digest.h defines it; ABI 7): per
+ * The KV digest of a plan's rows on one side (src/plan/digest.h defines it; ABI 7, made
+ * asynchronous in ABI 8: exec_digest below): per
  * segment of the plan, the unit its first head adds to, the global head of that head and
  * the seed base of its (layer, component). The module adds, for every row (token, head)
  * of every segment, XXH3_64bits_withSeed(row, head_bytes, seed) to units[unit + head]
@@ -121,8 +122,12 @@ typedef struct kvwc_digest_in {
     const kvwc_dig_seg_t *dsegs; /* plan->num_segs of them */
     int dst_side;
     uint64_t secret[KVWC_DIGEST_SECRET_WORDS];
-    uint64_t *units; /* host memory; added to */
+    uint64_t *units; /* host memory; added to (see exec_digest for when) */
     uint32_t num_units;
+    /* -1: computed now (exec_digest waits); 0 .. KVWC_EXEC_SLOTS - 1: attached to that
+     * executor slot, added to `units` when exec_reap reports the slot done (ABI 8).
+     * Always set it: a zero-initialised entry names slot 0. */
+    int slot;
 } kvwc_digest_in_t;
 
 typedef struct kvwc_ops {
@@ -165,7 +170,7 @@ typedef struct kvwc_ops {
      * nothing (nothing was launched), BUSY when that slot was not reaped yet.
      * exec_reap checks (or, with `block`, waits for) a launched slot: *done_p 0 while
      * its kernel runs; once done the slot is free again and the status is the
-     * kernel's. */
+     * kernel's (a digest attached to the slot, exec_digest, is then added). */
     kvw_status_t (*exec_create)(kvwc_exec_h *exec_p);
     void (*exec_destroy)(kvwc_exec_h exec);
     kvw_status_t (*exec_launch)(kvwc_exec_h exec, const kvwc_plan_in_t *in, int *slot_p,
@@ -205,9 +210,23 @@ typedef struct kvwc_ops {
      * the driver holds no CUDA memory, so every pointer is KVWC_PTR_HOST there.
      * UNSUPPORTED when no CUDA driver can be asked (none installed). ABI 6. */
     kvw_status_t (*pointer_kind)(const void *ptr, int *kind_p, int *device_p);
-    /* The KV digest of a plan's rows (kvwc_digest_in_t), on the executor's stream, waited
-     * for before it returns (the units are added to when it returns OK). ABI 7. */
-    kvw_status_t (*exec_digest)(kvwc_exec_h exec, const kvwc_digest_in_t *in);
+    /* The KV digests of n plans' rows (kvwc_digest_in_t), on the executor's stream,
+     * without allocating (each slot, and the executor for the slot -1 batch, keeps a
+     * pinned host image and a device buffer, grown by doubling for a larger digest).
+     * Entries with slot -1 are all enqueued, then waited for once (an event after the
+     * last of them, not a stream synchronisation per entry), and their units are added
+     * to when it returns OK. An entry with slot k >= 0 rides on step k, launched by
+     * exec_launch on this executor and not reaped yet: it is enqueued behind that
+     * step's copy, the slot's completion event is recorded again after it, and nothing
+     * waits; exec_reap of slot k then reports done once the copy and the digest have
+     * both finished and, with status OK, adds the digest to `units` (which the caller
+     * keeps valid until then); a slot reaped with an error adds nothing. One digest per
+     * step: a second one on a slot that carries one, or on a slot that is not in flight
+     * (never launched, reaped, a staged window's), is INVALID_PARAM. Every entry is
+     * checked before anything is enqueued, so an error leaves the slots as they were
+     * (but for a CUDA error while enqueueing, after which the slot's reap adds
+     * nothing). ABI 8 (ABI 7: one entry, always waited for). */
+    kvw_status_t (*exec_digest)(kvwc_exec_h exec, const kvwc_digest_in_t *in, uint32_t n);
 } kvwc_ops_t;
 
 typedef const kvwc_ops_t *(*kvwc_entry_fn)(void);
@@ -228,14 +247,27 @@ void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
  * released when the thread exits). step_launch enqueues a plan's direct copy and
  * returns at once (*slot_p -1: nothing to move); step_reap checks, or with `block`
  * waits for, a launched slot, in launch order; *done_p tells whether the bytes have
- * landed. Both add their figures to *prof. Errors as kvw_cuda_plan_upload, plus the
- * kernel's. */
+ * landed (and a digest riding on the step, kvw__cuda_step_digest, was added). Both add
+ * their figures to *prof. Errors as kvw_cuda_plan_upload, plus the kernel's. */
 /* The KV digest (plan/digest.h) of a plan's rows on the GPU: the read side's buffers
  * must all be GPU memory of one device; adds to units (host memory) like
  * kvw__plan_digest, on the calling thread's executor of that device, and returns when
  * done. UNSUPPORTED for a side mixing host and GPU buffers. */
 kvw_status_t kvw__cuda_plan_digest(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
                                    uint32_t layer_begin, uint64_t *units, uint32_t num_units);
+/* The same for n plans on one side (plans[i] adds to units[i]), all of their read sides
+ * on one device: enqueued together, waited for once. UNSUPPORTED when the plans' buffers
+ * are not all GPU memory of one device. */
+kvw_status_t kvw__cuda_plan_digest_n(const struct kvw_plan *const *plans, uint32_t n,
+                                     bool dst_side, uint64_t *const *units, uint32_t num_units);
+/* The digest of the source rows of every segment of `plan` attached to step `slot`,
+ * launched by kvw__cuda_step_launch on the calling thread and not reaped yet: it runs
+ * behind the step's copy, and kvw__cuda_step_reap adds it to units (host memory, kept
+ * valid by the caller until then) when it reports the step done with OK; nothing is
+ * added on an error. The source buffers must be GPU memory of the executor's device.
+ * INVALID_PARAM for a slot not in flight or already carrying a digest. */
+kvw_status_t kvw__cuda_step_digest(const struct kvw_plan *plan, int slot, uint64_t *units,
+                                   uint32_t num_units);
 kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
                                    struct kvw_cuda_profile *prof);
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, struct kvw_cuda_profile *prof);

@@ -346,51 +346,162 @@ static kvw_status_t kvw_digest_device(const struct kvw_plan *plan, bool dst_side
     return KVW_OK;
 }
 
-kvw_status_t kvw__cuda_plan_digest(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
-                                   uint32_t layer_begin, uint64_t *units, uint32_t num_units)
+/* One plan's digest flattened for the module: its segments with rows to read (those of
+ * the layers `take` marks), their digest entries and XXH3's secret. `din` points into
+ * `p`, which must stay where it is until the module was called. */
+typedef struct kvw_dig_prep {
+    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
+    kvwc_plan_in_t in;
+    kvwc_dig_seg_t *ds;
+    bool made;
+} kvw_dig_prep_t;
+
+static void kvw_dig_prep_free(kvw_dig_prep_t *p)
+{
+    free(p->ds);
+    p->ds = NULL;
+    if (p->made)
+        kvw__cuda_plan_in_free(&p->in);
+    p->made = false;
+}
+
+static kvw_status_t kvw_dig_prepare(const struct kvw_plan *plan, bool dst_side,
+                                    const uint8_t *take, uint32_t layer_begin, uint64_t *units,
+                                    uint32_t num_units, int slot, kvw_dig_prep_t *p,
+                                    kvwc_digest_in_t *din)
+{
+    p->ds = NULL;
+    p->made = false;
+    kvw_status_t st = kvw__cuda_plan_in_make(plan, dst_side ? KVWC_USE_SCATTER : KVWC_USE_GATHER,
+                                             p->maps, &p->in);
+    if (st != KVW_OK)
+        return st;
+    p->made = true;
+    if ((p->ds = calloc(plan->num_segs ? plan->num_segs : 1, sizeof(*p->ds))) == NULL)
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory for a digest on the GPU");
+    kvwc_seg_in_t *segs = (kvwc_seg_in_t *)p->in.segs;
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < plan->num_segs; i++) {
+        const kvw_seg_t *s = &plan->segs[i];
+        if ((take && (s->layer < layer_begin || !take[s->layer - layer_begin])) ||
+            s->tok_begin >= s->tok_end || s->num_heads == 0)
+            continue;
+        if (!kvw__digest_seg(plan, i, &p->ds[n].unit, &p->ds[n].seed_base, &p->ds[n].head0) ||
+            p->ds[n].unit + s->num_heads > num_units)
+            return kvw__error(KVW_ERR_INTERNAL, "digest: segment %u (layer %u) names no unit "
+                              "of the destination", i, s->layer);
+        segs[n++] = segs[i];
+    }
+    p->in.num_segs = n;
+    *din = (kvwc_digest_in_t){.plan = &p->in, .dsegs = p->ds, .dst_side = dst_side,
+                              .units = units, .num_units = num_units, .slot = slot};
+    kvw__digest_secret(din->secret);
+    return KVW_OK;
+}
+
+/* n plans' digests on one side, one batch on the calling thread's executor of their
+ * device (made current for the call, then put back), waited for once. */
+static kvw_status_t kvw_cuda_digest_batch(const struct kvw_plan *const *plans, uint32_t n,
+                                          bool dst_side, const uint8_t *take,
+                                          uint32_t layer_begin, uint64_t *const *units,
+                                          uint32_t num_units)
 {
     const kvwc_ops_t *ops = NULL;
     kvw_texec_t *t = NULL;
-    kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
-    kvwc_plan_in_t in;
     int dev = -1, prev = -1;
-    kvw_status_t st = kvw_digest_device(plan, dst_side, &dev);
+    uint32_t m = 0; /* plans with segments */
+    if (n && (plans == NULL || units == NULL))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "digest on the GPU: NULL argument");
+    for (uint32_t i = 0; i < n; i++) {
+        int d = -1;
+        kvw_status_t st = kvw_digest_device(plans[i], dst_side, &d);
+        if (st != KVW_OK)
+            return st;
+        if (d >= 0 && dev >= 0 && d != dev)
+            return kvw__error(KVW_ERR_UNSUPPORTED, "KV verification on the GPU: one batch of "
+                              "digests reads one GPU, but plan %u's %s buffers are on GPU %d "
+                              "and an earlier plan's on GPU %d", i,
+                              dst_side ? "destination" : "source", d, dev);
+        if (d >= 0) {
+            dev = d;
+            m++;
+        }
+    }
+    if (dev < 0)
+        return KVW_OK; /* no segments: nothing to add */
+    kvw_status_t st = kvw__cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw__cuda_ret(ops, ops->get_device(&prev));
+    if (st == KVW_OK)
+        st = kvw__cuda_ret(ops, ops->set_device(dev));
+    if (st != KVW_OK)
+        return st;
+    kvw_dig_prep_t one_p, *prep = m == 1 ? &one_p : calloc(m, sizeof(*prep));
+    kvwc_digest_in_t one_d, *din = m == 1 ? &one_d : calloc(m, sizeof(*din));
+    uint32_t made = 0;
+    if (prep == NULL || din == NULL)
+        st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory for %u digests on the GPU", n);
+    if (st == KVW_OK)
+        st = kvw_texec_get(ops, &t);
+    for (uint32_t i = 0; st == KVW_OK && i < n; i++) {
+        if (plans[i]->num_segs == 0)
+            continue;
+        st = kvw_dig_prepare(plans[i], dst_side, take, layer_begin, units[i], num_units, -1,
+                             &prep[made], &din[made]);
+        made++;
+    }
+    if (st == KVW_OK)
+        st = kvw__cuda_ret(ops, ops->exec_digest(t->ex, din, made));
+    for (uint32_t i = 0; prep && i < made; i++)
+        kvw_dig_prep_free(&prep[i]);
+    if (prep != &one_p)
+        free(prep);
+    if (din != &one_d)
+        free(din);
+    if (prev >= 0 && prev != dev)
+        (void)ops->set_device(prev);
+    return st;
+}
+
+kvw_status_t kvw__cuda_plan_digest(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
+                                   uint32_t layer_begin, uint64_t *units, uint32_t num_units)
+{
+    return kvw_cuda_digest_batch(&plan, 1, dst_side, take, layer_begin, &units, num_units);
+}
+
+kvw_status_t kvw__cuda_plan_digest_n(const struct kvw_plan *const *plans, uint32_t n,
+                                     bool dst_side, uint64_t *const *units, uint32_t num_units)
+{
+    return kvw_cuda_digest_batch(plans, n, dst_side, NULL, 0, units, num_units);
+}
+
+kvw_status_t kvw__cuda_step_digest(const struct kvw_plan *plan, int slot, uint64_t *units,
+                                   uint32_t num_units)
+{
+    pthread_once(&kvw_texec_once, kvw_texec_init);
+    kvw_texec_t *t = kvw_texec_key_ok ? pthread_getspecific(kvw_texec_key) : NULL;
+    if (t == NULL)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "CUDA executor: a step digest on slot %d, but "
+                          "no step was launched on this thread", slot);
+    int dev = -1, prev = -1;
+    kvw_status_t st = kvw_digest_device(plan, false, &dev);
     if (st != KVW_OK || dev < 0)
         return st; /* no segments: nothing to add */
-    if ((st = kvw__cuda_get(&ops)) != KVW_OK ||
-        (st = kvw__cuda_ret(ops, ops->get_device(&prev))) != KVW_OK)
+    if (dev != t->device)
+        return kvw__error(KVW_ERR_UNSUPPORTED, "KV verification on the GPU: the step's source "
+                          "buffers are on GPU %d, this thread's executor on GPU %d", dev,
+                          t->device);
+    const kvwc_ops_t *ops = t->ops;
+    if ((st = kvw__cuda_ret(ops, ops->get_device(&prev))) != KVW_OK)
         return st;
-    if ((st = kvw__cuda_ret(ops, ops->set_device(dev))) != KVW_OK)
+    if (prev != dev && (st = kvw__cuda_ret(ops, ops->set_device(dev))) != KVW_OK)
         return st;
-    if ((st = kvw_texec_get(ops, &t)) == KVW_OK &&
-        (st = kvw__cuda_plan_in_make(plan, dst_side ? KVWC_USE_SCATTER : KVWC_USE_GATHER, maps,
-                                     &in)) == KVW_OK) {
-        kvwc_dig_seg_t *ds = calloc(plan->num_segs ? plan->num_segs : 1, sizeof(*ds));
-        kvwc_seg_in_t *segs = (kvwc_seg_in_t *)in.segs;
-        uint32_t n = 0;
-        for (uint32_t i = 0; ds && st == KVW_OK && i < plan->num_segs; i++) {
-            const kvw_seg_t *s = &plan->segs[i];
-            if ((take && (s->layer < layer_begin || !take[s->layer - layer_begin])) ||
-                s->tok_begin >= s->tok_end || s->num_heads == 0)
-                continue;
-            if (!kvw__digest_seg(plan, i, &ds[n].unit, &ds[n].seed_base, &ds[n].head0) ||
-                ds[n].unit + s->num_heads > num_units)
-                st = kvw__error(KVW_ERR_INTERNAL, "digest: segment %u (layer %u) names no unit "
-                                "of the destination", i, s->layer);
-            segs[n++] = segs[i];
-        }
-        if (ds == NULL)
-            st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory for a digest on the GPU");
-        if (st == KVW_OK) {
-            in.num_segs = n;
-            kvwc_digest_in_t din = {.plan = &in, .dsegs = ds, .dst_side = dst_side,
-                                    .units = units, .num_units = num_units};
-            kvw__digest_secret(din.secret);
-            st = kvw__cuda_ret(ops, ops->exec_digest(t->ex, &din));
-        }
-        free(ds);
-        kvw__cuda_plan_in_free(&in);
-    }
+    kvw_dig_prep_t prep;
+    kvwc_digest_in_t din;
+    st = kvw_dig_prepare(plan, false, NULL, 0, units, num_units, slot, &prep, &din);
+    if (st == KVW_OK)
+        st = kvw__cuda_ret(ops, ops->exec_digest(t->ex, &din, 1));
+    kvw_dig_prep_free(&prep);
     if (prev >= 0 && prev != dev)
         (void)ops->set_device(prev);
     return st;

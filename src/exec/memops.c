@@ -143,6 +143,15 @@ static kvw_status_t host_window_buf(int which, uint64_t size, uint8_t **buf_p)
     return KVW_OK;
 }
 
+static kvw_status_t host_digest_n(const struct kvw_plan *const *plans, uint32_t n, bool dst_side,
+                                  uint64_t *const *units, uint32_t num_units)
+{
+    kvw_status_t st = KVW_OK;
+    for (uint32_t i = 0; st == KVW_OK && i < n; i++)
+        st = kvw__plan_digest(plans[i], dst_side, NULL, 0, units[i], num_units);
+    return st;
+}
+
 static const kvw_memops_t kvw_memops_host = {
     .name = "host",
     .is_device = false,
@@ -160,6 +169,8 @@ static const kvw_memops_t kvw_memops_host = {
     .stream_close = host_stream_close,
     .window_buf = host_window_buf,
     .digest = kvw__plan_digest,
+    .digest_n = host_digest_n,
+    .step_digest = NULL,
 };
 
 /* ---------------------------------------------------------------- CUDA */
@@ -232,6 +243,8 @@ static const kvw_memops_t kvw_memops_cuda = {
     .stream_close = cuda_stream_close,
     .window_buf = cuda_window_buf,
     .digest = kvw__cuda_plan_digest,
+    .digest_n = kvw__cuda_plan_digest_n,
+    .step_digest = kvw__cuda_step_digest,
     .warm = kvw__cuda_warm,
 };
 

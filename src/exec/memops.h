@@ -56,6 +56,21 @@ typedef struct kvw_memops {
      * calling thread's executor of the buffers' device, waited for. */
     kvw_status_t (*digest)(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
                            uint32_t layer_begin, uint64_t *units, uint32_t num_units);
+    /* The same for n plans on one side, all layers of each, plans[i] adding to units[i]:
+     * host, one after the other; CUDA, one batch on the executor of their device (all
+     * the plans' buffers on that side GPU memory of one device, else UNSUPPORTED),
+     * waited for once. */
+    kvw_status_t (*digest_n)(const struct kvw_plan *const *plans, uint32_t n, bool dst_side,
+                             uint64_t *const *units, uint32_t num_units);
+    /* The digest of the source rows of every segment of `plan` (the step's plan, keeping
+     * only the layers taken) riding on step `slot`, which step_launch just returned and
+     * which was not reaped yet: it runs behind the step's copy without waiting, and
+     * step_reap adds it to units (host memory; the caller keeps it valid until then) when
+     * it reports the step done with OK (an error adds nothing). One digest per step.
+     * NULL for the host kind: its steps complete when launched (slot -1), so its caller
+     * uses digest. */
+    kvw_status_t (*step_digest)(const struct kvw_plan *plan, int slot, uint64_t *units,
+                                uint32_t num_units);
     /* Prepares the calling thread for steps on `device` (CUDA: its executor, made now
      * instead of on the first step); NULL for the host kind. */
     kvw_status_t (*warm)(int device);

@@ -8,7 +8,8 @@
  * checked. Never installed.
  *
  * What it checks of its caller as a real device would: a slot launched twice without a
- * reap, a reap of a slot not in flight, and a window outside its plan are errors; a
+ * reap, a reap of a slot not in flight, a digest riding on a slot not in flight or on
+ * one that carries a digest already, and a window outside its plan are errors; a
  * staged plan released while a window that uses it is still in flight aborts (on a
  * device, the kernel would read freed memory).
  *
@@ -344,6 +345,11 @@ struct kvwc_exec {
     int busy[KVWC_EXEC_SLOTS + KVWC_STAGE_SLOTS];
     kvwc_plan_h plan[KVWC_STAGE_SLOTS]; /* what each staged window in flight reads */
     unsigned next;
+    /* A digest riding on each step slot (exec_digest): its sums, computed when it was
+     * enqueued, and the caller's units they are added to when the slot is reaped. */
+    uint64_t *dig_sum[KVWC_EXEC_SLOTS];
+    uint64_t *dig_units[KVWC_EXEC_SLOTS];
+    uint32_t dig_n[KVWC_EXEC_SLOTS];
 };
 
 static kvw_status_t emu_exec_create(kvwc_exec_h *x)
@@ -354,6 +360,10 @@ static kvw_status_t emu_exec_create(kvwc_exec_h *x)
 
 static void emu_exec_destroy(kvwc_exec_h x)
 {
+    if (x == NULL)
+        return;
+    for (int k = 0; k < KVWC_EXEC_SLOTS; k++)
+        free(x->dig_sum[k]); /* pending: added to nothing, as on a device */
     free(x);
 }
 
@@ -468,6 +478,14 @@ static kvw_status_t emu_exec_reap(kvwc_exec_h x, int slot, int block, int *done_
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated executor: slot %d is not in flight",
                          slot);
     x->busy[slot] = 0;
+    if (slot < KVWC_EXEC_SLOTS && x->dig_units[slot]) {
+        /* The step's digest completed with it (the reap's status is OK here). */
+        for (uint32_t u = 0; u < x->dig_n[slot]; u++)
+            x->dig_units[slot][u] += x->dig_sum[slot][u];
+        free(x->dig_sum[slot]);
+        x->dig_sum[slot] = NULL;
+        x->dig_units[slot] = NULL;
+    }
     if (slot >= KVWC_EXEC_SLOTS) {
         __atomic_sub_fetch(&x->plan[slot - KVWC_EXEC_SLOTS]->windows, 1, __ATOMIC_ACQ_REL);
         x->plan[slot - KVWC_EXEC_SLOTS] = NULL;
@@ -521,28 +539,59 @@ static kvw_status_t emu_busy(void *stream, uint64_t ns)
 /* The digest as the kernel computes it (digest.cu): block by block over digest_core.h's
  * decomposition, each block's rows summed, then added to its unit. A segment whose rows
  * start outside memory this stand-in handed out as device memory is an error, as an
- * illegal address would be on a device. */
-static kvw_status_t emu_exec_digest(kvwc_exec_h x, const kvwc_digest_in_t *in)
+ * illegal address would be on a device. Entries with slot -1 are added to their units
+ * at once; an entry riding on step slot k is computed now (the step's copy ran when it
+ * was launched) into the slot's own sums, which emu_exec_reap adds to its units when it
+ * reaps the slot, as the module does. Every entry is checked before any is computed. */
+static kvw_status_t emu_digest_check(kvwc_exec_h x, const kvwc_digest_in_t *in, uint32_t i,
+                                     const kvwc_digest_in_t *all)
 {
-    const kvwc_plan_in_t *p = in ? in->plan : NULL;
-    if (x == NULL || p == NULL || in->units == NULL || (p->num_segs && in->dsegs == NULL))
-        return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: NULL argument");
+    const kvwc_plan_in_t *p = in->plan;
+    if (p == NULL || in->units == NULL || (p->num_segs && in->dsegs == NULL))
+        return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: entry %u: NULL argument", i);
+    if (in->slot < -1 || in->slot >= KVWC_EXEC_SLOTS)
+        return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: entry %u: slot %d is not -1 nor "
+                         "a step slot (0 .. %d)", i, in->slot, KVWC_EXEC_SLOTS - 1);
     uint32_t bad = kvwc_digest_bad_seg(in);
     if (bad < p->num_segs)
         return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: segment %u's %u heads from unit "
                          "%u are past the %u units", bad, p->segs[bad].num_heads,
                          in->dsegs[bad].unit, in->num_units);
+    for (uint32_t k = 0; k < p->num_segs; k++) {
+        const kvwc_seg_in_t *s = &p->segs[k];
+        const kvwc_side_t *sd = in->dst_side ? &s->dst : &s->src;
+        int kind = 0, dev = -1;
+        uint64_t b = kvwc_digest_seg_blocks(s);
+        if (b && (emu_pointer_kind((const void *)(uintptr_t)sd->base, &kind, &dev) != KVW_OK ||
+                  kind != KVWC_PTR_DEVICE))
+            return emu_error(KVW_ERR_INTERNAL, "exec_digest: segment %u's rows (%p) are not "
+                             "device memory (an illegal address on a device)", k,
+                             (void *)(uintptr_t)sd->base);
+    }
+    if (in->slot >= 0) {
+        if (!x->busy[in->slot])
+            return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: slot %d is not in flight (a "
+                             "digest rides on a step launched on this executor and not reaped "
+                             "yet)", in->slot);
+        if (x->dig_units[in->slot])
+            return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: slot %d already carries a "
+                             "digest (one per step)", in->slot);
+        for (uint32_t k = 0; k < i; k++)
+            if (all[k].slot == in->slot)
+                return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: entries %u and %u both "
+                                 "ride on slot %d (one digest per step)", k, i, in->slot);
+    }
+    return KVW_OK;
+}
+
+static void emu_digest_sum(const kvwc_digest_in_t *in, uint64_t *units)
+{
+    const kvwc_plan_in_t *p = in->plan;
     for (uint32_t i = 0; i < p->num_segs; i++) {
         const kvwc_seg_in_t *s = &p->segs[i];
         const kvwc_side_t *sd = in->dst_side ? &s->dst : &s->src;
         const kvwc_dig_seg_t *ds = &in->dsegs[i];
-        int kind = 0, dev = -1;
         uint64_t blocks = kvwc_digest_seg_blocks(s);
-        if (blocks && (emu_pointer_kind((const void *)(uintptr_t)sd->base, &kind, &dev) != KVW_OK ||
-                       kind != KVWC_PTR_DEVICE))
-            return emu_error(KVW_ERR_INTERNAL, "exec_digest: segment %u's rows (%p) are not "
-                             "device memory (an illegal address on a device)", i,
-                             (void *)(uintptr_t)sd->base);
         const uint32_t *pages = p->maps[sd->map].pages;
         for (uint64_t b = 0; b < blocks; b++) {
             uint64_t sum = 0, h = 0;
@@ -550,8 +599,37 @@ static kvw_status_t emu_exec_digest(kvwc_exec_h x, const kvwc_digest_in_t *in)
             for (uint32_t j = 0; j < KVWC_DIGEST_TOK; j++)
                 if (kvwc_digest_row(s, sd, pages, ds, in->secret, b, j, &h, &unit))
                     sum += h;
-            in->units[unit] += sum;
+            units[unit] += sum;
         }
+    }
+}
+
+static kvw_status_t emu_exec_digest(kvwc_exec_h x, const kvwc_digest_in_t *in, uint32_t n)
+{
+    if (x == NULL || (n && in == NULL))
+        return emu_error(KVW_ERR_INVALID_PARAM, "exec_digest: NULL argument");
+    for (uint32_t i = 0; i < n; i++) {
+        kvw_status_t st = emu_digest_check(x, &in[i], i, in);
+        if (st != KVW_OK)
+            return st;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t blocks = 0;
+        for (uint32_t k = 0; k < in[i].plan->num_segs; k++)
+            blocks += kvwc_digest_seg_blocks(&in[i].plan->segs[k]);
+        if (in[i].slot >= 0 && blocks == 0)
+            continue; /* nothing to run: nothing rides on the step */
+        if (in[i].slot < 0) {
+            emu_digest_sum(&in[i], in[i].units);
+            continue;
+        }
+        uint64_t *sum = calloc(in[i].num_units ? in[i].num_units : 1, 8);
+        if (sum == NULL)
+            return emu_error(KVW_ERR_NO_MEMORY, "out of memory for a step's digest");
+        emu_digest_sum(&in[i], sum);
+        x->dig_sum[in[i].slot] = sum;
+        x->dig_units[in[i].slot] = in[i].units;
+        x->dig_n[in[i].slot] = in[i].num_units;
     }
     return KVW_OK;
 }
