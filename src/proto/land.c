@@ -246,10 +246,9 @@ static bool kvw_verify_compute(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
     if (st == KVW_OK) {
         r->inflight++;
         pthread_mutex_unlock(&ctx->mu);
-        for (uint32_t i = 0; st == KVW_OK && i < n; i++) {
-            bad = i;
-            st = ctx->mem->digest(plans[i], true, NULL, 0, mine[i], units);
-        }
+        /* Every source's pair at once (on a GPU: one batch, one wait). */
+        st = ctx->mem->digest_n((const struct kvw_plan *const *)plans, n, true, mine, units);
+        bad = UINT32_MAX; /* the batch: no one source to name */
         char why[256];
         snprintf(why, sizeof(why), "%s", st == KVW_OK ? "" : kvw_last_error());
         pthread_mutex_lock(&ctx->mu);
@@ -270,8 +269,13 @@ static bool kvw_verify_compute(struct kvw_ctx *ctx, kvw_room_t *r, kvw_fail_t *f
     free(plans);
     free(mine);
     if (st != KVW_OK) {
-        kvw_fail_set(f, st, "room %llu: verifying %s failed: %s", (unsigned long long)r->id,
-                     n ? kvw__peer_at(ctx, r->srcs[bad].peer)->desc : "?", kvw_last_error());
+        char who[200];
+        if (bad < n)
+            snprintf(who, sizeof(who), "%.160s", kvw__peer_at(ctx, r->srcs[bad].peer)->desc);
+        else
+            snprintf(who, sizeof(who), "its %u source%s' pages", n, n == 1 ? "" : "s");
+        kvw_fail_set(f, st, "room %llu: verifying %s failed: %s", (unsigned long long)r->id, who,
+                     kvw_last_error());
         return false;
     }
     return true;

@@ -109,6 +109,9 @@ typedef struct kvw_step_out {
     uint64_t out_ns;
     uint64_t seq;
     bool digest_sent; /* the room's digest went in the final completion */
+    /* A GPU step took the step's digest (kvw_step_t.digest) over: it is added to the
+     * room's sums, and the room's digest sent, when the step is reaped. */
+    bool digest_deferred;
 } kvw_step_out_t;
 
 /* A verified room's last step for a decode rank puts the room's digest in its final
@@ -321,7 +324,14 @@ typedef struct kvw_gpu_step {
     int slot;        /* executor slot; -1: nothing launched, the DONE waits its turn */
     bool closes_job; /* releases the (room, decode rank) once reaped */
     uint64_t seq;
-    kvw_wbuf_t done; /* the DONE message, finished */
+    kvw_done_msg_t dm; /* the step's DONE, encoded once the step completed */
+    /* A verified room: the step's digest (owned), computed behind the copy on the
+     * executor and complete once the step is reaped, when it is added to the decode
+     * rank's sums; `last`: the room's last step for it, whose DONE carries the room's
+     * digest (or which sends it as DIGEST, when it does not fit). NULL: not verified. */
+    uint64_t *part;
+    uint32_t num_units;
+    bool last;
 } kvw_gpu_step_t;
 
 typedef struct kvw_gpu_q {
@@ -332,6 +342,33 @@ typedef struct kvw_gpu_q {
 } kvw_gpu_q_t;
 
 static void kvw_job_release(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di);
+
+/* A verified step, reaped (its digest complete; mu not held): adds it to the decode
+ * rank's sums and, with the room's last step, puts the room's digest into the step's
+ * DONE (dvals: room for it) or, when it does not fit, sends it as DIGEST. */
+static void kvw_gpu_step_digest(struct kvw_ctx *ctx, kvw_gpu_step_t *e, uint64_t *dvals)
+{
+    pthread_mutex_lock(&ctx->mu);
+    kvw_room_dst_t *d = &e->r->dsts[e->di];
+    for (uint32_t u = 0; d->digest && u < e->num_units; u++)
+        d->digest[u] += e->part[u];
+    if (e->last && d->digest) {
+        if (e->num_units <= KVW_DONE_DIGEST_MAX && ctx->cfg.verify_inline) {
+            memcpy(dvals, d->digest, 8ull * e->num_units);
+            e->dm.digest_n = e->num_units;
+            e->dm.digest = dvals;
+        } else {
+            kvw_wbuf_t dw;
+            kvw__wb_init(&dw, KVW_MSG_DIGEST);
+            kvw__wb_u64(&dw, e->r->id);
+            kvw__wb_u32(&dw, e->num_units);
+            for (uint32_t u = 0; u < e->num_units; u++)
+                kvw__wb_u64(&dw, d->digest[u]);
+            kvw__peer_send(ctx, e->peer, &dw);
+        }
+    }
+    pthread_mutex_unlock(&ctx->mu);
+}
 
 /* Reaps finished steps in order, sending their DONEs; with `block`, waits for the
  * oldest first. Called without ctx->mu. */
@@ -348,8 +385,15 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
             return;
         block = false;
         uint64_t t0 = kvw__now_ns();
+        uint64_t dvals[KVW_DONE_DIGEST_MAX];
+        if (st == KVW_OK && e->part)
+            kvw_gpu_step_digest(ctx, e, dvals);
         if (st == KVW_OK) {
-            st = ctx->tl_ops->notify(e->peer->ep, e->done.p, e->done.len);
+            kvw_wbuf_t w;
+            kvw__done_encode(&w, &e->dm, e->peer->authed ? e->peer->skey : NULL);
+            if ((st = kvw__wb_finish(&w)) == KVW_OK)
+                st = ctx->tl_ops->notify(e->peer->ep, w.p, w.len);
+            kvw__wb_free(&w);
             prof.last_done_ns = kvw__now_ns();
             prof.notify_ns = prof.last_done_ns - t0;
         }
@@ -357,7 +401,8 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
         if (st != KVW_OK)
             snprintf(msg, sizeof(msg), "%s", kvw_last_error());
         ctx->mem->profile_add(&prof);
-        kvw__wb_free(&e->done);
+        free(e->part);
+        e->part = NULL;
         kvw_gpu_step_t done_e = *e;
         g->head = (g->head + 1) % KVWC_EXEC_SLOTS;
         g->n--;
@@ -419,19 +464,20 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         *e = (kvw_gpu_step_t){.r = r, .di = di, .peer = peer, .slot = -1};
         if ((st = ctx->mem->select(ctx->mem_dev)) == KVW_OK)
             st = ctx->mem->step_launch(plan, &e->slot, &prof);
-        /* A verified room: the digest of the source rows, on this worker's executor
-         * (behind the copy; the plan keeps only the layers taken), before the DONE is
-         * made: it goes out after both, and the last one carries the room's digest. */
+        /* A verified room: the digest of the source rows (the plan keeps only the
+         * layers taken), on this worker's executor behind the copy without waiting
+         * (host memory, or nothing launched: computed now). It is complete when the
+         * step is reaped, which adds it to the room's sums before the DONE goes out. */
         if (st == KVW_OK && s->digest)
-            st = ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units);
+            st = e->slot >= 0 && ctx->mem->step_digest
+                     ? ctx->mem->step_digest(plan, e->slot, s->digest, s->num_units)
+                     : ctx->mem->digest(plan, false, NULL, lb, s->digest, s->num_units);
         if (st == KVW_OK) {
-            uint64_t dvals[KVW_DONE_DIGEST_MAX];
-            kvw_done_msg_t dm = kvw_step_done(s, &c, plan->bytes, s->final);
-            if (kvw_digest_inline(ctx, s, 0))
-                kvw_done_digest(s, &dm, dvals, out);
-            kvw__done_encode(&e->done, &dm, peer->authed ? peer->skey : NULL);
-            if ((st = kvw__wb_finish(&e->done)) != KVW_OK)
-                kvw__wb_free(&e->done);
+            e->dm = kvw_step_done(s, &c, plan->bytes, s->final);
+            e->part = s->digest;
+            e->num_units = s->num_units;
+            e->last = s->final && c.last_chunk;
+            out->digest_deferred = s->digest != NULL;
         }
         ctx->mem->profile_add(&prof);
         kvw_plan_destroy(plan);
@@ -604,6 +650,8 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
         snprintf(msg, sizeof(msg), "%s", kvw_last_error());
         pthread_mutex_lock(&ctx->mu);
         d = &r->dsts[i];
+        if (so.digest_deferred)
+            part = NULL; /* the GPU step's now: added when it is reaped */
         if (st == KVW_OK && part) {
             for (uint32_t u = 0; u < units; u++)
                 d->digest[u] += part[u];
