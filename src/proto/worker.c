@@ -638,10 +638,13 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
             }
             d->num_units = units;
         }
+        /* Read under mu: r->dsts may be reallocated (a decode rank posting) once it is
+         * let go; the sums array itself stays put. */
+        const uint64_t *room_digest = d->digest;
         pthread_mutex_unlock(&ctx->mu);
         kvw_step_t step = {.r = r, .di = i, .peer = peer, .d = &dcopy, .q = &q, .take = take,
                            .final = final, .meta_len = meta_len, .digest = part,
-                           .num_units = units, .room_digest = d->digest};
+                           .num_units = units, .room_digest = room_digest};
         kvw_step_out_t so = {0};
         kvw_status_t st = kvw_worker_step(ctx, &step, gq, &so);
         if (so.seq)
