@@ -2,6 +2,7 @@
  * frames, and the DONE frame of the data path (written by worker.c, read by land.c). */
 #include "proto/proto.h"
 
+#include "core/le.h"
 #include "core/sha256.h"
 
 #include <stddef.h>
@@ -246,9 +247,7 @@ static size_t kvw_done_body_len(const uint8_t *payload, size_t len)
     size_t n = kvw_done_fields_len();
     if (len < n)
         return 0;
-    const uint8_t *c = payload + n - 4;
-    uint32_t digest_n = (uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 |
-                        (uint32_t)c[3] << 24;
+    uint32_t digest_n = kvw__le32_get(payload + n - 4);
     return digest_n > KVW_DONE_DIGEST_MAX ? 0 : n + 8 * (size_t)digest_n;
 }
 

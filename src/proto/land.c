@@ -4,6 +4,7 @@
  * granted, and page-exact accounting before Success; a prefill rank's metadata. */
 #include "proto/proto.h"
 
+#include "core/le.h"
 #include "core/sha256.h"
 #include "plan/digest.h"
 
@@ -164,12 +165,8 @@ static bool kvw_src_digest(struct kvw_ctx *ctx, kvw_room_t *r, kvw_room_src_t *s
                      (unsigned long long)r->id);
         return false;
     }
-    for (uint32_t u = 0; u < n; u++) {
-        uint64_t v = 0;
-        for (int b = 0; b < 8; b++)
-            v |= (uint64_t)le[8 * u + b] << (8 * b);
-        s->digest[u] = v;
-    }
+    for (uint32_t u = 0; u < n; u++)
+        s->digest[u] = kvw__le64_get(le + 8 * u);
     s->digest_got = true;
     return true;
 }

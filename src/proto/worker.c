@@ -121,10 +121,29 @@ typedef struct kvw_step_out {
  * decode; 0: never). A larger step sends its completion first and hashes meanwhile, beside
  * the decode's read pass. GPU steps (bytes 0 here) hash on the stream before their DONE
  * goes out anyway. */
+static bool kvw_digest_fits(const struct kvw_ctx *ctx, uint32_t units)
+{
+    return units <= KVW_DONE_DIGEST_MAX && ctx->cfg.verify_inline;
+}
+
 static bool kvw_digest_inline(const struct kvw_ctx *ctx, const kvw_step_t *s, uint64_t bytes)
 {
-    return s->digest && s->final && s->q->c.last_chunk && s->num_units <= KVW_DONE_DIGEST_MAX &&
-           ctx->cfg.verify_inline && bytes <= ctx->cfg.verify_inline;
+    return s->digest && s->final && s->q->c.last_chunk && kvw_digest_fits(ctx, s->num_units) &&
+           bytes <= ctx->cfg.verify_inline;
+}
+
+/* The room's digest for a decode rank in its own frame (DIGEST, on the control channel),
+ * when its final completion did not carry it (mu held). */
+static void kvw_send_digest(struct kvw_ctx *ctx, kvw_peer_t *peer, uint64_t room, uint32_t units,
+                            const uint64_t *sums)
+{
+    kvw_wbuf_t dw;
+    kvw__wb_init(&dw, KVW_MSG_DIGEST);
+    kvw__wb_u64(&dw, room);
+    kvw__wb_u32(&dw, units);
+    for (uint32_t u = 0; u < units; u++)
+        kvw__wb_u64(&dw, sums[u]);
+    kvw__peer_send(ctx, peer, &dw);
 }
 
 /* Puts the room's digest (the steps before plus this one's, s->digest) into DONE dm;
@@ -353,18 +372,12 @@ static void kvw_gpu_step_digest(struct kvw_ctx *ctx, kvw_gpu_step_t *e, uint64_t
     for (uint32_t u = 0; d->digest && u < e->num_units; u++)
         d->digest[u] += e->part[u];
     if (e->last && d->digest) {
-        if (e->num_units <= KVW_DONE_DIGEST_MAX && ctx->cfg.verify_inline) {
+        if (kvw_digest_fits(ctx, e->num_units)) {
             memcpy(dvals, d->digest, 8ull * e->num_units);
             e->dm.digest_n = e->num_units;
             e->dm.digest = dvals;
         } else {
-            kvw_wbuf_t dw;
-            kvw__wb_init(&dw, KVW_MSG_DIGEST);
-            kvw__wb_u64(&dw, e->r->id);
-            kvw__wb_u32(&dw, e->num_units);
-            for (uint32_t u = 0; u < e->num_units; u++)
-                kvw__wb_u64(&dw, d->digest[u]);
-            kvw__peer_send(ctx, e->peer, &dw);
+            kvw_send_digest(ctx, e->peer, e->r->id, e->num_units, d->digest);
         }
     }
     pthread_mutex_unlock(&ctx->mu);
@@ -660,15 +673,8 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
                 d->digest[u] += part[u];
             /* The whole room's digest for this decode rank follows its last completion
              * (the decode waits for both before it checks). */
-            if (final && q.c.last_chunk && !so.digest_sent) {
-                kvw_wbuf_t dw;
-                kvw__wb_init(&dw, KVW_MSG_DIGEST);
-                kvw__wb_u64(&dw, r->id);
-                kvw__wb_u32(&dw, units);
-                for (uint32_t u = 0; u < units; u++)
-                    kvw__wb_u64(&dw, d->digest[u]);
-                kvw__peer_send(ctx, peer, &dw);
-            }
+            if (final && q.c.last_chunk && !so.digest_sent)
+                kvw_send_digest(ctx, peer, r->id, units, d->digest);
         }
         free(part);
         if (st != KVW_OK) {
