@@ -1112,6 +1112,7 @@ class KVSender(_Request):
         self._pages_sent = 0
         self._last_sent = False
         self._stream = None  # layers still to be marked of a streamed chunk
+        self._written = None  # the event the latest chunk waits on (_written_event)
 
     def _instance(self):
         return self.kv_mgr.bootstrap_addr
@@ -1183,6 +1184,7 @@ class KVSender(_Request):
             self._pages_sent, self._last_sent = end_page, last
             return
         try:
+            self._settle_written()
             if last and not streamed and self.kv_mgr.aux and self.aux_index is not None:
                 self._room.set_metadata(self.kv_mgr.read_aux(self.aux_index))
             if streamed:
@@ -1190,12 +1192,62 @@ class KVSender(_Request):
                 self._room.send_streamed(self.num_tokens, first * ps, end_tok, last, pages,
                                          first * ps, swa, swa_first, slot)
             elif pages or last:
-                self._room.send(self.num_tokens, first * ps, end_tok, last, pages, first * ps,
-                                swa, swa_first, slot)
+                ev = self._written_event()
+                if ev is None or ev.query():
+                    self._room.send(self.num_tokens, first * ps, end_tok, last, pages,
+                                    first * ps, swa, swa_first, slot)
+                else:
+                    # Still being written: queued as a streamed chunk whose every layer
+                    # waits on the event, so that neither this thread nor the engine's
+                    # stream waits.
+                    par = self.kv_mgr.parallel
+                    self._room.send_streamed(self.num_tokens, first * ps, end_tok, last,
+                                             pages, first * ps, swa, swa_first, slot)
+                    self._room.layers_ready(par.layer_begin, par.layer_end, event=ev)
+                    self._written = ev
         except KvwireError as e:
             self._fail(e.message or str(e), e.status)
         self._pages_sent = end_page
         self._last_sent = last
+
+    def _written_event(self):
+        """The CUDA event a chunk's reads are ordered after, or None (host pools).
+
+        SGLang hands one over as `_early_send_wait_event` when it sends a cached prefix
+        while the previous forward pass may still be writing it (prefill.py,
+        maybe_send_cached_prefix_chunk); it is consumed by this send. Otherwise, for CUDA
+        pools, an event is recorded on the caller's current stream, so that KV written
+        there and not yet synchronized is read only once written. SGLang's scheduler
+        synchronizes before it sends, so that event has normally completed already and
+        costs one record and one query; an engine that does not would otherwise have
+        its last layers read while its kernels still write them."""
+        ev = getattr(self, "_early_send_wait_event", None)
+        self._early_send_wait_event = None
+        if self.kv_mgr.mem_kind != MemKind.CUDA:
+            if ev is not None:
+                ev.synchronize()   # host pools written by the GPU: wait here
+            return None
+        if ev is None:
+            try:
+                import torch
+            except ImportError:
+                return None
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.kv_mgr.device))
+        return ev
+
+    def _settle_written(self):
+        """Before the next chunk: the previous one, if it waited on an event, must have
+        all its layers marked (the library takes the next chunk only then). The event is
+        waited for here, which happens only when the engine sends again before the GPU
+        wrote the previous chunk, and the layers marked at once rather than at the
+        event thread's next poll."""
+        ev, self._written = self._written, None
+        if ev is None:
+            return
+        ev.synchronize()
+        par = self.kv_mgr.parallel
+        self._room.layers_ready(par.layer_begin, par.layer_end)
 
     def layers_ready(self, layer_begin, layer_end=None, event=None):
         """Marks the global layers [layer_begin, layer_end) (layer_end defaults to

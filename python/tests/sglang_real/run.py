@@ -34,6 +34,7 @@ DEADLINE = float(os.environ.get("KVW_SGLANG_DEADLINE", "60"))
 # An aborted request must end on the other side within this bound: SGLang's timeouts
 # are 300 s, so only an abort that reached the peer ends it this soon.
 ABORT_BOUND = float(os.environ.get("KVW_SGLANG_ABORT_BOUND", "10"))
+SLOW_CYCLES = 20_000_000  # torch.cuda._sleep ahead of a slow forward's writes (~10 ms)
 S = None  # the loaded SGLang modules
 
 
@@ -376,28 +377,47 @@ def run_prefill(cfg, inst, tp_rank, dp_rank, pp_rank=0):
 
 def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
     """The prefill forward pass: allocates the request's KV, writes its pattern, and
-    sends it chunk by chunk through SGLang's send_kv_chunk."""
+    sends it chunk by chunk through SGLang's send_kv_chunk.
+
+    On CUDA the writes are kernels on the current stream and the pass does not
+    synchronize before sending (an engine that forgot to; SGLang's scheduler
+    synchronizes on copy_done first); cfg.slow puts a ~10 ms GPU sleep ahead of them, so
+    that a backend reading before they ran reads junk. A request with "cached_prefix"
+    (prefill-side radix hit, page-aligned) goes through SGLang's early send of the cached
+    prefix (maybe_send_cached_prefix_chunk) before the rest is written; on CUDA the
+    prefix is written on a forward stream as SGLang's overlap scheduler does, and SGLang
+    hands the backend the event it records there (_early_send_wait_event); the stream is
+    synchronized before the rest is sent, as copy_done is."""
+    import contextlib
     import torch
     fk = S.fakes
     L = len(req.origin_input_ids)
+    pre = spec.get("cached_prefix", 0)
     if req.req_pool_idx is None:
         rtp.alloc([req])
         locs = alloc.alloc_tokens(L)
         fk.assign(rtp.req_to_token, (req.req_pool_idx, slice(0, L)), locs)
-        for v in views:
-            if len(v) == 3:       # a state tensor: the request's slot
-                layer, buf, units = v
-                put(buf, [mamba_slot(req.req_pool_idx)],
-                    state_pattern(req.bootstrap_room, layer, units, buf.shape[-1])[None])
-                continue
-            layer, role, buf, is_swa = v
-            lc = locs if not is_swa else np.asarray(alloc.translate_loc_from_full_to_swa(locs))
-            val = pattern(req.bootstrap_room, layer, role, first, nh, range(L), cfg.hb)
-            if DEVICE == "cuda":
-                buf[torch.tensor(lc, dtype=torch.int64, device="cuda")] = \
-                    torch.tensor(val, device="cuda")
-            else:
-                buf[lc] = val
+        locs = np.asarray(locs)
+        cuda = DEVICE == "cuda"
+        fs = (torch.cuda.Stream() if pre else torch.cuda.current_stream()) if cuda else None
+        on_fs = (lambda: torch.cuda.stream(fs)) if cuda else contextlib.nullcontext
+        with on_fs():
+            if cuda and cfg.slow:
+                torch.cuda._sleep(SLOW_CYCLES)
+            write_kv(cfg, req, views, first, nh, alloc, locs, 0, pre or L)
+        if pre:
+            req.prefix_indices = locs[:pre]
+            req.host_hit_length = 0
+            sch.enable_overlap, sch.forward_stream = cuda, fs
+            sch.maybe_send_cached_prefix_chunk(req)
+            sch.enable_overlap = False
+            if req.start_send_idx != pre:
+                raise AssertionError("room %d: SGLang's early send of the cached prefix did "
+                                     "not send tokens [0, %d)" % (req.bootstrap_room, pre))
+            with on_fs():
+                write_kv(cfg, req, views, first, nh, alloc, locs, pre, L)
+            if cuda:
+                fs.synchronize()
     req.output_ids = [1000 + req.bootstrap_room % 1000]
     req.cached_tokens = req.bootstrap_room % 7
     if cfg.draft:
@@ -405,7 +425,7 @@ def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
         req.output_topk_p = torch.tensor(np.ones(2, dtype=np.float32))
         req.output_topk_index = torch.tensor(np.arange(2, dtype=np.int64))
     chunk = spec.get("chunk") or L
-    pos = 0
+    pos = pre
     while pos + chunk < L:
         pos += chunk
         req.set_extend_range(pos - chunk, pos)
@@ -414,6 +434,31 @@ def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
     req.set_extend_range(pos, L)
     if not req.pending_bootstrap:
         sch.send_kv_chunk(req, last_chunk=True)
+
+
+def write_kv(cfg, req, views, first, nh, alloc, locs, t0, t1):
+    """Writes the pattern of tokens [t0, t1) of the request into every KV view, and its
+    state (the state slot) along with the last token."""
+    import torch
+    for v in views:
+        if len(v) == 3:       # a state tensor: the request's slot
+            if t1 == len(req.origin_input_ids):
+                layer, buf, units = v
+                put(buf, [mamba_slot(req.req_pool_idx)],
+                    state_pattern(req.bootstrap_room, layer, units, buf.shape[-1])[None])
+            continue
+        if t0 == t1:
+            continue
+        layer, role, buf, is_swa = v
+        lc = locs[t0:t1]
+        if is_swa:
+            lc = np.asarray(alloc.translate_loc_from_full_to_swa(lc))
+        val = pattern(req.bootstrap_room, layer, role, first, nh, range(t0, t1), cfg.hb)
+        if DEVICE == "cuda":
+            buf[torch.tensor(lc, dtype=torch.int64, device="cuda")] = \
+                torch.tensor(val, device="cuda")
+        else:
+            buf[lc] = val
 
 
 # ---------------------------------------------------------------- decode rank
@@ -676,7 +721,7 @@ def scenario(name, **kw):
                 mla=False, swa=(), hf_window=0, sched_window=None, draft=0, optimistic=0,
                 n_prefill=1, n_decode=1, alike=False, late=0.0, max_len=260, env={}, ppp=1,
                 mamba=0, ddp=1, ddp_attn=False,
-                radix=False, host="127.0.0.1", listen=None)
+                radix=False, host="127.0.0.1", listen=None, slow=False)
     base.update(kw)
     cfg = Cfg(name=name, **base)
     if cfg.mla:
@@ -708,6 +753,14 @@ SCENARIOS = [
     scenario("pp2_prefill", layers=5, ppp=2, ptp=2, dtp=1, ps=16, pages=80),
     scenario("pp2_prefill_swa", layers=5, swa=(1, 3), hf_window=128, sched_window=127, ppp=2,
              dtp=2),
+    # On CUDA: the forward's writes still run on the GPU when it sends (slow), and the
+    # cached prefix sent early while the forward stream writes it (SGLang's default,
+    # SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX); on the CPU, plain runs of the same.
+    scenario("unsynchronized_forward", layers=5, ppp=2, ptp=2, dtp=1, ps=16, pages=80,
+             slow=True),
+    scenario("prefill_cached_prefix_early_send", ps=16, pages=80, dtp=2, slow=True,
+             requests=[dict(r, cached_prefix=p) for r, p in zip(
+                 requests(lens=(40, 64, 33, 17, 100, 9)), (32, 48, 16, 0, 64, 0))]),
     scenario("mamba_gdn_hybrid_tp1_tp2", layers=2, mamba=3, ptp=1, dtp=2, ps=16, pages=80),
     scenario("mamba_gdn_hybrid_tp2_tp1", layers=2, mamba=3, ptp=2, dtp=1),
     scenario("dp_attention_decode", dtp=1, ddp=2, ddp_attn=True, ptp=2),
