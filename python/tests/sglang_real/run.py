@@ -34,7 +34,7 @@ DEADLINE = float(os.environ.get("KVW_SGLANG_DEADLINE", "60"))
 # An aborted request must end on the other side within this bound: SGLang's timeouts
 # are 300 s, so only an abort that reached the peer ends it this soon.
 ABORT_BOUND = float(os.environ.get("KVW_SGLANG_ABORT_BOUND", "10"))
-SLOW_CYCLES = 20_000_000  # torch.cuda._sleep ahead of a slow forward's writes (~10 ms)
+SLOW_CYCLES = 200_000_000  # torch.cuda._sleep ahead of a slow forward's writes (~100 ms)
 S = None  # the loaded SGLang modules
 
 
@@ -381,7 +381,7 @@ def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
 
     On CUDA the writes are kernels on the current stream and the pass does not
     synchronize before sending (an engine that forgot to; SGLang's scheduler
-    synchronizes on copy_done first); cfg.slow puts a ~10 ms GPU sleep ahead of them, so
+    synchronizes on copy_done first); cfg.slow puts a ~100 ms GPU sleep ahead of them, so
     that a backend reading before they ran reads junk. A request with "cached_prefix"
     (prefill-side radix hit, page-aligned) goes through SGLang's early send of the cached
     prefix (maybe_send_cached_prefix_chunk) before the rest is written; on CUDA the
@@ -401,10 +401,12 @@ def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
         cuda = DEVICE == "cuda"
         fs = (torch.cuda.Stream() if pre else torch.cuda.current_stream()) if cuda else None
         on_fs = (lambda: torch.cuda.stream(fs)) if cuda else contextlib.nullcontext
+        first_part = kv_writes(cfg, req, views, first, nh, alloc, locs, 0, pre or L)
+        rest = kv_writes(cfg, req, views, first, nh, alloc, locs, pre, L) if pre else []
         with on_fs():
             if cuda and cfg.slow:
                 torch.cuda._sleep(SLOW_CYCLES)
-            write_kv(cfg, req, views, first, nh, alloc, locs, 0, pre or L)
+            write_kv(first_part)
         if pre:
             req.prefix_indices = locs[:pre]
             req.host_hit_length = 0
@@ -415,7 +417,7 @@ def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
                 raise AssertionError("room %d: SGLang's early send of the cached prefix did "
                                      "not send tokens [0, %d)" % (req.bootstrap_room, pre))
             with on_fs():
-                write_kv(cfg, req, views, first, nh, alloc, locs, pre, L)
+                write_kv(rest)
             if cuda:
                 fs.synchronize()
     req.output_ids = [1000 + req.bootstrap_room % 1000]
@@ -436,16 +438,19 @@ def forward(cfg, sch, req, views, first, nh, alloc, rtp, spec):
         sch.send_kv_chunk(req, last_chunk=True)
 
 
-def write_kv(cfg, req, views, first, nh, alloc, locs, t0, t1):
-    """Writes the pattern of tokens [t0, t1) of the request into every KV view, and its
-    state (the state slot) along with the last token."""
+def kv_writes(cfg, req, views, first, nh, alloc, locs, t0, t1):
+    """The writes of the pattern of tokens [t0, t1) of the request into every KV view,
+    and of its state (the state slot) along with the last token: (buffer, locations,
+    values), the values already where the buffer is (on CUDA, copied to the GPU now, so
+    that writing them later is a kernel alone and the host does not wait for it)."""
     import torch
+    out = []
     for v in views:
         if len(v) == 3:       # a state tensor: the request's slot
             if t1 == len(req.origin_input_ids):
                 layer, buf, units = v
-                put(buf, [mamba_slot(req.req_pool_idx)],
-                    state_pattern(req.bootstrap_room, layer, units, buf.shape[-1])[None])
+                out.append((buf, [mamba_slot(req.req_pool_idx)],
+                            state_pattern(req.bootstrap_room, layer, units, buf.shape[-1])[None]))
             continue
         if t0 == t1:
             continue
@@ -453,12 +458,17 @@ def write_kv(cfg, req, views, first, nh, alloc, locs, t0, t1):
         lc = locs[t0:t1]
         if is_swa:
             lc = np.asarray(alloc.translate_loc_from_full_to_swa(lc))
-        val = pattern(req.bootstrap_room, layer, role, first, nh, range(t0, t1), cfg.hb)
-        if DEVICE == "cuda":
-            buf[torch.tensor(lc, dtype=torch.int64, device="cuda")] = \
-                torch.tensor(val, device="cuda")
-        else:
-            buf[lc] = val
+        out.append((buf, lc, pattern(req.bootstrap_room, layer, role, first, nh, range(t0, t1),
+                                     cfg.hb)))
+    if DEVICE == "cuda":
+        return [(buf, torch.tensor(np.asarray(lc), dtype=torch.int64, device="cuda"),
+                 torch.tensor(val, device="cuda")) for buf, lc, val in out]
+    return [(buf, np.asarray(lc), val) for buf, lc, val in out]
+
+
+def write_kv(writes):
+    for buf, lc, val in writes:
+        buf[lc] = val
 
 
 # ---------------------------------------------------------------- decode rank
