@@ -277,7 +277,11 @@ KVW_API kvw_status_t kvw_sender_create(kvw_ctx_h ctx, uint64_t room, kvw_sender_
 
 /* One chunk: token range, the pages holding it on this rank, and whether it is the
  * last (the last chunk also carries the SWA window and state slots). The page arrays
- * are copied; the KV bytes must stay in place until the room leaves TRANSFERRING. */
+ * are copied; the KV bytes must stay in place until the room leaves TRANSFERRING. In
+ * GPU memory they must also be written when the chunk is queued: kvwire's streams do
+ * not wait for the engine's, so an engine that has not synchronized its forward pass
+ * queues the chunk with kvw_sender_send_streamed and marks its layers with
+ * kvw_sender_layers_ready_event on an event recorded after the writes. */
 enum {
     KVW_SEND_CHUNK_FIELD_NUM_TOKENS = 1u << 0,  /* required */
     KVW_SEND_CHUNK_FIELD_CHUNK_BEGIN = 1u << 1, /* default 0 */
