@@ -399,15 +399,75 @@ static kvw_status_t kvw_dig_prepare(const struct kvw_plan *plan, bool dst_side,
     return KVW_OK;
 }
 
-/* n plans' digests on one side, one batch on the calling thread's executor of their
- * device (made current for the call, then put back), waited for once. */
+/* The executors of batch digests (kvw__cuda_plan_digest_n, a decode rank's read pass
+ * once its room landed). Those run on threads that launch no steps, a transport's
+ * progress thread or the control thread, so a thread's own executor would be made on
+ * its first room (9-26 ms on an H200: a stream, events, buffers, the kernels loaded).
+ * Instead the threads of the process share one per device, made at context start
+ * (kvw__cuda_digest_warm) or on first use, each batch holding it under its lock for the
+ * batch's length, which it waits for anyway. Kept for the process's life. */
+#define KVW_DEXEC_DEVICES 64
+typedef struct kvw_dexec {
+    pthread_mutex_t mu;
+    kvwc_exec_h ex;
+} kvw_dexec_t;
+static kvw_dexec_t kvw_dexec[KVW_DEXEC_DEVICES];
+static pthread_once_t kvw_dexec_once = PTHREAD_ONCE_INIT;
+
+static void kvw_dexec_init(void)
+{
+    for (int i = 0; i < KVW_DEXEC_DEVICES; i++)
+        pthread_mutex_init(&kvw_dexec[i].mu, NULL);
+}
+
+/* Locks device `dev`'s shared digest executor (dev current), making it if needed. */
+static kvw_status_t kvw_dexec_lock(const kvwc_ops_t *ops, int dev, kvw_dexec_t **d_p)
+{
+    if (dev < 0 || dev >= KVW_DEXEC_DEVICES)
+        return kvw__error(KVW_ERR_UNSUPPORTED, "KV verification on the GPU: device %d is "
+                          "past the %d devices kvwire's digest executors cover", dev,
+                          KVW_DEXEC_DEVICES);
+    pthread_once(&kvw_dexec_once, kvw_dexec_init);
+    kvw_dexec_t *d = &kvw_dexec[dev];
+    pthread_mutex_lock(&d->mu);
+    if (d->ex == NULL) {
+        kvw_status_t st = kvw__cuda_ret(ops, ops->exec_create(&d->ex));
+        if (st != KVW_OK) {
+            d->ex = NULL;
+            pthread_mutex_unlock(&d->mu);
+            return st;
+        }
+    }
+    *d_p = d;
+    return KVW_OK;
+}
+
+kvw_status_t kvw__cuda_digest_warm(int device)
+{
+    const kvwc_ops_t *ops = NULL;
+    kvw_dexec_t *d = NULL;
+    int prev = -1;
+    kvw_status_t st = kvw__cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw__cuda_ret(ops, ops->get_device(&prev));
+    if (st == KVW_OK && prev != device)
+        st = kvw__cuda_ret(ops, ops->set_device(device));
+    if (st == KVW_OK && (st = kvw_dexec_lock(ops, device, &d)) == KVW_OK)
+        pthread_mutex_unlock(&d->mu);
+    if (prev >= 0 && prev != device)
+        (void)ops->set_device(prev);
+    return st;
+}
+
+/* n plans' digests on one side, one batch on the shared executor of their device (made
+ * current for the call, then put back), waited for once. */
 static kvw_status_t kvw_cuda_digest_batch(const struct kvw_plan *const *plans, uint32_t n,
                                           bool dst_side, const uint8_t *take,
                                           uint32_t layer_begin, uint64_t *const *units,
                                           uint32_t num_units)
 {
     const kvwc_ops_t *ops = NULL;
-    kvw_texec_t *t = NULL;
+    kvw_dexec_t *d = NULL;
     int dev = -1, prev = -1;
     uint32_t m = 0; /* plans with segments */
     if (n && (plans == NULL || units == NULL))
@@ -441,8 +501,6 @@ static kvw_status_t kvw_cuda_digest_batch(const struct kvw_plan *const *plans, u
     uint32_t made = 0;
     if (prep == NULL || din == NULL)
         st = kvw__error(KVW_ERR_NO_MEMORY, "out of memory for %u digests on the GPU", n);
-    if (st == KVW_OK)
-        st = kvw_texec_get(ops, &t);
     for (uint32_t i = 0; st == KVW_OK && i < n; i++) {
         if (plans[i]->num_segs == 0)
             continue;
@@ -450,8 +508,10 @@ static kvw_status_t kvw_cuda_digest_batch(const struct kvw_plan *const *plans, u
                              &prep[made], &din[made]);
         made++;
     }
-    if (st == KVW_OK)
-        st = kvw__cuda_ret(ops, ops->exec_digest(t->ex, din, made));
+    if (st == KVW_OK && (st = kvw_dexec_lock(ops, dev, &d)) == KVW_OK) {
+        st = kvw__cuda_ret(ops, ops->exec_digest(d->ex, din, made));
+        pthread_mutex_unlock(&d->mu);
+    }
     for (uint32_t i = 0; prep && i < made; i++)
         kvw_dig_prep_free(&prep[i]);
     if (prep != &one_p)

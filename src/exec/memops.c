@@ -246,6 +246,7 @@ static const kvw_memops_t kvw_memops_cuda = {
     .digest_n = kvw__cuda_plan_digest_n,
     .step_digest = kvw__cuda_step_digest,
     .warm = kvw__cuda_warm,
+    .digest_warm = kvw__cuda_digest_warm,
 };
 
 /* ---------------------------------------------------------------- lookup */
