@@ -403,41 +403,86 @@ static kvw_status_t kvw_dig_prepare(const struct kvw_plan *plan, bool dst_side,
  * once its room landed). Those run on threads that launch no steps, a transport's
  * progress thread or the control thread, so a thread's own executor would be made on
  * its first room (9-26 ms on an H200: a stream, events, buffers, the kernels loaded).
- * Instead the threads of the process share one per device, made at context start
- * (kvw__cuda_digest_warm) or on first use, each batch holding it under its lock for the
- * batch's length, which it waits for anyway. Kept for the process's life. */
+ * Instead the threads of the process share a pool per device: each verifying context
+ * on GPU buffers adds one when it starts (kvw__cuda_digest_warm), so that its rooms'
+ * digests run beside other contexts' as on threads of their own; a batch takes a free
+ * one, a new one where all are busy (up to KVW_DEXEC_MAX), and holds it for the batch's
+ * length, which it waits for anyway. Kept for the process's life. */
 #define KVW_DEXEC_DEVICES 64
+#define KVW_DEXEC_MAX 16
 typedef struct kvw_dexec {
-    pthread_mutex_t mu;
+    pthread_mutex_t mu; /* held by the batch running on it */
     kvwc_exec_h ex;
 } kvw_dexec_t;
-static kvw_dexec_t kvw_dexec[KVW_DEXEC_DEVICES];
+typedef struct kvw_dexec_pool {
+    pthread_mutex_t mu; /* guards n and the making of executors */
+    uint32_t n;
+    kvw_dexec_t ex[KVW_DEXEC_MAX];
+} kvw_dexec_pool_t;
+static kvw_dexec_pool_t kvw_dexec[KVW_DEXEC_DEVICES];
 static pthread_once_t kvw_dexec_once = PTHREAD_ONCE_INIT;
 
 static void kvw_dexec_init(void)
 {
-    for (int i = 0; i < KVW_DEXEC_DEVICES; i++)
+    for (int i = 0; i < KVW_DEXEC_DEVICES; i++) {
         pthread_mutex_init(&kvw_dexec[i].mu, NULL);
+        for (int k = 0; k < KVW_DEXEC_MAX; k++)
+            pthread_mutex_init(&kvw_dexec[i].ex[k].mu, NULL);
+    }
 }
 
-/* Locks device `dev`'s shared digest executor (dev current), making it if needed. */
-static kvw_status_t kvw_dexec_lock(const kvwc_ops_t *ops, int dev, kvw_dexec_t **d_p)
+static kvw_status_t kvw_dexec_pool(int dev, kvw_dexec_pool_t **p_p)
 {
     if (dev < 0 || dev >= KVW_DEXEC_DEVICES)
         return kvw__error(KVW_ERR_UNSUPPORTED, "KV verification on the GPU: device %d is "
                           "past the %d devices kvwire's digest executors cover", dev,
                           KVW_DEXEC_DEVICES);
     pthread_once(&kvw_dexec_once, kvw_dexec_init);
-    kvw_dexec_t *d = &kvw_dexec[dev];
-    pthread_mutex_lock(&d->mu);
-    if (d->ex == NULL) {
-        kvw_status_t st = kvw__cuda_ret(ops, ops->exec_create(&d->ex));
-        if (st != KVW_OK) {
-            d->ex = NULL;
-            pthread_mutex_unlock(&d->mu);
-            return st;
-        }
+    *p_p = &kvw_dexec[dev];
+    return KVW_OK;
+}
+
+/* Adds an executor to the pool (p->mu held, dev current); with `take`, returned locked. */
+static kvw_status_t kvw_dexec_add(const kvwc_ops_t *ops, kvw_dexec_pool_t *p, bool take,
+                                  kvw_dexec_t **d_p)
+{
+    kvw_dexec_t *d = &p->ex[p->n];
+    kvw_status_t st = kvw__cuda_ret(ops, ops->exec_create(&d->ex));
+    if (st != KVW_OK) {
+        d->ex = NULL;
+        return st;
     }
+    if (take)
+        pthread_mutex_lock(&d->mu);
+    p->n++;
+    *d_p = d;
+    return KVW_OK;
+}
+
+/* Locks an executor of device `dev`'s pool (dev current): a free one, else a new one,
+ * else waits for one. */
+static kvw_status_t kvw_dexec_lock(const kvwc_ops_t *ops, int dev, kvw_dexec_t **d_p)
+{
+    kvw_dexec_pool_t *p = NULL;
+    kvw_status_t st = kvw_dexec_pool(dev, &p);
+    if (st != KVW_OK)
+        return st;
+    pthread_mutex_lock(&p->mu);
+    uint32_t n = p->n;
+    for (uint32_t i = 0; i < n; i++)
+        if (pthread_mutex_trylock(&p->ex[i].mu) == 0) {
+            pthread_mutex_unlock(&p->mu);
+            *d_p = &p->ex[i];
+            return KVW_OK;
+        }
+    if (n < KVW_DEXEC_MAX) {
+        st = kvw_dexec_add(ops, p, true, d_p);
+        pthread_mutex_unlock(&p->mu);
+        return st;
+    }
+    pthread_mutex_unlock(&p->mu);
+    kvw_dexec_t *d = &p->ex[(uint32_t)((uintptr_t)d_p >> 4) % n];
+    pthread_mutex_lock(&d->mu);
     *d_p = d;
     return KVW_OK;
 }
@@ -445,15 +490,22 @@ static kvw_status_t kvw_dexec_lock(const kvwc_ops_t *ops, int dev, kvw_dexec_t *
 kvw_status_t kvw__cuda_digest_warm(int device)
 {
     const kvwc_ops_t *ops = NULL;
+    kvw_dexec_pool_t *p = NULL;
     kvw_dexec_t *d = NULL;
     int prev = -1;
     kvw_status_t st = kvw__cuda_get(&ops);
     if (st == KVW_OK)
+        st = kvw_dexec_pool(device, &p);
+    if (st == KVW_OK)
         st = kvw__cuda_ret(ops, ops->get_device(&prev));
     if (st == KVW_OK && prev != device)
         st = kvw__cuda_ret(ops, ops->set_device(device));
-    if (st == KVW_OK && (st = kvw_dexec_lock(ops, device, &d)) == KVW_OK)
-        pthread_mutex_unlock(&d->mu);
+    if (st == KVW_OK) {
+        pthread_mutex_lock(&p->mu);
+        if (p->n < KVW_DEXEC_MAX)
+            st = kvw_dexec_add(ops, p, false, &d);
+        pthread_mutex_unlock(&p->mu);
+    }
     if (prev >= 0 && prev != device)
         (void)ops->set_device(prev);
     return st;

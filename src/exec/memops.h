@@ -74,9 +74,9 @@ typedef struct kvw_memops {
     /* Prepares the calling thread for steps on `device` (CUDA: its executor, made now
      * instead of on the first step); NULL for the host kind. */
     kvw_status_t (*warm)(int device);
-    /* Makes `device`'s executor of digest and digest_n now, not on a room's first
-     * digest (CUDA: shared by the process's threads, the caller's current device put
-     * back); NULL for the host kind. */
+    /* Prepares an executor for digest and digest_n on `device` now, not on a room's
+     * first digest (CUDA: one more in the pool the process's threads share, the caller's
+     * current device put back); NULL for the host kind. */
     kvw_status_t (*digest_warm)(int device);
 } kvw_memops_t;
 
