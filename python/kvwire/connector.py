@@ -242,7 +242,11 @@ class KVSender(_Request):
         at num_tokens); last defaults to chunk_end == num_tokens. The last chunk also
         carries the sliding-window pages (swa_pages, starting at swa_first_token,
         default manager.swa_window_start(num_tokens)) and the state slot
-        (state_slot)."""
+        (state_slot). KV in GPU memory must be written when send() is called
+        (synchronize the forward pass first): kvwire's streams do not wait for the
+        engine's. Where it may still be in flight, use kvwire.Sender.send_streamed and
+        layers_ready(event=...) on an event recorded after the writes, as kvwire.sglang
+        does."""
         if self.num_tokens is None:
             raise RuntimeError("KVSender.init_tokens(num_tokens) must come before send()")
         ps = self.mgr.page_size or 1
