@@ -10,6 +10,7 @@ checked against kvtest_util's reference, guard bytes included, and so is the aux
 data."""
 import ctypes
 import os
+import sys
 import time
 import types
 import unittest
@@ -881,6 +882,130 @@ class TestSGLangBackendUnits(unittest.TestCase):
             self.assertTrue(srv.address.startswith("[::1]:"), srv.address)
             self.assertGreater(srv.port, 0)
             socket.create_connection(("::1", srv.port), timeout=5).close()
+
+
+class TestSendOrdering(unittest.TestCase):
+    """KVSender.send with KV pools in GPU memory: each chunk is ordered after the
+    engine's writes (SGLang's _early_send_wait_event, else an event on the current
+    stream). The room and the events are stand-ins that record what the sender asks of
+    them, so this runs without a GPU; on one, python/tests/sglang_real's
+    unsynchronized_forward and prefill_cached_prefix_early_send check the bytes."""
+
+    class Event:
+        def __init__(self, done=True, log=None):
+            self.done, self.log = done, log if log is not None else []
+            self.recorded_on = None
+
+        def record(self, stream):
+            self.recorded_on = stream
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.log.append(("synchronize", self))
+            self.done = True
+
+    class Room:
+        def __init__(self):
+            self.calls = []
+
+        def send(self, *a):
+            self.calls.append(("send",) + a[1:4])
+
+        def send_streamed(self, *a):
+            self.calls.append(("send_streamed",) + a[1:4])
+
+        def layers_ready(self, b, e=None, event=None):
+            self.calls.append(("layers_ready", b, e, event))
+
+        def set_metadata(self, data):
+            self.calls.append(("set_metadata",))
+
+    def sender(self, mem_kind, num_pages=4, ps=16):
+        mgr = types.SimpleNamespace(page_size=ps, mem_kind=mem_kind, device=0, aux=False,
+                                    state_types=[],
+                                    parallel=types.SimpleNamespace(layer_begin=2, layer_end=5))
+        s = object.__new__(KVSender)
+        s.kv_mgr, s.bootstrap_room, s.aux_index = mgr, 77, None
+        s.num_kv_indices, s.num_tokens = num_pages, num_pages * ps
+        s._pages_sent, s._last_sent, s._stream, s._written = 0, False, None, None
+        s._error, s._room = None, self.Room()
+        return s
+
+    def fake_torch(self, made):
+        cuda = types.SimpleNamespace(
+            Event=lambda: made.append(self.Event(done=made_done[0])) or made[-1],
+            current_stream=lambda dev: ("stream", dev))
+        made_done = [True]
+        mod = types.ModuleType("torch")
+        mod.cuda = cuda
+        return mod, made_done
+
+    def test_early_send_event_pending_then_next_chunk(self):
+        # SGLang's early send of a cached prefix hands over an event still pending: the
+        # chunk goes streamed, every layer of the stage waiting on that event; the next
+        # chunk first waits for it and marks the layers, then goes out.
+        s = self.sender(kvwire.MemKind.CUDA)
+        log = []
+        ev = self.Event(done=False, log=log)
+        s._early_send_wait_event = ev
+        s.send([1, 2])
+        self.assertEqual(s._room.calls, [("send_streamed", 0, 32, False), ("layers_ready", 2, 5, ev)])
+        self.assertIsNone(s._early_send_wait_event)
+        self.assertEqual(log, [])                    # nobody waited
+        made = []
+        torch, _ = self.fake_torch(made)
+        saved = sys.modules.get("torch")
+        sys.modules["torch"] = torch
+        try:
+            s.send([3, 4])
+        finally:
+            if saved is None:
+                del sys.modules["torch"]
+            else:
+                sys.modules["torch"] = saved
+        self.assertEqual(log, [("synchronize", ev)])
+        self.assertEqual(s._room.calls[2:], [("layers_ready", 2, 5, None), ("send", 32, 64, True)])
+        self.assertEqual(len(made), 1)               # the second chunk's own event...
+        self.assertEqual(made[0].recorded_on, ("stream", 0))   # ...on the current stream
+        self.assertIsNone(s._error)
+
+    def test_current_stream_event(self):
+        # No event from SGLang: one recorded on the caller's current stream; complete,
+        # the chunk is a plain send; pending, it waits on the event thread.
+        for done, want in ((True, [("send", 0, 64, True)]),
+                           (False, [("send_streamed", 0, 64, True), ("layers_ready", 2, 5)])):
+            s = self.sender(kvwire.MemKind.CUDA)
+            made = []
+            torch, made_done = self.fake_torch(made)
+            made_done[0] = done
+            saved = sys.modules.get("torch")
+            sys.modules["torch"] = torch
+            try:
+                s.send([1, 2, 3, 4])
+            finally:
+                if saved is None:
+                    del sys.modules["torch"]
+                else:
+                    sys.modules["torch"] = saved
+            self.assertEqual(len(made), 1)
+            self.assertEqual(made[0].recorded_on, ("stream", 0))
+            got = [c[:3] if c[0] == "layers_ready" else c for c in s._room.calls]
+            self.assertEqual(got, want)
+            if not done:
+                self.assertIs(s._room.calls[1][3], made[0])
+                self.assertIs(s._written, made[0])
+
+    def test_host_pools(self):
+        # Host pools: no event of our own; SGLang's, if any, is waited for here.
+        s = self.sender(kvwire.MemKind.HOST)
+        log = []
+        ev = self.Event(done=False, log=log)
+        s._early_send_wait_event = ev
+        s.send([1, 2, 3, 4])
+        self.assertEqual(log, [("synchronize", ev)])
+        self.assertEqual(s._room.calls, [("send", 0, 64, True)])
 
 
 if __name__ == "__main__":
