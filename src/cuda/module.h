@@ -292,9 +292,10 @@ kvw_status_t kvw__cuda_stage_buf(int which, uint64_t size, void **buf_p);
  * now (stream, events, slot buffers, kernels loaded), so that its first step pays none
  * of it: a prefill worker calls it when it starts. */
 kvw_status_t kvw__cuda_warm(int device);
-/* Adds an executor to `device`'s pool of batch-digest executors (kvw__cuda_plan_digest_n,
- * shared by the process's threads) now, with the calling thread's current device put
- * back: each context that verifies rooms on GPU buffers calls it when it starts. */
+/* Adds an executor to `device`'s pool of digest executors (for threads without one of
+ * their own, shared by the process's threads) now, with the calling thread's current
+ * device put back: each decode context that verifies rooms on GPU buffers calls it when
+ * it starts. */
 kvw_status_t kvw__cuda_digest_warm(int device);
 kvw_status_t kvw__cuda_host_register(void *ptr, uint64_t size);
 /* Events, for the protocol's layer marks and for tests (engines bring their own). */

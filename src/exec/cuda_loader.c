@@ -399,15 +399,16 @@ static kvw_status_t kvw_dig_prepare(const struct kvw_plan *plan, bool dst_side,
     return KVW_OK;
 }
 
-/* The executors of batch digests (kvw__cuda_plan_digest_n, a decode rank's read pass
- * once its room landed). Those run on threads that launch no steps, a transport's
- * progress thread or the control thread, so a thread's own executor would be made on
- * its first room (9-26 ms on an H200: a stream, events, buffers, the kernels loaded).
- * Instead the threads of the process share a pool per device: each verifying context
- * on GPU buffers adds one when it starts (kvw__cuda_digest_warm), so that its rooms'
- * digests run beside other contexts' as on threads of their own; a batch takes a free
- * one, a new one where all are busy (up to KVW_DEXEC_MAX), and holds it for the batch's
- * length, which it waits for anyway. Kept for the process's life. */
+/* The executors of digests waited for (kvw__cuda_plan_digest, _n) on threads without
+ * one of their own on the device. A prefill worker has its own (made when it starts) and
+ * digests on it. A decode rank's read pass, once its room landed, runs on a transport's
+ * progress thread or the control thread, which launch no steps: an executor of its own
+ * would be made on its first room (9-26 ms on an H200: a stream, events, buffers, the
+ * kernels loaded). Those threads share a pool per device instead: each verifying decode
+ * context on GPU buffers adds one when it starts (kvw__cuda_digest_warm), so that its
+ * rooms' digests run beside other contexts' as on threads of their own; a batch takes a
+ * free one, a new one where all are busy (up to KVW_DEXEC_MAX), and holds it for the
+ * batch's length, which it waits for anyway. Kept for the process's life. */
 #define KVW_DEXEC_DEVICES 64
 #define KVW_DEXEC_MAX 16
 typedef struct kvw_dexec {
@@ -511,7 +512,8 @@ kvw_status_t kvw__cuda_digest_warm(int device)
     return st;
 }
 
-/* n plans' digests on one side, one batch on the shared executor of their device (made
+/* n plans' digests on one side, one batch on the calling thread's executor of their
+ * device where it has one, else on one of the device's shared pool (the device made
  * current for the call, then put back), waited for once. */
 static kvw_status_t kvw_cuda_digest_batch(const struct kvw_plan *const *plans, uint32_t n,
                                           bool dst_side, const uint8_t *take,
@@ -560,7 +562,11 @@ static kvw_status_t kvw_cuda_digest_batch(const struct kvw_plan *const *plans, u
                              &prep[made], &din[made]);
         made++;
     }
-    if (st == KVW_OK && (st = kvw_dexec_lock(ops, dev, &d)) == KVW_OK) {
+    pthread_once(&kvw_texec_once, kvw_texec_init);
+    kvw_texec_t *t = kvw_texec_key_ok ? pthread_getspecific(kvw_texec_key) : NULL;
+    if (st == KVW_OK && t && t->device == dev) {
+        st = kvw__cuda_ret(ops, ops->exec_digest(t->ex, din, made));
+    } else if (st == KVW_OK && (st = kvw_dexec_lock(ops, dev, &d)) == KVW_OK) {
         st = kvw__cuda_ret(ops, ops->exec_digest(d->ex, din, made));
         pthread_mutex_unlock(&d->mu);
     }

@@ -53,11 +53,12 @@ typedef struct kvw_memops {
     kvw_status_t (*window_buf)(int which, uint64_t size, uint8_t **buf_p);
     /* The KV digest of a plan's rows on one side whose buffers are this kind
      * (plan/digest.h, kvw__plan_digest's arguments): host, the CPU; CUDA, a kernel on the
-     * buffers' device, on the executor the process's digests share there, waited for. */
+     * buffers' device, on the calling thread's executor there or else one of the pool the
+     * process's threads share, waited for. */
     kvw_status_t (*digest)(const struct kvw_plan *plan, bool dst_side, const uint8_t *take,
                            uint32_t layer_begin, uint64_t *units, uint32_t num_units);
     /* The same for n plans on one side, all layers of each, plans[i] adding to units[i]:
-     * host, one after the other; CUDA, one batch on the shared executor of their device (all
+     * host, one after the other; CUDA, one batch on an executor of their device, as above (all
      * the plans' buffers on that side GPU memory of one device, else UNSUPPORTED),
      * waited for once. */
     kvw_status_t (*digest_n)(const struct kvw_plan *const *plans, uint32_t n, bool dst_side,
@@ -74,9 +75,10 @@ typedef struct kvw_memops {
     /* Prepares the calling thread for steps on `device` (CUDA: its executor, made now
      * instead of on the first step); NULL for the host kind. */
     kvw_status_t (*warm)(int device);
-    /* Prepares an executor for digest and digest_n on `device` now, not on a room's
-     * first digest (CUDA: one more in the pool the process's threads share, the caller's
-     * current device put back); NULL for the host kind. */
+    /* Prepares an executor for digest and digest_n on `device` now, for threads without
+     * one of their own, not on a room's first digest (CUDA: one more in the pool the
+     * process's threads share, the caller's current device put back); NULL for the host
+     * kind. */
     kvw_status_t (*digest_warm)(int device);
 } kvw_memops_t;
 

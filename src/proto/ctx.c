@@ -162,10 +162,11 @@ static kvw_status_t kvw_ctx_tl_open(struct kvw_ctx *ctx, const kvw_ctx_params_t 
         return st;
     if ((st = kvw_check_mem_kinds(ctx)) != KVW_OK)
         return st;
-    /* Verified rooms on GPU buffers: the digest executor now, not on the first room's
-     * digest (a failure here comes back, with its message, on that digest). */
-    if (ctx->cfg.verify != KVW_VERIFY_OFF && ctx->cfg.gpu_warm && ctx->mem->digest_warm &&
-        ctx->mem->digest_warm(ctx->mem_dev) != KVW_OK)
+    /* A decode verifying rooms on GPU buffers: its digest executor now, not on the first
+     * room's digest (a failure here comes back, with its message, on that digest). A
+     * prefill digests on its workers' own executors. */
+    if (ctx->side == KVW_SIDE_DECODE && ctx->cfg.verify != KVW_VERIFY_OFF &&
+        ctx->cfg.gpu_warm && ctx->mem->digest_warm && ctx->mem->digest_warm(ctx->mem_dev) != KVW_OK)
         kvw__log(KVW_LOG_DEBUG, "preparing the GPU digest executor: %s", kvw_last_error());
     return KVW_OK;
 }
