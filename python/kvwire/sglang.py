@@ -1113,6 +1113,7 @@ class KVSender(_Request):
         self._last_sent = False
         self._stream = None  # layers still to be marked of a streamed chunk
         self._written = None  # the event the latest chunk waits on (_written_event)
+        self._early_send_wait_event = None  # set by SGLang's prefill.py before a send
 
     def _instance(self):
         return self.kv_mgr.bootstrap_addr
@@ -1221,8 +1222,7 @@ class KVSender(_Request):
         synchronizes before it sends, so that event has normally completed already and
         costs one record and one query; an engine that does not would otherwise have
         its last layers read while its kernels still write them."""
-        ev = getattr(self, "_early_send_wait_event", None)
-        self._early_send_wait_event = None
+        ev, self._early_send_wait_event = self._early_send_wait_event, None
         if self.kv_mgr.mem_kind != MemKind.CUDA:
             if ev is not None:
                 ev.synchronize()   # host pools written by the GPU: wait here

@@ -14,6 +14,7 @@ import sys
 import time
 import types
 import unittest
+from unittest import mock
 
 import kvtest_util as U
 import kvwire
@@ -930,7 +931,7 @@ class TestSendOrdering(unittest.TestCase):
         s.kv_mgr, s.bootstrap_room, s.aux_index = mgr, 77, None
         s.num_kv_indices, s.num_tokens = num_pages, num_pages * ps
         s._pages_sent, s._last_sent, s._stream, s._written = 0, False, None, None
-        s._error, s._room = None, self.Room()
+        s._error, s._room, s._early_send_wait_event = None, self.Room(), None
         return s
 
     def fake_torch(self, made):
@@ -956,15 +957,8 @@ class TestSendOrdering(unittest.TestCase):
         self.assertEqual(log, [])                    # nobody waited
         made = []
         torch, _ = self.fake_torch(made)
-        saved = sys.modules.get("torch")
-        sys.modules["torch"] = torch
-        try:
+        with mock.patch.dict(sys.modules, {"torch": torch}):
             s.send([3, 4])
-        finally:
-            if saved is None:
-                del sys.modules["torch"]
-            else:
-                sys.modules["torch"] = saved
         self.assertEqual(log, [("synchronize", ev)])
         self.assertEqual(s._room.calls[2:], [("layers_ready", 2, 5, None), ("send", 32, 64, True)])
         self.assertEqual(len(made), 1)               # the second chunk's own event...
@@ -980,15 +974,8 @@ class TestSendOrdering(unittest.TestCase):
             made = []
             torch, made_done = self.fake_torch(made)
             made_done[0] = done
-            saved = sys.modules.get("torch")
-            sys.modules["torch"] = torch
-            try:
+            with mock.patch.dict(sys.modules, {"torch": torch}):
                 s.send([1, 2, 3, 4])
-            finally:
-                if saved is None:
-                    del sys.modules["torch"]
-                else:
-                    sys.modules["torch"] = saved
             self.assertEqual(len(made), 1)
             self.assertEqual(made[0].recorded_on, ("stream", 0))
             got = [c[:3] if c[0] == "layers_ready" else c for c in s._room.calls]

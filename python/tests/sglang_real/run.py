@@ -443,7 +443,6 @@ def kv_writes(cfg, req, views, first, nh, alloc, locs, t0, t1):
     and of its state (the state slot) along with the last token: (buffer, locations,
     values), the values already where the buffer is (on CUDA, copied to the GPU now, so
     that writing them later is a kernel alone and the host does not wait for it)."""
-    import torch
     out = []
     for v in views:
         if len(v) == 3:       # a state tensor: the request's slot
@@ -460,10 +459,17 @@ def kv_writes(cfg, req, views, first, nh, alloc, locs, t0, t1):
             lc = np.asarray(alloc.translate_loc_from_full_to_swa(lc))
         out.append((buf, lc, pattern(req.bootstrap_room, layer, role, first, nh, range(t0, t1),
                                      cfg.hb)))
+    return [staged(buf, lc, val) for buf, lc, val in out]
+
+
+def staged(buf, locs, val):
+    """One write (buffer, locations, values) with its locations and values where the
+    buffer is (on CUDA, copied to the GPU now)."""
     if DEVICE == "cuda":
-        return [(buf, torch.tensor(np.asarray(lc), dtype=torch.int64, device="cuda"),
-                 torch.tensor(val, device="cuda")) for buf, lc, val in out]
-    return [(buf, np.asarray(lc), val) for buf, lc, val in out]
+        import torch
+        return (buf, torch.tensor(np.asarray(locs), dtype=torch.int64, device="cuda"),
+                torch.tensor(val, device="cuda"))
+    return (buf, np.asarray(locs), val)
 
 
 def write_kv(writes):
@@ -623,12 +629,7 @@ def run_decode(cfg, inst, tp_rank):
 
 
 def put(buf, locs, val):
-    import torch
-    if DEVICE == "cuda":
-        buf[torch.tensor(np.asarray(locs), dtype=torch.int64, device="cuda")] = \
-            torch.tensor(val, device="cuda")
-    else:
-        buf[np.asarray(locs)] = val
+    write_kv([staged(buf, locs, val)])
 
 
 def check_bytes(cfg, done, views, first, nh, alloc, rtp, md, cached=None, partial=()):
