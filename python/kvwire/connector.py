@@ -26,7 +26,8 @@ Receiver.metadata, which kvwire.sglang uses.
 """
 import enum
 
-from .core import (Context, LayerKind, Layout, Pool, Rank, RoomState, Side,
+from . import _order
+from .core import (Context, LayerKind, Layout, MemKind, Pool, Rank, RoomState, Side,
                    kv_cache_buffers)
 
 __all__ = ["KVPoll", "KVTransferError", "KVManager", "KVSender", "KVReceiver", "kvpoll",
@@ -123,9 +124,15 @@ class KVManager:
         except BaseException:
             self.rank.close()
             raise
+        self.cuda_device = self._cuda_device()
         self.page_size = self._pool_page_size(Pool.FULL)
         self.swa_page_size = self._pool_page_size(Pool.SWA)
         self.swa_window = model.max_window(self.parallel.layer_begin, self.parallel.layer_end)
+
+    def _cuda_device(self):
+        """The GPU holding the KV (its first CUDA buffer's), None for host KV: sends are
+        ordered after that device's current stream."""
+        return next((b.device for b in self.rank.buffers if b.mem_kind == MemKind.CUDA), None)
 
     def _pool_page_size(self, pool):
         for b in self.rank.buffers:
@@ -224,15 +231,17 @@ class KVSender(_Request):
         self._room = mgr.context.sender(self.bootstrap_room)
         self._sent = 0
         self._next_page = 0
+        self._written = None
 
     def init_tokens(self, num_tokens):
         """Announces the request's length in tokens (the prompt that prefill computes)."""
         self.num_tokens = int(num_tokens)
         self._sent = 0
         self._next_page = 0
+        self._written = None  # the event the last chunk waits on (kvwire._order)
 
     def send(self, page_indices, *, chunk_end=None, last=None, first_page=None,
-             swa_pages=None, swa_first_token=None, state_slot=None):
+             swa_pages=None, swa_first_token=None, state_slot=None, event=None):
         """Sends the next chunk: tokens [end of the previous chunk, chunk_end).
 
         page_indices: this rank's full-pool pages holding the chunk, starting with the
@@ -242,11 +251,12 @@ class KVSender(_Request):
         at num_tokens); last defaults to chunk_end == num_tokens. The last chunk also
         carries the sliding-window pages (swa_pages, starting at swa_first_token,
         default manager.swa_window_start(num_tokens)) and the state slot
-        (state_slot). KV in GPU memory must be written when send() is called
-        (synchronize the forward pass first): kvwire's streams do not wait for the
-        engine's. Where it may still be in flight, use kvwire.Sender.send_streamed and
-        layers_ready(event=...) on an event recorded after the writes, as kvwire.sglang
-        does."""
+        (state_slot). KV in GPU memory is read only after the work queued so far on
+        the caller's current stream (torch.cuda.current_stream): a chunk whose writes
+        are still in flight there waits for them on kvwire's event thread, without
+        blocking the caller or the stream (kvwire._order). `event` (a torch.cuda.Event
+        recorded after the writes) replaces that stream's event, for KV written on
+        another stream; host KV is read at once (event, if given, is waited for here)."""
         if self.num_tokens is None:
             raise RuntimeError("KVSender.init_tokens(num_tokens) must come before send()")
         ps = self.mgr.page_size or 1
@@ -264,8 +274,19 @@ class KVSender(_Request):
                 swa = swa_pages
                 swa_first = (self.mgr.swa_window_start(self.num_tokens)
                              if swa_first_token is None else swa_first_token)
-        self._room.send(self.num_tokens, self._sent, chunk_end, bool(last), pages, fp * ps, swa,
-                        swa_first, -1 if state_slot is None else state_slot)
+        par = self.mgr.parallel
+        _order.settle(self._room, self._written, par.layer_begin, par.layer_end)
+        self._written = None
+        if self.mgr.cuda_device is None:
+            if event is not None:
+                event.synchronize()  # host KV written by a GPU: wait here
+            event = None
+        elif event is None:
+            event = _order.current_stream_event(self.mgr.cuda_device)
+        self._written = _order.queue_after(
+            self._room, event, par.layer_begin, par.layer_end,
+            (self.num_tokens, self._sent, chunk_end, bool(last), pages, fp * ps, swa, swa_first,
+             -1 if state_slot is None else state_slot))
         self._sent = chunk_end
         self._next_page = chunk_end // ps
 

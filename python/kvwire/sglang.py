@@ -47,6 +47,7 @@ import socket
 import struct
 import sys
 
+from . import _order
 from .connector import KVPoll, kvpoll, _side
 from .core import (Buffer, Context, KvwireError, LayerKind, MemKind, Model, Parallel, Pool, Rank,
                    Role, RoomState, Side, Status, BootstrapServer, topo_heads)
@@ -1193,19 +1194,13 @@ class KVSender(_Request):
                 self._room.send_streamed(self.num_tokens, first * ps, end_tok, last, pages,
                                          first * ps, swa, swa_first, slot)
             elif pages or last:
-                ev = self._written_event()
-                if ev is None or ev.query():
-                    self._room.send(self.num_tokens, first * ps, end_tok, last, pages,
-                                    first * ps, swa, swa_first, slot)
-                else:
-                    # Still being written: queued as a streamed chunk whose every layer
-                    # waits on the event, so that neither this thread nor the engine's
-                    # stream waits.
-                    par = self.kv_mgr.parallel
-                    self._room.send_streamed(self.num_tokens, first * ps, end_tok, last,
-                                             pages, first * ps, swa, swa_first, slot)
-                    self._room.layers_ready(par.layer_begin, par.layer_end, event=ev)
-                    self._written = ev
+                # Still being written: queued as a streamed chunk whose every layer waits
+                # on the event (kvwire._order).
+                par = self.kv_mgr.parallel
+                self._written = _order.queue_after(
+                    self._room, self._written_event(), par.layer_begin, par.layer_end,
+                    (self.num_tokens, first * ps, end_tok, last, pages, first * ps, swa,
+                     swa_first, slot))
         except KvwireError as e:
             self._fail(e.message or str(e), e.status)
         self._pages_sent = end_page
@@ -1227,14 +1222,7 @@ class KVSender(_Request):
             if ev is not None:
                 ev.synchronize()   # host pools written by the GPU: wait here
             return None
-        if ev is None:
-            try:
-                import torch
-            except ImportError:
-                return None
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.kv_mgr.device))
-        return ev
+        return ev if ev is not None else _order.current_stream_event(self.kv_mgr.device)
 
     def _settle_written(self):
         """Before the next chunk: the previous one, if it waited on an event, must have
@@ -1243,11 +1231,8 @@ class KVSender(_Request):
         wrote the previous chunk, and the layers marked at once rather than at the
         event thread's next poll."""
         ev, self._written = self._written, None
-        if ev is None:
-            return
-        ev.synchronize()
         par = self.kv_mgr.parallel
-        self._room.layers_ready(par.layer_begin, par.layer_end)
+        _order.settle(self._room, ev, par.layer_begin, par.layer_end)
 
     def layers_ready(self, layer_begin, layer_end=None, event=None):
         """Marks the global layers [layer_begin, layer_end) (layer_end defaults to
