@@ -80,13 +80,65 @@ def _bits(t):
     return t.view(torch.int16)  # bf16 compared bit for bit (random bits hold NaNs)
 
 
-def prefill_worker_torch(conn, transport="cuda_ipc", events=False):
+def _unsynchronized_write(tr):
+    """Zeroes the rank's KV (synchronized), then queues on the current stream a long
+    sleep followed by the writes of its real contents, and returns without waiting: a
+    send that does not order its reads after this stream reads zeros."""
+    real = [t.clone() for _, _, t in tr.planes]
+    for _, _, t in tr.planes:
+        t.zero_()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles
+    for (_, _, t), r in zip(tr.planes, real):
+        t.copy_(r, non_blocking=True)
+
+
+def _connector_sends(tr, model, transport, conn):
+    """The connector's calls on KV written without synchronizing (_unsynchronized_write):
+    KVManager, then KVSender.init_tokens and send per chunk, polled to the end."""
+    from kvwire.connector import KVManager, KVPoll, KVSender
+    mgr = KVManager(model, kvwire.Parallel(1, 0), "prefill", "127.0.0.1:0", buffers=tr.buffers,
+                    transport=transport, wait_timeout_ms=30000)
+    try:
+        conn.send(("addr", mgr.bootstrap_addr))
+        if conn.recv() != "go":
+            return
+        reqs = U.make_requests()
+        pages = U.prefill_pages(reqs, 0)
+        _unsynchronized_write(tr)
+        senders = []
+        for r in reqs:
+            full, swa, swa0 = pages[r["room"]]
+            s = KVSender(mgr, bootstrap_room=r["room"])
+            s.init_tokens(r["n"])
+            for (b, e) in r["chunks"]:
+                s.send(full, chunk_end=e, first_page=0, swa_pages=swa, swa_first_token=swa0)
+            senders.append((r["room"], s))
+        out = []
+        t_end = time.monotonic() + TIMEOUT
+        for room, s in senders:
+            while s.poll() not in (KVPoll.Success, KVPoll.Failed) and time.monotonic() < t_end:
+                time.sleep(0.001)
+            st = s.poll()
+            out.append((room, "SUCCESS" if st == KVPoll.Success else st.name, s.failure_reason))
+        conn.send(("results", out))
+        conn.recv()
+        for _, s in senders:
+            s.close()
+    finally:
+        mgr.close()
+
+
+def prefill_worker_torch(conn, transport="cuda_ipc", events=False, api="core"):
     ctx = None
     try:
         torch.cuda.set_device(PREFILL_GPU)
         model = U.gptoss_model(U.WINDOW, HEADS, HEAD_DIM)
         tr = TorchRank(model, 1, 0, "cuda:%d" % PREFILL_GPU, U.PREFILL_SEED)
         torch.cuda.synchronize()
+        if api == "connector":
+            _connector_sends(tr, model, transport, conn)
+            return
         ctx = kvwire.Context(tr.rank, "prefill", "127.0.0.1:0", transport=transport,
                              host_bootstrap=True, wait_timeout_ms=30000)
         conn.send(("addr", ctx.bootstrap_addr))
@@ -188,12 +240,19 @@ class TestTorchGpu(unittest.TestCase):
         kvwire.load_library()
         self._run("tcp", events=True)
 
-    def _run(self, transport, events=False):
+    def test_connector_unsynchronized_writes_tcp(self):
+        """kvwire.connector on KV the prefill wrote with kernels still queued on its
+        stream (a long sleep ahead of them), sent at once without synchronizing: the
+        decode must receive the written bytes, not the zeros there before."""
+        kvwire.load_library()
+        self._run("tcp", api="connector")
+
+    def _run(self, transport, events=False, api="core"):
         model = U.gptoss_model(U.WINDOW, HEADS, HEAD_DIM)
         reqs = U.make_requests()
         mp = multiprocessing.get_context("spawn")
         conn, child = mp.Pipe()
-        proc = mp.Process(target=prefill_worker_torch, args=(child, transport, events),
+        proc = mp.Process(target=prefill_worker_torch, args=(child, transport, events, api),
                           daemon=True)
         proc.start()
         child.close()
