@@ -667,6 +667,11 @@ static void run_profile(const char *tl, const profile_t *pf, uint32_t rooms, uin
     kvw__tl_fault_stats(f1);
     for (int i = 0; i < KVW_FAULT_NUM_KINDS; i++)
         t.faults[i] = f1[i] - f0[i];
+    /* Without faults the wrapper hands tcp's combined put-and-notify call through: the
+     * direct path's real call, not its put-then-notify fallback, is what ran. */
+    if (strcmp(pf->spec, "") == 0 && strcmp(tl, "tcp") == 0 && t.rooms &&
+        t.faults[KVW_FAULT_PUT_NOTIFY_CALLS] == 0)
+        fail("profile %s over tcp: no put_notify call reached the transport", pf->name);
     if (pf->clean && t.succeeded != t.rooms)
         fail("profile %s over %s: %llu of %llu rooms did not succeed without faults that lose "
              "data", pf->name, tl, (unsigned long long)(t.rooms - t.succeeded),

@@ -661,6 +661,43 @@ static kvw_status_t fault_notify(fault_slot_t *s, kvw_tl_ep_h ep, const void *ms
     return fault_ep_leave(s, e, st);
 }
 
+/* Whether a configuration changes no put and no notification (delays aside). */
+static bool fault_cfg_passes(const fault_cfg_t *c)
+{
+    return c->drop_put == 0 && c->trunc_put == 0 && c->dup_put == 0 && c->reorder_put == 0 &&
+           c->fail_put == 0 && c->mislay_put == 0 && c->drop_notify == 0 && c->dup_notify == 0 &&
+           c->reorder_notify == 0 && c->corrupt_notify == 0 && c->fail_notify == 0 &&
+           c->close_after_puts == 0 && c->close_after_notifies == 0;
+}
+
+/* Puts and their notification in one call (transport.h's put_notify; offered when the
+ * inner transport has it). An endpoint whose faults change neither goes to the inner
+ * put_notify after its delay, so that tests on the wrapper run the transport's own
+ * combined path (tcp: one sendmsg); otherwise the call is a fault_put and a fault_notify,
+ * each with its faults. */
+static kvw_status_t fault_put_notify(fault_slot_t *s, kvw_tl_ep_h ep, uint64_t room,
+                                     const kvw_tl_put_t *puts, size_t n, const void *msg,
+                                     size_t len)
+{
+    kvw_status_t st;
+    fault_ep_t *e = fault_ep_enter(s, ep, &st);
+    if (st != KVW_OK)
+        return st;
+    if (e == NULL)
+        return s->inner->put_notify(ep, room, puts, n, msg, len);
+    fault_tl_t *t = e->tl;
+    if (fault_cfg_passes(&t->cfg)) {
+        fault_count(KVW_FAULT_PUT_NOTIFY_CALLS, 1);
+        fault_maybe_delay(t);
+        __atomic_add_fetch(&e->put_calls, 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&e->notify_calls, 1, __ATOMIC_RELAXED);
+        return fault_ep_leave(s, e, s->inner->put_notify(ep, room, puts, n, msg, len));
+    }
+    (void)fault_ep_leave(s, e, KVW_OK);
+    st = fault_put(s, ep, room, puts, n);
+    return st == KVW_OK ? fault_notify(s, ep, msg, len) : st;
+}
+
 static uint64_t fault_instance_caps(kvw_tl_h tl)
 {
     fault_tl_t *t = fault_tl(tl);
@@ -755,6 +792,12 @@ static void fault_fini(kvw_tl_h tl)
     {                                                                                      \
         return fault_notify(&fault_slots[i], ep, m, len);                                  \
     }                                                                                      \
+    static kvw_status_t fault_put_notify_##i(kvw_tl_ep_h ep, uint64_t room,                \
+                                             const kvw_tl_put_t *p, size_t n,               \
+                                             const void *m, size_t len)                     \
+    {                                                                                      \
+        return fault_put_notify(&fault_slots[i], ep, room, p, n, m, len);                  \
+    }                                                                                      \
     static void fault_ep_close_##i(kvw_tl_ep_h ep)                                         \
     {                                                                                      \
         fault_ep_close(&fault_slots[i], ep);                                               \
@@ -772,7 +815,8 @@ FAULT_SLOT_FNS(7)
 #define FAULT_SLOT_OPS(i)                                                                  \
     {.init = fault_init_##i, .rkey_unpack = fault_rkey_unpack_##i,                         \
      .rkey_release = fault_rkey_release_##i, .put = fault_put_##i,                         \
-     .notify = fault_notify_##i, .ep_close = fault_ep_close_##i}
+     .notify = fault_notify_##i, .put_notify = fault_put_notify_##i,                       \
+     .ep_close = fault_ep_close_##i}
 
 static const kvw_tl_ops_t fault_slot_ops[FAULT_SLOTS] = {
     FAULT_SLOT_OPS(0), FAULT_SLOT_OPS(1), FAULT_SLOT_OPS(2), FAULT_SLOT_OPS(3),
@@ -822,6 +866,8 @@ const kvw_tl_ops_t *kvw__tl_fault_wrap(const kvw_tl_ops_t *inner, const char *sp
             s->ops.fini = fault_fini;
             s->ops.caps = inner->caps;
             s->ops.instance_caps = inner->instance_caps ? fault_instance_caps : NULL;
+            if (inner->put_notify == NULL)
+                s->ops.put_notify = NULL;
             pthread_mutex_init(&s->mu, NULL);
             pthread_cond_init(&s->cv, NULL);
         }

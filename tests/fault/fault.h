@@ -27,6 +27,11 @@
  *   close_after_notifies=N   the same at its N-th notification
  *   fail_connect=P       connect fails with IO
  *
+ * A transport with put_notify (puts and their notification in one call: tcp) keeps it:
+ * an endpoint whose spec changes no put and no notification (delays aside) calls the
+ * inner put_notify, counted as "put_notify calls"; otherwise the call is a put then a
+ * notify, each with its faults.
+ *
  * Probabilities are in [0, 1]. An unknown key or a bad value is an INVALID_PARAM error.
  * Dropping or truncating puts silently is the fault a correct protocol must catch by
  * itself (byte counts, checks): the transport reports success.
@@ -45,10 +50,11 @@
 
 #include "transport/transport.h"
 
-/* Kinds of injected faults (and two plain counters), for kvw__tl_fault_stats. */
+/* Kinds of injected faults (and three plain counters), for kvw__tl_fault_stats. */
 #define KVW_FAULT_KINDS(X)                                                                \
     X(PUT_CALLS, "put calls")                                                             \
     X(NOTIFY_CALLS, "notify calls")                                                       \
+    X(PUT_NOTIFY_CALLS, "put_notify calls")                                               \
     X(DELAY, "delay")                                                                     \
     X(DROP_PUT, "drop_put")                                                               \
     X(TRUNC_PUT, "trunc_put")                                                             \
