@@ -12,36 +12,7 @@ from unittest import mock
 
 import kvwire
 from kvwire.connector import KVSender
-
-
-class Event:
-    def __init__(self, done=True, log=None):
-        self.done, self.log = done, log if log is not None else []
-        self.recorded_on = None
-
-    def record(self, stream):
-        self.recorded_on = stream
-
-    def query(self):
-        return self.done
-
-    def synchronize(self):
-        self.log.append(("synchronize", self))
-        self.done = True
-
-
-class Room:
-    def __init__(self):
-        self.calls = []
-
-    def send(self, *a):
-        self.calls.append(("send",) + a[1:4])
-
-    def send_streamed(self, *a):
-        self.calls.append(("send_streamed",) + a[1:4])
-
-    def layers_ready(self, b, e=None, event=None):
-        self.calls.append(("layers_ready", b, e, event))
+from order_standins import Event, Room, fake_torch
 
 
 def sender(cuda_device, ps=16, tokens=64):
@@ -54,15 +25,6 @@ def sender(cuda_device, ps=16, tokens=64):
     s._written = None
     s.init_tokens(tokens)
     return s
-
-
-def fake_torch(made, done):
-    """A torch module whose cuda.Event() makes Events (done or not) into `made`."""
-    mod = types.ModuleType("torch")
-    mod.cuda = types.SimpleNamespace(
-        Event=lambda: made.append(Event(done=done)) or made[-1],
-        current_stream=lambda dev: ("stream", dev))
-    return mod
 
 
 class TestConnectorOrder(unittest.TestCase):

@@ -17,6 +17,7 @@ import unittest
 from unittest import mock
 
 import kvtest_util as U
+from order_standins import Event, Room, fake_torch
 import kvwire
 from kvwire.sglang import (KVArgs, KVBootstrapServer, KVManager, KVPoll, KVReceiver, KVSender,
                            KVTransferError, StateType)
@@ -892,37 +893,6 @@ class TestSendOrdering(unittest.TestCase):
     them, so this runs without a GPU; on one, python/tests/sglang_real's
     unsynchronized_forward and prefill_cached_prefix_early_send check the bytes."""
 
-    class Event:
-        def __init__(self, done=True, log=None):
-            self.done, self.log = done, log if log is not None else []
-            self.recorded_on = None
-
-        def record(self, stream):
-            self.recorded_on = stream
-
-        def query(self):
-            return self.done
-
-        def synchronize(self):
-            self.log.append(("synchronize", self))
-            self.done = True
-
-    class Room:
-        def __init__(self):
-            self.calls = []
-
-        def send(self, *a):
-            self.calls.append(("send",) + a[1:4])
-
-        def send_streamed(self, *a):
-            self.calls.append(("send_streamed",) + a[1:4])
-
-        def layers_ready(self, b, e=None, event=None):
-            self.calls.append(("layers_ready", b, e, event))
-
-        def set_metadata(self, data):
-            self.calls.append(("set_metadata",))
-
     def sender(self, mem_kind, num_pages=4, ps=16):
         mgr = types.SimpleNamespace(page_size=ps, mem_kind=mem_kind, device=0, aux=False,
                                     state_types=[],
@@ -931,17 +901,8 @@ class TestSendOrdering(unittest.TestCase):
         s.kv_mgr, s.bootstrap_room, s.aux_index = mgr, 77, None
         s.num_kv_indices, s.num_tokens = num_pages, num_pages * ps
         s._pages_sent, s._last_sent, s._stream, s._written = 0, False, None, None
-        s._error, s._room, s._early_send_wait_event = None, self.Room(), None
+        s._error, s._room, s._early_send_wait_event = None, Room(), None
         return s
-
-    def fake_torch(self, made):
-        cuda = types.SimpleNamespace(
-            Event=lambda: made.append(self.Event(done=made_done[0])) or made[-1],
-            current_stream=lambda dev: ("stream", dev))
-        made_done = [True]
-        mod = types.ModuleType("torch")
-        mod.cuda = cuda
-        return mod, made_done
 
     def test_early_send_event_pending_then_next_chunk(self):
         # SGLang's early send of a cached prefix hands over an event still pending: the
@@ -949,14 +910,14 @@ class TestSendOrdering(unittest.TestCase):
         # chunk first waits for it and marks the layers, then goes out.
         s = self.sender(kvwire.MemKind.CUDA)
         log = []
-        ev = self.Event(done=False, log=log)
+        ev = Event(done=False, log=log)
         s._early_send_wait_event = ev
         s.send([1, 2])
         self.assertEqual(s._room.calls, [("send_streamed", 0, 32, False), ("layers_ready", 2, 5, ev)])
         self.assertIsNone(s._early_send_wait_event)
         self.assertEqual(log, [])                    # nobody waited
         made = []
-        torch, _ = self.fake_torch(made)
+        torch = fake_torch(made)
         with mock.patch.dict(sys.modules, {"torch": torch}):
             s.send([3, 4])
         self.assertEqual(log, [("synchronize", ev)])
@@ -972,8 +933,7 @@ class TestSendOrdering(unittest.TestCase):
                            (False, [("send_streamed", 0, 64, True), ("layers_ready", 2, 5)])):
             s = self.sender(kvwire.MemKind.CUDA)
             made = []
-            torch, made_done = self.fake_torch(made)
-            made_done[0] = done
+            torch = fake_torch(made, done)
             with mock.patch.dict(sys.modules, {"torch": torch}):
                 s.send([1, 2, 3, 4])
             self.assertEqual(len(made), 1)
@@ -988,7 +948,7 @@ class TestSendOrdering(unittest.TestCase):
         # Host pools: no event of our own; SGLang's, if any, is waited for here.
         s = self.sender(kvwire.MemKind.HOST)
         log = []
-        ev = self.Event(done=False, log=log)
+        ev = Event(done=False, log=log)
         s._early_send_wait_event = ev
         s.send([1, 2, 3, 4])
         self.assertEqual(log, [("synchronize", ev)])
