@@ -2,8 +2,8 @@
  * Rooms a peer may create on a prefill rank are bounded (KVW_MAX_PEER_ROOMS, default
  * 4096). Decode instance 1 sends 200,000 REQs for room ids the prefill engine never
  * opened, on its own control channel: the prefill rank keeps at most the bound (the
- * process's resident memory grows by less than 64 MiB; without the bound it grows by
- * about 1 KiB per REQ), refuses the rest, and refuses instance 1's next real room with
+ * process's resident memory grows by less than the refusals' queue bound plus 48 MiB;
+ * without the bound it grows by about 1 KiB per REQ), refuses the rest, and refuses instance 1's next real room with
  * BUSY and a reason naming the setting. Decode instance 2's honest room meanwhile
  * succeeds with every byte checked.
  *
@@ -156,8 +156,14 @@ int main(void)
 #if !defined(__SANITIZE_THREAD__)
     /* (ThreadSanitizer's shadow and history memory grow with every access: under it
      * only the room count below bounds what the library keeps.) */
-    CHECK(after < before + (64ull << 20), "RSS grew by %llu MiB under the flood (bound 64)",
-          (unsigned long long)((after - before) >> 20));
+    /* What the library may keep: the rooms (about 22 MiB under ASan, less without) and
+     * the refusals queued for the flooding peer while it reads them more slowly than
+     * they are made, which a loaded host makes likely (up to KVW_MAX_OUT_BYTES, 64 MiB,
+     * before the peer is dropped; one run under load grew by 91 MiB). Without the room
+     * bound the flood keeps about 1 KiB per REQ, 195 MiB. */
+    uint64_t bound = (uint64_t)KVW_MAX_OUT_BYTES + (48ull << 20);
+    CHECK(after < before + bound, "RSS grew by %llu MiB under the flood (bound %llu)",
+          (unsigned long long)((after - before) >> 20), (unsigned long long)(bound >> 20));
 #endif
     struct kvw_ctx *pc = pctx;
     pthread_mutex_lock(&pc->mu);
