@@ -545,6 +545,7 @@ static void *kvw_bs_main(void *arg)
                     close(fd);
                     continue;
                 }
+                kvw__sock_nodelay(fd);
                 uint64_t t = kvw__now_ns();
                 conns[n++] = (kvw_bs_conn_t){.fd = fd, .id = ++next_id, .src = src,
                                              .accepted_ns = t,

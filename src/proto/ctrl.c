@@ -268,8 +268,10 @@ void *kvw__ctrl_main(void *arg)
         }
         if (ctx->listen_fd >= 0 && pfd[1].revents) {
             int fd = accept4(ctx->listen_fd, NULL, NULL, SOCK_CLOEXEC);
-            if (fd >= 0)
+            if (fd >= 0) {
+                kvw__sock_nodelay(fd);
                 kvw__start_handshake(ctx, fd);
+            }
         }
         pthread_mutex_lock(&ctx->mu);
         for (nfds_t i = first_peer; i < n; i++)

@@ -375,10 +375,15 @@ static kvw_status_t kvw_connect_one(const struct sockaddr_storage *sa, socklen_t
             return st;
         }
     }
-    int one = 1;
-    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+    kvw__sock_nodelay(fd);
     *fd_p = fd;
     return KVW_OK;
+}
+
+void kvw__sock_nodelay(int fd)
+{
+    int one = 1;
+    (void)setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
 }
 
 kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_p)

@@ -115,5 +115,10 @@ void kvw__format_hostport(const char *host, unsigned port, char *out, size_t cap
 void kvw__host_unbracket(char *host);
 kvw_status_t kvw__tcp_listen(const char *host, uint16_t port, int *fd_p, uint16_t *port_p);
 kvw_status_t kvw__tcp_connect(const char *host, uint16_t port, uint64_t deadline_ns, int *fd_p);
+/* Turns Nagle's algorithm off on a control or bootstrap socket, connected or accepted
+ * (an accepted socket does not get it from the connecting side): a frame written while
+ * an earlier one is unacknowledged would otherwise wait for the peer's delayed ACK, up
+ * to 40 ms on Linux. Best effort (a socket that is not TCP keeps its behaviour). */
+void kvw__sock_nodelay(int fd);
 
 #endif
