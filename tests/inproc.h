@@ -116,6 +116,42 @@ static inline void ip_params_decode(kvw_ctx_params_t *p, kvw_ctx_h pctx, const k
     p->host_bootstrap = 0;
 }
 
+/* One prefill rank and n decode instances of TP1 over `tl`: ranks[0] the prefill's,
+ * ranks[1 .. n] the decode instances' (8 pages, one state slot, filled with seeds 1, 2,
+ * ...); the prefill hosts its bootstrap on 127.0.0.1:0, decode instance i (ids from 1)
+ * registers there; wait_ms: the contexts' wait timeout (scaled here). false, with the
+ * failed checks, when a rank or a context could not be made. */
+static inline bool ip_prefill_decodes(const kvt_model_t *model, const char *tl,
+                                      uint64_t wait_ms, uint32_t n, kvt_rank_t *ranks,
+                                      kvw_ctx_h *pctx, kvw_ctx_h *dctx)
+{
+    for (uint32_t i = 0; i <= n; i++) {
+        CHECK(ip_rank(model, 1, 0, 8, 1, &ranks[i]) == KVW_OK, "rank %u: %s", i,
+              kvw_last_error());
+        if (ranks[i].h == NULL)
+            return false;
+        kvt_rank_fill(&ranks[i], i + 1);
+    }
+    kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &ranks[0], tl, "127.0.0.1:0", true);
+    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
+    p.wait_timeout_ms = kvt_tmo_ms(wait_ms);
+    CHECK(kvw_ctx_create(&p, pctx) == KVW_OK, "prefill: %s", kvw_last_error());
+    if (*pctx == NULL)
+        return false;
+    char bs[128];
+    ip_params_decode(&p, *pctx, &ranks[1], bs, sizeof(bs));
+    p.field_mask |= KVW_CTX_FIELD_INSTANCE;
+    for (uint32_t i = 0; i < n; i++) {
+        p.rank = ranks[i + 1].h;
+        p.instance_id = i + 1;
+        CHECK(kvw_ctx_create(&p, &dctx[i]) == KVW_OK, "decode instance %u: %s", i + 1,
+              kvw_last_error());
+        if (dctx[i] == NULL)
+            return false;
+    }
+    return true;
+}
+
 /* ---------------------------------------------------------------- rooms */
 
 /* Polls a receiver until Success or Failed, at most deadline_ns (scaled by the caller);

@@ -22,6 +22,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <stdio.h>
+#include <string.h>
 #include <sys/socket.h>
 
 #define TOKENS 48
@@ -54,39 +55,18 @@ int main(void)
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (ip_model("test_ctrl_nodelay", &model))
         return 1;
-    kvt_rank_t src = {0}, da = {0}, db = {0};
-    CHECK(ip_rank(&model, 1, 0, 8, 1, &src) == KVW_OK &&
-              ip_rank(&model, 1, 0, 8, 1, &da) == KVW_OK &&
-              ip_rank(&model, 1, 0, 8, 1, &db) == KVW_OK,
-          "%s", kvw_last_error());
-    if (failures)
-        return 1;
-    kvt_rank_fill(&src, 1);
-    kvt_rank_fill(&da, 2);
-    kvt_rank_fill(&db, 3);
-    kvw_ctx_h pctx = NULL, a = NULL, b = NULL;
-    kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, "tcp", "127.0.0.1:0", true);
-    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
-    p.wait_timeout_ms = kvt_tmo_ms(30000);
-    CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
-    if (pctx == NULL)
-        return 1;
-    char bs[128];
-    ip_params_decode(&p, pctx, &da, bs, sizeof(bs));
-    p.field_mask |= KVW_CTX_FIELD_INSTANCE;
-    p.instance_id = 1;
-    CHECK(kvw_ctx_create(&p, &a) == KVW_OK, "decode instance 1: %s", kvw_last_error());
-    p.rank = db.h;
-    p.instance_id = 2;
-    CHECK(kvw_ctx_create(&p, &b) == KVW_OK, "decode instance 2: %s", kvw_last_error());
-    if (a == NULL || b == NULL)
-        return 1;
+    kvt_rank_t rk[3];
+    memset(rk, 0, sizeof(rk));
+    kvw_ctx_h pctx = NULL, dc[2] = {NULL, NULL};
+    if (!ip_prefill_decodes(&model, "tcp", 30000, 2, rk, &pctx, dc))
+        return ip_summary("test_ctrl_nodelay");
+    kvw_ctx_h a = dc[0], b = dc[1];
     ip_room_t ra = {.id = 1, .tokens = TOKENS, .seed = 4, .deadline_ns = DEADLINE_NS,
                     .what = "decode instance 1's room"};
-    ip_room_verified(&model, pctx, &src, a, &da, &ra);
+    ip_room_verified(&model, pctx, &rk[0], a, &rk[1], &ra);
     ip_room_t rb = {.id = 2, .tokens = TOKENS, .seed = 5, .deadline_ns = DEADLINE_NS,
                     .what = "decode instance 2's room"};
-    ip_room_verified(&model, pctx, &src, b, &db, &rb);
+    ip_room_verified(&model, pctx, &rk[0], b, &rk[2], &rb);
 
     uint32_t np = check_peers(pctx, "prefill (accepted sockets)");
     uint32_t na = check_peers(a, "decode instance 1 (connected)");
@@ -98,8 +78,7 @@ int main(void)
     kvw_ctx_destroy(b);
     kvw_ctx_destroy(a);
     kvw_ctx_destroy(pctx);
-    kvt_rank_free(&src);
-    kvt_rank_free(&da);
-    kvt_rank_free(&db);
+    for (int i = 0; i < 3; i++)
+        kvt_rank_free(&rk[i]);
     return ip_summary("test_ctrl_nodelay");
 }

@@ -91,38 +91,17 @@ int main(void)
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (ip_model("test_peer_rooms_bound", &model))
         return 1;
-    kvt_rank_t src = {0}, da = {0}, db = {0};
-    CHECK(ip_rank(&model, 1, 0, 8, 1, &src) == KVW_OK &&
-              ip_rank(&model, 1, 0, 8, 1, &da) == KVW_OK &&
-              ip_rank(&model, 1, 0, 8, 1, &db) == KVW_OK,
-          "%s", kvw_last_error());
-    if (failures)
+    kvt_rank_t rk[3];
+    memset(rk, 0, sizeof(rk));
+    kvw_ctx_h pctx = NULL, dc[2] = {NULL, NULL};
+    if (!ip_prefill_decodes(&model, "tcp", 30000, 2, rk, &pctx, dc))
         return 1;
-    kvt_rank_fill(&src, 1);
-    kvt_rank_fill(&da, 2);
-    kvt_rank_fill(&db, 3);
-    kvw_ctx_h pctx = NULL, a = NULL, b = NULL;
-    kvw_ctx_params_t p = ip_params(KVW_SIDE_PREFILL, &src, "tcp", "127.0.0.1:0", true);
-    p.bootstrap_timeout_ms = kvt_tmo_ms(10000);
-    p.wait_timeout_ms = kvt_tmo_ms(30000);
-    CHECK(kvw_ctx_create(&p, &pctx) == KVW_OK, "prefill: %s", kvw_last_error());
-    if (pctx == NULL)
-        return 1;
-    char bs[128];
-    ip_params_decode(&p, pctx, &da, bs, sizeof(bs));
-    p.field_mask |= KVW_CTX_FIELD_INSTANCE;
-    p.instance_id = 1;
-    CHECK(kvw_ctx_create(&p, &a) == KVW_OK, "decode instance 1: %s", kvw_last_error());
-    p.rank = db.h;
-    p.instance_id = 2;
-    CHECK(kvw_ctx_create(&p, &b) == KVW_OK, "decode instance 2: %s", kvw_last_error());
-    if (a == NULL || b == NULL)
-        return 1;
-
+    kvt_rank_t *src = &rk[0], *da = &rk[1], *db = &rk[2];
+    kvw_ctx_h a = dc[0], b = dc[1];
     /* A first honest room warms every path up before the baseline. */
     ip_room_t warm = {.id = 1, .tokens = TOKENS, .seed = 4, .deadline_ns = DEADLINE_NS,
                       .what = "warm-up room"};
-    ip_room_verified(&model, pctx, &src, b, &db, &warm);
+    ip_room_verified(&model, pctx, src, b, db, &warm);
 
     uint64_t before = rss_bytes();
     uint64_t t0 = kvt_now_ns();
@@ -139,7 +118,7 @@ int main(void)
     kvt_req_spec_t rs = {.full_begin = 0, .full_end = TOKENS, .swa_begin = 0,
                          .swa_end = TOKENS, .state_slot = -1};
     kvt_req_pages_t dp;
-    CHECK(kvt_req_pages_make(&da, &rs, &rng, &dp) == 0, "destination pages");
+    CHECK(kvt_req_pages_make(da, &rs, &rng, &dp) == 0, "destination pages");
     kvw_recv_post_t post = {.field_mask = KVW_RECV_POST_FIELDS_ALL, .num_tokens = TOKENS,
                             .prefix_len = 0, .pages = dp.side};
     CHECK(kvw_receiver_post(rcv, &post) == KVW_OK, "%s", kvw_last_error());
@@ -176,13 +155,12 @@ int main(void)
     /* The other instance is not affected. */
     ip_room_t room = {.id = 2, .tokens = TOKENS, .seed = 9, .deadline_ns = DEADLINE_NS,
                       .what = "honest room of instance 2"};
-    ip_room_verified(&model, pctx, &src, b, &db, &room);
+    ip_room_verified(&model, pctx, src, b, db, &room);
 
     kvw_ctx_destroy(a);
     kvw_ctx_destroy(b);
     kvw_ctx_destroy(pctx);
-    kvt_rank_free(&src);
-    kvt_rank_free(&da);
-    kvt_rank_free(&db);
+    for (int i = 0; i < 3; i++)
+        kvt_rank_free(&rk[i]);
     return ip_summary("test_peer_rooms_bound");
 }
