@@ -11,7 +11,19 @@ stream waits. The next chunk of the room settles the previous one first: the lib
 takes a room's next chunk only once every layer of its streamed chunk was marked.
 """
 
-__all__ = ["current_stream_event", "queue_after", "settle"]
+__all__ = ["chunk_event", "current_stream_event", "queue_after", "settle"]
+
+
+def chunk_event(event, cuda_device):
+    """The event a chunk's reads wait for. KV on GPU `cuda_device`: `event` (the caller's,
+    recorded after writes on another stream) or else one recorded now on the current
+    stream. Host KV (cuda_device None): none; a given event is waited for here (host
+    memory written by a GPU)."""
+    if cuda_device is None:
+        if event is not None:
+            event.synchronize()
+        return None
+    return event if event is not None else current_stream_event(cuda_device)
 
 
 def current_stream_event(device):

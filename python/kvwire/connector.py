@@ -276,15 +276,10 @@ class KVSender(_Request):
                              if swa_first_token is None else swa_first_token)
         par = self.mgr.parallel
         _order.settle(self._room, self._written, par.layer_begin, par.layer_end)
-        self._written = None
-        if self.mgr.cuda_device is None:
-            if event is not None:
-                event.synchronize()  # host KV written by a GPU: wait here
-            event = None
-        elif event is None:
-            event = _order.current_stream_event(self.mgr.cuda_device)
+        self._written = None  # settled, even if queueing this chunk raises below
         self._written = _order.queue_after(
-            self._room, event, par.layer_begin, par.layer_end,
+            self._room, _order.chunk_event(event, self.mgr.cuda_device), par.layer_begin,
+            par.layer_end,
             (self.num_tokens, self._sent, chunk_end, bool(last), pages, fp * ps, swa, swa_first,
              -1 if state_slot is None else state_slot))
         self._sent = chunk_end

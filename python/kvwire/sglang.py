@@ -1218,11 +1218,8 @@ class KVSender(_Request):
         costs one record and one query; an engine that does not would otherwise have
         its last layers read while its kernels still write them."""
         ev, self._early_send_wait_event = self._early_send_wait_event, None
-        if self.kv_mgr.mem_kind != MemKind.CUDA:
-            if ev is not None:
-                ev.synchronize()   # host pools written by the GPU: wait here
-            return None
-        return ev if ev is not None else _order.current_stream_event(self.kv_mgr.device)
+        return _order.chunk_event(
+            ev, self.kv_mgr.device if self.kv_mgr.mem_kind == MemKind.CUDA else None)
 
     def _settle_written(self):
         """Before the next chunk: the previous one, if it waited on an event, must have

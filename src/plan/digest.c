@@ -152,11 +152,6 @@ static inline void kvw_prefetch(const uint8_t *p)
 static inline void kvw_prefetch_rows(const uint8_t *row0, uint64_t stride, uint32_t nh,
                                      size_t len)
 {
-    if (stride == len) {
-        for (size_t o = 0; o < (size_t)nh * len; o += 64)
-            kvw_prefetch(row0 + o);
-        return;
-    }
     for (uint32_t k = 0; k < nh; k++)
         for (size_t o = 0; o < len; o += 64)
             kvw_prefetch(row0 + (uint64_t)k * stride + o);
