@@ -56,7 +56,7 @@ if [ -n "${KVW_BENCH_VARIANTS:-}" ]; then
         mkdir -p "$dir"
         # shellcheck disable=SC2086
         "$NVCC" -O3 -arch=sm_90 -std=c++17 -shared -cudart shared -Xcompiler -fPIC,-fvisibility=hidden \
-            -Iinclude -Isrc $flags src/cuda/module.cu src/cuda/copy.cu -o "$dir/libkvwire_cuda.so"
+            -Iinclude -Isrc $flags src/cuda/module.cu src/cuda/copy.cu src/cuda/digest.cu -o "$dir/libkvwire_cuda.so"
         echo "=== variant $name: $flags"
         KVW_CUDA_MODULE="$dir/libkvwire_cuda.so" run "$BUILD/kvw_gpu_bench" --quick --reps 10
     done
