@@ -27,49 +27,44 @@ static const size_t DST = 4ull << 30;   // destination pool
 static const size_t PAGE = 16384;
 static const size_t NP = 16384;         // pages moved per launch: 256 MiB
 
-// one block of 128 threads per page, 16 B per thread per iteration, 8 iterations
+// One block of 128 threads per page: each thread loads 8 x 16 B, then stores them.
+__device__ __forceinline__ void move_page(const uint4 *s, uint4 *d)
+{
+    uint4 v[8];
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        v[k] = s[threadIdx.x + k * 128];
+#pragma unroll
+    for (int k = 0; k < 8; k++)
+        d[threadIdx.x + k * 128] = v[k];
+}
+
+// Sequential source pages to destination pages perm[] (write side).
 __global__ void pagecopy(const uint4 *src, char *dst, const uint32_t *perm, int stride_pages)
 {
     size_t p = blockIdx.x;
     const uint4 *s = src + p * (PAGE / 16);
     uint4 *d = (uint4 *)(dst + (size_t)perm[p] * PAGE * stride_pages);
-    uint4 v[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        v[k] = s[threadIdx.x + k * 128];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        d[threadIdx.x + k * 128] = v[k];
+    move_page(s, d);
 }
 
-// reading side: random source pages from a pool, writing local sequential
+// Source pages perm[] of a pool to sequential local pages (read side).
 __global__ void pageread(const char *src, uint4 *dst, const uint32_t *perm)
 {
     size_t p = blockIdx.x;
     const uint4 *s = (const uint4 *)(src + (size_t)perm[p] * PAGE);
     uint4 *d = dst + p * (PAGE / 16);
-    uint4 v[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        v[k] = s[threadIdx.x + k * 128];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        d[threadIdx.x + k * 128] = v[k];
+    move_page(s, d);
 }
 
+// Like pagecopy, the destination pool made of several allocations of ppb pages each.
 __global__ void pagecopy_multi(const uint4 *src, char *const *bases, const uint32_t *perm, uint32_t ppb)
 {
     size_t p = blockIdx.x;
     const uint4 *s = src + p * (PAGE / 16);
     uint32_t q = perm[p];
     uint4 *d = (uint4 *)(bases[q / ppb] + (size_t)(q % ppb) * PAGE);
-    uint4 v[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        v[k] = s[threadIdx.x + k * 128];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        d[threadIdx.x + k * 128] = v[k];
+    move_page(s, d);
 }
 
 static int send_fd(int sock, int fd, const void *buf, size_t len)
