@@ -40,11 +40,11 @@ __device__ __forceinline__ void move_page(const uint4 *s, uint4 *d)
 }
 
 // Sequential source pages to destination pages perm[] (write side).
-__global__ void pagecopy(const uint4 *src, char *dst, const uint32_t *perm, int stride_pages)
+__global__ void pagecopy(const uint4 *src, char *dst, const uint32_t *perm)
 {
     size_t p = blockIdx.x;
     const uint4 *s = src + p * (PAGE / 16);
-    uint4 *d = (uint4 *)(dst + (size_t)perm[p] * PAGE * stride_pages);
+    uint4 *d = (uint4 *)(dst + (size_t)perm[p] * PAGE);
     move_page(s, d);
 }
 
@@ -113,12 +113,13 @@ static float time_it(void (*f)(void *), void *a, int reps)
     return ms[ms.size() / 2];
 }
 
+// write: local src -> pool dst at perm[]; read: pool dst at perm[] -> local src.
 struct kargs { const uint4 *src; char *dst; const uint32_t *perm; int read; };
 static void run_k(void *p)
 {
     kargs *a = (kargs *)p;
     if (a->read) pageread<<<NP, 128>>>((const char *)a->dst, (uint4 *)a->src, a->perm);
-    else pagecopy<<<NP, 128>>>(a->src, a->dst, a->perm, 1);
+    else pagecopy<<<NP, 128>>>(a->src, a->dst, a->perm);
 }
 struct mkargs { const uint4 *src; char **bases; const uint32_t *perm; };
 static void run_mk(void *p) { mkargs *a = (mkargs *)p; pagecopy_multi<<<NP, 128>>>(a->src, a->bases, a->perm, (uint32_t)(BUF / PAGE)); }
