@@ -121,6 +121,87 @@ __global__ void __launch_bounds__(KVWC_THREADS, KVWC_MIN_BLOCKS)
     }
 }
 
+/*
+ * The direct copy: every thread works out its units' addresses from the segment alone
+ * (kvwc_direct_addrs), with no shared table and no barrier. On the fast path (16-byte
+ * units, kvwc_direct_affine: the job inside one page per side, a whole number of passes)
+ * a thread resolves one address per side and has KVWC_DIRECT_UNROLL loads in flight from
+ * it per pass; any other job goes to kvwc_direct_slow. Measured against the table kernel
+ * in bench/gpu/NOTES.md ("The direct kernel's fast path").
+ */
+
+/* Every unit resolved, KVWC_DIRECT_UNROLL_SLOW at a time. Out of line, so that its
+ * registers do not crowd the fast path's (inlined, the five widths spilled 800 bytes). */
+template <int W>
+__device__ __noinline__ void kvwc_direct_slow(const kvwc_dseg_t *__restrict__ s,
+                                              const kvwc_jobgeo_t g)
+{
+    typedef typename kvwc_vec<W>::type vec;
+    const uint32_t stride = blockDim.x;
+#pragma unroll 1
+    for (uint32_t u = g.ub + threadIdx.x; u < g.ue; u += KVWC_DIRECT_UNROLL_SLOW * stride) {
+        vec v[KVWC_DIRECT_UNROLL_SLOW];
+        uint64_t dst[KVWC_DIRECT_UNROLL_SLOW];
+#pragma unroll
+        for (int k = 0; k < KVWC_DIRECT_UNROLL_SLOW; k++) {
+            uint32_t uk = u + k * stride;
+            if (uk < g.ue) {
+                uint64_t src;
+                kvwc_direct_addrs(s, W, &g, uk, &src, &dst[k]);
+                v[k] = kvwc_load((const vec *)(uintptr_t)src);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < KVWC_DIRECT_UNROLL_SLOW; k++) {
+            if (u + k * stride < g.ue)
+                kvwc_store((vec *)(uintptr_t)dst[k], v[k]);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(KVWC_DIRECT_THREADS, KVWC_DIRECT_MIN_BLOCKS)
+    kvwc_direct_kernel(const kvwc_dseg_t *__restrict__ segs, const uint32_t *__restrict__ job_seg,
+                       uint64_t j0, uint64_t j1, uint32_t wcap)
+{
+    for (uint64_t job = j0 + blockIdx.x; job < j1; job += gridDim.x) {
+        const kvwc_dseg_t *s = &segs[job_seg[job]];
+        uint64_t b0, b1;
+        kvwc_job_range(s, job, &b0, &b1);
+        uint32_t w = kvwc_unit_width(s->w[KVWC_MODE_DIRECT], wcap);
+        kvwc_jobgeo_t g;
+        kvwc_job_geo(s, b0, b1, w, &g);
+        uint64_t ss, sd;
+        if (w == 16 && blockDim.x == KVWC_DIRECT_THREADS &&
+            (g.ue - g.ub) % (KVWC_DIRECT_THREADS * KVWC_DIRECT_UNROLL) == 0 &&
+            kvwc_direct_affine(s, &g, KVWC_DIRECT_THREADS, &ss, &sd)) {
+            /* The fast path: one address per side, then a fixed step per load. */
+            uint64_t src, dst;
+            kvwc_direct_addrs(s, 16, &g, g.ub + threadIdx.x, &src, &dst);
+            uint32_t passes = (g.ue - g.ub) / (KVWC_DIRECT_THREADS * KVWC_DIRECT_UNROLL);
+#pragma unroll 1
+            for (uint32_t p = 0; p < passes; p++) {
+                uint4 v[KVWC_DIRECT_UNROLL];
+#pragma unroll
+                for (int k = 0; k < KVWC_DIRECT_UNROLL; k++)
+                    v[k] = kvwc_load((const uint4 *)(uintptr_t)(src + k * ss));
+#pragma unroll
+                for (int k = 0; k < KVWC_DIRECT_UNROLL; k++)
+                    kvwc_store((uint4 *)(uintptr_t)(dst + k * sd), v[k]);
+                src += KVWC_DIRECT_UNROLL * ss;
+                dst += KVWC_DIRECT_UNROLL * sd;
+            }
+            continue;
+        }
+        switch (w) {
+        case 16: kvwc_direct_slow<16>(s, g); break;
+        case 8: kvwc_direct_slow<8>(s, g); break;
+        case 4: kvwc_direct_slow<4>(s, g); break;
+        case 2: kvwc_direct_slow<2>(s, g); break;
+        default: kvwc_direct_slow<1>(s, g); break;
+        }
+    }
+}
+
 /* Launches jobs [w->j0, w->j1) of a device plan; `stage` is the staging buffer minus
  * the window's start (see kvwc_window_t). */
 static kvw_status_t kvwc_launch_window(const kvwc_plan *p, int mode, uint64_t stage,
@@ -141,8 +222,12 @@ static kvw_status_t kvwc_launch_window(const kvwc_plan *p, int mode, uint64_t st
     cudaStream_t st = (cudaStream_t)stream;
     switch (mode) {
     case KVWC_MODE_DIRECT:
-        kvwc_copy_kernel<KVWC_MODE_DIRECT><<<(unsigned)grid, KVWC_THREADS, 0, st>>>(
-            p->dsegs, p->job_seg, w->j0, w->j1, stage, w->lo, w->hi, w->wcap);
+        if (KVWC_DIRECT_FLAT)
+            kvwc_direct_kernel<<<(unsigned)grid, KVWC_DIRECT_THREADS, 0, st>>>(
+                p->dsegs, p->job_seg, w->j0, w->j1, w->wcap);
+        else
+            kvwc_copy_kernel<KVWC_MODE_DIRECT><<<(unsigned)grid, KVWC_THREADS, 0, st>>>(
+                p->dsegs, p->job_seg, w->j0, w->j1, stage, w->lo, w->hi, w->wcap);
         break;
     case KVWC_MODE_GATHER:
         kvwc_copy_kernel<KVWC_MODE_GATHER><<<(unsigned)grid, KVWC_THREADS, 0, st>>>(
@@ -494,7 +579,8 @@ kvw_status_t kvwc_exec_create(kvwc_exec_h *exec_p)
         st = kvwc_digest_warm();
     if (st == KVW_OK) {
         cudaFuncAttributes fa;
-        if ((e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_DIRECT>)) != cudaSuccess ||
+        if ((e = cudaFuncGetAttributes(&fa, kvwc_direct_kernel)) != cudaSuccess ||
+            (e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_DIRECT>)) != cudaSuccess ||
             (e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_GATHER>)) != cudaSuccess ||
             (e = cudaFuncGetAttributes(&fa, kvwc_copy_kernel<KVWC_MODE_SCATTER>)) != cudaSuccess)
             st = kvwc_cuda_error(e, "cudaFuncGetAttributes (loading the copy kernels)");

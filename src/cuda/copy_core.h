@@ -21,6 +21,7 @@
 #include "cuda/module.h"
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef __CUDACC__
@@ -45,6 +46,26 @@
 #endif
 #ifndef KVWC_UNROLL
 #define KVWC_UNROLL 4 /* loads in flight per thread */
+#endif
+/* The direct kernel (no token table): threads per block, loads in flight per thread on
+ * its fast path (one pass of 128 x 8 units of 16 bytes is a job of KVWC_JOB_BYTES)
+ * and on its slow path, and resident blocks per multiprocessor the compiler must allow
+ * (8 caps it at 64 registers, which the fast path fits without spilling). KVWC_DIRECT_FLAT
+ * 0 runs direct copies on the table kernel instead, for comparison. */
+#ifndef KVWC_DIRECT_FLAT
+#define KVWC_DIRECT_FLAT 1
+#endif
+#ifndef KVWC_DIRECT_THREADS
+#define KVWC_DIRECT_THREADS 128
+#endif
+#ifndef KVWC_DIRECT_UNROLL
+#define KVWC_DIRECT_UNROLL 8 /* fast path (kvwc_direct_affine) */
+#endif
+#ifndef KVWC_DIRECT_UNROLL_SLOW
+#define KVWC_DIRECT_UNROLL_SLOW 4 /* every unit resolved */
+#endif
+#ifndef KVWC_DIRECT_MIN_BLOCKS
+#define KVWC_DIRECT_MIN_BLOCKS 8
 #endif
 /* Resident blocks per multiprocessor the compiler must allow (caps registers). */
 #ifndef KVWC_MIN_BLOCKS
@@ -230,6 +251,61 @@ KVWC_HD void kvwc_unit_addrs(int mode, uint32_t w, const kvwc_jobgeo_t *g,
 }
 
 /*
+ * Direct mode without a token table: the source and destination addresses of unit u of
+ * a job, each computed from the segment alone. The gather and scatter keep the table
+ * (their staging offsets need a token's run); a direct copy needs only the two page
+ * lookups, which neighbouring units share through L1, so no barrier stands between a
+ * job's first instructions and its data loads (bench/gpu/NOTES.md, "The direct kernel
+ * without a token table").
+ */
+KVWC_HD void kvwc_direct_addrs(const kvwc_dseg_t *s, uint32_t w, const kvwc_jobgeo_t *g,
+                               uint32_t u, uint64_t *src_p, uint64_t *dst_p)
+{
+    uint32_t tl = u / g->row_units;
+    uint32_t c = u - tl * g->row_units;
+    uint64_t t = s->tok_begin + g->t0 + tl, in;
+    uint64_t src = kvwc_side_token(&s->src, t, &in);
+    uint64_t dst = kvwc_side_token(&s->dst, t, &in);
+    uint64_t lin = (uint64_t)c * w;
+    if (g->src_contig && g->dst_contig) {
+        src += lin;
+        dst += lin;
+    } else {
+        uint32_t h = c / g->head_units;
+        uint64_t in_head = (uint64_t)(c - h * g->head_units) * w;
+        src += g->src_contig ? lin : h * g->src_hs + in_head;
+        dst += g->dst_contig ? lin : h * g->dst_hs + in_head;
+    }
+    *src_p = src;
+    *dst_p = dst;
+}
+
+/*
+ * The direct kernel's fast path. When the job's tokens lie inside one page on each side
+ * and a block's stride of `stride` units is a whole number of tokens (row_units divides
+ * it), unit u + k * stride lies k fixed steps (*step_s, *step_d bytes) past unit u on
+ * each side: a thread then resolves one address per side and issues its loads from a
+ * base and an offset, which keeps its registers few and its blocks many (bytes in
+ * flight are what a copy over scattered pages runs on: bench/gpu/NOTES.md, "Bytes in
+ * flight"). False when that does not hold; the kernel then resolves every unit.
+ */
+KVWC_HD int kvwc_direct_affine(const kvwc_dseg_t *s, const kvwc_jobgeo_t *g, uint32_t stride,
+                               uint64_t *step_s, uint64_t *step_d)
+{
+    if (g->row_units == 0 || stride % g->row_units)
+        return 0;
+    uint64_t t = s->tok_begin + g->t0;
+    uint32_t in_s = (uint32_t)(t - s->src.first_token) % s->src.page_size;
+    uint32_t in_d = (uint32_t)(t - s->dst.first_token) % s->dst.page_size;
+    if (in_s + g->ntok > s->src.page_size || in_d + g->ntok > s->dst.page_size)
+        return 0;
+    uint64_t dt = stride / g->row_units;
+    *step_s = dt * s->src.token_stride;
+    *step_d = dt * s->dst.token_stride;
+    return 1;
+}
+
+/*
  * A staged window: a gather or scatter may move only the part [lo, hi) of the plan's
  * staging stream (the prefill gathers, and the decode scatters, one window of a chunk at
  * a time). The kernel is passed stage = buffer - lo, so a unit's stream offset is its
@@ -270,6 +346,27 @@ static inline void kvwc_emulate(const kvwc_dseg_t *segs, const uint32_t *job_seg
         uint32_t w = kvwc_unit_width(s->w[mode], wcap);
         kvwc_jobgeo_t g;
         kvwc_job_geo(s, b0, b1, w, &g);
+        if (mode == KVWC_MODE_DIRECT) {
+            /* As the kernel: the fast path's base-and-step addresses where it applies
+             * (checked against the per-unit ones), every unit resolved otherwise. */
+            uint64_t ss = 0, sd = 0;
+            int affine = kvwc_direct_affine(s, &g, KVWC_DIRECT_THREADS, &ss, &sd);
+            for (uint32_t u = g.ub; u < g.ue; u++) {
+                uint64_t src, dst;
+                kvwc_direct_addrs(s, w, &g, u, &src, &dst);
+                if (affine) {
+                    uint32_t k = (u - g.ub) / KVWC_DIRECT_THREADS;
+                    uint64_t s0, d0;
+                    kvwc_direct_addrs(s, w, &g, u - k * KVWC_DIRECT_THREADS, &s0, &d0);
+                    if (s0 + k * ss != src || d0 + k * sd != dst)
+                        abort(); /* the fast path would move this unit elsewhere */
+                    src = s0 + k * ss;
+                    dst = d0 + k * sd;
+                }
+                memcpy((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, w);
+            }
+            continue;
+        }
         for (uint32_t i = 0; i < g.ntok; i++)
             kvwc_token_bases(s, mode, s->tok_begin + g.t0 + i, tt, i);
         for (uint32_t u = g.ub; u < g.ue; u++) {
