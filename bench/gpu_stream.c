@@ -24,7 +24,9 @@
  * real layer does.
  *
  * The first streamed room's decode bytes are compared, every byte and guard, with the
- * test kit's reference. Exits 77 without a GPU.
+ * test kit's reference. One more streamed room, untimed, prints the prefill's step
+ * profile of its last layer alone (plan, launch, upload, kernel, wait, notify): where a
+ * tail's first microseconds go. Exits 77 without a GPU.
  *
  *   gpu_stream [--transport cuda_ipc|tcp|shm] [--layers N] [--tokens N] [--reps N]
  *              [--layer-us N] [--json FILE]
@@ -332,9 +334,14 @@ int main(int argc, char **argv)
     uint64_t tail[2][MAXREPS], xfer[MAXREPS], fwd[2][MAXREPS], bytes = 0;
     int verified = 0;
     uint32_t nrep = 0;
-    char hops[400] = "";
-    for (uint32_t rep = 0; rep <= c.reps; rep++) {
+    char hops[400] = "", lastprof[400] = "";
+    /* Repetition 0 warms up, 1..reps are timed, and one more streamed room (untimed)
+     * profiles the prefill's last layer. */
+    for (uint32_t rep = 0; rep <= c.reps + 1; rep++) {
         for (int mode = 0; mode < 2; mode++) {
+            bool prof_last = rep == c.reps + 1;
+            if (prof_last && (mode == 1 || c.layers < 2))
+                continue;
             uint64_t room = 1 + rep * 2 + (uint64_t)mode, posted = 0, res[4];
             if (kvt_write_full(to_child[1], &room, sizeof(room)) || kvt_read_full(to_parent[0], &posted, 8) || !posted)
                 goto out;
@@ -344,7 +351,14 @@ int main(int argc, char **argv)
             uint64_t t0 = kvt_now_ns(), t_end, t_send = 0;
             if (mode == 0 && kvw_sender_send_streamed(snd, &ch) != KVW_OK)
                 goto out;
+            /* The profiling room: the prefill's step profile of its last layer alone
+             * (the steps before it have completed and are zeroed first). */
             for (uint32_t l = 0; l < c.layers; l++) {
+                if (prof_last && l == c.layers - 1) {
+                    (void)wait_event(ev[l - 1]);
+                    usleep(2000);
+                    kvw_cuda_profile(NULL, 1);
+                }
                 sim_layer(&sim, (int)l);
                 kvw__cuda_event_record(ev[l], sim.stream);
                 if (mode == 0 && kvw_sender_layers_ready_event(snd, l, l + 1, ev[l]) != KVW_OK) {
@@ -359,6 +373,16 @@ int main(int argc, char **argv)
                     goto out;
             }
             kvw_room_state_t st = kvw_room_wait(kvw_sender_room(snd), 120000);
+            if (prof_last) {
+                kvw_cuda_profile_t p = {.field_mask = KVW_CUDA_PROFILE_FIELDS_ALL};
+                usleep(1000); /* the last step's notice is counted after it went out */
+                kvw_cuda_profile(&p, 1);
+                snprintf(lastprof, sizeof(lastprof), "the last layer's steps on the prefill "
+                         "(%llu), us: plan %.1f, launch %.1f, upload %.1f (device), kernel %.1f "
+                         "(device), wait %.1f, notify %.1f", (unsigned long long)p.steps,
+                         p.plan_ns / 1e3, p.launch_ns / 1e3, p.upload_dev_ns / 1e3,
+                         p.kernel_dev_ns / 1e3, p.wait_ns / 1e3, p.notify_ns / 1e3);
+            }
             kvw_room_metrics_t pm = {.field_mask = KVW_ROOM_METRICS_FIELDS_ALL};
             kvw_room_metrics(kvw_sender_room(snd), &pm);
             kvw_room_destroy(kvw_sender_room(snd));
@@ -373,8 +397,8 @@ int main(int argc, char **argv)
                     goto out;
             }
             bytes = res[1];
-            if (rep == 0)
-                continue; /* warm-up */
+            if (rep == 0 || prof_last)
+                continue; /* warm-up, profile */
             tail[mode][rep - 1] = res[0] > t_end ? res[0] - t_end : 0;
             /* The last streamed room's hops after the forward pass ended (us). */
             if (mode == 0 && rep == c.reps) {
@@ -390,7 +414,8 @@ int main(int argc, char **argv)
             if (mode == 1)
                 xfer[rep - 1] = res[0] - t_send;
         }
-        nrep = rep;
+        if (rep <= c.reps)
+            nrep = rep;
     }
     {
         uint64_t mt0 = median(tail[0], nrep), mt1 = median(tail[1], nrep);
@@ -424,6 +449,8 @@ int main(int argc, char **argv)
         printf("%-22s %12.3f %14.2f\n", "sent after the pass", (double)mt1 / 1e6,
                one > 0 ? (double)mt1 / one : 0.0);
         printf("%s\n", hops);
+        if (lastprof[0])
+            printf("%s\n", lastprof);
         printf("one layer's transfer: %.3f ms (the 'after' transfer, %.3f ms, scaled by a "
                "full layer's share of the bytes)\n", one / 1e6, (double)mx / 1e6);
         printf("reproduce: gpu_stream --transport %s --layers %u --tokens %llu --reps %u "
