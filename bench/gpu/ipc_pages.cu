@@ -20,24 +20,14 @@
 #include <algorithm>
 #include <vector>
 
+#include "move_page.cuh" // one block of 128 threads per 16 KiB page
+
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 #define DK(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { const char *s_; cuGetErrorString(r_, &s_); fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, s_); exit(1); } } while (0)
 
 static const size_t DST = 4ull << 30;   // destination pool
 static const size_t PAGE = 16384;
 static const size_t NP = 16384;         // pages moved per launch: 256 MiB
-
-// One block of 128 threads per page: each thread loads 8 x 16 B, then stores them.
-__device__ __forceinline__ void move_page(const uint4 *s, uint4 *d)
-{
-    uint4 v[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        v[k] = s[threadIdx.x + k * 128];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        d[threadIdx.x + k * 128] = v[k];
-}
 
 // Sequential source pages to destination pages perm[] (write side).
 __global__ void pagecopy(const uint4 *src, char *dst, const uint32_t *perm)

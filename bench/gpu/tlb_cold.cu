@@ -28,6 +28,8 @@
 #include <random>
 #include <vector>
 
+#include "move_page.cuh"
+
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
 static const size_t POOL_GB = 16, FLUSH_GB = 32;
@@ -46,13 +48,7 @@ __global__ void pagecopy(char *const *src, char *const *dst, const uint32_t *sp,
     uint32_t p = blockIdx.x / (PAGE / SUB), sub = blockIdx.x % (PAGE / SUB);
     const uint4 *s = (const uint4 *)(page_at(src, sp[p], ppa) + sub * SUB);
     uint4 *d = (uint4 *)(page_at(dst, dp[p], ppa) + sub * SUB);
-    uint4 v[8];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        v[k] = s[threadIdx.x + k * 128];
-#pragma unroll
-    for (int k = 0; k < 8; k++)
-        d[threadIdx.x + k * 128] = v[k];
+    move_page(s, d);
 }
 
 // One word of every page of both lists: resolves their translations.

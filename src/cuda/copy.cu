@@ -164,12 +164,9 @@ __global__ void __launch_bounds__(KVWC_DIRECT_THREADS, KVWC_DIRECT_MIN_BLOCKS)
                        uint64_t j0, uint64_t j1, uint32_t wcap)
 {
     for (uint64_t job = j0 + blockIdx.x; job < j1; job += gridDim.x) {
-        const kvwc_dseg_t *s = &segs[job_seg[job]];
-        uint64_t b0, b1;
-        kvwc_job_range(s, job, &b0, &b1);
-        uint32_t w = kvwc_unit_width(s->w[KVWC_MODE_DIRECT], wcap);
+        uint32_t w;
         kvwc_jobgeo_t g;
-        kvwc_job_geo(s, b0, b1, w, &g);
+        const kvwc_dseg_t *s = kvwc_job_at(segs, job_seg, job, KVWC_MODE_DIRECT, wcap, &w, &g);
         uint64_t ss, sd;
         if (w == 16 && blockDim.x == KVWC_DIRECT_THREADS &&
             (g.ue - g.ub) % (KVWC_DIRECT_THREADS * KVWC_DIRECT_UNROLL) == 0 &&

@@ -330,6 +330,20 @@ KVWC_HD uint32_t kvwc_unit_width(uint32_t seg_w, uint32_t wcap)
     return seg_w < wcap ? seg_w : wcap;
 }
 
+/* Job `job` of a device plan: its segment, its unit width in `mode` (*w_p) and its
+ * geometry (*g). */
+KVWC_HD const kvwc_dseg_t *kvwc_job_at(const kvwc_dseg_t *segs, const uint32_t *job_seg,
+                                       uint64_t job, int mode, uint32_t wcap, uint32_t *w_p,
+                                       kvwc_jobgeo_t *g)
+{
+    const kvwc_dseg_t *s = &segs[job_seg[job]];
+    uint64_t b0, b1;
+    kvwc_job_range(s, job, &b0, &b1);
+    *w_p = kvwc_unit_width(s->w[mode], wcap);
+    kvwc_job_geo(s, b0, b1, *w_p, g);
+    return s;
+}
+
 /*
  * The CPU twin of one launch: moves every byte of jobs [j0, j1) of a laid-out plan with
  * exactly the address computations (and window test) the kernel uses. For tests
@@ -340,12 +354,9 @@ static inline void kvwc_emulate(const kvwc_dseg_t *segs, const uint32_t *job_seg
                                 uint32_t wcap, kvwc_tokens_t *tt)
 {
     for (uint64_t job = j0; job < j1; job++) {
-        const kvwc_dseg_t *s = &segs[job_seg[job]];
-        uint64_t b0, b1;
-        kvwc_job_range(s, job, &b0, &b1);
-        uint32_t w = kvwc_unit_width(s->w[mode], wcap);
+        uint32_t w;
         kvwc_jobgeo_t g;
-        kvwc_job_geo(s, b0, b1, w, &g);
+        const kvwc_dseg_t *s = kvwc_job_at(segs, job_seg, job, mode, wcap, &w, &g);
         if (mode == KVWC_MODE_DIRECT) {
             /* As the kernel: the fast path's base-and-step addresses where it applies
              * (checked against the per-unit ones), every unit resolved otherwise. */
