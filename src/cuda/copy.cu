@@ -1,7 +1,8 @@
 /*
- * Plan execution kernels: one fused kernel template serves the direct copy (source
- * pages -> destination pages, e.g. through CUDA IPC-mapped peer pointers), the gather
- * (source pages -> contiguous staging) and the scatter (staging -> destination pages).
+ * Plan execution kernels: the direct copy (source pages -> destination pages, e.g.
+ * through CUDA IPC-mapped peer pointers) runs on kvwc_direct_kernel, which needs no token
+ * table; one fused kernel template with the table serves the gather (source pages ->
+ * contiguous staging) and the scatter (staging -> destination pages).
  * copy_core.h holds the addressing; this file holds the launch machinery and the device
  * copy of a plan.
  */

@@ -8,12 +8,14 @@
  * then head, then byte); that numbering is cut into jobs of at most KVWC_JOB_BYTES
  * bytes and at most KVWC_MAX_TOK tokens, and a table gives each job its segment, so the
  * number of segments, pages or runs never changes the launch: one launch per plan,
- * blocks proportional to bytes. Inside a job, the block first computes each token's
- * base address on both sides (one page-table lookup per token and side, kept in shared
- * memory), then every thread moves W-byte units, W the widest power of two up to 16
- * that every address of the segment is aligned to. Blocks are small (one warp by
- * default) so that many jobs per multiprocessor overlap their lookups with each
- * other's copies.
+ * blocks proportional to bytes. Every thread moves W-byte units, W the widest power of
+ * two up to 16 that every address of the segment is aligned to. In a gather or scatter
+ * the block first computes each token's base address on both sides (one page-table
+ * lookup per token and side, kept in shared memory; blocks are small, one warp by
+ * default, so that many jobs per multiprocessor overlap their lookups with each other's
+ * copies). A direct copy has no table: each thread looks up its own units' pages
+ * (kvwc_direct_addrs), or, when a job lies inside one page per side, one address per
+ * side and a fixed step (kvwc_direct_affine).
  */
 #ifndef KVW_CUDA_COPY_CORE_H
 #define KVW_CUDA_COPY_CORE_H
