@@ -169,9 +169,7 @@ __global__ void __launch_bounds__(KVWC_DIRECT_THREADS, KVWC_DIRECT_MIN_BLOCKS)
         kvwc_jobgeo_t g;
         const kvwc_dseg_t *s = kvwc_job_at(segs, job_seg, job, KVWC_MODE_DIRECT, wcap, &w, &g);
         uint64_t ss, sd;
-        if (w == 16 && blockDim.x == KVWC_DIRECT_THREADS &&
-            (g.ue - g.ub) % (KVWC_DIRECT_THREADS * KVWC_DIRECT_UNROLL) == 0 &&
-            kvwc_direct_affine(s, &g, KVWC_DIRECT_THREADS, &ss, &sd)) {
+        if (blockDim.x == KVWC_DIRECT_THREADS && kvwc_direct_fast(s, &g, w, &ss, &sd)) {
             /* The fast path: one address per side, then a fixed step per load. */
             uint64_t src, dst;
             kvwc_direct_addrs(s, 16, &g, g.ub + threadIdx.x, &src, &dst);

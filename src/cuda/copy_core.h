@@ -307,6 +307,16 @@ KVWC_HD int kvwc_direct_affine(const kvwc_dseg_t *s, const kvwc_jobgeo_t *g, uin
     return 1;
 }
 
+/* Whether kvwc_direct_kernel takes its fast path for a job of unit width w: 16-byte
+ * units, whole passes of KVWC_DIRECT_THREADS x KVWC_DIRECT_UNROLL units, and
+ * kvwc_direct_affine (its steps in *step_s, *step_d). */
+KVWC_HD int kvwc_direct_fast(const kvwc_dseg_t *s, const kvwc_jobgeo_t *g, uint32_t w,
+                             uint64_t *step_s, uint64_t *step_d)
+{
+    return w == 16 && (g->ue - g->ub) % (KVWC_DIRECT_THREADS * KVWC_DIRECT_UNROLL) == 0 &&
+           kvwc_direct_affine(s, g, KVWC_DIRECT_THREADS, step_s, step_d);
+}
+
 /*
  * A staged window: a gather or scatter may move only the part [lo, hi) of the plan's
  * staging stream (the prefill gathers, and the decode scatters, one window of a chunk at
@@ -363,7 +373,7 @@ static inline void kvwc_emulate(const kvwc_dseg_t *segs, const uint32_t *job_seg
             /* As the kernel: the fast path's base-and-step addresses where it applies
              * (checked against the per-unit ones), every unit resolved otherwise. */
             uint64_t ss = 0, sd = 0;
-            int affine = kvwc_direct_affine(s, &g, KVWC_DIRECT_THREADS, &ss, &sd);
+            int affine = kvwc_direct_fast(s, &g, w, &ss, &sd);
             for (uint32_t u = g.ub; u < g.ue; u++) {
                 uint64_t src, dst;
                 kvwc_direct_addrs(s, w, &g, u, &src, &dst);

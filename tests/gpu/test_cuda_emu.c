@@ -38,6 +38,9 @@ typedef struct emu_plan {
     uint32_t widths[17]; /* segments x modes, by unit width */
 } emu_plan_t;
 
+/* Direct-mode jobs of every case's plans: [0] the kernel's slow path, [1] its fast path. */
+static uint64_t direct_jobs[2];
+
 static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
 {
     kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
@@ -82,6 +85,14 @@ static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
         }
         CHECK(sum == e->bytes, "laid-out segments hold %llu bytes, the plan %llu",
               (unsigned long long)sum, (unsigned long long)e->bytes);
+        /* Which path of the direct kernel each job takes (as kvwc_direct_kernel decides). */
+        for (uint64_t j = 0; j < e->num_jobs; j++) {
+            uint32_t w;
+            kvwc_jobgeo_t g;
+            uint64_t ss, sd;
+            const kvwc_dseg_t *sg = kvwc_job_at(segs, e->job_seg, j, KVWC_MODE_DIRECT, 16, &w, &g);
+            direct_jobs[kvwc_direct_fast(sg, &g, w, &ss, &sd) ? 1 : 0]++;
+        }
     }
     return rc;
 }
@@ -369,12 +380,102 @@ static void check_host_refused(void)
     gc_inst_free(&D);
 }
 
+/*
+ * The direct kernel's addressing on a hand-built segment, every expected value derived
+ * here from the layout rather than by the code under test. Two heads of 128 bytes (a
+ * 256-byte row, 16 units of 16 bytes) move from heads 2-3 of an 8-head source (token
+ * stride 1024, pages of 16 tokens, page stride 16 KiB, pages 3, 0, 7) into a 2-head
+ * destination (token stride 256, pages of 32 tokens, page stride 8 KiB, pages 1, 4);
+ * tokens [0, 48).
+ */
+static void check_direct_addressing(void)
+{
+    cur_case = "direct addressing by hand";
+    static const uint32_t sp[3] = {3, 0, 7}, dp[2] = {1, 4};
+    const uint64_t SB = 0x100000, DB = 0x900000;
+    kvwc_dseg_t s;
+    memset(&s, 0, sizeof(s));
+    s.src = (kvwc_dside_t){.base = SB + 256, .page_stride = 16384, .token_stride = 1024,
+                           .head_stride = 128, .first_token = 0, .pages = sp, .page_size = 16,
+                           .contig = 1};
+    s.dst = (kvwc_dside_t){.base = DB, .page_stride = 8192, .token_stride = 256,
+                           .head_stride = 128, .first_token = 0, .pages = dp, .page_size = 32,
+                           .contig = 1};
+    s.tok_begin = 0;
+    s.tok_end = 48;
+    s.row_bytes = 256;
+    s.bytes = 48 * 256;
+    s.head_bytes = 128;
+    kvwc_jobgeo_t g;
+    uint64_t ss = 0, sd = 0, src = 0, dst = 0;
+    /* Tokens [0, 16): source page 3, destination page 1, both from their first token. A
+     * 128-unit stride is 8 tokens: steps of 8 x 1024 and 8 x 256 bytes. */
+    kvwc_job_geo(&s, 0, 4096, 16, &g);
+    CHECK(g.row_units == 16 && g.ub == 0 && g.ue == 256, "geometry: %u units per row, [%u, %u)",
+          g.row_units, g.ub, g.ue);
+    CHECK(kvwc_direct_affine(&s, &g, 128, &ss, &sd) && ss == 8192 && sd == 2048,
+          "tokens [0, 16): fast path with steps %llu / %llu", (unsigned long long)ss,
+          (unsigned long long)sd);
+    kvwc_direct_addrs(&s, 16, &g, 0, &src, &dst);
+    CHECK(src == SB + 256 + 3 * 16384 && dst == DB + 1 * 8192, "unit 0 at %#llx -> %#llx",
+          (unsigned long long)src, (unsigned long long)dst);
+    kvwc_direct_addrs(&s, 16, &g, 17, &src, &dst); /* token 1, 16 bytes into the row */
+    CHECK(src == SB + 256 + 3 * 16384 + 1024 + 16 && dst == DB + 8192 + 256 + 16,
+          "unit 17 at %#llx -> %#llx", (unsigned long long)src, (unsigned long long)dst);
+    kvwc_direct_addrs(&s, 16, &g, 133, &src, &dst); /* token 8, 80 bytes in: unit 5 + a step */
+    CHECK(src == SB + 256 + 3 * 16384 + 5 * 16 + 8192 && dst == DB + 8192 + 5 * 16 + 2048,
+          "unit 133 at %#llx -> %#llx", (unsigned long long)src, (unsigned long long)dst);
+    /* Tokens [16, 32): source page 0 (its second entry), the destination's page 1 still. */
+    kvwc_job_geo(&s, 4096, 8192, 16, &g);
+    CHECK(kvwc_direct_affine(&s, &g, 128, &ss, &sd), "tokens [16, 32): fast path");
+    kvwc_direct_addrs(&s, 16, &g, 0, &src, &dst);
+    CHECK(src == SB + 256 + 0 * 16384 && dst == DB + 8192 + 16 * 256,
+          "token 16 at %#llx -> %#llx", (unsigned long long)src, (unsigned long long)dst);
+    /* Tokens [15, 31) cross the source's page boundary at 16; [24, 40) cross both at 32. */
+    kvwc_job_geo(&s, 15 * 256, 31 * 256, 16, &g);
+    CHECK(!kvwc_direct_affine(&s, &g, 128, &ss, &sd), "tokens [15, 31): no fast path");
+    kvwc_direct_addrs(&s, 16, &g, 16, &src, &dst); /* token 16 */
+    CHECK(src == SB + 256 + 0 * 16384 && dst == DB + 8192 + 16 * 256,
+          "token 16 (slow path) at %#llx -> %#llx", (unsigned long long)src,
+          (unsigned long long)dst);
+    kvwc_job_geo(&s, 24 * 256, 40 * 256, 16, &g);
+    CHECK(!kvwc_direct_affine(&s, &g, 128, &ss, &sd), "tokens [24, 40): no fast path");
+    kvwc_direct_addrs(&s, 16, &g, 8 * 16, &src, &dst); /* token 32: pages 7 and 4 */
+    CHECK(src == SB + 256 + 7 * 16384 && dst == DB + 4 * 8192, "token 32 at %#llx -> %#llx",
+          (unsigned long long)src, (unsigned long long)dst);
+    /* The kernel's own test: a whole job of 16 KiB (64 tokens, 1024 units, one pass of
+     * 128 threads x 8) inside one page per side takes the fast path; half of one does not. */
+    s.src.page_size = 64;
+    s.dst.page_size = 64;
+    s.tok_end = 64;
+    s.bytes = 64 * 256;
+    kvwc_job_geo(&s, 0, 16384, 16, &g);
+    CHECK(kvwc_direct_fast(&s, &g, 16, &ss, &sd) && !kvwc_direct_fast(&s, &g, 8, &ss, &sd),
+          "a whole job in one page: the fast path for 16-byte units only");
+    kvwc_job_geo(&s, 0, 8192, 16, &g);
+    CHECK(!kvwc_direct_fast(&s, &g, 16, &ss, &sd), "half a job (512 units): no fast path");
+    /* A 96-byte row (6 units) does not divide a 128-unit stride. */
+    s.row_bytes = 96;
+    s.head_bytes = 48;
+    s.bytes = 48 * 96;
+    kvwc_job_geo(&s, 0, 960, 16, &g);
+    CHECK(g.row_units == 6 && !kvwc_direct_affine(&s, &g, 128, &ss, &sd),
+          "96-byte rows: %u units, no fast path", g.row_units);
+}
+
 int main(void)
 {
     printf("CUDA kernel address arithmetic on the CPU (%u cases)\n", gc_num_cases);
     for (uint32_t i = 0; i < gc_num_cases; i++)
         run_case(&gc_cases[i]);
     check_host_refused();
+    check_direct_addressing();
+    cur_case = "direct kernel paths";
+    printf("direct-mode jobs of the cases: %llu on the kernel's fast path, %llu on its slow "
+           "path\n", (unsigned long long)direct_jobs[1], (unsigned long long)direct_jobs[0]);
+    CHECK(direct_jobs[0] > 0 && direct_jobs[1] > 0, "the cases must cover both paths of the "
+          "direct kernel (fast %llu, slow %llu)", (unsigned long long)direct_jobs[1],
+          (unsigned long long)direct_jobs[0]);
     kvw_status_t st = kvw_cuda_available();
     printf("kvw_cuda_available: %s%s%s\n", kvw_status_string(st), st ? ": " : "",
            st ? kvw_last_error() : "");
