@@ -145,6 +145,7 @@ void kvw__handle_frame(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t type, cons
             for (uint32_t i = 0; i < r->num_srcs; i++)
                 if (r->srcs[i].peer == peer->id)
                     r->srcs[i].quiet = true;
+            kvw__room_release_quiet(ctx, r);
             pthread_cond_broadcast(&ctx->cv);
         }
         return;

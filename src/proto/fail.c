@@ -2,7 +2,8 @@
  * Peer death and room failure, one way:
  *  - a peer's death (kvw__peer_dead) fails the rooms that involve it;
  *  - a room's failure (kvw__room_fail) marks the room and queues what is left to do
- *    (give back its staging spans, tell its peers), which the control thread runs
+ *    (give back its staging spans once no source can write them, tell its peers),
+ *    which the control thread runs
  *    (kvw__run_deferred, ctrl.c). Nothing here sends a frame or touches the staging
  *    credits, so nothing below can fail a room or a peer in turn.
  */
@@ -44,6 +45,8 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
             involved |= r->srcs[i].peer == peer->id && !r->srcs[i].done;
         if (involved)
             kvw__room_fail(ctx, r, status, false, "%s: %s", peer->desc, reason);
+        else
+            kvw__room_release_quiet(ctx, r); /* one that failed before: it may be quiet now */
     }
 }
 
@@ -124,6 +127,39 @@ void kvw__room_effects_fini(struct kvw_ctx *ctx)
     ctx->defer.tail = NULL;
 }
 
+/* Decode: whether no source of room r can still write into this rank (its pages or its
+ * staging area): each one sent its last bytes, confirmed it stopped (ABORT_ACK) or is
+ * gone. */
+bool kvw__room_quiet(struct kvw_ctx *ctx, const kvw_room_t *r)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    for (uint32_t i = 0; i < r->num_srcs; i++) {
+        const kvw_room_src_t *s = &r->srcs[i];
+        if (!s->done && !s->quiet && !kvw__peer_at(ctx, s->peer)->dead)
+            return false;
+    }
+    return true;
+}
+
+/*
+ * Decode: a failed room's staging spans go back once it is quiet, not when it fails. A
+ * prefill rank may be in the middle of writing a granted span when the room fails here
+ * (a one-sided shm or ucx put cannot be stopped by the receiver), and a span granted to
+ * another room meanwhile would take those late bytes. Called when a source confirms it
+ * stopped or dies; the room's destruction gives back whatever is left in any case.
+ */
+void kvw__room_release_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    if (r->is_sender || r->state != KVW_ROOM_FAILED || !kvw__room_quiet(ctx, r))
+        return;
+    kvw_room_effect_t *e = kvw_effect_new(r);
+    if (e == NULL)
+        return; /* given back when the room is destroyed */
+    e->release_stage = true;
+    kvw_effect_push(ctx, e);
+}
+
 /* The ABORT_ACKs of kvw__room_quiesce, into effect e. */
 static void kvw_quiesce_into(kvw_room_t *r, kvw_room_effect_t *e)
 {
@@ -169,8 +205,11 @@ static void kvw_room_vfail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t s
     kvw__log(KVW_LOG_WARN, "%s room %llu failed (%s): %s", room->is_sender ? "prefill" : "decode",
              (unsigned long long)room->id, kvw_status_string(status), room->reason);
     kvw_room_effect_t *e = kvw_effect_new(room);
+    /* Its staging spans go back now only if no source can still be writing them
+     * (kvw__room_release_quiet gives them back later otherwise); a no-op without a
+     * staging area. */
     if (e)
-        e->release_stage = !room->is_sender; /* a no-op without a staging area */
+        e->release_stage = !room->is_sender && kvw__room_quiet(ctx, room);
     pthread_cond_broadcast(&ctx->cv);
     atomic_fetch_add_explicit(&ctx->done_gen, 1, memory_order_release);
     pthread_cond_broadcast(&ctx->done_cv);

@@ -157,13 +157,8 @@ static void kvw_room_wait_quiet(struct kvw_ctx *ctx, kvw_room_t *r)
         return;
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
     for (;;) {
-        bool busy = false;
-        for (uint32_t i = 0; i < r->num_srcs; i++) {
-            kvw_room_src_t *s = &r->srcs[i];
-            busy |= !s->done && !s->quiet && !kvw__peer_at(ctx, s->peer)->dead;
-        }
         uint64_t now = kvw__now_ns();
-        if (!busy || now >= deadline || ctx->stopping)
+        if (kvw__room_quiet(ctx, r) || now >= deadline || ctx->stopping)
             return;
         struct timespec ts;
         clock_gettime(CLOCK_REALTIME, &ts);

@@ -231,6 +231,8 @@ void kvw__room_fail(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status, 
 void kvw__room_fail_from(struct kvw_ctx *ctx, kvw_room_t *room, kvw_status_t status,
                          uint32_t from, const char *fmt, ...) KVW_PRINTF(5, 6);
 void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state);
+bool kvw__room_quiet(struct kvw_ctx *ctx, const kvw_room_t *r);
+void kvw__room_release_quiet(struct kvw_ctx *ctx, kvw_room_t *r);
 /* From here (mu held) to kvw__room_wake_after (called once mu is let go), rooms that
  * this thread moves to Success wake their waiters (kvw_room_wait) only then: woken
  * under mu, a waiter would run into the lock and sleep again. */
