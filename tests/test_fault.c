@@ -9,7 +9,8 @@
  * bytes intact, nothing written outside the pages of the room's wave), or Failed with a
  * non-empty reason. A room that is still open at its deadline is LOST; a decode rank
  * that reports Success with wrong bytes is CORRUPTED (a false success). Both fail the
- * test, as do failures in the fault-free profile.
+ * test, as do failures in the fault-free profile, and, in the abort-some profile, the
+ * failure of a room decode rank 0 did not abort.
  *
  * The prefill contexts are wrapped after creation (kvw__tl_fault_attach on the context's
  * transport instance, before any decode rank registers), so that each profile has its own
@@ -65,29 +66,35 @@ typedef struct profile {
     const char *spec; /* "%u" is replaced by a per-epoch number where present */
     const char *bug;  /* known bug a false success here belongs to, or NULL */
     bool clean;       /* every room must succeed */
+    bool aborts;      /* decode rank 0 aborts a third of the rooms, at random moments; every
+                       * other room must succeed */
 } profile_t;
 
 static const profile_t profiles[] = {
-    {"clean", "", NULL, true},
-    {"delay", "delay=0.3,delay_ms=4", NULL, true},
-    {"reorder-put", "reorder_put=0.5", NULL, true},
+    {"clean", "", NULL, true, false},
+    {"delay", "delay=0.3,delay_ms=4", NULL, true, false},
+    /* Aborted rooms beside live ones, with puts held back so that an aborted room's put
+     * often runs after the abort: its staging span must not have gone to another room
+     * meanwhile (a one-sided put cannot be stopped by the decode). */
+    {"abort-some", "delay=0.7,delay_ms=8", NULL, false, true},
+    {"reorder-put", "reorder_put=0.5", NULL, true, false},
     /* A duplicated write is not lost data, but on tcp the receiver counts what landed
      * and fails a room whose count is off (fail closed), so rooms may fail here. */
-    {"dup-put", "dup_put=0.2", NULL, false},
-    {"dup-notify", "dup_notify=0.1", NULL, false},
-    {"reorder-notify", "reorder_notify=0.2,reorder_ms=10", NULL, false},
-    {"drop-notify", "drop_notify=0.05", NULL, false},
-    {"corrupt-notify", "corrupt_notify=0.1", NULL, false},
-    {"fail-put", "fail_put=0.02", NULL, false},
-    {"fail-notify", "fail_notify=0.03", NULL, false},
-    {"close", "close_after_puts=%u", NULL, false},
-    {"close-notify", "close_after_notifies=%u", NULL, false},
-    {"fail-connect", "fail_connect=0.3", NULL, false},
-    {"drop-put", "drop_put=0.01", "silent-put-loss", false},
-    {"trunc-put", "trunc_put=0.01", "silent-put-loss", false},
+    {"dup-put", "dup_put=0.2", NULL, false, false},
+    {"dup-notify", "dup_notify=0.1", NULL, false, false},
+    {"reorder-notify", "reorder_notify=0.2,reorder_ms=10", NULL, false, false},
+    {"drop-notify", "drop_notify=0.05", NULL, false, false},
+    {"corrupt-notify", "corrupt_notify=0.1", NULL, false, false},
+    {"fail-put", "fail_put=0.02", NULL, false, false},
+    {"fail-notify", "fail_notify=0.03", NULL, false, false},
+    {"close", "close_after_puts=%u", NULL, false, false},
+    {"close-notify", "close_after_notifies=%u", NULL, false, false},
+    {"fail-connect", "fail_connect=0.3", NULL, false, false},
+    {"drop-put", "drop_put=0.01", "silent-put-loss", false, false},
+    {"trunc-put", "trunc_put=0.01", "silent-put-loss", false, false},
     {"mixed", "delay=0.05,delay_ms=3,dup_notify=0.02,reorder_put=0.2,drop_notify=0.01,"
               "fail_notify=0.005,fail_put=0.005,reorder_notify=0.02,corrupt_notify=0.01",
-     NULL, false},
+     NULL, false, false},
 };
 
 /* Known library bugs: a false success in a profile tagged with one of these is an
@@ -296,6 +303,7 @@ typedef struct room {
     kvw_sender_h snd[MAXR];
     kvw_receiver_h rcv[MAXR];
     bool sent_ok[MAXR], posted_ok[MAXR];
+    bool aborted; /* by decode rank 0 (the abort-some profile) */
 } room_t;
 
 /* Disjoint random page slices for the rooms of one wave on one instance geometry. */
@@ -478,6 +486,13 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
                 }
             }
         }
+        /* The abort-some profile: decode rank 0 aborts a third of the rooms, at a random
+         * moment of their transfer, while the next ones start. */
+        if (pf->aborts && r->rcv[0] && kvt_rng_below(rng, 3) == 0) {
+            usleep((useconds_t)kvt_rng_below(rng, 3000));
+            r->aborted = true;
+            kvw_room_abort(kvw_receiver_room(r->rcv[0]));
+        }
     }
     /* Wait for every half to end, up to the deadline. */
     for (;;) {
@@ -573,10 +588,14 @@ static void run_wave(pair_t *pr, const profile_t *pf, kvt_rng_t *rng, uint64_t *
             }
         } else if (failed) {
             res->failed++;
+            if (pf->aborts && !r->aborted)
+                fail("room %llu failed beside the rooms decode rank 0 aborted, untouched itself "
+                     "(%s profile, TP%u -> TP%u over %s)", (unsigned long long)r->id, pf->name,
+                     P->tp, D->tp, pr->tl);
         } else {
             res->succeeded++;
         }
-        res->any_failure |= lost || failed || corrupt;
+        res->any_failure |= lost || corrupt || (failed && !r->aborted);
     }
     for (uint32_t i = 0; i < nr; i++) {
         for (uint32_t k = 0; k < D->tp; k++)
