@@ -43,10 +43,11 @@ void kvw__peer_dead(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_status_t status,
             involved |= r->dsts[i].peer == peer->id && !r->dsts[i].acked;
         for (uint32_t i = 0; i < r->num_srcs; i++)
             involved |= r->srcs[i].peer == peer->id && !r->srcs[i].done;
-        if (involved)
+        /* A room that failed before (its spans held for this source) may be quiet now. */
+        if (involved && r->state != KVW_ROOM_FAILED)
             kvw__room_fail(ctx, r, status, false, "%s: %s", peer->desc, reason);
         else
-            kvw__room_release_quiet(ctx, r); /* one that failed before: it may be quiet now */
+            kvw__room_release_quiet(ctx, r);
     }
 }
 
