@@ -23,7 +23,13 @@ int kvt_gpu_attach(kvt_rank_t *ranks, uint32_t n, int device, uint8_t ****dev_p,
         for (uint32_t i = 0; i < r->num_bufs; i++) {
             uint64_t total = r->alloc_len[i] + 2ull * r->guard;
             void *d;
-            if (kvt_cuda_malloc(total, &d) != KVW_OK)
+            /* Allocated in whole 64 KiB, as an engine's allocator hands out (PyTorch's
+             * caching allocator: segments of whole 2 MiB): another process that opens an
+             * allocation of an odd size through CUDA IPC reads and writes its random
+             * pages at 0.6-0.7 of the speed it gets otherwise (bench/gpu/step_shape.cu,
+             * bench/gpu/NOTES.md), which the benchmarks would measure instead of kvwire.
+             * The padding after the guard is never read. */
+            if (kvt_cuda_malloc((total + 65535) & ~65535ull, &d) != KVW_OK)
                 return snprintf(msg, cap, "%s", kvt_cuda_error()), -1;
             dev[k][i] = d;
             if (kvt_cuda_memcpy(d, r->mem[i], total, NULL) != KVW_OK)
