@@ -77,9 +77,9 @@ kvw_status_t kvw__cuda_memcpy(void *dst, const void *src, uint64_t size, void *s
     KVW_CUDA_FORWARD(memcpy_any(dst, src, size, stream));
 }
 
-kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p)
+kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p, uint64_t *size_p)
 {
-    KVW_CUDA_FORWARD(mem_base(ptr, base_p));
+    KVW_CUDA_FORWARD(mem_base(ptr, base_p, size_p));
 }
 
 kvw_status_t kvw__cuda_ipc_export(void *base, uint8_t handle[KVWC_IPC_HANDLE_SIZE])

@@ -177,7 +177,7 @@ static kvw_status_t kvwc_ipc_export(void *base, void *handle64)
  * caching allocator) often start inside one. */
 typedef int (*kvwc_getrange_fn)(unsigned long long *base, size_t *size, unsigned long long ptr);
 
-static kvw_status_t kvwc_mem_base(void *ptr, void **base_p)
+static kvw_status_t kvwc_mem_base(void *ptr, void **base_p, uint64_t *size_p)
 {
     static kvwc_getrange_fn fn;
     if (fn == NULL) {
@@ -199,6 +199,8 @@ static kvw_status_t kvwc_mem_base(void *ptr, void **base_p)
         return kvwc_error(KVW_ERR_INVALID_PARAM, "cuMemGetAddressRange(%p) failed with driver "
                          "error %d: not device memory?", ptr, rc);
     *base_p = (void *)(uintptr_t)base;
+    if (size_p)
+        *size_p = size;
     return KVW_OK;
 }
 

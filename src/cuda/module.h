@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 8
+#define KVWC_ABI_VERSION 9
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -153,8 +153,9 @@ typedef struct kvwc_ops {
     kvw_status_t (*ipc_export)(void *base, void *handle64);
     kvw_status_t (*ipc_open)(const void *handle64, void **ptr_p);
     kvw_status_t (*ipc_close)(void *ptr);
-    /* Start of the allocation holding ptr (what an IPC handle exports). */
-    kvw_status_t (*mem_base)(void *ptr, void **base_p);
+    /* Start and size of the allocation holding ptr (what an IPC handle exports);
+     * size_p may be NULL. ABI 9 (before: the start only). */
+    kvw_status_t (*mem_base)(void *ptr, void **base_p, uint64_t *size_p);
 
     kvw_status_t (*plan_upload)(const kvwc_plan_in_t *in, kvwc_plan_h *plan_p);
     void (*plan_free)(kvwc_plan_h plan);
@@ -312,7 +313,7 @@ void kvw__cuda_host_unregister(void *ptr);
  * and tests load the module themselves (tools/testkit/cuda_mod.c). */
 kvw_status_t kvw__cuda_set_device(int device);
 kvw_status_t kvw__cuda_memcpy(void *dst, const void *src, uint64_t size, void *stream);
-kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p);
+kvw_status_t kvw__cuda_mem_base(void *ptr, void **base_p, uint64_t *size_p);
 kvw_status_t kvw__cuda_ipc_export(void *base, uint8_t handle[KVWC_IPC_HANDLE_SIZE]);
 kvw_status_t kvw__cuda_ipc_open(const uint8_t handle[KVWC_IPC_HANDLE_SIZE], void **ptr_p);
 kvw_status_t kvw__cuda_ipc_close(void *ptr);

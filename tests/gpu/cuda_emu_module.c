@@ -227,9 +227,23 @@ static kvw_status_t emu_no_ipc_close(void *p)
     return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC");
 }
 
-static kvw_status_t emu_mem_base(void *p, void **base)
+/* The emulated allocation holding p (p itself and no size outside one). */
+static kvw_status_t emu_mem_base(void *p, void **base, uint64_t *size_p)
 {
     *base = p;
+    if (size_p)
+        *size_p = 0;
+    pthread_mutex_lock(&emu_regions_mu);
+    for (size_t i = 0; i < emu_num_regions; i++) {
+        const emu_region_t *r = &emu_regions[i];
+        if ((uintptr_t)p >= r->base && (uintptr_t)p - r->base < r->size) {
+            *base = (void *)r->base;
+            if (size_p)
+                *size_p = r->size;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&emu_regions_mu);
     return KVW_OK;
 }
 
