@@ -73,7 +73,8 @@ static void check_table(void)
     /* Every variable the library reads is in the table (the UCX ones are parsed by the
      * module but listed and checked here). */
     static const char *const read[] = {
-        "KVW_WORKERS",     "KVW_GPU_INFLIGHT",  "KVW_STAGING_MB",     "KVW_PATH",
+        "KVW_WORKERS",     "KVW_GPU_INFLIGHT",  "KVW_GPU_BATCH",      "KVW_STAGING_MB",
+        "KVW_PATH",
         "KVW_BUSY_POLL_US", "KVW_CUDA_MODULE",  "KVW_TL_MODULE_DIR", "KVW_UCX_TIMEOUT_MS",
         "KVW_UCX_PUT",     "KVW_UCX_ERR_MODE",  "KVW_MAX_PEER_ROOMS", "KVW_MAX_HELLO_KB",
         "KVW_MAX_PEERS",   "KVW_MAX_CONN_PER_SOURCE", "KVW_DATA_HELLO_MS",
@@ -107,6 +108,7 @@ static void check_defaults(void)
     CHECK(kvw__config_check() == KVW_OK, "nothing set: %s", kvw_last_error());
     check_u64("KVW_WORKERS", 4);
     check_u64("KVW_GPU_INFLIGHT", 8);
+    check_u64("KVW_GPU_BATCH", 8);
     check_u64("KVW_STAGING_MB", 64);
     check_u64("KVW_BUSY_POLL_US", 0);
     check_u64("KVW_UCX_TIMEOUT_MS", 10000);
@@ -144,6 +146,8 @@ static void check_accepted(void)
         {"KVW_WORKERS", "007", 7},
         {"KVW_GPU_INFLIGHT", "1", 1},
         {"KVW_GPU_INFLIGHT", "8", 8},
+        {"KVW_GPU_BATCH", "1", 1},
+        {"KVW_GPU_BATCH", "32", 32},
         {"KVW_STAGING_MB", "0", 0},
         {"KVW_STAGING_MB", "1048576", 1048576},
         {"KVW_BUSY_POLL_US", "1000000", 1000000},
@@ -196,6 +200,8 @@ static const struct {
     {"KVW_WORKERS", "99999999999999999999999", "too large"},
     {"KVW_GPU_INFLIGHT", "9", "out of range"},
     {"KVW_GPU_INFLIGHT", "0", "out of range"},
+    {"KVW_GPU_BATCH", "33", "out of range"},
+    {"KVW_GPU_BATCH", "0", "out of range"},
     {"KVW_STAGING_MB", "abc", "not a decimal integer"},
     {"KVW_STAGING_MB", "1048577", "out of range"},
     {"KVW_STAGING_MB", "64M", "not a decimal integer"},

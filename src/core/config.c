@@ -72,6 +72,9 @@ static const kvw_cfg_def_t kvw_cfg_table[] = {
     {.name = "KVW_GPU_INFLIGHT", .type = KVW_CFG_U64, .def = KVW_CFG_STR(KVWC_EXEC_SLOTS),
      .min = 1, .max = KVWC_EXEC_SLOTS,
      .help = "GPU copy kernels in flight per sender thread (1 waits for each)"},
+    {.name = "KVW_GPU_BATCH", .type = KVW_CFG_U64, .def = "8", .min = 1, .max = 32,
+     .help = "cuda_ipc: small rooms' copies (one chunk of at most 2048 tokens left) that a "
+             "sender thread launches as one kernel (1: one kernel per room and decode rank)"},
     {.name = "KVW_GPU_WARM", .type = KVW_CFG_U64, .def = "1", .min = 0, .max = 1,
      .help = "prefill with GPU buffers: sender threads make their CUDA executors when the "
              "context starts (0: on their first room, which then pays for it)"},

@@ -403,8 +403,6 @@ static inline void kvwc_emulate(const kvwc_dseg_t *segs, const uint32_t *job_seg
 
 /* ---------------------------------------------------------------- host-side layout */
 
-#define KVWC_MAX_MAPS 16
-
 /* Largest power of two up to 16 dividing x (16 for x == 0). */
 static inline uint32_t kvwc_align_of(uint64_t x)
 {

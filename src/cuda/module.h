@@ -27,7 +27,7 @@
 extern "C" {
 #endif
 
-#define KVWC_ABI_VERSION 9
+#define KVWC_ABI_VERSION 10
 #define KVWC_ENTRY_NAME "kvw_cuda_module_entry"
 #define KVWC_MODULE_FILE "libkvwire_cuda.so"
 
@@ -59,6 +59,10 @@ typedef struct kvwc_map_in {
     const uint32_t *pages;
     uint32_t num_pages;
 } kvwc_map_in_t;
+
+/* Page maps one plan_in may name (ABI 10; 16 before): a launch of several plans
+ * (kvw__cuda_step_launch_n) brings 2 * KVW_NUM_POOLS of them per plan. */
+#define KVWC_MAX_MAPS 192
 
 typedef struct kvwc_plan_in {
     uint32_t num_segs;
@@ -243,6 +247,13 @@ struct kvw_cuda_profile;
 kvw_status_t kvw__cuda_plan_in_make(const struct kvw_plan *plan, unsigned uses,
                                     kvwc_map_in_t *maps, kvwc_plan_in_t *in_p);
 void kvw__cuda_plan_in_free(kvwc_plan_in_t *in);
+/* n plans flattened into one, for one launch: each plan's page maps follow the previous
+ * plans' (2 * KVW_NUM_POOLS each; at most KVWC_MAX_MAPS in all) and its segments name
+ * them there, in plan order. The maps and segments are allocated and released by
+ * kvw__cuda_plan_in_free_n. Errors as kvw__cuda_plan_in_make. */
+kvw_status_t kvw__cuda_plan_in_make_n(const struct kvw_plan *const *plans, uint32_t n,
+                                      unsigned uses, kvwc_plan_in_t *in_p);
+void kvw__cuda_plan_in_free_n(kvwc_plan_in_t *in);
 
 /* The protocol's GPU steps, on the calling thread's executor (created on first use;
  * released when the thread exits). step_launch enqueues a plan's direct copy and
@@ -271,6 +282,10 @@ kvw_status_t kvw__cuda_step_digest(const struct kvw_plan *plan, int slot, uint64
                                    uint32_t num_units);
 kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
                                    struct kvw_cuda_profile *prof);
+/* n plans' direct copies as one step (one kernel, one slot; n == 1 is step_launch):
+ * the protocol's worker launches the steps of several small rooms at once. */
+kvw_status_t kvw__cuda_step_launch_n(const struct kvw_plan *const *plans, uint32_t n,
+                                     int *slot_p, struct kvw_cuda_profile *prof);
 kvw_status_t kvw__cuda_step_reap(int slot, int block, int *done_p, struct kvw_cuda_profile *prof);
 
 /* Staged streams on the calling thread's executor, on the device current on this

@@ -106,6 +106,63 @@ void kvw__cuda_plan_in_free(kvwc_plan_in_t *in)
     in->segs = NULL;
 }
 
+kvw_status_t kvw__cuda_plan_in_make_n(const struct kvw_plan *const *plans, uint32_t n,
+                                      unsigned uses, kvwc_plan_in_t *in_p)
+{
+    if (plans == NULL || in_p == NULL || n == 0 || n > KVWC_MAX_MAPS / (2 * KVW_NUM_POOLS))
+        return kvw__error(KVW_ERR_INVALID_PARAM, "CUDA plans: NULL argument or %u plans in "
+                          "one launch (1 to %u)", n, KVWC_MAX_MAPS / (2 * KVW_NUM_POOLS));
+    uint64_t nsegs = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        if (plans[k] == NULL)
+            return kvw__error(KVW_ERR_INVALID_PARAM, "CUDA plans: plan %u is NULL", k);
+        nsegs += plans[k]->num_segs;
+    }
+    if (nsegs > UINT32_MAX)
+        return kvw__error(KVW_ERR_INVALID_PARAM, "CUDA plans: %llu segments in one launch",
+                          (unsigned long long)nsegs);
+    kvwc_map_in_t *maps = calloc(2 * KVW_NUM_POOLS * (size_t)n, sizeof(*maps));
+    kvwc_seg_in_t *segs = calloc(nsegs ? nsegs : 1, sizeof(*segs));
+    if (maps == NULL || segs == NULL) {
+        free(maps);
+        free(segs);
+        return kvw__error(KVW_ERR_NO_MEMORY, "out of memory flattening plans for the GPU");
+    }
+    uint64_t bytes = 0;
+    uint32_t at = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        /* Each plan's maps after the previous plans', its segments naming them there. */
+        kvwc_map_in_t *m = maps + 2 * KVW_NUM_POOLS * (size_t)k;
+        kvwc_plan_in_t one;
+        kvw_status_t st = kvw__cuda_plan_in_make(plans[k], uses, m, &one);
+        if (st != KVW_OK) {
+            free(maps);
+            free(segs);
+            return st;
+        }
+        for (uint32_t i = 0; i < one.num_segs; i++) {
+            segs[at] = one.segs[i];
+            segs[at].src.map += 2 * KVW_NUM_POOLS * k;
+            segs[at].dst.map += 2 * KVW_NUM_POOLS * k;
+            at++;
+        }
+        bytes += one.bytes;
+        kvw__cuda_plan_in_free(&one);
+    }
+    *in_p = (kvwc_plan_in_t){.num_segs = at, .segs = segs, .num_maps = 2 * KVW_NUM_POOLS * n,
+                             .maps = maps, .bytes = bytes, .uses = uses};
+    return KVW_OK;
+}
+
+void kvw__cuda_plan_in_free_n(kvwc_plan_in_t *in)
+{
+    if (in == NULL)
+        return;
+    free((void *)in->maps);
+    in->maps = NULL;
+    kvw__cuda_plan_in_free(in);
+}
+
 struct kvw_cuda_plan {
     const kvwc_ops_t *ops;
     kvwc_plan_h mod;
@@ -323,6 +380,31 @@ kvw_status_t kvw__cuda_step_launch(const struct kvw_plan *plan, int *slot_p,
     kvwc_step_prof_t sp = {.launch_ns = kvw__now_ns() - t0};
     st = ops->exec_launch(t->ex, &in, slot_p, &sp);
     return kvw_step_launched(t, &in, kvw__cuda_ret(ops, st), *slot_p, &sp, prof);
+}
+
+kvw_status_t kvw__cuda_step_launch_n(const struct kvw_plan *const *plans, uint32_t n,
+                                     int *slot_p, kvw_cuda_profile_t *prof)
+{
+    if (n == 1 && plans != NULL)
+        return kvw__cuda_step_launch(plans[0], slot_p, prof);
+    const kvwc_ops_t *ops = NULL;
+    kvw_texec_t *t = NULL;
+    kvwc_plan_in_t in;
+    *slot_p = -1;
+    kvw_status_t st = kvw__cuda_get(&ops);
+    if (st == KVW_OK)
+        st = kvw_texec_get(ops, &t);
+    if (st != KVW_OK)
+        return st;
+    uint64_t t0 = kvw__now_ns();
+    if ((st = kvw__cuda_plan_in_make_n(plans, n, KVWC_USE_DIRECT, &in)) != KVW_OK)
+        return st;
+    kvwc_step_prof_t sp = {.launch_ns = 0};
+    st = kvw__cuda_ret(ops, ops->exec_launch(t->ex, &in, slot_p, &sp));
+    sp.launch_ns = kvw__now_ns() - t0;
+    free((void *)in.maps);
+    in.maps = NULL;
+    return kvw_step_launched(t, &in, st, *slot_p, &sp, prof);
 }
 
 /* The side of a plan the digest reads: every segment's buffer there must be GPU memory

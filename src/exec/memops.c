@@ -235,6 +235,7 @@ static const kvw_memops_t kvw_memops_cuda = {
     .pin = kvw__cuda_host_register,
     .unpin = cuda_unpin,
     .step_launch = kvw__cuda_step_launch,
+    .step_launch_n = kvw__cuda_step_launch_n,
     .step_reap = cuda_step_reap,
     .profile_add = kvw__cuda_profile_add,
     .stream_open = cuda_stream_open,

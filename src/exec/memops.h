@@ -35,6 +35,10 @@ typedef struct kvw_memops {
      * move); reap a slot in launch order (sync: block until it completed). */
     kvw_status_t (*step_launch)(const struct kvw_plan *plan, int *slot_p, kvw_cuda_profile_t *prof);
     kvw_status_t (*step_reap)(int slot, int block, int *done_p, kvw_cuda_profile_t *prof);
+    /* n plans' direct copies as one step (CUDA: one kernel in one slot); NULL for the
+     * host kind, whose steps complete when launched. */
+    kvw_status_t (*step_launch_n)(const struct kvw_plan *const *plans, uint32_t n, int *slot_p,
+                                  kvw_cuda_profile_t *prof);
     /* Adds a step's figures to the kind's totals (kvw_cuda_profile; host: none). */
     void (*profile_add)(const kvw_cuda_profile_t *prof);
     /* Staged streams (src/exec/staged.c): a plan's staging byte stream, gathered from

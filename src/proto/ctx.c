@@ -73,6 +73,7 @@ void kvw__ctx_cfg_read(struct kvw_ctx *ctx)
 {
     kvw__config_u64("KVW_WORKERS", &ctx->cfg.workers);
     kvw__config_u64("KVW_GPU_INFLIGHT", &ctx->cfg.gpu_inflight);
+    kvw__config_u64("KVW_GPU_BATCH", &ctx->cfg.gpu_batch);
     kvw__config_u64("KVW_GPU_WARM", &ctx->cfg.gpu_warm);
     kvw__config_u64("KVW_STAGING_MB", &ctx->cfg.staging_mb);
     kvw__config_u64("KVW_BUSY_POLL_US", &ctx->cfg.busy_poll_us);

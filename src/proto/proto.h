@@ -213,6 +213,7 @@ struct kvw_ctx {
     struct {
         uint64_t workers;      /* KVW_WORKERS */
         uint64_t gpu_inflight; /* KVW_GPU_INFLIGHT */
+        uint64_t gpu_batch;    /* KVW_GPU_BATCH */
         uint64_t verify_inline; /* KVW_VERIFY_INLINE_KB, in bytes */
         uint64_t gpu_warm;     /* KVW_GPU_WARM */
         uint64_t staging_mb;   /* KVW_STAGING_MB */

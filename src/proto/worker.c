@@ -351,16 +351,32 @@ typedef struct kvw_gpu_step {
     uint64_t *part;
     uint32_t num_units;
     bool last;
+    /* Launched in one kernel with the step before it (kvw_worker_batch): done when that
+     * one is reaped, with its outcome (slot -1 here). */
+    bool follows;
 } kvw_gpu_step_t;
 
+/* Jobs one launch may cover (KVW_GPU_BATCH at most this), the chunk of at most this
+ * many tokens each and this many in all: small rooms' copies, whose kernels are short
+ * next to what a launch, its plan's upload and its completion cost. */
+#define KVW_GPU_BATCH_MAX 32u
+#define KVW_GPU_BATCH_JOB_TOKENS 2048u
+#define KVW_GPU_BATCH_TOKENS 16384u
+#define KVW_GPU_Q (KVWC_EXEC_SLOTS * KVW_GPU_BATCH_MAX)
+
 typedef struct kvw_gpu_q {
-    kvw_gpu_step_t q[KVWC_EXEC_SLOTS];
-    uint32_t head, n;
-    uint32_t depth; /* steps in flight at most: KVW_GPU_INFLIGHT, 1..KVWC_EXEC_SLOTS */
+    kvw_gpu_step_t *q; /* cap entries, a ring */
+    uint32_t cap, head, n;
+    uint32_t launched; /* entries in q with a slot (kernels in flight) */
+    uint32_t depth; /* kernels in flight at most: KVW_GPU_INFLIGHT, 1..KVWC_EXEC_SLOTS */
+    uint32_t batch; /* jobs per launch at most: KVW_GPU_BATCH, 1..KVW_GPU_BATCH_MAX */
     uint64_t seq, reaped; /* last sequence number given out and reaped */
+    kvw_status_t last_st; /* outcome of the last launched step reaped (for `follows`) */
+    char last_msg[512];
 } kvw_gpu_q_t;
 
 static void kvw_job_release(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t di);
+static void kvw_job_take(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i);
 
 /* A verified step, reaped (its digest complete; mu not held): adds it to the decode
  * rank's sums and, with the room's last step, puts the room's digest into the step's
@@ -392,10 +408,21 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
         kvw_cuda_profile_t prof = {0};
         int done = 1;
         kvw_status_t st = KVW_OK;
-        if (e->slot >= 0)
+        if (e->follows) {
+            st = g->last_st;
+            if (st != KVW_OK)
+                kvw__error(st, "%s", g->last_msg);
+        } else if (e->slot >= 0) {
             st = ctx->mem->step_reap(e->slot, block, &done, &prof);
+        }
         if (!done)
             return;
+        if (e->slot >= 0)
+            g->launched--;
+        if (!e->follows) {
+            g->last_st = st;
+            snprintf(g->last_msg, sizeof(g->last_msg), "%s", st == KVW_OK ? "" : kvw_last_error());
+        }
         block = false;
         uint64_t t0 = kvw__now_ns();
         uint64_t dvals[KVW_DONE_DIGEST_MAX];
@@ -417,7 +444,7 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
         free(e->part);
         e->part = NULL;
         kvw_gpu_step_t done_e = *e;
-        g->head = (g->head + 1) % KVWC_EXEC_SLOTS;
+        g->head = (g->head + 1) % g->cap;
         g->n--;
         g->reaped = done_e.seq;
         pthread_mutex_lock(&ctx->mu);
@@ -434,6 +461,14 @@ static void kvw_gpu_reap(struct kvw_ctx *ctx, kvw_gpu_q_t *g, bool block)
             kvw_job_release(ctx, done_e.r, done_e.di);
         pthread_mutex_unlock(&ctx->mu);
     }
+}
+
+/* Waits, reaping the oldest steps, until a launch of `entries` steps fits: fewer than
+ * depth kernels in flight and room in the queue (mu not held). */
+static void kvw_gpu_make_room(struct kvw_ctx *ctx, kvw_gpu_q_t *g, uint32_t entries)
+{
+    while (g->n && (g->launched >= g->depth || g->n + entries > g->cap))
+        kvw_gpu_reap(ctx, g, true);
 }
 
 /* Runs step s (mu not held; the room is pinned by inflight) on the mapped, staged or
@@ -471,9 +506,8 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
          * the bytes have landed, in launch order. */
         kvw_cuda_profile_t prof = {.steps = 1, .bytes = plan->bytes,
                                    .plan_ns = kvw__now_ns() - t0, .first_start_ns = t0};
-        if (g->n >= g->depth)
-            kvw_gpu_reap(ctx, g, true); /* as many in flight as allowed: wait for the oldest */
-        kvw_gpu_step_t *e = &g->q[(g->head + g->n) % KVWC_EXEC_SLOTS];
+        kvw_gpu_make_room(ctx, g, 1);
+        kvw_gpu_step_t *e = &g->q[(g->head + g->n) % g->cap];
         *e = (kvw_gpu_step_t){.r = r, .di = di, .peer = peer, .slot = -1};
         if ((st = ctx->mem->select(ctx->mem_dev)) == KVW_OK)
             st = ctx->mem->step_launch(plan, &e->slot, &prof);
@@ -506,6 +540,7 @@ static kvw_status_t kvw_worker_step(struct kvw_ctx *ctx, const kvw_step_t *s, kv
         e->seq = ++g->seq;
         out->seq = e->seq;
         g->n++;
+        g->launched += e->slot >= 0;
         if (e->slot < 0)
             kvw_gpu_reap(ctx, g, false); /* nothing in flight for it: its DONE goes in turn */
         return KVW_OK;
@@ -710,10 +745,172 @@ static void kvw_worker_job(struct kvw_ctx *ctx, kvw_room_t *r, uint32_t i, kvw_g
     if (job_seq > gq->reaped) {
         /* Its last step is still in flight: released when that one is reaped. */
         for (uint32_t k = 0; k < gq->n; k++)
-            if (gq->q[(gq->head + k) % KVWC_EXEC_SLOTS].seq == job_seq)
-                gq->q[(gq->head + k) % KVWC_EXEC_SLOTS].closes_job = true;
+            if (gq->q[(gq->head + k) % gq->cap].seq == job_seq)
+                gq->q[(gq->head + k) % gq->cap].closes_job = true;
     } else {
         kvw_job_release(ctx, r, i);
+    }
+}
+
+/* Whether decode rank di of room r (mu held) is a job kvw_worker_batch can launch with
+ * others: one chunk left for it, not streamed, not verified, of at most
+ * KVW_GPU_BATCH_JOB_TOKENS, to a decode rank whose buffers are mapped here (cuda_ipc).
+ * *tokens_p: the chunk's tokens. */
+static bool kvw_batchable(struct kvw_ctx *ctx, const kvw_room_t *r, uint32_t di,
+                          uint64_t *tokens_p)
+{
+    const kvw_room_dst_t *d = &r->dsts[di];
+    if (r->state == KVW_ROOM_FAILED || d->next_chunk + 1 != r->num_chunks || d->verify ||
+        d->peer >= kvw__peer_count(ctx))
+        return false;
+    const kvw_peer_t *peer = kvw__peer_at(ctx, d->peer);
+    const kvw_qchunk_t *q = &r->chunks[d->next_chunk];
+    *tokens_p = q->c.chunk_end - q->c.chunk_begin;
+    return peer->mapped && !peer->dead && q->ready == NULL &&
+           *tokens_p <= KVW_GPU_BATCH_JOB_TOKENS;
+}
+
+/* A job of a batch: what the step needs, copied under mu. */
+typedef struct kvw_bjob {
+    kvw_room_t *r;
+    uint32_t di;
+    kvw_peer_t *peer;
+    kvw_room_dst_t d;
+    kvw_qchunk_t q;
+    uint32_t meta_len;
+    kvw_plan_h plan;
+    kvw_status_t st;
+    char msg[256];
+} kvw_bjob_t;
+
+/* Copies job (r, di), taken, into b and sends the room's metadata first when this is
+ * its last chunk (mu held; as kvw_worker_job does). */
+static void kvw_bjob_init(struct kvw_ctx *ctx, kvw_bjob_t *b, kvw_room_t *r, uint32_t di)
+{
+    kvw_room_dst_t *d = &r->dsts[di];
+    *b = (kvw_bjob_t){.r = r, .di = di, .peer = kvw__peer_at(ctx, d->peer), .d = *d,
+                      .q = r->chunks[d->next_chunk]};
+    if (b->q.c.last_chunk && r->has_meta) {
+        b->meta_len = r->meta_len;
+        kvw_wbuf_t mw;
+        kvw__wb_init(&mw, KVW_MSG_META);
+        kvw__wb_u64(&mw, r->id);
+        kvw__wb_bytes(&mw, r->meta, r->meta_len);
+        kvw__peer_send(ctx, b->peer, &mw);
+    }
+}
+
+/*
+ * Small rooms on mapped decode buffers (cuda_ipc): job (r, i), taken and batchable, and
+ * the jobs at the head of the queue that are too (up to KVW_GPU_BATCH, at most
+ * KVW_GPU_BATCH_TOKENS in all), as one kernel: one launch, one plan upload and one
+ * completion event for all, where each would cost about as much as its copy. Each job's
+ * DONE goes out when the kernel is reaped, in order, and each job is released then
+ * (mu held, dropped around the plans and the launch). A job whose plan cannot be made
+ * fails its room alone; a launch that fails fails every room in it.
+ */
+static void kvw_worker_batch(struct kvw_ctx *ctx, kvw_room_t *r0, uint32_t i0, uint64_t tokens,
+                             kvw_gpu_q_t *g)
+{
+    kvw_bjob_t jobs[KVW_GPU_BATCH_MAX];
+    uint32_t n = 0;
+    kvw_bjob_init(ctx, &jobs[n++], r0, i0);
+    while (n < g->batch) {
+        kvw_room_t *r = kvw__queue_head(ctx);
+        int di = r ? kvw__room_next_dst(ctx, r) : -1;
+        uint64_t tk;
+        if (di < 0 || !kvw_batchable(ctx, r, (uint32_t)di, &tk) ||
+            tokens + tk > KVW_GPU_BATCH_TOKENS)
+            break;
+        (void)kvw__dequeue_room(ctx); /* r: the head, under mu since it was looked at */
+        kvw_job_take(ctx, r, (uint32_t)di);
+        kvw_bjob_init(ctx, &jobs[n++], r, (uint32_t)di);
+        tokens += tk;
+    }
+    pthread_mutex_unlock(&ctx->mu);
+
+    uint64_t t0 = kvw__now_ns();
+    const struct kvw_plan *plans[KVW_GPU_BATCH_MAX];
+    uint32_t m = 0;
+    uint64_t bytes = 0;
+    for (uint32_t k = 0; k < n; k++) {
+        kvw_bjob_t *b = &jobs[k];
+        kvw_chunk_t c = b->q.c;
+        c.prefix_len = b->d.prefix_len;
+        if (c.prefix_len > c.num_tokens)
+            b->st = kvw__error(KVW_ERR_INVALID_PARAM, "decode prefix %llu exceeds %llu tokens",
+                               (unsigned long long)c.prefix_len,
+                               (unsigned long long)c.num_tokens);
+        else
+            b->st = kvw__plan_create(ctx->rank, b->peer->mapped, &c, &b->q.pages, &b->d.pages,
+                                     &b->plan);
+        if (b->st != KVW_OK) {
+            snprintf(b->msg, sizeof(b->msg), "%s", kvw_last_error());
+            b->plan = NULL;
+            continue;
+        }
+        plans[m++] = b->plan;
+        bytes += b->plan->bytes;
+    }
+    kvw_cuda_profile_t prof = {.steps = 1, .bytes = bytes, .plan_ns = kvw__now_ns() - t0,
+                               .first_start_ns = t0};
+    int slot = -1;
+    kvw_status_t st = KVW_OK;
+    char msg[256] = "";
+    kvw_gpu_make_room(ctx, g, m);
+    if (m && (st = ctx->mem->select(ctx->mem_dev)) == KVW_OK)
+        st = ctx->mem->step_launch_n(plans, m, &slot, &prof);
+    if (st != KVW_OK)
+        snprintf(msg, sizeof(msg), "%s", kvw_last_error());
+    if (m)
+        ctx->mem->profile_add(&prof);
+    /* The launched jobs' steps, in order, the first holding the slot. */
+    uint32_t queued = 0;
+    for (uint32_t k = 0; k < n && st == KVW_OK; k++) {
+        kvw_bjob_t *b = &jobs[k];
+        if (b->st != KVW_OK)
+            continue;
+        kvw_step_t step = {.r = b->r, .di = b->di, .peer = b->peer, .d = &b->d, .q = &b->q,
+                           .final = true, .meta_len = b->meta_len};
+        kvw_gpu_step_t *e = &g->q[(g->head + g->n) % g->cap];
+        *e = (kvw_gpu_step_t){.r = b->r, .di = b->di, .peer = b->peer,
+                              .slot = queued ? -1 : slot, .follows = queued > 0,
+                              .closes_job = true, .seq = ++g->seq,
+                              .dm = kvw_step_done(&step, &b->q.c, b->plan->bytes, true)};
+        g->n++;
+        g->launched += e->slot >= 0;
+        queued++;
+    }
+
+    pthread_mutex_lock(&ctx->mu);
+    for (uint32_t k = 0; k < n; k++) {
+        kvw_bjob_t *b = &jobs[k];
+        kvw_room_t *r = b->r;
+        kvw_room_dst_t *d = &r->dsts[b->di];
+        if (b->st == KVW_OK && st != KVW_OK)
+            b->st = st, snprintf(b->msg, sizeof(b->msg), "%s", msg);
+        if (b->st != KVW_OK) {
+            if (r->state != KVW_ROOM_FAILED)
+                kvw__room_fail(ctx, r, b->st, true, "sending to %s failed: %s", b->peer->desc,
+                               b->msg);
+            kvw_job_release(ctx, r, b->di);
+        } else {
+            r->bytes += b->plan->bytes;
+            kvw__metrics_bytes(ctx, false, b->plan->bytes);
+            r->runs += b->plan->num_segs;
+            r->path = "direct";
+            kvw__room_touch(ctx, r);
+            if (b->q.c.last_chunk)
+                d->last_sent = true;
+            d->next_chunk++;
+        }
+        kvw_plan_destroy(b->plan);
+    }
+    if (queued && slot < 0) {
+        /* Nothing was in flight for them: their DONEs go in turn. */
+        pthread_mutex_unlock(&ctx->mu);
+        kvw_gpu_reap(ctx, g, false);
+        pthread_mutex_lock(&ctx->mu);
     }
 }
 
@@ -780,8 +977,9 @@ void kvw__ctrl_serve(struct kvw_ctx *ctx)
         uint32_t i = (uint32_t)di;
         kvw_job_take(ctx, r, i);
         kvw_gpu_q_t g;
+        kvw_gpu_step_t one;
         memset(&g, 0, sizeof(g));
-        g.depth = 1;
+        g.q = &one, g.cap = 1, g.depth = 1, g.batch = 1;
         kvw_worker_job(ctx, r, i, &g, true);
     }
 }
@@ -790,11 +988,18 @@ void *kvw__worker_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
     kvw_gpu_q_t g;
+    kvw_gpu_step_t small[KVWC_EXEC_SLOTS];
     memset(&g, 0, sizeof(g));
     /* Kernels in flight per worker (default all slots); 1 waits for each kernel before
-     * the next launch, as a step that synchronises would. */
-    uint64_t depth = ctx->cfg.gpu_inflight; /* checked when the context was created */
+     * the next launch, as a step that synchronises would. Jobs per launch: KVW_GPU_BATCH
+     * (with the ring it needs; one each when it cannot be had). */
+    uint64_t depth = ctx->cfg.gpu_inflight, batch = ctx->cfg.gpu_batch; /* checked */
     g.depth = (uint32_t)(depth < 1 ? 1 : depth > KVWC_EXEC_SLOTS ? KVWC_EXEC_SLOTS : depth);
+    g.batch = (uint32_t)(batch < 1 ? 1 : batch > KVW_GPU_BATCH_MAX ? KVW_GPU_BATCH_MAX : batch);
+    g.q = ctx->mem->step_launch_n && g.batch > 1 ? calloc(KVW_GPU_Q, sizeof(*g.q)) : NULL;
+    g.cap = KVW_GPU_Q;
+    if (g.q == NULL)
+        g.q = small, g.cap = KVWC_EXEC_SLOTS, g.batch = 1;
     /* GPU buffers: this thread's executor now, not on its first room (a failure here
      * comes back, with its message, on the first step that needs the executor). */
     if (ctx->cfg.gpu_warm && ctx->mem->warm && ctx->mem->warm(ctx->mem_dev) != KVW_OK)
@@ -845,8 +1050,14 @@ void *kvw__worker_main(void *arg)
         }
         uint32_t i = (uint32_t)di;
         kvw_job_take(ctx, r, i);
-        kvw_worker_job(ctx, r, i, &g, false);
+        uint64_t tokens;
+        if (g.batch > 1 && kvw_batchable(ctx, r, i, &tokens))
+            kvw_worker_batch(ctx, r, i, tokens, &g);
+        else
+            kvw_worker_job(ctx, r, i, &g, false);
     }
     pthread_mutex_unlock(&ctx->mu);
+    if (g.q != small)
+        free(g.q);
     return NULL;
 }

@@ -41,6 +41,8 @@ typedef struct emu_plan {
 /* Direct-mode jobs of every case's plans: [0] the kernel's slow path, [1] its fast path. */
 static uint64_t direct_jobs[2];
 
+static int emu_prepare_in(const kvwc_plan_in_t *in, emu_plan_t *e);
+
 static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
 {
     kvwc_map_in_t maps[2 * KVW_NUM_POOLS];
@@ -52,6 +54,32 @@ static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
           kvw_last_error());
     if (st != KVW_OK)
         return -1;
+    int rc = emu_prepare_in(&in, e);
+    kvw__cuda_plan_in_free(&in);
+    return rc;
+}
+
+/* Several plans flattened as one launch of the protocol's worker lays them out
+ * (kvw__cuda_plan_in_make_n: each plan's page maps after the previous ones'). */
+static int emu_prepare_n(const struct kvw_plan *const *plans, uint32_t n, emu_plan_t *e)
+{
+    kvwc_plan_in_t in;
+    memset(e, 0, sizeof(*e));
+    kvw_status_t st = kvw__cuda_plan_in_make_n(plans, n, KVW_CUDA_DIRECT, &in);
+    CHECK(st == KVW_OK, "kvw__cuda_plan_in_make_n(%u plans): %s (%s)", n,
+          kvw_status_string(st), kvw_last_error());
+    if (st != KVW_OK)
+        return -1;
+    CHECK(in.num_maps == 2 * KVW_NUM_POOLS * n, "%u plans flattened with %u page maps", n,
+          in.num_maps);
+    int rc = emu_prepare_in(&in, e);
+    kvw__cuda_plan_in_free_n(&in);
+    return rc;
+}
+
+static int emu_prepare_in(const kvwc_plan_in_t *inp, emu_plan_t *e)
+{
+    const kvwc_plan_in_t in = *inp;
     kvwc_layout_t L;
     const char *why = NULL;
     int rc = kvwc_blob_layout(&in, &L, &why);
@@ -66,7 +94,6 @@ static int emu_prepare(kvw_plan_h plan, emu_plan_t *e)
         rc = -1;
     }
     e->bytes = in.bytes;
-    kvw__cuda_plan_in_free(&in);
     if (rc == 0) {
         const kvwc_dseg_t *segs = e->blob;
         uint64_t sum = 0;
@@ -269,6 +296,42 @@ static void run_case(const gc_case_t *c)
             kvw_plan_destroy(plan);
         }
     compare_dst(&D, &da, exp, "direct");
+
+    /* Direct, the plans of every (source, destination) pair launched together, up to
+     * the most one launch takes (the protocol's worker launches small rooms' steps so):
+     * every destination byte again, each exactly where its own plan puts it. */
+    memcpy(da.img, da.init, da.total);
+    {
+        enum { MAXN = KVWC_MAX_MAPS / (2 * KVW_NUM_POOLS) };
+        const struct kvw_plan *group[MAXN];
+        uint32_t ng = 0, pairs = S.n * D.n, launched = 0;
+        uint64_t nbytes = 0;
+        for (uint32_t k = 0; k < pairs; k++) {
+            uint32_t d = k / S.n, s = k % S.n;
+            kvw_plan_h plan = NULL;
+            if (kvw_plan_create(sa.h[s], da.h[d], &ch, &S.pg[s].side, &D.pg[d].side, &plan) !=
+                KVW_OK)
+                continue;
+            group[ng++] = plan;
+            if (ng < MAXN && k + 1 < pairs)
+                continue;
+            emu_plan_t e;
+            if (emu_prepare_n(group, ng, &e) == 0) {
+                emu_run(&e, KVWC_MODE_DIRECT, NULL);
+                nbytes += e.bytes;
+                launched++;
+            }
+            free(e.blob);
+            for (uint32_t j = 0; j < ng; j++)
+                kvw_plan_destroy((kvw_plan_h)group[j]);
+            ng = 0;
+        }
+        CHECK(nbytes == bytes, "plans launched together moved %llu bytes, the plans %llu",
+              (unsigned long long)nbytes, (unsigned long long)bytes);
+        CHECK(launched == (pairs + MAXN - 1) / MAXN, "%u launches for %u plans", launched,
+              pairs);
+    }
+    compare_dst(&D, &da, exp, "direct, plans launched together");
 
     /* Staged: gather, check the staging order, scatter. */
     memcpy(da.img, da.init, da.total);
