@@ -4,7 +4,7 @@
 # tests/gpu/cuda_emu_module.c), so the prefill and decode processes take the GPU paths
 # (windows gathered and scattered by the kernels' own address arithmetic, through host
 # staging) and the decode verifies every byte and guard byte. GPU on both sides, on the
-# prefill only and on the decode only; tcp, shm, and ucx where it is built.
+# prefill only and on the decode only; tcp, shm, cuda_ipc, and ucx where it is built.
 # scripts/gpu-check.sh runs the same configurations on real GPUs.
 set -u
 CLI="${KVW_CLI:-${KVW_BUILD_DIR:-build}/kvwire}"
@@ -32,6 +32,15 @@ run "tcp GPU->GPU TP1->TP2" --gpu --transport tcp --prefill-tp 1 --decode-tp 2
 run "tcp GPU->host TP2->TP1" --gpu=prefill --transport tcp --prefill-tp 2 --decode-tp 1
 run "shm host->GPU TP1->TP2 HND" --gpu=decode --transport shm --decode-layout hnd --decode-tp 2
 run "shm GPU->GPU pages 16->64" --gpu --transport shm --page-size 16 --decode-page-size 64
+# cuda_ipc: the stand-in's IPC (memfd mappings through /proc/PID/fd) lets the prefill
+# map the decode's "device" buffers and run the mapped path, small rooms launched
+# together (KVW_GPU_BATCH) or one by one.
+KVW_CUDA_EMU_IPC=1 run "cuda_ipc GPU->GPU TP1->TP4, small rooms launched together" --gpu \
+    --transport cuda_ipc --prefill-tp 1 --decode-tp 4 --requests 24
+KVW_CUDA_EMU_IPC=1 run "cuda_ipc GPU->GPU TP4->TP1 pages 16->64" --gpu --transport cuda_ipc \
+    --prefill-tp 4 --decode-tp 1 --page-size 16 --decode-page-size 64 --requests 12
+KVW_CUDA_EMU_IPC=1 KVW_GPU_BATCH=1 run "cuda_ipc GPU->GPU TP2->TP2, one launch per room" \
+    --gpu --transport cuda_ipc --prefill-tp 2 --decode-tp 2 --requests 12
 if [[ -f "${KVW_BUILD_DIR:-build}/libkvwire-ucx.so" ]]; then
     run "ucx GPU->GPU TP2->TP2" --gpu --transport ucx --prefill-tp 2 --decode-tp 2
 fi

@@ -538,7 +538,8 @@ static void kit(bool emu)
         kvt_cuda_ipc_handle_t h;
         st = kvt_cuda_ipc_export(d, &h);
         CHECK(st == KVW_ERR_UNSUPPORTED &&
-                  strcmp(kvt_cuda_error(), "ipc_export: the emulated device has no IPC") == 0,
+                  strcmp(kvt_cuda_error(), "ipc_export: the emulated device has no IPC "
+                                          "(KVW_CUDA_EMU_IPC=1 gives it some)") == 0,
               "ipc_export on the stand-in: %s: %s", kvw_status_string(st), kvt_cuda_error());
     }
     CHECK(kvt_cuda_set_device(0) == KVW_OK, "set_device: %s", kvt_cuda_error());

@@ -13,6 +13,12 @@
  * staged plan released while a window that uses it is still in flight aborts (on a
  * device, the kernel would read freed memory).
  *
+ * With KVW_CUDA_EMU_IPC=1 it has IPC as well: "device memory" is then a shared mapping
+ * of a memfd, an IPC handle names the owner's pid and descriptor, and opening it maps
+ * the same pages through /proc/PID/fd (another process of the same user, or this one), so
+ * that the cuda_ipc transport and the protocol's mapped path (the prefill's kernels
+ * writing the decode's buffers) run between processes without a GPU.
+ *
  * It also answers pointer_kind as the driver would for the memory it handed out: what
  * malloc_dev returned is device memory of the device current then, what malloc_host
  * returned or host_register registered is registered host memory, anything else is
@@ -21,11 +27,14 @@
 #include "cuda/copy_core.h"
 #include "cuda/digest_core.h"
 
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 static __thread char emu_msg[512];
 static __thread int emu_device;
@@ -82,13 +91,17 @@ typedef struct emu_region {
     uint64_t size;
     int kind; /* KVWC_PTR_DEVICE or KVWC_PTR_HOST_REGISTERED */
     int device;
+    int fd;      /* KVW_CUDA_EMU_IPC device memory: its memfd (owner), else -1 */
+    int opened;  /* an IPC mapping of another allocation (ipc_open) */
+    uint64_t map_len;
 } emu_region_t;
 
 static pthread_mutex_t emu_regions_mu = PTHREAD_MUTEX_INITIALIZER;
 static emu_region_t *emu_regions;
 static size_t emu_num_regions, emu_cap_regions;
 
-static int emu_region_add(const void *p, uint64_t size, int kind)
+static int emu_region_add_ex(const void *p, uint64_t size, int kind, int fd, int opened,
+                             uint64_t map_len)
 {
     pthread_mutex_lock(&emu_regions_mu);
     if (emu_num_regions == emu_cap_regions) {
@@ -102,9 +115,68 @@ static int emu_region_add(const void *p, uint64_t size, int kind)
         emu_cap_regions = cap;
     }
     emu_regions[emu_num_regions++] =
-        (emu_region_t){(uintptr_t)p, size ? size : 1, kind, emu_device};
+        (emu_region_t){(uintptr_t)p, size ? size : 1, kind, emu_device, fd, opened, map_len};
     pthread_mutex_unlock(&emu_regions_mu);
     return 0;
+}
+
+static int emu_region_add(const void *p, uint64_t size, int kind)
+{
+    return emu_region_add_ex(p, size, kind, -1, 0, 0);
+}
+
+/* Removes the region starting at p into *out; -1 when there is none. */
+static int emu_region_take(const void *p, emu_region_t *out)
+{
+    int found = -1;
+    pthread_mutex_lock(&emu_regions_mu);
+    for (size_t i = 0; i < emu_num_regions; i++)
+        if (emu_regions[i].base == (uintptr_t)p) {
+            *out = emu_regions[i];
+            emu_regions[i] = emu_regions[--emu_num_regions];
+            found = 0;
+            break;
+        }
+    pthread_mutex_unlock(&emu_regions_mu);
+    return found;
+}
+
+static int emu_ipc_on(void)
+{
+    const char *e = getenv("KVW_CUDA_EMU_IPC");
+    return e && !strcmp(e, "1");
+}
+
+static uint64_t emu_map_len(uint64_t size)
+{
+    uint64_t pg = (uint64_t)sysconf(_SC_PAGESIZE);
+    return size ? (size + pg - 1) / pg * pg : pg;
+}
+
+/* Device memory that IPC can share: a memfd mapped here. */
+static kvw_status_t emu_alloc_shared(uint64_t size, void **p)
+{
+    uint64_t len = emu_map_len(size);
+    int fd = memfd_create("kvw-emu-dev", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)len) != 0) {
+        if (fd >= 0)
+            close(fd);
+        return emu_error(KVW_ERR_NO_MEMORY, "emulated shared allocation of %llu bytes failed",
+                         (unsigned long long)size);
+    }
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        close(fd);
+        return emu_error(KVW_ERR_NO_MEMORY, "emulated shared mapping of %llu bytes failed",
+                         (unsigned long long)size);
+    }
+    if (emu_region_add_ex(m, size, KVWC_PTR_DEVICE, fd, 0, len) != 0) {
+        munmap(m, len);
+        close(fd);
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory recording an allocation");
+    }
+    *p = m;
+    return KVW_OK;
 }
 
 /* Forgets the region starting at p; -1 when there is none. */
@@ -136,7 +208,7 @@ static kvw_status_t emu_alloc(uint64_t size, void **p, int kind)
 
 static kvw_status_t emu_malloc(uint64_t size, void **p)
 {
-    return emu_alloc(size, p, KVWC_PTR_DEVICE);
+    return emu_ipc_on() ? emu_alloc_shared(size, p) : emu_alloc(size, p, KVWC_PTR_DEVICE);
 }
 
 static kvw_status_t emu_malloc_host(uint64_t size, void **p)
@@ -148,10 +220,21 @@ static kvw_status_t emu_free(void *p)
 {
     if (p == NULL)
         return KVW_OK;
-    if (emu_region_del(p) != 0)
+    emu_region_t r = {.fd = -1};
+    if (emu_region_take(p, &r) != 0)
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated free of %p, which was not allocated "
                          "here", p);
-    free(p);
+    if (r.opened) {
+        emu_region_add_ex(p, r.size, r.kind, r.fd, r.opened, r.map_len);
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated free of %p, an IPC mapping (close "
+                         "it instead)", p);
+    }
+    if (r.fd >= 0) {
+        munmap(p, r.map_len);
+        close(r.fd);
+    } else {
+        free(p);
+    }
     return KVW_OK;
 }
 
@@ -209,22 +292,71 @@ static kvw_status_t emu_device_sync(void)
     return KVW_OK;
 }
 
-static kvw_status_t emu_no_ipc_export(void *base, void *h)
+/* An IPC handle (KVWC_IPC_HANDLE_SIZE bytes): magic, owner pid, its memfd, size. */
+#define EMU_IPC_MAGIC 0x4350494d45575653ull /* "SVWEMIPC" */
+
+static kvw_status_t emu_ipc_export(void *base, void *h)
 {
-    (void)base, (void)h;
-    return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC");
+    if (!emu_ipc_on())
+        return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC "
+                         "(KVW_CUDA_EMU_IPC=1 gives it some)");
+    emu_region_t r = {.fd = -1};
+    int found = 0;
+    pthread_mutex_lock(&emu_regions_mu);
+    for (size_t i = 0; i < emu_num_regions; i++)
+        if (emu_regions[i].base == (uintptr_t)base) {
+            r = emu_regions[i];
+            found = 1;
+        }
+    pthread_mutex_unlock(&emu_regions_mu);
+    if (!found || r.fd < 0)
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC export of %p: not the start of "
+                         "an allocation of this process's emulated device", base);
+    uint64_t w[4] = {EMU_IPC_MAGIC, (uint64_t)getpid(), (uint64_t)r.fd, r.size};
+    memset(h, 0, KVWC_IPC_HANDLE_SIZE);
+    memcpy(h, w, sizeof(w));
+    return KVW_OK;
 }
 
-static kvw_status_t emu_no_ipc_open(const void *h, void **p)
+static kvw_status_t emu_ipc_open(const void *h, void **p)
 {
-    (void)h, (void)p;
-    return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC");
+    uint64_t w[4];
+    memcpy(w, h, sizeof(w));
+    if (!emu_ipc_on() || w[0] != EMU_IPC_MAGIC || w[1] == 0 || w[1] > 0x7fffffff ||
+        w[2] > 0x7fffffff)
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC: not a handle of the emulated "
+                         "device (or KVW_CUDA_EMU_IPC is not 1 here)");
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%llu/fd/%llu", (unsigned long long)w[1],
+             (unsigned long long)w[2]);
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    if (fd < 0)
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC: cannot open %s", path);
+    uint64_t len = emu_map_len(w[3]);
+    void *m = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    close(fd);
+    if (m == MAP_FAILED)
+        return emu_error(KVW_ERR_NO_MEMORY, "emulated IPC: cannot map %s", path);
+    if (emu_region_add_ex(m, w[3], KVWC_PTR_DEVICE, -1, 1, len) != 0) {
+        munmap(m, len);
+        return emu_error(KVW_ERR_NO_MEMORY, "out of memory recording an IPC mapping");
+    }
+    *p = m;
+    return KVW_OK;
 }
 
-static kvw_status_t emu_no_ipc_close(void *p)
+static kvw_status_t emu_ipc_close(void *p)
 {
-    (void)p;
-    return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC");
+    emu_region_t r = {.fd = -1};
+    if (emu_region_take(p, &r) != 0)
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC close of %p: not opened", p);
+    if (!r.opened) {
+        emu_region_add_ex(p, r.size, r.kind, r.fd, r.opened, r.map_len);
+        return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC close of %p: an allocation of "
+                         "this process, not an IPC mapping", p);
+    }
+    munmap(p, r.map_len);
+    return KVW_OK;
 }
 
 /* The emulated allocation holding p (p itself and no size outside one). */
@@ -666,9 +798,9 @@ static const kvwc_ops_t emu_ops = {
     .stream_destroy = emu_ok_ptr,
     .stream_sync = emu_sync,
     .device_sync = emu_device_sync,
-    .ipc_export = emu_no_ipc_export,
-    .ipc_open = emu_no_ipc_open,
-    .ipc_close = emu_no_ipc_close,
+    .ipc_export = emu_ipc_export,
+    .ipc_open = emu_ipc_open,
+    .ipc_close = emu_ipc_close,
     .mem_base = emu_mem_base,
     .plan_upload = emu_plan_upload,
     .plan_free = emu_plan_free,
