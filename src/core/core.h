@@ -36,6 +36,10 @@ void kvw__log(kvw_log_level_t level, const char *fmt, ...) KVW_PRINTF(2, 3);
 /* Monotonic clock in nanoseconds. */
 uint64_t kvw__now_ns(void);
 
+/* Names the calling thread (at most 15 characters show), so that top -H, gdb and
+ * profilers tell the library's threads apart. */
+void kvw__thread_name(const char *fmt, ...) KVW_PRINTF(1, 2);
+
 /* Overflow-checked helpers: return false on overflow. */
 static inline bool kvw__mul_u64(uint64_t a, uint64_t b, uint64_t *r)
 {

@@ -1,4 +1,5 @@
 #include "core/core.h"
+#include <pthread.h>
 
 #include <stdio.h>
 #include <string.h>
@@ -52,4 +53,14 @@ uint64_t kvw__now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+void kvw__thread_name(const char *fmt, ...)
+{
+    char name[16]; /* the kernel keeps 15 characters and the NUL */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(name, sizeof(name), fmt, ap);
+    va_end(ap);
+    (void)pthread_setname_np(pthread_self(), name);
 }

@@ -486,6 +486,7 @@ static bool kvw_bs_write(kvw_bs_conn_t *c)
 static void *kvw_bs_main(void *arg)
 {
     kvw_bootstrap_t *bs = arg;
+    kvw__thread_name("kvw-bootstrap");
     struct pollfd pfd[KVW_BS_MAX_CONNS + 2];
     kvw_bs_conn_t *conns = calloc(KVW_BS_MAX_CONNS, sizeof(*conns));
     int n = 0;

@@ -47,6 +47,7 @@ static void kvw_evw_drop(struct kvw_ctx *ctx, uint32_t i)
 static void *kvw_event_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
+    kvw__thread_name("kvw-events");
     /* The poll interval is short: without this, the default 50 us timer slack would
      * stretch each nap to about 70 us, and every layer's start with it. */
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);

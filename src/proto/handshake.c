@@ -841,6 +841,14 @@ static void *kvw_conn_all_main(void *arg)
     }
 }
 
+/* A helper thread of kvw__decode_connect_all (the calling thread, the engine's, keeps
+ * its name). */
+static void *kvw_conn_helper_main(void *arg)
+{
+    kvw__thread_name("kvw-connect");
+    return kvw_conn_all_main(arg);
+}
+
 kvw_status_t kvw__decode_connect_all(struct kvw_ctx *ctx, const kvw_bs_entry_t *entries,
                                      uint32_t n, uint32_t inst, uint32_t gen, uint64_t deadline)
 {
@@ -852,7 +860,7 @@ kvw_status_t kvw__decode_connect_all(struct kvw_ctx *ctx, const kvw_bs_entry_t *
     /* This thread is one of the workers; the others are helpers (none when a thread
      * cannot be started: the registrations then go one after the other). */
     for (; nt + 1 < want; nt++)
-        if (pthread_create(&t[nt], NULL, kvw_conn_all_main, &a) != 0)
+        if (pthread_create(&t[nt], NULL, kvw_conn_helper_main, &a) != 0)
             break;
     kvw_conn_all_main(&a);
     for (uint32_t i = 0; i < nt; i++)
@@ -883,6 +891,7 @@ void kvw__handshake_heard(struct kvw_ctx *ctx, int fd)
 static void *kvw_handshake_main(void *arg)
 {
     kvw_hs_arg_t *a = arg;
+    kvw__thread_name("kvw-handshake");
     struct kvw_ctx *ctx = a->ctx;
     kvw_peer_t *peer;
     kvw_status_t st = kvw__prefill_handshake(ctx, a->fd, &peer);

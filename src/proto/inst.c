@@ -115,6 +115,7 @@ typedef struct kvw_conn_arg {
 static void *kvw_inst_connect_main(void *arg)
 {
     kvw_conn_arg_t *a = arg;
+    kvw__thread_name("kvw-inst");
     struct kvw_ctx *ctx = a->ctx;
     uint64_t deadline = kvw__now_ns() + (uint64_t)ctx->bootstrap_timeout_ms * 1000000ull;
     kvw_bs_entry_t *entries = NULL;

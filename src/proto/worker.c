@@ -987,6 +987,7 @@ void kvw__ctrl_serve(struct kvw_ctx *ctx)
 void *kvw__worker_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
+    kvw__thread_name("kvw-worker");
     kvw_gpu_q_t g;
     kvw_gpu_step_t small[KVWC_EXEC_SLOTS];
     memset(&g, 0, sizeof(g));

@@ -346,6 +346,7 @@ static void listen_watch(kvw__sockserv_t *srv, bool on)
 static void *srv_thread(void *arg)
 {
     kvw__sockserv_t *srv = arg;
+    kvw__thread_name("kvw-rx-%s", srv->ops->name);
     struct epoll_event evs[SRV_EVENTS];
     uint64_t listen_pause_until = 0, next_stall_check = 0;
 

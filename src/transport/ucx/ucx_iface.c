@@ -274,6 +274,7 @@ static void begin_shutdown(ucx_iface_t *tl)
 static void *progress_thread(void *arg)
 {
     ucx_iface_t *tl = arg;
+    (void)pthread_setname_np(pthread_self(), "kvw-ucx");
     uint64_t shutdown_deadline = 0;
     tl->last_loop_ns = tl->last_hb_ns = kvw__now_ns();
     for (;;) {
