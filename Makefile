@@ -10,7 +10,7 @@ DEV_FLAGS := -DKVW_DEVELOPER=ON
 # out: under TSan the cross-process UCX cases slow past their timeouts (UCX 1.13 needs
 # UCX_MEM_EVENTS=no there at all); the UCX transport's tests run in the release and
 # ASan/UBSan builds.
-TSAN_TESTS ?= test_api_masks|test_auth|test_ctx_metrics|test_gpu_staged|test_log_hook|test_bootstrap|test_metadata|test_multi_instance|test_peer_reap|test_proto_fail|test_streaming|test_transport
+TSAN_TESTS ?= test_api_masks|test_auth|test_ctrl_burst|test_ctx_metrics|test_gpu_staged|test_log_hook|test_bootstrap|test_metadata|test_multi_instance|test_peer_reap|test_proto_fail|test_streaming|test_transport
 
 .PHONY: all deps build demo check check-fast check-asan check-tsan bench gpu-check gpu-bench clean sglang-check
 

@@ -36,27 +36,62 @@ static uint32_t kvw_ctrl_max_payload(uint8_t type)
  * announced. */
 #define KVW_CTRL_FIRST_ALLOC (64u << 10)
 
+/*
+ * The reader runs without mu: a peer's socket and its reader state (hdr, payload, rx_seq)
+ * belong to the control thread alone (registration hands the socket over before the peer
+ * is polled, and only this thread closes it, when it reaps the peer), so the system
+ * calls of a read need not hold up the workers and the receive threads, which take mu
+ * for every job and completion. The frames a read completes are handled afterwards under
+ * mu, in order (kvw_peer_handle). A pass takes at most KVW_CTRL_RX_FRAMES frames or
+ * KVW_CTRL_RX_BYTES of payload from one peer (beyond one frame), then lets the others
+ * have their turn; the poll is level-triggered, so what is left is read on the next pass.
+ */
+#define KVW_CTRL_RX_FRAMES 64
+#define KVW_CTRL_RX_BYTES (1u << 20)
+
+typedef struct kvw_rx_frame {
+    uint8_t type;
+    uint32_t len;
+    uint8_t *p;
+} kvw_rx_frame_t;
+
+typedef struct kvw_rx_pass {
+    /* One more than the bound: a frame without payload completes without a read. */
+    kvw_rx_frame_t f[KVW_CTRL_RX_FRAMES + 1];
+    uint32_t n;
+    uint64_t bytes;
+    bool got;          /* bytes arrived */
+    kvw_status_t fail; /* the peer is dropped after its frames are handled (KVW_OK: not) */
+    char why[200];
+} kvw_rx_pass_t;
+
+static void kvw_rx_fail(kvw_rx_pass_t *ps, kvw_status_t st, const char *why)
+{
+    ps->fail = st;
+    snprintf(ps->why, sizeof(ps->why), "%s", why);
+}
+
 /* A peer's frame header is complete in peer->hdr: checks it and makes the payload's
- * buffer. False when the peer was dropped. mu held. */
-static bool kvw_peer_header(struct kvw_ctx *ctx, kvw_peer_t *peer)
+ * buffer. False when the peer is to be dropped (ps->fail says why). */
+static bool kvw_peer_header(kvw_peer_t *peer, kvw_rx_pass_t *ps)
 {
     uint8_t type = 0;
     uint32_t len = 0;
     if (kvw__wire_header(peer->hdr, &type, &len) != KVW_OK) {
-        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, kvw_last_error());
+        kvw_rx_fail(ps, KVW_ERR_MALFORMED, kvw_last_error());
         return false;
     }
     if (len > kvw_ctrl_max_payload(type)) {
         char why[160];
         snprintf(why, sizeof(why), "a %u-byte control frame of type %u (at most %u "
                  "bytes for that type)", len, type, kvw_ctrl_max_payload(type));
-        kvw__peer_dead(ctx, peer, KVW_ERR_MALFORMED, why);
+        kvw_rx_fail(ps, KVW_ERR_MALFORMED, why);
         return false;
     }
     peer->payload_cap = KVW_MIN(len, KVW_CTRL_FIRST_ALLOC);
     peer->payload = malloc(peer->payload_cap ? peer->payload_cap : 1);
     if (peer->payload == NULL) {
-        kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
+        kvw_rx_fail(ps, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
         return false;
     }
     peer->payload_len = len;
@@ -64,29 +99,35 @@ static bool kvw_peer_header(struct kvw_ctx *ctx, kvw_peer_t *peer)
     return true;
 }
 
-/* Reads what is available on a peer's socket; handles complete frames. mu held.
+/* Reads what is available on a peer's socket (fd) into ps: the frames it completes, and
+ * whether the peer must go. mu not held.
  * The read that completes a frame's payload also takes the next frame's header, and a
  * read that comes back short found the socket drained: the reader returns then instead
  * of asking again only to hear EAGAIN (the control thread's poll is level-triggered, so
  * bytes that arrive meanwhile are seen at once). A small frame costs two reads, not
  * three, and frames back to back one each. */
-static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
+static void kvw_peer_read(kvw_peer_t *peer, int fd, kvw_rx_pass_t *ps)
 {
-    KVW_ASSERT_HELD(&ctx->mu);
+    ps->n = 0, ps->bytes = 0, ps->got = false, ps->fail = KVW_OK, ps->why[0] = '\0';
     for (;;) {
+        /* A frame without payload whose header is in completes without a read; any
+         * other step reads, and the pass's bound comes first. */
+        bool empty_frame = peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0;
+        if (!empty_frame && (ps->n >= KVW_CTRL_RX_FRAMES || ps->bytes >= KVW_CTRL_RX_BYTES))
+            return;
         ssize_t k;
         size_t asked = 0, ahead = 0;
         uint8_t next[KVW_WIRE_HDR];
         if (peer->hdr_got < KVW_WIRE_HDR) {
             asked = KVW_WIRE_HDR - peer->hdr_got;
-            k = recv(peer->fd, peer->hdr + peer->hdr_got, asked, MSG_DONTWAIT);
+            k = recv(fd, peer->hdr + peer->hdr_got, asked, MSG_DONTWAIT);
         } else {
             if (peer->payload_got == peer->payload_cap && peer->payload_cap < peer->payload_len) {
                 uint32_t cap = (uint32_t)KVW_MIN((uint64_t)peer->payload_cap * 2,
                                                  (uint64_t)peer->payload_len);
                 uint8_t *np = realloc(peer->payload, cap);
                 if (np == NULL) {
-                    kvw__peer_dead(ctx, peer, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
+                    kvw_rx_fail(ps, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
                     return;
                 }
                 peer->payload = np;
@@ -102,7 +143,7 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
             if (peer->payload_len == 0) {
                 k = 0, errno = 0;
             } else {
-                k = recvmsg(peer->fd, &msg, MSG_DONTWAIT);
+                k = recvmsg(fd, &msg, MSG_DONTWAIT);
                 if (k > 0 && (size_t)k > want)
                     ahead = (size_t)k - want, k = (ssize_t)want;
             }
@@ -110,12 +151,11 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
         bool drained = k >= 0 && (size_t)k + ahead < asked;
         if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
             return;
-        if (k < 0 || (k == 0 && !(peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0))) {
-            kvw__peer_dead(ctx, peer, KVW_ERR_CONN_CLOSED,
-                           k == 0 ? "closed the connection" : strerror(errno));
+        if (k < 0 || (k == 0 && !empty_frame)) {
+            kvw_rx_fail(ps, KVW_ERR_CONN_CLOSED, k == 0 ? "closed the connection" : strerror(errno));
             return;
         }
-        peer->last_rx_ns = kvw__now_ns();
+        ps->got = true;
         if (peer->hdr_got < KVW_WIRE_HDR) {
             peer->hdr_got += (uint32_t)k;
             if (peer->hdr_got < KVW_WIRE_HDR) {
@@ -123,7 +163,7 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
                     return;
                 continue;
             }
-            if (!kvw_peer_header(ctx, peer))
+            if (!kvw_peer_header(peer, ps))
                 return;
         } else {
             peer->payload_got += (uint32_t)k;
@@ -146,19 +186,17 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
                 }
                 if (!ok) {
                     free(payload);
-                    kvw__peer_dead(ctx, peer, KVW_ERR_AUTH, "a control frame failed its "
-                                   "session authentication (forged, altered or replayed)");
+                    kvw_rx_fail(ps, KVW_ERR_AUTH, "a control frame failed its session "
+                                "authentication (forged, altered or replayed)");
                     return;
                 }
             }
-            kvw__handle_frame(ctx, peer, peer->hdr[5], payload, plen);
-            free(payload);
-            if (peer->dead)
-                return;
+            ps->f[ps->n++] = (kvw_rx_frame_t){.type = peer->hdr[5], .len = plen, .p = payload};
+            ps->bytes += plen;
             /* The next frame's header bytes that came with this payload. */
             memcpy(peer->hdr, next, ahead);
             peer->hdr_got = (uint32_t)ahead;
-            if (ahead == KVW_WIRE_HDR && !kvw_peer_header(ctx, peer))
+            if (ahead == KVW_WIRE_HDR && !kvw_peer_header(peer, ps))
                 return;
             if (drained && !(peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0))
                 return;
@@ -166,6 +204,24 @@ static void kvw_peer_read(struct kvw_ctx *ctx, kvw_peer_t *peer)
             return;
         }
     }
+}
+
+/* Handles the frames a read collected, in order, then drops the peer if the read said
+ * so. mu held. */
+static void kvw_peer_handle(struct kvw_ctx *ctx, kvw_peer_t *peer, kvw_rx_pass_t *ps)
+{
+    KVW_ASSERT_HELD(&ctx->mu);
+    if (ps->got)
+        peer->last_rx_ns = kvw__now_ns();
+    for (uint32_t i = 0; i < ps->n; i++) {
+        /* A frame may end the peer (malformed, refused): the ones after it are dropped. */
+        if (!peer->dead)
+            kvw__handle_frame(ctx, peer, ps->f[i].type, ps->f[i].p, ps->f[i].len);
+        free(ps->f[i].p);
+    }
+    ps->n = 0;
+    if (ps->fail != KVW_OK)
+        kvw__peer_dead(ctx, peer, ps->fail, ps->why);
 }
 
 void kvw__run_deferred(struct kvw_ctx *ctx)
@@ -201,9 +257,10 @@ void kvw__run_deferred(struct kvw_ctx *ctx)
 void *kvw__ctrl_main(void *arg)
 {
     struct kvw_ctx *ctx = arg;
+    kvw__thread_name("kvw-ctrl");
     struct pollfd *pfd = NULL;
-    uint32_t *pidx = NULL;
-    kvw_peer_t **flush = NULL;
+    kvw_peer_t **flush = NULL, **polled = NULL;
+    kvw_rx_pass_t *pass = malloc(sizeof(*pass));
     uint32_t cap = 0;
     uint64_t last_timeout_scan = 0, last_reap = 0;
     kvw__queue_ctrl_thread(ctx);
@@ -229,9 +286,9 @@ void *kvw__ctrl_main(void *arg)
         if (need > cap) {
             cap = need * 2;
             pfd = realloc(pfd, sizeof(*pfd) * cap);
-            pidx = realloc(pidx, sizeof(*pidx) * cap);
             flush = realloc(flush, sizeof(*flush) * cap);
-            if (pfd == NULL || pidx == NULL || flush == NULL) {
+            polled = realloc(polled, sizeof(*polled) * cap);
+            if (pfd == NULL || flush == NULL || polled == NULL || pass == NULL) {
                 pthread_mutex_unlock(&ctx->mu);
                 break; /* cannot happen in practice; rooms then time out */
             }
@@ -244,7 +301,7 @@ void *kvw__ctrl_main(void *arg)
         for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
             if (kvw__peer_at(ctx, i)->dead || kvw__peer_at(ctx, i)->registering)
                 continue;
-            pidx[n] = i;
+            polled[n] = kvw__peer_at(ctx, i); /* peers are never freed before the context */
             pfd[n++] = (struct pollfd){.fd = kvw__peer_at(ctx, i)->fd,
                                        .events = POLLIN | (kvw__peer_tx_queued(kvw__peer_at(ctx, i)) ? POLLOUT : 0)};
         }
@@ -273,10 +330,18 @@ void *kvw__ctrl_main(void *arg)
                 kvw__start_handshake(ctx, fd);
             }
         }
+        /* Each ready peer read without mu, its frames handled under it. A peer that
+         * died since the poll set was made reads its shut-down socket's end, which is
+         * ignored then. */
+        for (nfds_t i = first_peer; i < n; i++) {
+            if (!pfd[i].revents)
+                continue;
+            kvw_peer_read(polled[i], pfd[i].fd, pass);
+            pthread_mutex_lock(&ctx->mu);
+            kvw_peer_handle(ctx, polled[i], pass);
+            pthread_mutex_unlock(&ctx->mu);
+        }
         pthread_mutex_lock(&ctx->mu);
-        for (nfds_t i = first_peer; i < n; i++)
-            if (pfd[i].revents && !kvw__peer_at(ctx, pidx[i])->dead)
-                kvw_peer_read(ctx, kvw__peer_at(ctx, pidx[i]));
         uint64_t now = kvw__now_ns();
         for (uint32_t i = 0; i < kvw__peer_count(ctx); i++) {
             kvw_peer_t *p = kvw__peer_at(ctx, i);
@@ -334,7 +399,8 @@ void *kvw__ctrl_main(void *arg)
             kvw__peer_flush(ctx, flush[i], false);
     }
     free(pfd);
-    free(pidx);
     free(flush);
+    free(polled);
+    free(pass);
     return NULL;
 }
