@@ -1,17 +1,17 @@
 /*
- * The control thread reads a peer's socket without the context's lock, up to 16 KiB at a
- * time, cuts every frame out of what it read, and handles them under the lock afterwards,
- * in order; a pass reads one peer again only below 64 frames and 1 MiB of payload. A
- * decode rank's control connection gets bursts written straight into it (heartbeats 20 s
- * apart, so the context's own traffic wakes nothing):
- *  - 300 room confirmations for rooms the prefill does not have, interleaved with frames
- *    without payload (heartbeats), 360 frames in all: all are taken (ignored), the peer
- *    stays, and a room posted afterwards succeeds with every byte checked;
- *  - 64 such confirmations and then a frame without payload that the prefill refuses
- *    (META, which only a decode rank reads), with nothing after it on the socket: the
- *    prefill drops the peer for that frame ("unexpected frame type"), which a reader that
- *    stopped with its header taken but the frame unhandled would not do until some other
- *    byte arrived;
+ * The control thread reads a peer's frames in bounded passes (at most 64 frames or 1 MiB
+ * of payload, then the other peers' turn) without the context's lock, and handles them
+ * under it afterwards, in order. A decode rank's control connection gets bursts written
+ * straight into it (heartbeats 20 s apart, so the context's own traffic wakes nothing):
+ *  - 300 room confirmations for rooms the prefill does not have, each read together with
+ *    the next frame's header, interleaved with frames without payload: all are taken
+ *    (ignored), the peer stays, and a room posted afterwards succeeds with every byte
+ *    checked;
+ *  - 64 such confirmations and then, just past the pass's bound, a frame without payload
+ *    that the prefill refuses (META, which only a decode rank reads), whose header came in
+ *    with the 64th payload and with nothing after it on the socket: the prefill drops the
+ *    peer for that frame ("unexpected frame type"), which a pass that stopped with the
+ *    header read but the frame unhandled would not do until some other byte arrived;
  *  - on a fresh pair, 150 confirmations followed by a frame whose header is malformed:
  *    the frames before it are handled and the peer is dropped with the header's error.
  *
@@ -195,14 +195,15 @@ int main(void)
     ip_room_verified(&model, pctx, &src, dctx, &dst, &room);
 
     /* 2: a pass's worth of frames with payload, then a frame without payload that the
-     * prefill must refuse (a decode-bound META), nothing after it. */
+     * prefill must refuse (a decode-bound META), its header read with the 64th payload,
+     * nothing after it. */
     n = 0;
     for (uint32_t i = 0; i < 64; i++)
         n += put_room_done(buf + n, 2000000 + i);
     n += put_hdr(buf + n, KVW_WIRE_MAGIC, KVW_MSG_META, 0);
     CHECK(inject(dctx, buf, n), "the second burst could not be written");
     CHECK(wait_dead(pctx, kvt_tmo_ns(3000000000ull)),
-          "a refused frame without payload at the end of a burst left the peer alive");
+          "a frame the prefill refuses, at the end of a pass's bound, left the peer alive");
     CHECK(warned("unexpected frame type"), "the prefill dropped the peer for another "
           "reason: %s", warns);
     kvw_ctx_destroy(dctx);

@@ -42,18 +42,10 @@ static uint32_t kvw_ctrl_max_payload(uint8_t type)
  * is polled, and only this thread closes it, when it reaps the peer), so the system
  * calls of a read need not hold up the workers and the receive threads, which take mu
  * for every job and completion. The frames a read completes are handled afterwards under
- * mu, in order (kvw_peer_handle).
- *
- * A read takes up to KVW_CTRL_RXBUF bytes into the pass's buffer, and every frame in them
- * is cut out before the next read (so nothing is left in the buffer between passes, and
- * the buffer is one for all peers): small frames back to back (confirmations, requests)
- * cost one system call for many. The remainder of a large payload is read straight into
- * the frame's buffer, with what follows it into the pass's buffer. A pass reads one peer
- * again only while it has taken fewer than KVW_CTRL_RX_FRAMES frames and
- * KVW_CTRL_RX_BYTES bytes of payload, then lets the others have their turn; the poll is
- * level-triggered, so what is left is read on the next pass.
+ * mu, in order (kvw_peer_handle). A pass takes at most KVW_CTRL_RX_FRAMES frames or
+ * KVW_CTRL_RX_BYTES of payload from one peer (beyond one frame), then lets the others
+ * have their turn; the poll is level-triggered, so what is left is read on the next pass.
  */
-#define KVW_CTRL_RXBUF (16u << 10)
 #define KVW_CTRL_RX_FRAMES 64
 #define KVW_CTRL_RX_BYTES (1u << 20)
 
@@ -64,13 +56,13 @@ typedef struct kvw_rx_frame {
 } kvw_rx_frame_t;
 
 typedef struct kvw_rx_pass {
-    kvw_rx_frame_t *f; /* the frames taken, in order (grows; kept between passes) */
-    uint32_t n, cap;
+    /* One more than the bound: a frame without payload completes without a read. */
+    kvw_rx_frame_t f[KVW_CTRL_RX_FRAMES + 1];
+    uint32_t n;
     uint64_t bytes;
     bool got;          /* bytes arrived */
     kvw_status_t fail; /* the peer is dropped after its frames are handled (KVW_OK: not) */
     char why[200];
-    uint8_t buf[KVW_CTRL_RXBUF];
 } kvw_rx_pass_t;
 
 static void kvw_rx_fail(kvw_rx_pass_t *ps, kvw_status_t st, const char *why)
@@ -107,130 +99,110 @@ static bool kvw_peer_header(kvw_peer_t *peer, kvw_rx_pass_t *ps)
     return true;
 }
 
-/* Room for the next bytes of the payload: doubles the buffer when it is full and the
- * frame is longer (it grows with the bytes that arrive). */
-static bool kvw_payload_room(kvw_peer_t *peer, kvw_rx_pass_t *ps)
-{
-    if (peer->payload_got < peer->payload_cap || peer->payload_cap >= peer->payload_len)
-        return true;
-    uint32_t cap = (uint32_t)KVW_MIN((uint64_t)peer->payload_cap * 2, (uint64_t)peer->payload_len);
-    uint8_t *np = realloc(peer->payload, cap);
-    if (np == NULL) {
-        kvw_rx_fail(ps, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
-        return false;
-    }
-    peer->payload = np;
-    peer->payload_cap = cap;
-    return true;
-}
-
-/* The frame in peer->hdr and peer->payload is complete: checks its session tag and
- * takes it into ps. False when the peer is to be dropped. */
-static bool kvw_rx_frame_done(kvw_peer_t *peer, kvw_rx_pass_t *ps)
-{
-    uint8_t *payload = peer->payload;
-    uint32_t plen = peer->payload_len;
-    peer->payload = NULL;
-    peer->hdr_got = 0;
-    if (peer->authed) {
-        /* A frame without the right tag for this direction and position was not sent by
-         * the peer that authenticated: drop the connection. */
-        uint8_t want[32];
-        bool ok = plen >= KVW_TAG;
-        if (ok) {
-            plen -= KVW_TAG;
-            kvw__frame_tag(peer, peer->tx_dir == 1 ? 2 : 1, peer->rx_seq++, peer->hdr[5],
-                           payload, plen, want);
-            ok = kvw__ct_equal(payload + plen, want, KVW_TAG);
-        }
-        if (!ok) {
-            free(payload);
-            kvw_rx_fail(ps, KVW_ERR_AUTH, "a control frame failed its session "
-                        "authentication (forged, altered or replayed)");
-            return false;
-        }
-    }
-    if (ps->n == ps->cap) {
-        uint32_t cap = ps->cap ? ps->cap * 2 : 64;
-        kvw_rx_frame_t *nf = realloc(ps->f, sizeof(*nf) * cap);
-        if (nf == NULL) {
-            free(payload);
-            kvw_rx_fail(ps, KVW_ERR_NO_MEMORY, "out of memory reading frames");
-            return false;
-        }
-        ps->f = nf;
-        ps->cap = cap;
-    }
-    ps->f[ps->n++] = (kvw_rx_frame_t){.type = peer->hdr[5], .len = plen, .p = payload};
-    ps->bytes += plen;
-    return true;
-}
-
 /* Reads what is available on a peer's socket (fd) into ps: the frames it completes, and
- * whether the peer must go. mu not held. A read that comes back short found the socket
- * drained: the reader returns once its bytes are taken instead of asking again only to
- * hear EAGAIN. */
+ * whether the peer must go. mu not held.
+ * The read that completes a frame's payload also takes the next frame's header, and a
+ * read that comes back short found the socket drained: the reader returns then instead
+ * of asking again only to hear EAGAIN (the control thread's poll is level-triggered, so
+ * bytes that arrive meanwhile are seen at once). A small frame costs two reads, not
+ * three, and frames back to back one each. */
 static void kvw_peer_read(kvw_peer_t *peer, int fd, kvw_rx_pass_t *ps)
 {
     ps->n = 0, ps->bytes = 0, ps->got = false, ps->fail = KVW_OK, ps->why[0] = '\0';
-    size_t off = 0, len = 0; /* bytes of ps->buf not taken yet: [off, len) */
-    bool drained = false;
     for (;;) {
-        if (off == len) {
-            if (drained || ps->n >= KVW_CTRL_RX_FRAMES || ps->bytes >= KVW_CTRL_RX_BYTES)
-                return;
-            /* The rest of a large payload straight into its buffer, what follows into
-             * the pass's buffer. */
-            struct iovec iov[2];
-            int niov = 0;
-            size_t direct = 0;
-            if (peer->hdr_got == KVW_WIRE_HDR &&
-                peer->payload_len - peer->payload_got >= KVW_CTRL_RXBUF) {
-                if (!kvw_payload_room(peer, ps))
-                    return;
-                direct = peer->payload_cap - peer->payload_got;
-                iov[niov++] = (struct iovec){.iov_base = peer->payload + peer->payload_got,
-                                             .iov_len = direct};
-            }
-            iov[niov++] = (struct iovec){.iov_base = ps->buf, .iov_len = sizeof(ps->buf)};
-            struct msghdr msg = {.msg_iov = iov, .msg_iovlen = (size_t)niov};
-            ssize_t k = recvmsg(fd, &msg, MSG_DONTWAIT);
-            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
-                return;
-            if (k <= 0) {
-                kvw_rx_fail(ps, KVW_ERR_CONN_CLOSED,
-                            k == 0 ? "closed the connection" : strerror(errno));
-                return;
-            }
-            ps->got = true;
-            drained = (size_t)k < direct + sizeof(ps->buf);
-            off = 0;
-            len = (size_t)k > direct ? (size_t)k - direct : 0;
-            peer->payload_got += (uint32_t)KVW_MIN((size_t)k, direct);
-            if (direct && peer->payload_got == peer->payload_len && !kvw_rx_frame_done(peer, ps))
-                return;
-            continue;
-        }
+        /* A frame without payload whose header is in completes without a read; any
+         * other step reads, and the pass's bound comes first. */
+        bool empty_frame = peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0;
+        if (!empty_frame && (ps->n >= KVW_CTRL_RX_FRAMES || ps->bytes >= KVW_CTRL_RX_BYTES))
+            return;
+        ssize_t k;
+        size_t asked = 0, ahead = 0;
+        uint8_t next[KVW_WIRE_HDR];
         if (peer->hdr_got < KVW_WIRE_HDR) {
-            size_t t = KVW_MIN(len - off, (size_t)(KVW_WIRE_HDR - peer->hdr_got));
-            memcpy(peer->hdr + peer->hdr_got, ps->buf + off, t);
-            peer->hdr_got += (uint32_t)t;
-            off += t;
-            if (peer->hdr_got < KVW_WIRE_HDR)
+            asked = KVW_WIRE_HDR - peer->hdr_got;
+            k = recv(fd, peer->hdr + peer->hdr_got, asked, MSG_DONTWAIT);
+        } else {
+            if (peer->payload_got == peer->payload_cap && peer->payload_cap < peer->payload_len) {
+                uint32_t cap = (uint32_t)KVW_MIN((uint64_t)peer->payload_cap * 2,
+                                                 (uint64_t)peer->payload_len);
+                uint8_t *np = realloc(peer->payload, cap);
+                if (np == NULL) {
+                    kvw_rx_fail(ps, KVW_ERR_NO_MEMORY, "out of memory reading a frame");
+                    return;
+                }
+                peer->payload = np;
+                peer->payload_cap = cap;
+            }
+            size_t want = peer->payload_cap - peer->payload_got;
+            bool last = peer->payload_got + want == peer->payload_len;
+            struct iovec iov[2] = {{.iov_base = peer->payload + peer->payload_got,
+                                    .iov_len = want},
+                                   {.iov_base = next, .iov_len = sizeof(next)}};
+            struct msghdr msg = {.msg_iov = iov, .msg_iovlen = last ? 2 : 1};
+            asked = want + (last ? sizeof(next) : 0);
+            if (peer->payload_len == 0) {
+                k = 0, errno = 0;
+            } else {
+                k = recvmsg(fd, &msg, MSG_DONTWAIT);
+                if (k > 0 && (size_t)k > want)
+                    ahead = (size_t)k - want, k = (ssize_t)want;
+            }
+        }
+        bool drained = k >= 0 && (size_t)k + ahead < asked;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+            return;
+        if (k < 0 || (k == 0 && !empty_frame)) {
+            kvw_rx_fail(ps, KVW_ERR_CONN_CLOSED, k == 0 ? "closed the connection" : strerror(errno));
+            return;
+        }
+        ps->got = true;
+        if (peer->hdr_got < KVW_WIRE_HDR) {
+            peer->hdr_got += (uint32_t)k;
+            if (peer->hdr_got < KVW_WIRE_HDR) {
+                if (drained)
+                    return;
                 continue;
+            }
             if (!kvw_peer_header(peer, ps))
                 return;
         } else {
-            if (!kvw_payload_room(peer, ps))
-                return;
-            size_t t = KVW_MIN(len - off, (size_t)(peer->payload_cap - peer->payload_got));
-            memcpy(peer->payload + peer->payload_got, ps->buf + off, t);
-            peer->payload_got += (uint32_t)t;
-            off += t;
+            peer->payload_got += (uint32_t)k;
         }
-        /* A frame without payload is complete with its header. */
-        if (peer->payload_got == peer->payload_len && !kvw_rx_frame_done(peer, ps))
+        if (peer->payload_got == peer->payload_len) {
+            uint8_t *payload = peer->payload;
+            uint32_t plen = peer->payload_len;
+            peer->payload = NULL;
+            peer->hdr_got = 0;
+            if (peer->authed) {
+                /* A frame without the right tag for this direction and position was not
+                 * sent by the peer that authenticated: drop the connection. */
+                uint8_t want[32];
+                bool ok = plen >= KVW_TAG;
+                if (ok) {
+                    plen -= KVW_TAG;
+                    kvw__frame_tag(peer, peer->tx_dir == 1 ? 2 : 1, peer->rx_seq++, peer->hdr[5],
+                                   payload, plen, want);
+                    ok = kvw__ct_equal(payload + plen, want, KVW_TAG);
+                }
+                if (!ok) {
+                    free(payload);
+                    kvw_rx_fail(ps, KVW_ERR_AUTH, "a control frame failed its session "
+                                "authentication (forged, altered or replayed)");
+                    return;
+                }
+            }
+            ps->f[ps->n++] = (kvw_rx_frame_t){.type = peer->hdr[5], .len = plen, .p = payload};
+            ps->bytes += plen;
+            /* The next frame's header bytes that came with this payload. */
+            memcpy(peer->hdr, next, ahead);
+            peer->hdr_got = (uint32_t)ahead;
+            if (ahead == KVW_WIRE_HDR && !kvw_peer_header(peer, ps))
+                return;
+            if (drained && !(peer->hdr_got == KVW_WIRE_HDR && peer->payload_len == 0))
+                return;
+        } else if (drained) {
             return;
+        }
     }
 }
 
@@ -288,7 +260,7 @@ void *kvw__ctrl_main(void *arg)
     kvw__thread_name("kvw-ctrl");
     struct pollfd *pfd = NULL;
     kvw_peer_t **flush = NULL, **polled = NULL;
-    kvw_rx_pass_t *pass = calloc(1, sizeof(*pass));
+    kvw_rx_pass_t *pass = malloc(sizeof(*pass));
     uint32_t cap = 0;
     uint64_t last_timeout_scan = 0, last_reap = 0;
     kvw__queue_ctrl_thread(ctx);
@@ -429,8 +401,6 @@ void *kvw__ctrl_main(void *arg)
     free(pfd);
     free(flush);
     free(polled);
-    if (pass)
-        free(pass->f);
     free(pass);
     return NULL;
 }

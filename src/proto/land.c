@@ -649,11 +649,10 @@ void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len)
             s->meta_expected = meta_len;
     }
     /* The room's waiter is woken once mu is let go, not while this thread holds it, and
-     * the prefill ranks' confirmations go out after that, outside mu too (a write on a
-     * loopback socket runs the peer's receive path inside the call, which the decode's
-     * other threads, posting and landing, would wait out). */
+     * the prefill ranks' confirmations go out after that; a room nobody waits on (many
+     * in flight, polled) confirms at once, saving the second round on mu. */
     kvw__room_wake_defer(ctx);
-    kvw_confirms.on = true;
+    kvw_confirms.on = r->waiters > 0;
     kvw_confirms.n = 0;
     kvw_src_confirm(ctx, r, s);
     kvw_receiver_check(ctx, r, &f);

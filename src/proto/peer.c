@@ -8,7 +8,6 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <sys/uio.h>
 #include <unistd.h>
 
 void kvw__ctx_wake(struct kvw_ctx *ctx)
@@ -167,6 +166,7 @@ void kvw__send_room_msg_later(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t typ
     kvw_room_msg(ctx, peer, type, room, status, reason, false);
 }
 
+/* Sends queued frames; called without mu, takes it only to pop. */
 /*
  * Writes a peer's queued frames without blocking: what the socket does not take stays at
  * the head of the queue (m->off) and the control thread polls for POLLOUT. A peer that
@@ -174,93 +174,70 @@ void kvw__send_room_msg_later(struct kvw_ctx *ctx, kvw_peer_t *peer, uint8_t typ
  * queue made no progress for the peer timeout (see the control loop) or grew past
  * KVW_MAX_OUT_BYTES (kvw__peer_send). `blocking`: at shutdown, finish within the peer
  * timeout instead (the peer must not learn of a completion or an abort only from the
- * closed connection). Up to KVW_FLUSH_FRAMES frames at the head of the queue go out in
- * one sendmsg (confirmations and requests queued while the lock was held, say). Called
- * without mu; takes it only to take frames off the queue and to account for them.
+ * closed connection).
  */
-#define KVW_FLUSH_FRAMES 32
-
 void kvw__peer_flush(struct kvw_ctx *ctx, kvw_peer_t *peer, bool blocking)
 {
     for (;;) {
-        /* The head frames leave the queue while they are written outside mu (a peer's
-         * death meanwhile frees the queue, not these frames); tx_busy keeps direct sends
-         * out. One writer at a time: frames being written by another thread (tx_busy)
-         * are followed by the rest of the queue from that thread. */
-        kvw_outmsg_t *ms[KVW_FLUSH_FRAMES];
-        struct iovec iov[KVW_FLUSH_FRAMES];
-        uint32_t n = 0;
-        size_t left = 0;
+        /* The head frame leaves the queue while it is written outside mu (a peer's death
+         * meanwhile frees the queue, not this frame); tx_busy keeps direct sends out. */
         pthread_mutex_lock(&ctx->mu);
-        if (!peer->dead && peer->fd >= 0 && !peer->tx_busy) {
-            while (n < KVW_FLUSH_FRAMES && peer->out_head) {
-                kvw_outmsg_t *m = peer->out_head;
-                peer->out_head = m->next;
-                ms[n] = m;
-                iov[n] = (struct iovec){.iov_base = m->w.p + m->off, .iov_len = m->w.len - m->off};
-                left += iov[n].iov_len;
-                n++;
-            }
+        /* One writer at a time: a frame being written by another thread (tx_busy) is
+         * followed by the rest of the queue from that thread. */
+        kvw_outmsg_t *m = peer->dead || peer->fd < 0 || peer->tx_busy ? NULL : peer->out_head;
+        if (m) {
+            peer->out_head = m->next;
             if (peer->out_head == NULL)
                 peer->out_tail = NULL;
-            peer->tx_busy = n > 0;
+            peer->tx_busy = true;
         }
         pthread_mutex_unlock(&ctx->mu);
-        if (n == 0)
+        if (m == NULL)
             return;
+        size_t left = m->w.len - m->off;
         kvw_status_t st = KVW_OK;
-        size_t k = 0;
+        ssize_t k = 0;
         if (blocking) {
-            uint64_t end = kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull;
-            for (uint32_t i = 0; i < n && st == KVW_OK; i++)
-                if ((st = kvw__sock_send_all(peer->fd, iov[i].iov_base, iov[i].iov_len, end)) ==
-                    KVW_OK)
-                    k += iov[i].iov_len;
+            st = kvw__sock_send_all(peer->fd, m->w.p + m->off, left,
+                                    kvw__now_ns() + (uint64_t)ctx->peer_timeout_ms * 1000000ull);
+            k = st == KVW_OK ? (ssize_t)left : 0;
         } else {
-            struct msghdr msg = {.msg_iov = iov, .msg_iovlen = n};
-            ssize_t r;
             do
-                r = sendmsg(peer->fd, &msg, MSG_DONTWAIT | MSG_NOSIGNAL);
-            while (r < 0 && errno == EINTR);
-            if (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
+                k = send(peer->fd, m->w.p + m->off, left, MSG_DONTWAIT | MSG_NOSIGNAL);
+            while (k < 0 && errno == EINTR);
+            if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK)
                 st = kvw__error(KVW_ERR_CONN_CLOSED, "send: %s", strerror(errno));
-            k = r > 0 ? (size_t)r : 0;
         }
         pthread_mutex_lock(&ctx->mu);
         peer->tx_busy = false;
-        if (st != KVW_OK)
+        bool keep = false;
+        if (st != KVW_OK) {
             kvw__peer_doom(ctx, peer, st, kvw_last_error());
-        if (k > 0) {
-            peer->out_bytes -= KVW_MIN((uint64_t)k, peer->out_bytes);
-            peer->tx_stall_ns = 0;
-            peer->last_tx_ns = kvw__now_ns();
-        } else if (st == KVW_OK && peer->tx_stall_ns == 0) {
-            peer->tx_stall_ns = kvw__now_ns(); /* the socket is full: wait for POLLOUT */
-        }
-        /* Frames written whole are done; the first one cut short and those after it go
-         * back to the head, in order, ahead of whatever was queued meanwhile. */
-        uint32_t whole = 0;
-        for (size_t rest = k; whole < n && rest >= iov[whole].iov_len; whole++)
-            rest -= iov[whole].iov_len;
-        bool keep = st == KVW_OK && whole < n && !peer->dead && !peer->doomed;
-        if (keep) {
-            size_t done = k;
-            for (uint32_t i = 0; i < whole; i++)
-                done -= iov[i].iov_len;
-            ms[whole]->off += done;
-            for (uint32_t i = n; i-- > whole;) {
-                ms[i]->next = peer->out_head;
-                peer->out_head = ms[i];
+        } else {
+            if (k > 0) {
+                m->off += (size_t)k;
+                peer->out_bytes -= KVW_MIN((uint64_t)k, peer->out_bytes);
+                peer->tx_stall_ns = 0;
+                peer->last_tx_ns = kvw__now_ns();
+            } else if (peer->tx_stall_ns == 0) {
+                peer->tx_stall_ns = kvw__now_ns(); /* the socket is full: wait for POLLOUT */
+            }
+            if (m->off < m->w.len && !peer->dead && !peer->doomed) {
+                /* Back at the head, ahead of whatever was queued meanwhile. */
+                m->next = peer->out_head;
+                peer->out_head = m;
                 if (peer->out_tail == NULL)
-                    peer->out_tail = ms[i];
+                    peer->out_tail = m;
+                keep = true;
             }
         }
+        bool again = st == KVW_OK && !keep;
         pthread_mutex_unlock(&ctx->mu);
-        for (uint32_t i = 0; i < (keep ? whole : n); i++) {
-            kvw__wb_free(&ms[i]->w);
-            free(ms[i]);
+        if (!keep) {
+            kvw__wb_free(&m->w);
+            free(m);
         }
-        if (st != KVW_OK || keep)
+        if (!again)
             return;
     }
 }
