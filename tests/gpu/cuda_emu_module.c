@@ -182,16 +182,8 @@ static kvw_status_t emu_alloc_shared(uint64_t size, void **p)
 /* Forgets the region starting at p; -1 when there is none. */
 static int emu_region_del(const void *p)
 {
-    int found = -1;
-    pthread_mutex_lock(&emu_regions_mu);
-    for (size_t i = 0; i < emu_num_regions; i++)
-        if (emu_regions[i].base == (uintptr_t)p) {
-            emu_regions[i] = emu_regions[--emu_num_regions];
-            found = 0;
-            break;
-        }
-    pthread_mutex_unlock(&emu_regions_mu);
-    return found;
+    emu_region_t gone;
+    return emu_region_take(p, &gone);
 }
 
 static kvw_status_t emu_alloc(uint64_t size, void **p, int kind)
