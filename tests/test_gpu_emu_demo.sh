@@ -44,4 +44,26 @@ KVW_CUDA_EMU_IPC=1 KVW_GPU_BATCH=1 run "cuda_ipc GPU->GPU TP2->TP2, one launch p
 if [[ -f "${KVW_BUILD_DIR:-build}/libkvwire-ucx.so" ]]; then
     run "ucx GPU->GPU TP2->TP2" --gpu --transport ucx --prefill-tp 2 --decode-tp 2
 fi
+# `kvwire bench --gpu` as on the GPU machine, on the stand-in: two topologies, every byte
+# of the first repetition checked, and the per-thread CPU lines naming the library's
+# threads in both processes.
+BENCH="${KVW_BUILD_DIR:-build}/kvwire-bench"
+if [[ -x "$BENCH" ]]; then
+    json=$(mktemp /tmp/kvw-emu-bench.XXXXXX.json)
+    if out=$(KVW_CUDA_EMU_IPC=1 timeout "$(kvt_tmo 240)" "$BENCH" --gpu --layers 2 --reps 3 \
+            --topo 1:4:16:64 --topo 2:1:8:128 --json "$json" 2>&1) &&
+        [[ $(grep -c "yes: every byte and guard" <<<"$out") == 2 ]] &&
+        [[ $(grep -c -E "^  prefill: .*kvw-worker .*kvw-ctrl|^  prefill: .*kvw-ctrl .*kvw-worker" \
+            <<<"$out") == 2 ]] &&
+        [[ $(grep -c -E "^  decode: .*kvw-rx-tcp" <<<"$out") == 2 ]] &&
+        python3 -c "import json,sys; t=json.load(open(sys.argv[1]))['topologies']; \
+assert len(t)==2 and all(x['ok'] and x['verified'] and x['cpu_ms_per_rep']['prefill']['kvw-worker']['ms']>0 for x in t)" "$json"; then
+        echo "PASS  kvwire bench --gpu on the stand-in (cuda_ipc, 2 topologies verified, thread CPU named)"
+    else
+        echo "FAIL  kvwire bench --gpu on the stand-in"
+        tail -n 30 <<<"$out"
+        fail=1
+    fi
+    rm -f "$json"
+fi
 exit $fail

@@ -12,7 +12,9 @@
  * The first repetition of every topology is untimed: its destination bytes are copied
  * back and compared, every byte and every guard byte, with the test kit's naive
  * reference (tools/testkit/ref.c) applied to the prefill ranks' bytes rebuilt here from
- * the same seed. The prefill process reports where its time went (kvw_cuda_profile).
+ * the same seed. The prefill process reports where its time went (kvw_cuda_profile),
+ * and each process the CPU time of its threads over the timed repetitions, by thread
+ * name (the library names its threads: kvw-ctrl, kvw-worker, kvw-rx-tcp, ...).
  *
  * Output: a table (last), the command that reproduces it, and JSON.
  */
@@ -24,6 +26,7 @@
 #include <kvwire/xfer.h>
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <errno.h>
 #include <getopt.h>
 #include <netinet/in.h>
@@ -68,6 +71,67 @@ static const g_topo_t g_default_topo[] = {
     {2, 2, 4, 32768}, {1, 4, 1, 131072}, {1, 4, 64, 1024},
 };
 
+/* CPU time of a process's threads, summed by thread name (/proc/self/task: each thread's
+ * comm and schedstat, nanoseconds on a CPU). */
+#define G_TCPU_NAMES 16
+typedef struct g_tcpu {
+    uint32_t n;
+    struct {
+        char name[16];
+        uint32_t threads;
+        uint64_t ns;
+    } e[G_TCPU_NAMES];
+} g_tcpu_t;
+
+static void g_tcpu_snap(g_tcpu_t *s)
+{
+    memset(s, 0, sizeof(*s));
+    DIR *d = opendir("/proc/self/task");
+    if (d == NULL)
+        return;
+    struct dirent *de;
+    while ((de = readdir(d)) != NULL) {
+        if (de->d_name[0] == '.')
+            continue;
+        char path[96], name[16] = "", buf[96];
+        unsigned long long ns = 0;
+        snprintf(path, sizeof(path), "/proc/self/task/%.32s/comm", de->d_name);
+        FILE *f = fopen(path, "r");
+        if (f == NULL)
+            continue;
+        if (fgets(name, sizeof(name), f) == NULL)
+            name[0] = '\0';
+        fclose(f);
+        name[strcspn(name, "\n")] = '\0';
+        snprintf(path, sizeof(path), "/proc/self/task/%.32s/schedstat", de->d_name);
+        if ((f = fopen(path, "r")) == NULL)
+            continue;
+        if (fgets(buf, sizeof(buf), f) == NULL || sscanf(buf, "%llu", &ns) != 1)
+            ns = 0;
+        fclose(f);
+        uint32_t i = 0;
+        while (i < s->n && strcmp(s->e[i].name, name) != 0)
+            i++;
+        if (i == s->n) {
+            if (s->n == G_TCPU_NAMES)
+                continue;
+            snprintf(s->e[s->n++].name, sizeof(s->e[0].name), "%s", name);
+        }
+        s->e[i].threads++;
+        s->e[i].ns += ns;
+    }
+    closedir(d);
+}
+
+/* end - start by name (threads that ended meanwhile count as nothing). */
+static void g_tcpu_diff(const g_tcpu_t *start, g_tcpu_t *end)
+{
+    for (uint32_t i = 0; i < end->n; i++)
+        for (uint32_t j = 0; j < start->n; j++)
+            if (strcmp(end->e[i].name, start->e[j].name) == 0)
+                end->e[i].ns = end->e[i].ns > start->e[j].ns ? end->e[i].ns - start->e[j].ns : 0;
+}
+
 typedef struct g_result {
     int ok;
     char err[512];
@@ -83,6 +147,8 @@ typedef struct g_result {
     uint64_t first_ns, first_t0, first_t1;
     /* Prefill process: [0] the first repetition, [k] timed repetition k. */
     kvw_cuda_profile_t prof[G_MAX_REPS + 1];
+    /* Each process's threads over the timed repetitions (first one armed to the end). */
+    g_tcpu_t cpu_prefill, cpu_decode;
 } g_result_t;
 
 enum { G_OP_ARM = 1, G_OP_PROFILE = 2, G_OP_QUIT = 3 };
@@ -352,6 +418,8 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
     close(bs_fd);
     kvw_sender_h *snd = calloc((size_t)t->rooms * in.n, sizeof(*snd));
     static kvw_cuda_profile_t per[G_MAX_REPS + 1]; /* [rep]: 0 is the first, untimed */
+    g_tcpu_t cpu0, cpu1;
+    memset(&cpu0, 0, sizeof(cpu0));
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0); /* this thread's polls only */
     while (rc == 0) {
         g_cmd_t cmd;
@@ -372,10 +440,15 @@ static int g_prefill(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, 
             kvw_cuda_profile(NULL, 1);
         }
         if (cmd.op == G_OP_PROFILE) {
-            if (kvt_write_full(ack_fd, per, sizeof(per)))
+            g_tcpu_snap(&cpu1);
+            g_tcpu_diff(&cpu0, &cpu1);
+            if (kvt_write_full(ack_fd, per, sizeof(per)) ||
+                kvt_write_full(ack_fd, &cpu1, sizeof(cpu1)))
                 rc = 1;
             continue;
         }
+        if (cmd.rep == 1)
+            g_tcpu_snap(&cpu0); /* the timed repetitions start */
         for (uint32_t i = 0; i < t->rooms && rc == 0; i++) {
             kvw_send_chunk_t sc = {.field_mask = KVW_SEND_CHUNK_FIELDS_ALL,
                                    .num_tokens = t->tokens, .chunk_begin = 0,
@@ -514,7 +587,11 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
     uint32_t nrep = G_MIN(c->reps, (uint32_t)G_MAX_REPS);
     /* The default 50 us timer slack would add up to that much to each timed wait. */
     (void)prctl(PR_SET_TIMERSLACK, 1000UL, 0, 0, 0);
+    g_tcpu_t cpu0;
+    memset(&cpu0, 0, sizeof(cpu0));
     for (uint32_t rep = 0; rep <= nrep && rc == 0; rep++) {
+        if (rep == 1)
+            g_tcpu_snap(&cpu0);
         g_cmd_t cmd = {.op = G_OP_ARM, .rep = rep};
         char a = 0;
         if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) || kvt_read_full(ack_fd, &a, 1) || a != 'k') {
@@ -621,9 +698,12 @@ static int g_decode(const g_cfg_t *c, const kvt_model_t *m, const g_topo_t *t, c
         }
     }
     if (rc == 0) {
+        g_tcpu_snap(&res->cpu_decode);
+        g_tcpu_diff(&cpu0, &res->cpu_decode);
         g_cmd_t cmd = {.op = G_OP_PROFILE, .rep = res->reps};
         if (kvt_write_full(cmd_fd, &cmd, sizeof(cmd)) ||
-            kvt_read_full(ack_fd, res->prof, sizeof(res->prof)))
+            kvt_read_full(ack_fd, res->prof, sizeof(res->prof)) ||
+            kvt_read_full(ack_fd, &res->cpu_prefill, sizeof(res->cpu_prefill)))
             rc = -1, snprintf(err, cap, "the prefill process did not report its profile");
     }
     g_cmd_t q = {.op = G_OP_QUIT};
@@ -788,6 +868,53 @@ static void g_verdicts(const g_cfg_t *c, const g_result_t *res)
     }
 }
 
+/* The entries of s in descending CPU time, as indexes into s->e. */
+static uint32_t g_tcpu_order(const g_tcpu_t *s, uint32_t *idx)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < s->n; i++) {
+        uint32_t j = n++;
+        while (j > 0 && s->e[idx[j - 1]].ns < s->e[i].ns) {
+            idx[j] = idx[j - 1];
+            j--;
+        }
+        idx[j] = i;
+    }
+    return n;
+}
+
+/* "name ms (threads)" for the busiest names of one process, per repetition. */
+static void g_tcpu_print(const char *side, const g_tcpu_t *s, uint32_t reps)
+{
+    uint32_t idx[G_TCPU_NAMES], n = g_tcpu_order(s, idx), shown = 0;
+    printf("  %s:", side);
+    for (uint32_t k = 0; k < n && shown < 6; k++) {
+        double ms = g_ms(s->e[idx[k]].ns) / (reps ? reps : 1);
+        if (ms < 0.005)
+            break;
+        printf("%s %s %.3f", shown ? "," : "", s->e[idx[k]].name, ms);
+        if (s->e[idx[k]].threads > 1)
+            printf(" (%u threads)", s->e[idx[k]].threads);
+        shown++;
+    }
+    printf("%s\n", shown ? "" : " -");
+}
+
+static void g_tcpu_json(FILE *jf, const g_tcpu_t *s, uint32_t reps)
+{
+    fprintf(jf, "{");
+    for (uint32_t i = 0; i < s->n; i++) {
+        char name[16];
+        snprintf(name, sizeof(name), "%s", s->e[i].name);
+        for (char *q = name; *q; q++)
+            if (*q == '"' || *q == '\\' || (unsigned char)*q < 0x20)
+                *q = '_';
+        fprintf(jf, "%s\"%s\": {\"threads\": %u, \"ms\": %.4f}", i ? ", " : "", name,
+                s->e[i].threads, g_ms(s->e[i].ns) / (reps ? reps : 1));
+    }
+    fprintf(jf, "}");
+}
+
 static void g_usage(FILE *f)
 {
     fprintf(f,
@@ -922,7 +1049,7 @@ int kvw_bench_gpu(int argc, char **argv)
                     "%llu, \"last_done_to_success\": %llu}, \"per_rep_sum_ns\": {\"steps\": "
                     "%llu, \"plan\": %llu, \"launch\": %llu, \"upload_dev\": %llu, "
                     "\"kernel_dev\": %llu, \"wait\": %llu, \"notify\": %llu}, "
-                    "\"first_room_ns\": %llu, \"first_over_steady\": %.3f}",
+                    "\"first_room_ns\": %llu, \"first_over_steady\": %.3f, ",
                     g_gbps(r->bytes, mn), g_gbps(r->bytes, mb),
                     mb && mn ? (double)mb / (double)mn : 0.0, (unsigned long long)sp.in,
                     (unsigned long long)sp.gpu, (unsigned long long)sp.out,
@@ -932,6 +1059,11 @@ int kvw_bench_gpu(int argc, char **argv)
                     (unsigned long long)sp.sum.kernel_dev_ns, (unsigned long long)sp.sum.wait_ns,
                     (unsigned long long)sp.sum.notify_ns, (unsigned long long)r->first_ns,
                     mn ? (double)r->first_ns / (double)mn : 0.0);
+            fprintf(jf, "\"cpu_ms_per_rep\": {\"prefill\": ");
+            g_tcpu_json(jf, &r->cpu_prefill, r->reps);
+            fprintf(jf, ", \"decode\": ");
+            g_tcpu_json(jf, &r->cpu_decode, r->reps);
+            fprintf(jf, "}}");
         }
         fprintf(jf, "\n]}\n");
         fclose(jf);
@@ -967,6 +1099,19 @@ int kvw_bench_gpu(int argc, char **argv)
                    g_ms(sp.sum.upload_dev_ns) / per, g_ms(sp.sum.kernel_dev_ns) / per,
                    g_ms(sp.sum.wait_ns) / per, g_ms(sp.sum.notify_ns) / per);
         }
+    }
+
+    printf("\nCPU time of each process's threads by name, ms per timed repetition (from the "
+           "first one armed to the last\nSUCCESS, between repetitions included; a thread near "
+           "the repetition's wall time above is the bound):\n");
+    for (uint32_t i = 0; i < c.num_topo; i++) {
+        const g_topo_t *t = &c.topo[i];
+        const g_result_t *r = &res[i];
+        if (!r->ok || r->reps == 0)
+            continue;
+        printf("TP%u->TP%u %ux%llu\n", t->ptp, t->dtp, t->rooms, (unsigned long long)t->tokens);
+        g_tcpu_print("prefill", &r->cpu_prefill, r->reps);
+        g_tcpu_print("decode", &r->cpu_decode, r->reps);
     }
 
     bool host_tl = strcmp(c.transport, "cuda_ipc") != 0;
