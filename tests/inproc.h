@@ -70,6 +70,20 @@ static inline kvw_status_t ip_rank(const kvt_model_t *model, uint32_t tp_size, u
     return kvt_rank_build(&s, r);
 }
 
+/* A TP1 prefill rank and a TP1 decode rank of 8 pages and one state slot each, their
+ * buffers filled with two different patterns (1 and 2). */
+static inline kvw_status_t ip_rank_pair(const kvt_model_t *model, kvt_rank_t *src, kvt_rank_t *dst)
+{
+    kvw_status_t st = ip_rank(model, 1, 0, 8, 1, src);
+    if (st == KVW_OK)
+        st = ip_rank(model, 1, 0, 8, 1, dst);
+    if (st != KVW_OK)
+        return st;
+    kvt_rank_fill(src, 1);
+    kvt_rank_fill(dst, 2);
+    return KVW_OK;
+}
+
 /* Context parameters naming side, rank, transport, bootstrap address, whether to host
  * it, and timeouts (left 0 here: the caller sets the ones it wants). */
 static inline kvw_ctx_params_t ip_params(kvw_side_t side, const kvt_rank_t *r, const char *tl,

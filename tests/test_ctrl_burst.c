@@ -160,13 +160,9 @@ int main(void)
         return 1;
     kvw_set_log_handler(on_log, NULL, KVW_LOG_WARN);
     kvt_rank_t src = {0}, dst = {0};
-    CHECK(ip_rank(&model, 1, 0, 8, 1, &src) == KVW_OK &&
-              ip_rank(&model, 1, 0, 8, 1, &dst) == KVW_OK,
-          "%s", kvw_last_error());
+    CHECK(ip_rank_pair(&model, &src, &dst) == KVW_OK, "%s", kvw_last_error());
     if (failures)
         return 1;
-    kvt_rank_fill(&src, 1);
-    kvt_rank_fill(&dst, 2);
     size_t cap = 1u << 20;
     uint8_t *buf = malloc(cap);
     CHECK(buf != NULL, "no memory");
