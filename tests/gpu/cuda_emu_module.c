@@ -125,16 +125,22 @@ static int emu_region_add(const void *p, uint64_t size, int kind)
     return emu_region_add_ex(p, size, kind, -1, 0, 0);
 }
 
-/* Removes the region starting at p into *out; -1 when there is none. */
-static int emu_region_take(const void *p, emu_region_t *out)
+/* Which regions emu_region_find takes. */
+enum { EMU_ANY = -1, EMU_OWN = 0, EMU_OPENED = 1 };
+
+/* The region starting at p into *out; -1 when there is none. With `take`, it is removed
+ * when its kind matches `want` (EMU_ANY, EMU_OWN: not an IPC mapping, EMU_OPENED: one),
+ * and 1 says it does not match (then it stays). */
+static int emu_region_find(const void *p, int want, int take, emu_region_t *out)
 {
     int found = -1;
     pthread_mutex_lock(&emu_regions_mu);
     for (size_t i = 0; i < emu_num_regions; i++)
         if (emu_regions[i].base == (uintptr_t)p) {
             *out = emu_regions[i];
-            emu_regions[i] = emu_regions[--emu_num_regions];
-            found = 0;
+            found = want != EMU_ANY && out->opened != want ? 1 : 0;
+            if (take && found == 0)
+                emu_regions[i] = emu_regions[--emu_num_regions];
             break;
         }
     pthread_mutex_unlock(&emu_regions_mu);
@@ -183,7 +189,7 @@ static kvw_status_t emu_alloc_shared(uint64_t size, void **p)
 static int emu_region_del(const void *p)
 {
     emu_region_t gone;
-    return emu_region_take(p, &gone);
+    return emu_region_find(p, EMU_ANY, 1, &gone);
 }
 
 static kvw_status_t emu_alloc(uint64_t size, void **p, int kind)
@@ -213,14 +219,13 @@ static kvw_status_t emu_free(void *p)
     if (p == NULL)
         return KVW_OK;
     emu_region_t r = {.fd = -1};
-    if (emu_region_take(p, &r) != 0)
+    int found = emu_region_find(p, EMU_OWN, 1, &r);
+    if (found < 0)
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated free of %p, which was not allocated "
                          "here", p);
-    if (r.opened) {
-        emu_region_add_ex(p, r.size, r.kind, r.fd, r.opened, r.map_len);
+    if (found > 0)
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated free of %p, an IPC mapping (close "
                          "it instead)", p);
-    }
     if (r.fd >= 0) {
         munmap(p, r.map_len);
         close(r.fd);
@@ -293,15 +298,7 @@ static kvw_status_t emu_ipc_export(void *base, void *h)
         return emu_error(KVW_ERR_UNSUPPORTED, "the emulated device has no IPC "
                          "(KVW_CUDA_EMU_IPC=1 gives it some)");
     emu_region_t r = {.fd = -1};
-    int found = 0;
-    pthread_mutex_lock(&emu_regions_mu);
-    for (size_t i = 0; i < emu_num_regions; i++)
-        if (emu_regions[i].base == (uintptr_t)base) {
-            r = emu_regions[i];
-            found = 1;
-        }
-    pthread_mutex_unlock(&emu_regions_mu);
-    if (!found || r.fd < 0)
+    if (emu_region_find(base, EMU_ANY, 0, &r) != 0 || r.fd < 0)
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC export of %p: not the start of "
                          "an allocation of this process's emulated device", base);
     uint64_t w[4] = {EMU_IPC_MAGIC, (uint64_t)getpid(), (uint64_t)r.fd, r.size};
@@ -340,13 +337,12 @@ static kvw_status_t emu_ipc_open(const void *h, void **p)
 static kvw_status_t emu_ipc_close(void *p)
 {
     emu_region_t r = {.fd = -1};
-    if (emu_region_take(p, &r) != 0)
+    int found = emu_region_find(p, EMU_OPENED, 1, &r);
+    if (found < 0)
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC close of %p: not opened", p);
-    if (!r.opened) {
-        emu_region_add_ex(p, r.size, r.kind, r.fd, r.opened, r.map_len);
+    if (found > 0)
         return emu_error(KVW_ERR_INVALID_PARAM, "emulated IPC close of %p: an allocation of "
                          "this process, not an IPC mapping", p);
-    }
     munmap(p, r.map_len);
     return KVW_OK;
 }
