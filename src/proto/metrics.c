@@ -34,9 +34,10 @@ void kvw__metrics_room_moves(kvw_room_t *r, kvw_room_state_t to, kvw_status_t st
         int64_t slot = -(int64_t)status;
         KVW_M_ADD(m->failed_by[slot > 0 && slot < KVW_CTX_METRICS_STATUS_SLOTS ? slot : 0], 1);
     } else if (to == KVW_ROOM_SUCCESS) {
-        /* From the post: the decode's own, or its pages arriving at a prefill rank. */
+        /* From the post (the decode's own, or its pages arriving at a prefill rank) to
+         * the room's Success stamp, which kvw__room_advance takes just before. */
         uint64_t from = r->hop_ns[r->is_sender ? KVW_HOP_REQ_RX : KVW_HOP_POST];
-        uint64_t now = kvw__now_ns();
+        uint64_t now = r->end_ns;
         from = from ? from : r->created_ns;
         uint64_t us = now > from ? (now - from) / 1000u : 0;
         KVW_M_ADD(m->lat_us[kvw_latency_bucket(us)], 1);

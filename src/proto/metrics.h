@@ -30,8 +30,9 @@ typedef struct kvw_metrics {
 /* A room was created (it starts Bootstrapping). */
 void kvw__metrics_room_new(struct kvw_ctx *ctx);
 /* Room r leaves its state (r->state, not terminal) for `to`, before r->state changes;
- * `status` is the failure's (to == KVW_ROOM_FAILED). Success adds its latency. Rooms
- * detached from their context (r->ctx NULL) are not counted. */
+ * `status` is the failure's (to == KVW_ROOM_FAILED). Success adds its latency, up to
+ * r->end_ns (the caller stamps it first). Rooms detached from their context (r->ctx
+ * NULL) are not counted. */
 void kvw__metrics_room_moves(struct kvw_room *r, kvw_room_state_t to, kvw_status_t status);
 /* `n` payload bytes moved on the staged or the direct path. */
 void kvw__metrics_bytes(struct kvw_ctx *ctx, bool staged, uint64_t n);

@@ -51,12 +51,15 @@ void kvw__room_advance(kvw_room_t *room, kvw_room_state_t state)
     /* Monotonic: never back, never out of a terminal state. */
     if (room->state == KVW_ROOM_FAILED || room->state == KVW_ROOM_SUCCESS || state <= room->state)
         return;
+    /* One clock reading for the Success stamp and the latency counter (metrics.c): two
+     * readings a preemption apart would disagree on a loaded host. */
+    if (state == KVW_ROOM_SUCCESS)
+        room->end_ns = kvw__now_ns();
     kvw__metrics_room_moves(room, state, KVW_OK);
     room->state = state;
     if (state == KVW_ROOM_TRANSFERRING && !room->start_ns)
         room->start_ns = kvw__now_ns();
     if (state == KVW_ROOM_SUCCESS) {
-        room->end_ns = kvw__now_ns();
         room->hop_ns[KVW_HOP_SUCCESS] = room->end_ns;
         if (room->ctx) {
             atomic_fetch_add_explicit(&room->ctx->done_gen, 1, memory_order_release);
