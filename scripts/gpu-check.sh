@@ -98,6 +98,11 @@ run_demo "verified cuda_ipc GDN TP1->TP4" --verify every --model qwen3-next --la
 run_demo "verified cuda_ipc pages 16->64 PP2" --verify every --prefill-pp 2 --page-size 16 --decode-page-size 64
 run_demo "verified tcp GPU->GPU TP1->TP4" --verify every --transport tcp --prefill-tp 1 --decode-tp 4
 run_demo "verified tcp GPU->host TP4->TP1" --verify every --gpu=prefill --transport tcp --prefill-tp 4 --decode-tp 1
+# The GPU's digest against the CPU's on rows of XXH3's long path (256-byte llama heads,
+# 1152-byte MLA latents with a block scramble, qwen3-next's 512-byte heads and state).
+run_demo "verified tcp GPU->host llama TP4->TP1" --verify every --gpu=prefill --transport tcp --model llama-3.1-70b --layers 8 --prefill-tp 4 --decode-tp 1
+run_demo "verified tcp GPU->host MLA TP2->TP1" --verify every --gpu=prefill --transport tcp --model deepseek-v3 --layers 8 --prefill-tp 2 --decode-tp 1
+run_demo "verified shm host->GPU GDN TP1->TP2" --verify every --gpu=decode --transport shm --model qwen3-next --layers 8 --prefill-tp 1 --decode-tp 2
 run_demo "verified shm host->GPU TP2->TP4" --verify every --gpu=decode --transport shm --prefill-tp 2 --decode-tp 4
 unset KVW_STAGING_MB
 # test_verify's faults (a corrupted byte, swapped heads, a stale page, reordered pages, a

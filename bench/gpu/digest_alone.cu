@@ -25,9 +25,12 @@
 
 #define CK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); exit(1); } } while (0)
 
-static const uint32_t NBUF = 72, PAGE_TOK = 64, ROOM_TOK = 8192, ROOM_PAGES = 128, ROW = 128,
-                      HEADS = 8, POOL = 1025, REPS = 9;
-static const uint64_t PAGE = (uint64_t)PAGE_TOK * HEADS * ROW;
+static const uint32_t NBUF = 72, PAGE_TOK = 64, ROOM_TOK = 8192, ROOM_PAGES = 128, HEADS = 8,
+                      POOL = 1025, REPS = 9;
+// A row's bytes: DIGEST_ROW in the environment, 128 by default (256: head_dim 128 in
+// bf16, XXH3's long path; 100: rows at addresses not 8-byte aligned).
+static uint32_t ROW = 128;
+static uint64_t PAGE = (uint64_t)PAGE_TOK * HEADS * 128;
 
 static double now_ms()
 {
@@ -108,6 +111,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: %s MODULE.so [MODULE2.so ...]\n", argv[0]);
         return 2;
     }
+    if (getenv("DIGEST_ROW") != NULL)
+        ROW = (uint32_t)strtoul(getenv("DIGEST_ROW"), NULL, 10);
+    if (ROW == 0 || ROW > 4096) {
+        fprintf(stderr, "digest_alone: DIGEST_ROW must be 1..4096\n");
+        return 2;
+    }
+    PAGE = (uint64_t)PAGE_TOK * HEADS * ROW;
     int nd = 0;
     if (cudaGetDeviceCount(&nd) != cudaSuccess || nd == 0) {
         printf("digest_alone: skipped: no GPU\n");
@@ -128,8 +138,8 @@ int main(int argc, char **argv)
     CK(cudaMemcpy(h71.data(), bufs[NBUF - 1], POOL * PAGE, cudaMemcpyDeviceToHost));
 
     printf("digest_alone: 72 buffers of %u pages of 64 KiB, rooms of 8192 tokens on 128 random "
-           "pages each, rows of 128 bytes; exec_digest wall time (median of %u) against a D2D "
-           "copy of the same bytes\n", POOL, REPS);
+           "pages each, rows of %u bytes; exec_digest wall time (median of %u) against a D2D "
+           "copy of the same bytes\n", POOL, ROW, REPS);
     printf("%-44s %-12s %8s %9s %8s %9s %6s %s\n", "module", "case", "MB", "ms", "GB/s", "D2D GB/s",
            "ratio", "units");
     std::vector<std::vector<uint64_t>> ref; // first module's units, per case
