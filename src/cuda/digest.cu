@@ -23,72 +23,29 @@ typedef struct kvwc_dig_args {
     const uint64_t *map_off; /* per map, its first page in `pages` */
     const uint32_t *pages;
     unsigned long long *units;
-    uint64_t blk_base; /* the launch's first block (of each segment when by_seg) */
+    uint64_t blk_base; /* the launch's first block */
     uint32_t num_segs;
     int dst_side;
-    /* 1: blockIdx.y is the segment and blockIdx.x + blk_base the block in it (blocks
-     * past the segment's end return at once); 0: one row of blocks numbered over all
-     * segments, each block finding its segment in blk0. */
-    int by_seg;
     uint64_t secret[KVWC_DIGEST_SECRET_WORDS];
 } kvwc_dig_args_t;
 
-/* kvwc_digest_row, the long path compiled in or not. */
-template <bool LONG>
-__device__ __forceinline__ int kvwc_digest_row_t(const kvwc_seg_in_t *s, const kvwc_side_t *sd,
-                                                 const uint32_t *pages, const kvwc_dig_seg_t *ds,
-                                                 const uint64_t *secret, uint64_t b_in_seg,
-                                                 uint32_t j, uint64_t *hash_p, uint32_t *unit_p)
-{
-    const uint8_t *row;
-    uint64_t seed;
-    if (!kvwc_digest_row_at(s, sd, pages, ds, b_in_seg, j, &row, &seed, unit_p))
-        return 0;
-    *hash_p = LONG ? kvwc_xxh3(row, s->head_bytes, secret, seed)
-                   : kvwc_xxh3_upto240(row, s->head_bytes, secret, seed);
-    return 1;
-}
-
-/* Blocks a multiprocessor holds at once with the short-row kernel (its registers fit
- * 12 blocks of 128 threads without spilling). */
-#ifndef KVWC_DIGEST_SHORT_MINB
-#define KVWC_DIGEST_SHORT_MINB 12
-#endif
-
-/* LONG: some segment's rows are over 240 bytes (XXH3's long path is compiled in; without
- * it the kernel needs fewer registers, so more blocks fit on a multiprocessor). */
-template <bool LONG>
-__global__ void __launch_bounds__(KVWC_DIGEST_TOK, LONG ? 1 : KVWC_DIGEST_SHORT_MINB) kvwc_digest_kernel(kvwc_dig_args_t a)
+__global__ void __launch_bounds__(KVWC_DIGEST_TOK) kvwc_digest_kernel(kvwc_dig_args_t a)
 {
     __shared__ uint64_t sec[KVWC_DIGEST_SECRET_WORDS];
     __shared__ uint64_t part[KVWC_DIGEST_TOK / 32];
-    __shared__ uint32_t seg_sh;
-    uint32_t seg;
-    uint64_t b_in_seg;
+    __shared__ uint32_t seg;
+    uint64_t b = a.blk_base + blockIdx.x;
     if (threadIdx.x < KVWC_DIGEST_SECRET_WORDS)
         sec[threadIdx.x] = a.secret[threadIdx.x];
-    if (a.by_seg) {
-        /* No search: a block knows its segment, and one past the end leaves (all its
-         * threads alike, before any barrier). */
-        seg = blockIdx.y;
-        b_in_seg = a.blk_base + blockIdx.x;
-        if (b_in_seg >= a.blk0[seg + 1] - a.blk0[seg])
-            return;
-        __syncthreads();
-    } else {
-        uint64_t b = a.blk_base + blockIdx.x;
-        if (threadIdx.x == 0)
-            seg_sh = kvwc_digest_seg_of(a.blk0, a.num_segs, b);
-        __syncthreads();
-        seg = seg_sh;
-        b_in_seg = b - a.blk0[seg];
-    }
+    if (threadIdx.x == 0)
+        seg = kvwc_digest_seg_of(a.blk0, a.num_segs, b);
+    __syncthreads();
     const kvwc_seg_in_t *s = &a.segs[seg];
     const kvwc_side_t *sd = a.dst_side ? &s->dst : &s->src;
     uint64_t h = 0;
     uint32_t unit = 0;
-    if (!kvwc_digest_row_t<LONG>(s, sd, a.pages + a.map_off[sd->map], &a.dsegs[seg], sec,
-                                 b_in_seg, threadIdx.x, &h, &unit))
+    if (!kvwc_digest_row(s, sd, a.pages + a.map_off[sd->map], &a.dsegs[seg], sec, b - a.blk0[seg],
+                         threadIdx.x, &h, &unit))
         h = 0;
     for (int o = 16; o > 0; o >>= 1)
         h += __shfl_down_sync(0xffffffffu, h, o);
@@ -188,9 +145,7 @@ void kvwc_dig_buf_finish(kvwc_dig_buf_t *b, bool ok)
 kvw_status_t kvwc_digest_warm(void)
 {
     cudaFuncAttributes fa;
-    cudaError_t e = cudaFuncGetAttributes(&fa, kvwc_digest_kernel<false>);
-    if (e == cudaSuccess)
-        e = cudaFuncGetAttributes(&fa, kvwc_digest_kernel<true>);
+    cudaError_t e = cudaFuncGetAttributes(&fa, kvwc_digest_kernel);
     if (e != cudaSuccess)
         return kvwc_cuda_error(e, "cudaFuncGetAttributes (loading the digest kernel)");
     return KVW_OK;
@@ -221,8 +176,6 @@ static kvw_status_t kvwc_dig_reserve(kvwc_exec_h x, kvwc_dig_buf_t *b, uint64_t 
 typedef struct kvwc_dig_job {
     kvwc_dig_layout_t L;
     uint64_t blocks;
-    uint64_t max_seg_blocks; /* the most blocks of one segment */
-    bool long_rows;          /* a segment's rows are over 240 bytes */
     uint64_t off; /* in its buffer */
     kvwc_dig_buf_t *buf;
     cudaEvent_t done; /* the slot's completion event (slot entries) */
@@ -248,16 +201,8 @@ static kvw_status_t kvwc_dig_check(const kvwc_digest_in_t *in, uint32_t i, kvwc_
                               "pages and no page list", i, m, p->maps[m].num_pages);
     kvwc_dig_layout(in, &j->L);
     j->blocks = 0;
-    j->max_seg_blocks = 0;
-    j->long_rows = false;
-    for (uint32_t k = 0; k < p->num_segs; k++) {
-        uint64_t n = kvwc_digest_seg_blocks(&p->segs[k]);
-        j->blocks += n;
-        if (n > j->max_seg_blocks)
-            j->max_seg_blocks = n;
-        if (n && p->segs[k].head_bytes > 240)
-            j->long_rows = true;
-    }
+    for (uint32_t k = 0; k < p->num_segs; k++)
+        j->blocks += kvwc_digest_seg_blocks(&p->segs[k]);
     return KVW_OK;
 }
 
@@ -311,21 +256,11 @@ static kvw_status_t kvwc_dig_enqueue(const kvwc_digest_in_t *in, const kvwc_dig_
     a.num_segs = p->num_segs;
     a.dst_side = in->dst_side;
     memcpy(a.secret, in->secret, sizeof(a.secret));
-    /* A grid of segments by their blocks when the segments are even enough that its
-     * empty blocks (past a shorter segment's end) are at most as many as the real ones;
-     * else one row of blocks that search for their segment. */
     const uint64_t max_grid = 1u << 30;
-    uint64_t per_row = j->blocks;
-    a.by_seg = p->num_segs <= 65535 && j->max_seg_blocks * p->num_segs <= 2 * j->blocks;
-    if (a.by_seg)
-        per_row = j->max_seg_blocks;
-    void (*kernel)(kvwc_dig_args_t) =
-        j->long_rows ? kvwc_digest_kernel<true> : kvwc_digest_kernel<false>;
-    for (uint64_t b = 0; b < per_row && e == cudaSuccess; b += max_grid) {
+    for (uint64_t b = 0; b < j->blocks && e == cudaSuccess; b += max_grid) {
         a.blk_base = b;
-        dim3 grid((unsigned)(per_row - b < max_grid ? per_row - b : max_grid),
-                  a.by_seg ? p->num_segs : 1);
-        kernel<<<grid, KVWC_DIGEST_TOK, 0, s>>>(a);
+        unsigned n = (unsigned)(j->blocks - b < max_grid ? j->blocks - b : max_grid);
+        kvwc_digest_kernel<<<n, KVWC_DIGEST_TOK, 0, s>>>(a);
         what = "launching the digest kernel";
         e = cudaGetLastError();
     }

@@ -54,31 +54,6 @@ KVWC_HD uint32_t kvwc_rd32(const uint8_t *p)
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
 
-/* Reads 16 little-endian bytes at any address as two words: on the device one 16-byte
- * load where the address allows it (rows of 16-byte multiples at aligned addresses, the
- * common case), else two 8-byte loads, else kvwc_rd64's; the branch is the same for
- * every piece of a row in the common case. */
-KVWC_HD void kvwc_rd128(const uint8_t *p, uint64_t *lo, uint64_t *hi)
-{
-#ifdef __CUDA_ARCH__
-    uintptr_t a = (uintptr_t)p;
-    if ((a & 15u) == 0) {
-        ulonglong2 v = *(const ulonglong2 *)p;
-        *lo = v.x;
-        *hi = v.y;
-    } else if ((a & 7u) == 0) {
-        *lo = ((const uint64_t *)p)[0];
-        *hi = ((const uint64_t *)p)[1];
-    } else {
-        *lo = kvwc_rd64(p);
-        *hi = kvwc_rd64(p + 8);
-    }
-#else
-    memcpy(lo, p, 8);
-    memcpy(hi, p + 8, 8);
-#endif
-}
-
 /* Byte `off` of the secret held as little-endian words: 8 bytes from any offset. */
 KVWC_HD uint64_t kvwc_sec64(const uint64_t *w, unsigned off)
 {
@@ -145,9 +120,8 @@ KVWC_HD uint64_t kvwc_rrmxmx(uint64_t h, uint64_t len)
 
 KVWC_HD uint64_t kvwc_mix16(const uint8_t *in, const uint64_t *sec, unsigned off, uint64_t seed)
 {
-    uint64_t lo, hi;
-    kvwc_rd128(in, &lo, &hi);
-    return kvwc_mulfold(lo ^ (kvwc_sec64(sec, off) + seed), hi ^ (kvwc_sec64(sec, off + 8) - seed));
+    return kvwc_mulfold(kvwc_rd64(in) ^ (kvwc_sec64(sec, off) + seed),
+                        kvwc_rd64(in + 8) ^ (kvwc_sec64(sec, off + 8) - seed));
 }
 
 KVWC_HD uint64_t kvwc_xxh3_short(const uint8_t *in, uint64_t len, const uint64_t *sec,
@@ -205,41 +179,13 @@ KVWC_HD uint64_t kvwc_xxh3_mid(const uint8_t *in, uint64_t len, const uint64_t *
     return kvwc_avalanche3(acc);
 }
 
-/* Word `i` of the secret XXH3 derives from the default one and a seed for long inputs
- * (even words plus the seed, odd ones minus it), and 8 bytes of it from byte `off`:
- * computed where used, so that no array of the derived secret is kept (on the device it
- * would live in local memory). */
-KVWC_HD uint64_t kvwc_dsec_word(const uint64_t *ksec, unsigned i, uint64_t seed)
+KVWC_HD void kvwc_stripe(uint64_t *acc, const uint8_t *in, const uint64_t *sec, unsigned off)
 {
-    return (i & 1u) ? ksec[i] - seed : ksec[i] + seed;
-}
-
-KVWC_HD uint64_t kvwc_dsec64(const uint64_t *ksec, unsigned off, uint64_t seed)
-{
-    unsigned i = off >> 3, sh = (off & 7u) * 8u;
-    uint64_t w = kvwc_dsec_word(ksec, i, seed);
-    return sh ? (w >> sh) | (kvwc_dsec_word(ksec, i + 1, seed) << (64u - sh)) : w;
-}
-
-/* One stripe of 64 bytes into the 8 accumulators, the derived secret from byte `off`
- * (the loop is unrolled: the accumulators stay in registers). */
-KVWC_HD void kvwc_stripe(uint64_t *acc, const uint8_t *in, const uint64_t *ksec, unsigned off,
-                         uint64_t seed)
-{
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-    for (unsigned i = 0; i < 8; i += 2) {
-        uint64_t v[2];
-        kvwc_rd128(in + 8 * i, &v[0], &v[1]);
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
-        for (unsigned h = 0; h < 2; h++) {
-            uint64_t k = v[h] ^ kvwc_dsec64(ksec, off + 8 * (i + h), seed);
-            acc[(i + h) ^ 1] += v[h];
-            acc[i + h] += (uint64_t)(uint32_t)k * (k >> 32);
-        }
+    for (unsigned i = 0; i < 8; i++) {
+        uint64_t v = kvwc_rd64(in + 8 * i);
+        uint64_t k = v ^ kvwc_sec64(sec, off + 8 * i);
+        acc[i ^ 1] += v;
+        acc[i] += (uint64_t)(uint32_t)k * (k >> 32);
     }
 }
 
@@ -248,34 +194,33 @@ KVWC_HD void kvwc_stripe(uint64_t *acc, const uint8_t *in, const uint64_t *ksec,
 KVWC_HD uint64_t kvwc_xxh3_long(const uint8_t *in, uint64_t len, const uint64_t *ksec,
                                 uint64_t seed)
 {
+    uint64_t sec[24];
+    for (unsigned i = 0; i < 24; i += 2) {
+        sec[i] = ksec[i] + seed;
+        sec[i + 1] = ksec[i + 1] - seed;
+    }
     uint64_t acc[8] = {KVWC_P32_3, KVWC_P64_1, KVWC_P64_2, KVWC_P64_3,
                        KVWC_P64_4, KVWC_P32_2, KVWC_P64_5, KVWC_P32_1};
     const uint64_t block = 1024; /* 16 stripes: (192 - 64) / 8 */
     uint64_t blocks = (len - 1) / block;
     for (uint64_t b = 0; b < blocks; b++) {
         for (unsigned n = 0; n < 16; n++)
-            kvwc_stripe(acc, in + b * block + 64 * n, ksec, 8 * n, seed);
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
+            kvwc_stripe(acc, in + b * block + 64 * n, sec, 8 * n);
         for (unsigned i = 0; i < 8; i++) {
             uint64_t a = acc[i];
             a ^= a >> 47;
-            a ^= kvwc_dsec_word(ksec, 16 + i, seed);
+            a ^= sec[16 + i];
             acc[i] = a * KVWC_P32_1;
         }
     }
     unsigned stripes = (unsigned)(((len - 1) - block * blocks) / 64);
     for (unsigned n = 0; n < stripes; n++)
-        kvwc_stripe(acc, in + blocks * block + 64 * n, ksec, 8 * n, seed);
-    kvwc_stripe(acc, in + len - 64, ksec, 192 - 64 - 7, seed);
+        kvwc_stripe(acc, in + blocks * block + 64 * n, sec, 8 * n);
+    kvwc_stripe(acc, in + len - 64, sec, 192 - 64 - 7);
     uint64_t r = len * KVWC_P64_1;
-#ifdef __CUDA_ARCH__
-#pragma unroll
-#endif
     for (unsigned i = 0; i < 4; i++)
-        r += kvwc_mulfold(acc[2 * i] ^ kvwc_dsec64(ksec, 11 + 16 * i, seed),
-                          acc[2 * i + 1] ^ kvwc_dsec64(ksec, 11 + 16 * i + 8, seed));
+        r += kvwc_mulfold(acc[2 * i] ^ kvwc_sec64(sec, 11 + 16 * i),
+                          acc[2 * i + 1] ^ kvwc_sec64(sec, 11 + 16 * i + 8));
     return kvwc_avalanche3(r);
 }
 
@@ -313,20 +258,6 @@ KVWC_HD uint32_t kvwc_digest_bad_seg(const kvwc_digest_in_t *in)
     return in->plan->num_segs;
 }
 
-/* n / d and n % d, in 32 bits when both fit (a 64-bit division is a long routine on the
- * device; these operands nearly always fit). */
-KVWC_HD void kvwc_divmod(uint64_t n, uint64_t d, uint64_t *q, uint64_t *r)
-{
-    if (((n | d) >> 32) == 0) {
-        uint32_t q32 = (uint32_t)n / (uint32_t)d;
-        *q = q32;
-        *r = (uint32_t)n - q32 * (uint32_t)d;
-    } else {
-        *q = n / d;
-        *r = n % d;
-    }
-}
-
 /* The segment of block `b` (binary search over blk0). */
 KVWC_HD uint32_t kvwc_digest_seg_of(const uint64_t *blk0, uint32_t num_segs, uint64_t b)
 {
@@ -348,49 +279,25 @@ KVWC_HD uint64_t kvwc_digest_seg_blocks(const kvwc_seg_in_t *s)
     return (uint64_t)s->num_heads * ((n + KVWC_DIGEST_TOK - 1) / KVWC_DIGEST_TOK);
 }
 
-/* Where row `j` (0 .. KVWC_DIGEST_TOK - 1) of block `b` of segment `s` on side `sd`
- * (pages: that side's page list) lies, its seed and its unit; false when the block has no
- * such row (past the segment's last token). */
-KVWC_HD int kvwc_digest_row_at(const kvwc_seg_in_t *s, const kvwc_side_t *sd,
-                               const uint32_t *pages, const kvwc_dig_seg_t *ds,
-                               uint64_t b_in_seg, uint32_t j, const uint8_t **row_p,
-                               uint64_t *seed_p, uint32_t *unit_p)
-{
-    uint64_t chunks = (s->tok_end - s->tok_begin + KVWC_DIGEST_TOK - 1) / KVWC_DIGEST_TOK;
-    uint64_t kq, kr;
-    kvwc_divmod(b_in_seg, chunks, &kq, &kr);
-    uint32_t k = (uint32_t)kq;
-    uint64_t t = s->tok_begin + kr * KVWC_DIGEST_TOK + j;
-    *unit_p = ds->unit + k;
-    if (t >= s->tok_end)
-        return 0;
-    uint64_t pq, pr;
-    kvwc_divmod(t - sd->first_token, sd->page_size ? sd->page_size : 1, &pq, &pr);
-    uint64_t a = sd->base + (uint64_t)pages[pq] * sd->page_stride + pr * sd->token_stride +
-                 (uint64_t)k * sd->head_stride;
-    *row_p = (const uint8_t *)(uintptr_t)a;
-    *seed_p = kvw_digest_seed_of(ds->seed_base, ds->head0 + k, t);
-    return 1;
-}
-
-/* XXH3 of rows of at most 240 bytes (its short and middle paths only). */
-KVWC_HD uint64_t kvwc_xxh3_upto240(const uint8_t *in, uint64_t len, const uint64_t *secret,
-                                   uint64_t seed)
-{
-    return len <= 16 ? kvwc_xxh3_short(in, len, secret, seed)
-                     : kvwc_xxh3_mid(in, len, secret, seed);
-}
-
-/* The hash of that row (kvwc_digest_row_at), and its unit. */
+/* The hash of row `j` (0 .. KVWC_DIGEST_TOK - 1) of block `b` of segment `s` on side
+ * `sd` (pages: that side's page list), and its unit; false when the block has no such
+ * row (past the segment's last token). */
 KVWC_HD int kvwc_digest_row(const kvwc_seg_in_t *s, const kvwc_side_t *sd, const uint32_t *pages,
                             const kvwc_dig_seg_t *ds, const uint64_t *secret, uint64_t b_in_seg,
                             uint32_t j, uint64_t *hash_p, uint32_t *unit_p)
 {
-    const uint8_t *row;
-    uint64_t seed;
-    if (!kvwc_digest_row_at(s, sd, pages, ds, b_in_seg, j, &row, &seed, unit_p))
+    uint64_t chunks = (s->tok_end - s->tok_begin + KVWC_DIGEST_TOK - 1) / KVWC_DIGEST_TOK;
+    uint32_t k = (uint32_t)(b_in_seg / chunks);
+    uint64_t t = s->tok_begin + (b_in_seg % chunks) * KVWC_DIGEST_TOK + j;
+    *unit_p = ds->unit + k;
+    if (t >= s->tok_end)
         return 0;
-    *hash_p = kvwc_xxh3(row, s->head_bytes, secret, seed);
+    uint64_t ps = sd->page_size ? sd->page_size : 1;
+    uint64_t rel = t - sd->first_token;
+    uint64_t a = sd->base + (uint64_t)pages[rel / ps] * sd->page_stride +
+                 (rel % ps) * sd->token_stride + (uint64_t)k * sd->head_stride;
+    *hash_p = kvwc_xxh3((const void *)(uintptr_t)a, s->head_bytes, secret,
+                        kvw_digest_seed_of(ds->seed_base, ds->head0 + k, t));
     return 1;
 }
 
