@@ -555,6 +555,94 @@ static int c_refused_and_dribbled(void)
     return good_round();
 }
 
+/* Many frames packed into one stream, as a room's PUTs and NOTIFYs arrive: small PUTs
+ * (copied out of the receiver's read buffer), large ones (read straight into place,
+ * the frames behind them in the same read), refused ones (skipped) and notifications,
+ * sent first as one write and then cut into pieces of 1 to 5,000 bytes, so that the
+ * receiver's reads end anywhere (inside headers, payloads and notifications). Every
+ * byte must land where its frame says, in order, the refused ones nowhere, every
+ * notification must arrive in order, and the connection must stay up. */
+static int c_packed_stream(void)
+{
+    uint64_t s = 0x9e3779b97f4a7c15ull;
+#define PK_NEXT() (s ^= s << 13, s ^= s >> 7, s ^= s << 17, s)
+    static uint8_t stream[4u << 20];
+    for (int pass = 0; pass < 2; pass++) {
+        int fd = raw_hello();
+        CHECK(fd >= 0, "raw handshake failed: %s", strerror(errno));
+        size_t e = get(&S.errs), n0 = get(&S.notes), c0 = get(&S.checks);
+        pthread_mutex_lock(&S.mu);
+        S.refuse_room = 66;
+        pthread_mutex_unlock(&S.mu);
+        size_t at = 0, notes = 0, puts = 0;
+        char last[32] = "";
+        for (int f = 0; f < 400; f++) {
+            uint64_t kind = PK_NEXT() % 100;
+            if (kind < 12) { /* a notification */
+                int ml = snprintf(last, sizeof(last), "pk %d.%d", pass, f);
+                kvw_tcp_hdr_encode(stream + at, KVW_TCP_NOTIFY, 0, 0, 0, (uint64_t)ml);
+                memcpy(stream + at + KVW_TCP_HDR_LEN, last, (size_t)ml);
+                at += KVW_TCP_HDR_LEN + (size_t)ml;
+                notes++;
+                continue;
+            }
+            uint64_t len = kind < 20 ? 32768 + PK_NEXT() % 8000 : 1 + PK_NEXT() % 900;
+            uint64_t off = PK_NEXT() % (REGION_LEN - len + 1);
+            uint64_t room = kind >= 20 && kind < 26 ? 66 : 3; /* 66: refused */
+            kvw_tcp_hdr_encode(stream + at, KVW_TCP_PUT, room, REGION_ID, off, len);
+            at += KVW_TCP_HDR_LEN;
+            for (uint64_t i = 0; i < len; i++)
+                stream[at + i] = (uint8_t)PK_NEXT();
+            if (room != 66)
+                memcpy(g_expect + GUARD + off, stream + at, len);
+            at += len;
+            puts++;
+        }
+        int ml = snprintf(last, sizeof(last), "pk %d end", pass);
+        kvw_tcp_hdr_encode(stream + at, KVW_TCP_NOTIFY, 0, 0, 0, (uint64_t)ml);
+        memcpy(stream + at + KVW_TCP_HDR_LEN, last, (size_t)ml);
+        at += KVW_TCP_HDR_LEN + (size_t)ml;
+        notes++;
+        CHECK(at <= sizeof(stream), "stream of %zu bytes", at);
+        if (pass == 0) {
+            CHECK(send_all(fd, stream, at) == 0, "send: %s", strerror(errno));
+        } else {
+            for (size_t i = 0; i < at;) {
+                size_t n = KVW_MIN((size_t)(1 + PK_NEXT() % 5000), at - i);
+                CHECK(send_all(fd, stream + i, n) == 0, "send: %s", strerror(errno));
+                i += n;
+                if (PK_NEXT() % 8 == 0)
+                    usleep(100);
+            }
+        }
+        CHECK(wait_counter(&S.notes, n0 + notes, kvt_tmo_ms(10000)),
+              "pass %d: %zu of %zu notifications arrived", pass, get(&S.notes) - n0, notes);
+        pthread_mutex_lock(&S.mu);
+        bool ok = strcmp(S.last_note, last) == 0 && S.notes == n0 + notes;
+        char got[64];
+        snprintf(got, sizeof(got), "%s", S.last_note);
+        S.refuse_room = 0;
+        pthread_mutex_unlock(&S.mu);
+        CHECK(ok, "pass %d: last notification '%s', want '%s'", pass, got, last);
+        CHECK(get(&S.checks) == c0 + puts, "pass %d: check_write called %zu times, want %zu",
+              pass, get(&S.checks) - c0, puts);
+        CHECK(get(&S.errs) == e, "pass %d: the connection was dropped: %s", pass, S.last_reason);
+        if (memcmp(g_buf, g_expect, REGION_LEN + 2 * GUARD) != 0) {
+            size_t i = 0;
+            while (g_buf[i] == g_expect[i])
+                i++;
+            FAILF("pass %d: memory differs at byte %zd of the region (%s)", pass,
+                  (ssize_t)i - GUARD, i < GUARD || i >= GUARD + REGION_LEN ? "a guard byte"
+                                                                           : "inside");
+        }
+        close(fd);
+        CHECK(wait_counter(&S.errs, e + 1, kvt_tmo_ms(5000)),
+              "close of the raw connection not reported%s", "");
+    }
+#undef PK_NEXT
+    return good_round();
+}
+
 /* Mutated headers after a good HELLO: the receiver survives all of them, drops the
  * connections that deserve it, and the good endpoint works at the end. The region's
  * expected contents are not tracked here (in-range fuzzed PUTs may legitimately
@@ -628,6 +716,7 @@ static const struct {
     {"half_header", c_half_header},
     {"half_payload", c_half_payload},
     {"refused_and_dribbled", c_refused_and_dribbled},
+    {"packed_stream", c_packed_stream},
     {"stalls", c_stalls},
     {"fuzz", c_fuzz},
 };

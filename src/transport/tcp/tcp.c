@@ -10,10 +10,13 @@
  * delivered after every PUT written before it.
  *
  * Receiver: one thread (the socket server, sockserv.c) polls the listening socket and
- * every connection (non-blocking), and tcp runs a small state machine per connection. For each PUT header it checks that
- * the region is registered and that [off, off + len) lies inside it, asks
- * cb.check_write (with the connection), and only then receives the payload with recv straight into the
- * registered memory (no intermediate copy); a refused payload is read and discarded.
+ * every connection (non-blocking), and tcp runs a small state machine per connection over
+ * what it reads (64 KiB at a time into one buffer, so that many small frames cost one
+ * read). For each PUT header it checks that the region is registered and that
+ * [off, off + len) lies inside it, asks cb.check_write (with the connection), and only
+ * then lands the payload: copied from the buffer when small, received straight into the
+ * registered memory from 32 KiB up (no intermediate copy); a refused payload is read and
+ * discarded.
  * A frame that is malformed, truncated, out of range, or stalled longer than the
  * timeout drops that connection only (on_ep_error says why); the others keep going.
  *
@@ -25,8 +28,9 @@
  * reach; a wildcard listen (0.0.0.0) publishes the wildcard, usable from the same
  * host only. listen_host may be a name; resolving it in init may block on DNS.
  *
- * Deregistration is safe against in-flight payloads: payload bytes are received with
- * the region table's lock held (one bounded, non-blocking recv at a time), so once
+ * Deregistration is safe against in-flight payloads: payload bytes are received or
+ * copied with the region table's lock held (one bounded, non-blocking recv or one copy of
+ * at most 64 KiB at a time), so once
  * mem_dereg returns no byte lands in that region any more; the rest of such a payload
  * is discarded.
  */
@@ -51,7 +55,8 @@
 #define TCP_MAX_BATCH 256          /* PUT frames per sendmsg batch (two iovecs each) */
 #define TCP_RX_BUDGET (16u << 20)  /* bytes taken from one connection before the others */
 #define TCP_RX_CHUNK (4u << 20)    /* largest single recv into registered memory */
-#define TCP_DISCARD_CHUNK (64u << 10)
+#define TCP_RX_BUF (64u << 10)     /* the receive thread's read buffer */
+#define TCP_RX_DIRECT (32u << 10)  /* payloads this large are read into place, not copied */
 #define TCP_MAX_CONNS 4096         /* accepted connections at once; more are refused */
 #define TCP_SOCKBUF (4 << 20)
 
@@ -96,7 +101,7 @@ struct tcp_iface {
     /* Under srv.reg_mu, as is every payload byte landing in these regions. */
     kvw_hmap_t regions;
 
-    uint8_t discard[TCP_DISCARD_CHUNK]; /* receive thread only */
+    uint8_t rxbuf[TCP_RX_BUF]; /* receive thread only; emptied by every ep_rx */
 };
 
 static inline tcp_iface_t *to_iface(kvw_tl_h tl)
@@ -342,114 +347,121 @@ static bool rx_result(tcp_ep_t *ep, ssize_t r, size_t want)
     return false;
 }
 
+/* Receive thread: runs `n` bytes the connection sent (read into tl->rxbuf) through its
+ * state machine: header bytes into rx_hdr, payload bytes copied into the registered
+ * memory (under reg_mu, as every landing byte), notification bytes into rx_note,
+ * refused payloads skipped. Consumes them all unless the endpoint fails: nothing is left
+ * in the buffer for later (the poll, level-triggered, knows only of the socket's bytes). */
+static void rx_consume(tcp_iface_t *tl, tcp_ep_t *ep, const uint8_t *p, size_t n)
+{
+    while (n > 0 && !ep->s.reported && !atomic_load(&ep->s.closing)) {
+        size_t take;
+        switch (ep->rx_state) {
+        case RX_HELLO:
+        case RX_HDR:
+            take = KVW_MIN(n, KVW_TCP_HDR_LEN - ep->rx_hdr_got);
+            memcpy(ep->rx_hdr + ep->rx_hdr_got, p, take);
+            ep->rx_hdr_got += take;
+            if (ep->rx_hdr_got == KVW_TCP_HDR_LEN) {
+                ep->rx_hdr_got = 0;
+                on_header(tl, ep);
+            }
+            break;
+        case RX_PAYLOAD:
+            take = (size_t)KVW_MIN((uint64_t)n, ep->rx_left);
+            pthread_mutex_lock(&tl->srv.reg_mu);
+            if (ep->rx_region->dead) {
+                pthread_mutex_unlock(&tl->srv.reg_mu);
+                ep_rx_release(tl, ep);
+                ep->rx_state = RX_DISCARD; /* the rest of it, these bytes first */
+                continue;
+            }
+            memcpy(ep->rx_dst, p, take);
+            pthread_mutex_unlock(&tl->srv.reg_mu);
+            ep->rx_dst += take;
+            ep->rx_left -= take;
+            if (ep->rx_left == 0) {
+                ep_rx_release(tl, ep);
+                ep->rx_state = RX_HDR;
+            }
+            break;
+        case RX_DISCARD:
+            take = (size_t)KVW_MIN((uint64_t)n, ep->rx_left);
+            ep->rx_left -= take;
+            if (ep->rx_left == 0)
+                ep->rx_state = RX_HDR;
+            break;
+        case RX_NOTIFY:
+            take = KVW_MIN(n, ep->rx_note_len - ep->rx_note_got);
+            memcpy(ep->rx_note + ep->rx_note_got, p, take);
+            ep->rx_note_got += take;
+            if (ep->rx_note_got == ep->rx_note_len) {
+                ep->rx_state = RX_HDR;
+                if (!atomic_load(&ep->s.closing))
+                    tl->srv.cb.on_notify(tl->srv.cb.arg, (kvw_tl_ep_h)(void *)ep, ep->rx_note,
+                                         ep->rx_note_len);
+            }
+            break;
+        default:
+            kvw__sock_ep_fail(&ep->s, KVW_ERR_INTERNAL, "bad receive state %d", ep->rx_state);
+            return;
+        }
+        p += take;
+        n -= take;
+    }
+}
+
 /* Receive thread: reads what an accepted connection has, up to TCP_RX_BUDGET bytes.
- * A read that returns less than it asked for found the socket drained: it returns then,
- * without the further recv that would only say EAGAIN (the poll is level-triggered, so
- * bytes that arrive meanwhile are seen at once). A small room (a PUT, its payload, a
- * NOTIFY) costs three reads this way, not five. */
+ * Frames are read TCP_RX_BUF bytes at a time into one buffer and taken apart there, so
+ * a room of many small PUTs and its NOTIFY cost one or two reads, not one per frame; a
+ * payload of TCP_RX_DIRECT bytes or more is read straight into the registered memory
+ * (no copy), the buffer taking what follows it in the same call. A read that returns
+ * less than it asked for found the socket drained: it returns then, without the further
+ * recv that would only say EAGAIN (the poll is level-triggered, so bytes that arrive
+ * meanwhile are seen at once). */
 static void ep_rx(tcp_iface_t *tl, tcp_ep_t *ep)
 {
     size_t budget = TCP_RX_BUDGET;
     while (budget > 0 && !ep->s.reported && !atomic_load(&ep->s.closing)) {
         ssize_t r;
-        switch (ep->rx_state) {
-        case RX_HELLO:
-        case RX_HDR: {
-            size_t want = KVW_TCP_HDR_LEN - ep->rx_hdr_got;
-            r = recv(ep->s.fd, ep->rx_hdr + ep->rx_hdr_got, want, 0);
-            if (!rx_result(ep, r, want))
-                return;
-            ep->rx_hdr_got += (size_t)r;
-            budget -= KVW_MIN((size_t)r, budget);
-            if (ep->rx_hdr_got == KVW_TCP_HDR_LEN) {
-                ep->rx_hdr_got = 0;
-                on_header(tl, ep);
-            }
-            if ((size_t)r < want)
-                return; /* drained (see ep_rx) */
-            break;
-        }
-        case RX_PAYLOAD: {
-            /* When the rest of the payload fits one chunk, the same call also reads
-             * the next header, so a stream of PUTs costs about one recv per frame. */
+        if (ep->rx_state == RX_PAYLOAD && ep->rx_left >= TCP_RX_DIRECT) {
             size_t want = (size_t)KVW_MIN(ep->rx_left, (uint64_t)TCP_RX_CHUNK);
             struct iovec iov[2] = {{.iov_base = ep->rx_dst, .iov_len = want},
-                                   {.iov_base = ep->rx_hdr, .iov_len = KVW_TCP_HDR_LEN}};
+                                   {.iov_base = tl->rxbuf, .iov_len = sizeof(tl->rxbuf)}};
             struct msghdr msg = {.msg_iov = iov, .msg_iovlen = want == ep->rx_left ? 2 : 1};
+            size_t asked = want + (msg.msg_iovlen == 2 ? sizeof(tl->rxbuf) : 0);
             pthread_mutex_lock(&tl->srv.reg_mu);
             if (ep->rx_region->dead) {
                 pthread_mutex_unlock(&tl->srv.reg_mu);
                 ep_rx_release(tl, ep);
                 ep->rx_state = RX_DISCARD;
-                break;
+                continue;
             }
             r = recvmsg(ep->s.fd, &msg, 0);
             pthread_mutex_unlock(&tl->srv.reg_mu);
             if (!rx_result(ep, r, want))
                 return;
             budget -= KVW_MIN((size_t)r, budget);
-            if ((size_t)r < want) {
-                ep->rx_dst += r;
-                ep->rx_left -= (uint64_t)r;
-                return; /* drained (see ep_rx) */
-            }
-            ep->rx_dst += want;
-            ep->rx_left -= want;
-            if (ep->rx_left > 0)
-                break;
-            ep_rx_release(tl, ep);
-            ep->rx_state = RX_HDR;
-            ep->rx_hdr_got = (size_t)r - want;
-            if (ep->rx_hdr_got == KVW_TCP_HDR_LEN) {
-                ep->rx_hdr_got = 0;
-                on_header(tl, ep);
-            } else {
-                return; /* drained: the next header is not all here (see ep_rx) */
-            }
-            break;
-        }
-        case RX_DISCARD: {
-            size_t want = (size_t)KVW_MIN(ep->rx_left, (uint64_t)sizeof(tl->discard));
-            r = recv(ep->s.fd, tl->discard, want, 0);
-            if (!rx_result(ep, r, want))
-                return;
-            budget -= KVW_MIN((size_t)r, budget);
-            ep->rx_left -= (uint64_t)r;
-            if (ep->rx_left == 0)
+            size_t into = KVW_MIN((size_t)r, want);
+            ep->rx_dst += into;
+            ep->rx_left -= into;
+            if (ep->rx_left == 0) {
+                ep_rx_release(tl, ep);
                 ep->rx_state = RX_HDR;
-            break;
-        }
-        case RX_NOTIFY: {
-            /* The next header comes in the same call, as after a PUT's payload. */
-            size_t want = ep->rx_note_len - ep->rx_note_got;
-            struct iovec iov[2] = {{.iov_base = ep->rx_note + ep->rx_note_got, .iov_len = want},
-                                   {.iov_base = ep->rx_hdr, .iov_len = KVW_TCP_HDR_LEN}};
-            struct msghdr msg = {.msg_iov = iov, .msg_iovlen = 2};
-            r = recvmsg(ep->s.fd, &msg, 0);
-            if (!rx_result(ep, r, want))
-                return;
-            budget -= KVW_MIN((size_t)r, budget);
-            if ((size_t)r < want) {
-                ep->rx_note_got += (size_t)r;
-                return; /* drained (see ep_rx) */
+                ep->rx_hdr_got = 0;
             }
-            ep->rx_note_got = ep->rx_note_len;
-            ep->rx_state = RX_HDR;
-            ep->rx_hdr_got = (size_t)r - want;
-            if (!atomic_load(&ep->s.closing))
-                tl->srv.cb.on_notify(tl->srv.cb.arg, (kvw_tl_ep_h)(void *)ep, ep->rx_note,
-                                     ep->rx_note_len);
-            if (ep->rx_hdr_got < KVW_TCP_HDR_LEN)
-                return; /* drained (see ep_rx) */
-            ep->rx_hdr_got = 0;
-            if (!ep->s.reported && !atomic_load(&ep->s.closing))
-                on_header(tl, ep);
-            break;
+            rx_consume(tl, ep, tl->rxbuf, (size_t)r - into);
+            if ((size_t)r < asked)
+                return; /* drained (see above) */
+            continue;
         }
-        default:
-            kvw__sock_ep_fail(&ep->s, KVW_ERR_INTERNAL, "bad receive state %d", ep->rx_state);
+        r = recv(ep->s.fd, tl->rxbuf, sizeof(tl->rxbuf), 0);
+        if (!rx_result(ep, r, sizeof(tl->rxbuf)))
             return;
-        }
+        budget -= KVW_MIN((size_t)r, budget);
+        rx_consume(tl, ep, tl->rxbuf, (size_t)r);
+        if ((size_t)r < sizeof(tl->rxbuf))
+            return; /* drained (see above) */
     }
 }
 
