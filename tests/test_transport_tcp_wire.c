@@ -52,7 +52,7 @@ static struct {
     kvw_tl_ep_h last_err_ep;
     kvw_status_t last_err;
     char last_reason[512];
-    size_t checks;
+    size_t checks, runs;
     uint64_t refuse_room;
 } S = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
@@ -93,6 +93,18 @@ static kvw_status_t check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64
     bool refuse = room == S.refuse_room;
     pthread_mutex_unlock(&S.mu);
     return refuse ? KVW_ERR_REJECTED : KVW_OK;
+}
+
+/* The receiver asks about runs of whole PUTs at once: the same answers, counted per
+ * write. */
+static void check_writes(void *arg, kvw_tl_ep_h ep, const kvw_tl_write_t *w, size_t n,
+                         kvw_status_t *st)
+{
+    pthread_mutex_lock(&S.mu);
+    S.runs++;
+    pthread_mutex_unlock(&S.mu);
+    for (size_t i = 0; i < n; i++)
+        st[i] = check_write(arg, ep, w[i].room, w[i].region_id, w[i].off, w[i].len);
 }
 
 static bool wait_counter(const size_t *c, size_t n, unsigned ms)
@@ -556,7 +568,8 @@ static int c_refused_and_dribbled(void)
 }
 
 /* Many frames packed into one stream, as a room's PUTs and NOTIFYs arrive: small PUTs
- * (copied out of the receiver's read buffer), large ones (read straight into place,
+ * (copied out of the receiver's read buffer; runs of them checked with one
+ * check_writes), large ones (read straight into place,
  * the frames behind them in the same read), refused ones (skipped) and notifications,
  * sent first as one write and then cut into pieces of 1 to 5,000 bytes, so that the
  * receiver's reads end anywhere (inside headers, payloads and notifications). Every
@@ -570,7 +583,7 @@ static int c_packed_stream(void)
     for (int pass = 0; pass < 2; pass++) {
         int fd = raw_hello();
         CHECK(fd >= 0, "raw handshake failed: %s", strerror(errno));
-        size_t e = get(&S.errs), n0 = get(&S.notes), c0 = get(&S.checks);
+        size_t e = get(&S.errs), n0 = get(&S.notes), c0 = get(&S.checks), r0 = get(&S.runs);
         pthread_mutex_lock(&S.mu);
         S.refuse_room = 66;
         pthread_mutex_unlock(&S.mu);
@@ -627,6 +640,8 @@ static int c_packed_stream(void)
         CHECK(get(&S.checks) == c0 + puts, "pass %d: check_write called %zu times, want %zu",
               pass, get(&S.checks) - c0, puts);
         CHECK(get(&S.errs) == e, "pass %d: the connection was dropped: %s", pass, S.last_reason);
+        CHECK(pass == 1 || get(&S.runs) > r0, "pass %d: no run of PUTs was checked at once%s",
+              pass, "");
         if (memcmp(g_buf, g_expect, REGION_LEN + 2 * GUARD) != 0) {
             size_t i = 0;
             while (g_buf[i] == g_expect[i])
@@ -743,7 +758,8 @@ int main(void)
     kvw_tl_params_t p = {.timeout_ms = TIMEOUT_MS};
     p.cb = (kvw_tl_callbacks_t){.on_notify = on_notify,
                                 .on_ep_error = on_ep_error,
-                                .check_write = check_write};
+                                .check_write = check_write,
+                                .check_writes = check_writes};
     kvw_tl_mem_h mem;
     uint8_t rkey[KVW_TL_MAX_RKEY];
     size_t rkey_len = sizeof(rkey);

@@ -157,6 +157,7 @@ static kvw_status_t kvw_ctx_tl_open(struct kvw_ctx *ctx, const kvw_ctx_params_t 
                           .listen_port = 0,
                           .cb = {.arg = ctx, .on_notify = kvw__on_notify,
                                  .check_write = kvw__check_write,
+                                 .check_writes = kvw__check_writes,
                                  .on_ep_error = kvw__on_ep_error}};
     kvw_status_t st = ctx->tl_ops->init(&tp, &ctx->tl);
     if (st != KVW_OK)

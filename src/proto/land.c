@@ -713,12 +713,12 @@ static bool kvw_from_source(struct kvw_ctx *ctx, kvw_tl_ep_h ep, const kvw_room_
     return false;
 }
 
-kvw_status_t kvw__check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
-                              uint64_t off, uint64_t len)
+/* kvw__check_write's answer, mu held. */
+static kvw_status_t kvw_check_write(struct kvw_ctx *ctx, kvw_tl_ep_h ep, uint64_t room,
+                                    uint64_t region, uint64_t off, uint64_t len)
 {
-    struct kvw_ctx *ctx = arg;
+    KVW_ASSERT_HELD(&ctx->mu);
     kvw_status_t st = KVW_OK;
-    pthread_mutex_lock(&ctx->mu);
     kvw_room_t *r = kvw__room_find(ctx, room);
     /* Only a connection bound to one of the room's own sources writes it: a write from
      * any other (another prefill instance's, or one that never bound) is refused and
@@ -777,8 +777,27 @@ kvw_status_t kvw__check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t
     if (st == KVW_OK)
         st = kvw_note_write(ctx, r, region, off, len);
 out:
+    return st;
+}
+
+kvw_status_t kvw__check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
+                              uint64_t off, uint64_t len)
+{
+    struct kvw_ctx *ctx = arg;
+    pthread_mutex_lock(&ctx->mu);
+    kvw_status_t st = kvw_check_write(ctx, ep, room, region, off, len);
     pthread_mutex_unlock(&ctx->mu);
     return st;
+}
+
+void kvw__check_writes(void *arg, kvw_tl_ep_h ep, const kvw_tl_write_t *w, size_t n,
+                       kvw_status_t *st)
+{
+    struct kvw_ctx *ctx = arg;
+    pthread_mutex_lock(&ctx->mu);
+    for (size_t i = 0; i < n; i++)
+        st[i] = kvw_check_write(ctx, ep, w[i].room, w[i].region_id, w[i].off, w[i].len);
+    pthread_mutex_unlock(&ctx->mu);
 }
 
 void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason)

@@ -354,6 +354,8 @@ void kvw__handshake_heard(struct kvw_ctx *ctx, int fd);
 void kvw__on_notify(void *arg, kvw_tl_ep_h ep, const void *msg, size_t len);
 kvw_status_t kvw__check_write(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region,
                               uint64_t off, uint64_t len);
+void kvw__check_writes(void *arg, kvw_tl_ep_h ep, const kvw_tl_write_t *w, size_t n,
+                       kvw_status_t *st);
 void kvw__on_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason);
 
 /* ------------------------------------------------------------ between the files above */

@@ -54,6 +54,11 @@ typedef struct kvw_tl_mem *kvw_tl_mem_h; /* registered local memory */
 typedef struct kvw_tl_rkey *kvw_tl_rkey_h; /* unpacked remote key, bound to an ep */
 
 /* Receive-side callbacks, given at init. All optional except on_notify. */
+/* One mediated write, as check_writes asks about it. */
+typedef struct kvw_tl_write {
+    uint64_t room, region_id, off, len;
+} kvw_tl_write_t;
+
 typedef struct kvw_tl_callbacks {
     void *arg;
     /* A notification arrived; every write the peer posted before it on this
@@ -66,6 +71,11 @@ typedef struct kvw_tl_callbacks {
      * then drop the write and keep the connection). */
     kvw_status_t (*check_write)(void *arg, kvw_tl_ep_h ep, uint64_t room, uint64_t region_id,
                                 uint64_t off, uint64_t len);
+    /* Optional: check_write's question for `n` writes from `ep` at once, in the order
+     * they arrived (not one byte of any has landed yet), each answer in st[i]; one lock
+     * for a run of small writes instead of one each. NULL: check_write per write. */
+    void (*check_writes)(void *arg, kvw_tl_ep_h ep, const kvw_tl_write_t *w, size_t n,
+                         kvw_status_t *st);
     /* An endpoint (accepted or connected) failed or closed; no more notifications
      * arrive from it. */
     void (*on_ep_error)(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason);

@@ -221,6 +221,13 @@ static kvw_status_t fault_cb_check_write(void *arg, kvw_tl_ep_h ep, uint64_t roo
     return c->orig.check_write(c->orig.arg, ep, room, region, off, len);
 }
 
+static void fault_cb_check_writes(void *arg, kvw_tl_ep_h ep, const kvw_tl_write_t *w, size_t n,
+                                  kvw_status_t *st)
+{
+    fault_cbs_t *c = arg;
+    c->orig.check_writes(c->orig.arg, ep, w, n, st);
+}
+
 static void fault_cb_ep_error(void *arg, kvw_tl_ep_h ep, kvw_status_t status, const char *reason)
 {
     fault_cbs_t *c = arg;
@@ -396,6 +403,7 @@ static kvw_status_t fault_init(fault_slot_t *s, const kvw_tl_params_t *params, k
     p.cb.arg = cbs;
     p.cb.on_notify = params->cb.on_notify ? fault_cb_notify : NULL;
     p.cb.check_write = params->cb.check_write ? fault_cb_check_write : NULL;
+    p.cb.check_writes = params->cb.check_writes ? fault_cb_check_writes : NULL;
     p.cb.on_ep_error = params->cb.on_ep_error ? fault_cb_ep_error : NULL;
     kvw_status_t st = s->inner->init(&p, &inner);
     if (st != KVW_OK) {
