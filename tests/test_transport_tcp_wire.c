@@ -672,7 +672,12 @@ static int c_fuzz(void)
         int fd = raw_hello();
         CHECK(fd >= 0, "raw handshake %d failed: %s", it, strerror(errno));
         conns += fd >= 0;
-        for (int f = 0; f < 4; f++) {
+        /* Odd iterations pack their frames into one write, so that the receiver meets
+         * the mutated header inside a run of frames in its read buffer. */
+        uint8_t packed[8 * (KVW_TCP_HDR_LEN + 300)];
+        size_t plen = 0;
+        int nframes = it % 2 ? 8 : 4;
+        for (int f = 0; f < nframes; f++) {
             uint8_t h[KVW_TCP_HDR_LEN];
             s ^= s << 13;
             s ^= s >> 7;
@@ -684,13 +689,22 @@ static int c_fuzz(void)
             int nflip = (int)((s >> 50) % 4);
             for (int k = 0; k < nflip; k++)
                 h[(s >> (k * 6)) % KVW_TCP_HDR_LEN] ^= (uint8_t)(1u << ((s >> (k * 3)) % 8));
+            size_t paylen = (size_t)((s >> 33) % 300);
+            if (it % 2) {
+                memcpy(packed + plen, h, sizeof(h));
+                memset(packed + plen + sizeof(h), 0x42, paylen);
+                plen += sizeof(h) + paylen;
+                continue;
+            }
             if (send_all(fd, h, sizeof(h)) != 0)
                 break;
             uint8_t pay[300];
             memset(pay, 0x42, sizeof(pay));
-            if (send_all(fd, pay, (size_t)((s >> 33) % 300)) != 0)
+            if (send_all(fd, pay, paylen) != 0)
                 break;
         }
+        if (plen)
+            send_all(fd, packed, plen);
         close(fd);
     }
     /* Every fuzzed connection ends in one on_ep_error, after which nothing of it lands:
