@@ -10,6 +10,7 @@
 #include "fuzz_frame.c"
 #include "fuzz_hello.c"
 #include "fuzz_plan.c"
+#include "fuzz_tcp_rx.c"
 
 #include <errno.h>
 #include <sys/stat.h>
@@ -460,6 +461,56 @@ static void gen_plan(void)
     free(b.p);
 }
 
+/* fuzz_tcp_rx: after the harness's HELLO, PUTs in and out of range, a run of small
+ * PUTs, a refused one, a large one (received in place), notifications; and a stream that
+ * greets by itself. */
+static void gen_tcp_put(gen_buf_t *b, uint64_t room, uint64_t off, uint64_t len)
+{
+    uint8_t h[KVW_TCP_HDR_LEN];
+    kvw_tcp_hdr_encode(h, KVW_TCP_PUT, room, FZT_REGION_ID, off, len);
+    gb_bytes(b, h, sizeof(h));
+    for (uint64_t i = 0; i < len; i++)
+        gb_u8(b, (uint8_t)(i * 7 + room));
+}
+
+static void gen_tcp_notify(gen_buf_t *b, const char *msg)
+{
+    uint8_t h[KVW_TCP_HDR_LEN];
+    kvw_tcp_hdr_encode(h, KVW_TCP_NOTIFY, 0, 0, 0, strlen(msg));
+    gb_bytes(b, h, sizeof(h));
+    gb_bytes(b, msg, strlen(msg));
+}
+
+static void gen_tcp_rx(void)
+{
+    gen_buf_t b = {0};
+    gb_u8(&b, 1);
+    gb_u8(&b, 3);
+    for (int i = 0; i < 24; i++)
+        gen_tcp_put(&b, 7, 1024u * (uint64_t)i, 1024);
+    gen_tcp_notify(&b, "done");
+    gen_write("fuzz_tcp_rx", "run-of-puts", b.p, b.n);
+    gb_reset(&b);
+    gb_u8(&b, 1);
+    gb_u8(&b, 200);
+    gen_tcp_put(&b, 7, 100, 300);
+    gen_tcp_put(&b, 66, 0, 500);
+    gen_tcp_put(&b, 7, 0, 40000);
+    gen_tcp_put(&b, 7, 40000, 20);
+    gen_tcp_notify(&b, "after");
+    gen_tcp_put(&b, 7, 65000, 1000);
+    gen_write("fuzz_tcp_rx", "mixed-then-out-of-range", b.p, b.n);
+    gb_reset(&b);
+    gb_u8(&b, 0);
+    gb_u8(&b, 9);
+    uint8_t h[KVW_TCP_HDR_LEN];
+    kvw_tcp_hdr_encode(h, KVW_TCP_HELLO, 0, 0, 0, 0);
+    gb_bytes(&b, h, sizeof(h));
+    gen_tcp_put(&b, 7, 0, 64);
+    gen_write("fuzz_tcp_rx", "own-hello", b.p, b.n);
+    free(b.p);
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
@@ -471,6 +522,7 @@ int main(int argc, char **argv)
     gen_hello();
     gen_frame();
     gen_plan();
+    gen_tcp_rx();
     /* Every seed must run clean through its target. */
     return 0;
 }

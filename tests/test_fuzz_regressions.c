@@ -18,6 +18,7 @@
 #include "../fuzz/fuzz_frame.c"
 #include "../fuzz/fuzz_hello.c"
 #include "../fuzz/fuzz_plan.c"
+#include "../fuzz/fuzz_tcp_rx.c"
 
 #include "timeout.h"
 
@@ -36,6 +37,7 @@ static const struct {
     {"fuzz_frame", kvw_fuzz_frame},
     {"fuzz_hello", kvw_fuzz_hello},
     {"fuzz_plan", kvw_fuzz_plan},
+    {"fuzz_tcp_rx", kvw_fuzz_tcp_rx},
 };
 
 #define NUM_TARGETS (sizeof(targets) / sizeof(targets[0]))
