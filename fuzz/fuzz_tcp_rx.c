@@ -128,21 +128,7 @@ static int fzt_connect(void)
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     struct sockaddr_storage ss;
-    memset(&ss, 0, sizeof(ss));
-    socklen_t sl;
-    if (fzt_a.family == 6) {
-        struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&ss;
-        in6->sin6_family = AF_INET6;
-        in6->sin6_port = htons(fzt_a.port);
-        memcpy(&in6->sin6_addr, fzt_a.ip, 16);
-        sl = sizeof(*in6);
-    } else {
-        struct sockaddr_in *in4 = (struct sockaddr_in *)&ss;
-        in4->sin_family = AF_INET;
-        in4->sin_port = htons(fzt_a.port);
-        memcpy(&in4->sin_addr, fzt_a.ip, 4);
-        sl = sizeof(*in4);
-    }
+    socklen_t sl = kvw_tcp_addr_sockaddr(&fzt_a, &ss);
     /* libFuzzer's timers interrupt system calls (no SA_RESTART): an interrupted connect
      * goes on in the background, so it is waited for. */
     if (connect(fd, (struct sockaddr *)&ss, sl) != 0) {

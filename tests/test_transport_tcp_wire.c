@@ -161,21 +161,7 @@ static int raw_connect(void)
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
     struct sockaddr_storage ss;
-    memset(&ss, 0, sizeof(ss));
-    socklen_t sl;
-    if (g_a.family == 6) {
-        struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)&ss;
-        in6->sin6_family = AF_INET6;
-        in6->sin6_port = htons(g_a.port);
-        memcpy(&in6->sin6_addr, g_a.ip, 16);
-        sl = sizeof(*in6);
-    } else {
-        struct sockaddr_in *in = (struct sockaddr_in *)&ss;
-        in->sin_family = AF_INET;
-        in->sin_port = htons(g_a.port);
-        memcpy(&in->sin_addr, g_a.ip, 4);
-        sl = sizeof(*in);
-    }
+    socklen_t sl = kvw_tcp_addr_sockaddr(&g_a, &ss);
     if (connect(fd, (struct sockaddr *)&ss, sl) != 0) {
         close(fd);
         return -1;

@@ -737,21 +737,7 @@ static kvw_status_t tcp_connect(kvw_tl_h tl_h, const void *addr, size_t len, kvw
                           "tcp connect: %zu bytes are not a tcp address of version %u", len,
                           KVW_TCP_VERSION);
     struct sockaddr_storage ss;
-    memset(&ss, 0, sizeof(ss));
-    socklen_t sl;
-    if (a.family == 6) {
-        struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)(void *)&ss;
-        in6->sin6_family = AF_INET6;
-        in6->sin6_port = htons(a.port);
-        memcpy(&in6->sin6_addr, a.ip, 16);
-        sl = sizeof(*in6);
-    } else {
-        struct sockaddr_in *in = (struct sockaddr_in *)(void *)&ss;
-        in->sin_family = AF_INET;
-        in->sin_port = htons(a.port);
-        memcpy(&in->sin_addr, a.ip, 4);
-        sl = sizeof(*in);
-    }
+    socklen_t sl = kvw_tcp_addr_sockaddr(&a, &ss);
     char peer[64];
     format_sockaddr((struct sockaddr *)&ss, peer, sizeof(peer));
 

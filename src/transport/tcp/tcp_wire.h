@@ -24,6 +24,10 @@
 
 #include "transport/tl_util.h"
 
+#include <netinet/in.h>
+#include <string.h>
+#include <sys/socket.h>
+
 #define KVW_TCP_VERSION 1
 #define KVW_TCP_ADDR_MAGIC 0x4157564bu  /* "KVWA" */
 #define KVW_TCP_RKEY_MAGIC 0x5257564bu  /* "KVWR" */
@@ -105,6 +109,24 @@ static inline int kvw_tcp_addr_decode(const void *buf, size_t len, kvw_tcp_addr_
     a->token = kvw__le64_get(p + 8);
     memcpy(a->ip, p + 16, 16);
     return 0;
+}
+
+/* The socket address of decoded address `a`, into *ss; returns its length. */
+static inline socklen_t kvw_tcp_addr_sockaddr(const kvw_tcp_addr_t *a, struct sockaddr_storage *ss)
+{
+    memset(ss, 0, sizeof(*ss));
+    if (a->family == 6) {
+        struct sockaddr_in6 *in6 = (struct sockaddr_in6 *)(void *)ss;
+        in6->sin6_family = AF_INET6;
+        in6->sin6_port = htons(a->port);
+        memcpy(&in6->sin6_addr, a->ip, 16);
+        return (socklen_t)sizeof(*in6);
+    }
+    struct sockaddr_in *in = (struct sockaddr_in *)(void *)ss;
+    in->sin_family = AF_INET;
+    in->sin_port = htons(a->port);
+    memcpy(&in->sin_addr, a->ip, 4);
+    return (socklen_t)sizeof(*in);
 }
 
 #endif
