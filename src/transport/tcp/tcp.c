@@ -129,6 +129,12 @@ static tcp_region_t *region_find(tcp_iface_t *tl, uint64_t id)
 }
 
 /* srv.reg_mu held. */
+/* Whether [off, off + len) lies inside region r (NULL: none). */
+static bool region_inside(const tcp_region_t *r, uint64_t off, uint64_t len)
+{
+    return r && off <= r->len && len <= r->len - off;
+}
+
 static void region_unref(tcp_region_t *r)
 {
     if (--r->refs == 0)
@@ -235,7 +241,7 @@ static void on_header(tcp_iface_t *tl, tcp_ep_t *ep)
         pthread_mutex_lock(&tl->srv.reg_mu);
         tcp_region_t *r = region_find(tl, h.region);
         uint64_t rlen = r ? r->len : 0;
-        bool inside = r && h.off <= rlen && h.len <= rlen - h.off;
+        bool inside = region_inside(r, h.off, h.len);
         if (inside && h.len > 0)
             r->refs++;
         pthread_mutex_unlock(&tl->srv.reg_mu);
@@ -347,6 +353,32 @@ static bool rx_result(tcp_ep_t *ep, ssize_t r, size_t want)
     return false;
 }
 
+/* Receive thread: takes reg_mu to land payload bytes in the connection's region; false
+ * (reg_mu not held, the rest of the payload to be discarded) when the region was
+ * deregistered meanwhile. */
+static bool rx_land_begin(tcp_iface_t *tl, tcp_ep_t *ep)
+{
+    pthread_mutex_lock(&tl->srv.reg_mu);
+    if (!ep->rx_region->dead)
+        return true;
+    pthread_mutex_unlock(&tl->srv.reg_mu);
+    ep_rx_release(tl, ep);
+    ep->rx_state = RX_DISCARD;
+    return false;
+}
+
+/* Receive thread: n more payload bytes landed (reg_mu let go); after the last, the next
+ * header. */
+static void rx_landed(tcp_iface_t *tl, tcp_ep_t *ep, size_t n)
+{
+    ep->rx_dst += n;
+    ep->rx_left -= n;
+    if (ep->rx_left == 0) {
+        ep_rx_release(tl, ep);
+        ep->rx_state = RX_HDR;
+    }
+}
+
 /* Receive thread: a run of whole PUT frames at the start of `p` (n bytes, at a frame
  * boundary, after HELLO), landed together: their regions looked up under one hold of
  * reg_mu, the writes checked with one check_writes call (one lock of the receiver
@@ -361,6 +393,8 @@ static size_t rx_put_run(tcp_iface_t *tl, tcp_ep_t *ep, const uint8_t *p, size_t
     tcp_region_t *reg[TCP_RUN_MAX];
     kvw_status_t st[TCP_RUN_MAX];
     size_t at[TCP_RUN_MAX], cnt = 0, pos = 0;
+    if (tl->srv.cb.check_writes == NULL)
+        return 0;
     while (cnt < TCP_RUN_MAX && n - pos >= KVW_TCP_HDR_LEN) {
         kvw_tcp_hdr_t h;
         kvw_tcp_hdr_decode(p + pos, &h);
@@ -372,12 +406,12 @@ static size_t rx_put_run(tcp_iface_t *tl, tcp_ep_t *ep, const uint8_t *p, size_t
         at[cnt++] = pos + KVW_TCP_HDR_LEN;
         pos += KVW_TCP_HDR_LEN + (size_t)h.len;
     }
-    if (cnt < 2 || tl->srv.cb.check_writes == NULL)
+    if (cnt < 2)
         return 0;
     pthread_mutex_lock(&tl->srv.reg_mu);
     for (size_t i = 0; i < cnt; i++) {
         tcp_region_t *r = region_find(tl, w[i].region_id);
-        if (r == NULL || w[i].off > r->len || w[i].len > r->len - w[i].off) {
+        if (!region_inside(r, w[i].off, w[i].len)) {
             cnt = i; /* this one fails its connection on the frame-by-frame path */
             break;
         }
@@ -424,21 +458,11 @@ static void rx_consume(tcp_iface_t *tl, tcp_ep_t *ep, const uint8_t *p, size_t n
             break;
         case RX_PAYLOAD:
             take = (size_t)KVW_MIN((uint64_t)n, ep->rx_left);
-            pthread_mutex_lock(&tl->srv.reg_mu);
-            if (ep->rx_region->dead) {
-                pthread_mutex_unlock(&tl->srv.reg_mu);
-                ep_rx_release(tl, ep);
-                ep->rx_state = RX_DISCARD; /* the rest of it, these bytes first */
-                continue;
-            }
+            if (!rx_land_begin(tl, ep))
+                continue; /* discarded: the rest of it, these bytes first */
             memcpy(ep->rx_dst, p, take);
             pthread_mutex_unlock(&tl->srv.reg_mu);
-            ep->rx_dst += take;
-            ep->rx_left -= take;
-            if (ep->rx_left == 0) {
-                ep_rx_release(tl, ep);
-                ep->rx_state = RX_HDR;
-            }
+            rx_landed(tl, ep, take);
             break;
         case RX_DISCARD:
             take = (size_t)KVW_MIN((uint64_t)n, ep->rx_left);
@@ -485,26 +509,15 @@ static void ep_rx(tcp_iface_t *tl, tcp_ep_t *ep)
                                    {.iov_base = tl->rxbuf, .iov_len = sizeof(tl->rxbuf)}};
             struct msghdr msg = {.msg_iov = iov, .msg_iovlen = want == ep->rx_left ? 2 : 1};
             size_t asked = want + (msg.msg_iovlen == 2 ? sizeof(tl->rxbuf) : 0);
-            pthread_mutex_lock(&tl->srv.reg_mu);
-            if (ep->rx_region->dead) {
-                pthread_mutex_unlock(&tl->srv.reg_mu);
-                ep_rx_release(tl, ep);
-                ep->rx_state = RX_DISCARD;
+            if (!rx_land_begin(tl, ep))
                 continue;
-            }
             r = recvmsg(ep->s.fd, &msg, 0);
             pthread_mutex_unlock(&tl->srv.reg_mu);
             if (!rx_result(ep, r, want))
                 return;
             budget -= KVW_MIN((size_t)r, budget);
             size_t into = KVW_MIN((size_t)r, want);
-            ep->rx_dst += into;
-            ep->rx_left -= into;
-            if (ep->rx_left == 0) {
-                ep_rx_release(tl, ep);
-                ep->rx_state = RX_HDR;
-                ep->rx_hdr_got = 0;
-            }
+            rx_landed(tl, ep, into);
             rx_consume(tl, ep, tl->rxbuf, (size_t)r - into);
             if ((size_t)r < asked)
                 return; /* drained (see above) */
