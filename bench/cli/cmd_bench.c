@@ -1418,21 +1418,6 @@ static void b_note(b_report_t *r, const char *fmt, ...)
     va_end(ap);
 }
 
-static void b_json_str(FILE *f, const char *s)
-{
-    fputc('"', f);
-    for (; s && *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\')
-            fprintf(f, "\\%c", ch);
-        else if (ch < 0x20)
-            fprintf(f, "\\u%04x", ch);
-        else
-            fputc(ch, f);
-    }
-    fputc('"', f);
-}
-
 static int b_write_json(const char *path, const bench_cfg_t *c, const kvt_model_t *m,
                         const char *cmdline, const b_report_t *r)
 {
@@ -1440,9 +1425,9 @@ static int b_write_json(const char *path, const bench_cfg_t *c, const kvt_model_
     if (!f)
         return -1;
     fprintf(f, "{\n  \"command\": ");
-    b_json_str(f, cmdline);
+    cli_json_str(f, cmdline);
     fprintf(f, ",\n  \"model\": ");
-    b_json_str(f, c->model);
+    cli_json_str(f, c->model);
     fprintf(f, ",\n  \"layers\": %u,\n  \"kv_heads\": %u,\n  \"page_size\": %u,\n"
                "  \"reps\": %u,\n  \"cpus\": %ld,\n  \"decode_memory\": \"%s\",\n",
             m->m.num_layers, m->m.num_kv_heads, c->page, c->reps, sysconf(_SC_NPROCESSORS_ONLN),
@@ -1518,7 +1503,7 @@ static int b_write_json(const char *path, const bench_cfg_t *c, const kvt_model_
     fprintf(f, "  ],\n  \"notes\": [");
     for (uint32_t i = 0; i < r->num_notes; i++) {
         fprintf(f, "%s\n    ", i ? "," : "");
-        b_json_str(f, r->notes[i]);
+        cli_json_str(f, r->notes[i]);
     }
     fprintf(f, "%s]\n}\n", r->num_notes ? "\n  " : "");
     return fclose(f) ? -1 : 0;

@@ -904,13 +904,10 @@ static void g_tcpu_json(FILE *jf, const g_tcpu_t *s, uint32_t reps)
 {
     fprintf(jf, "{");
     for (uint32_t i = 0; i < s->n; i++) {
-        char name[16];
-        snprintf(name, sizeof(name), "%s", s->e[i].name);
-        for (char *q = name; *q; q++)
-            if (*q == '"' || *q == '\\' || (unsigned char)*q < 0x20)
-                *q = '_';
-        fprintf(jf, "%s\"%s\": {\"threads\": %u, \"ms\": %.4f}", i ? ", " : "", name,
-                s->e[i].threads, g_ms(s->e[i].ns) / (reps ? reps : 1));
+        fprintf(jf, "%s", i ? ", " : "");
+        cli_json_str(jf, s->e[i].name);
+        fprintf(jf, ": {\"threads\": %u, \"ms\": %.4f}", s->e[i].threads,
+                g_ms(s->e[i].ns) / (reps ? reps : 1));
     }
     fprintf(jf, "}");
 }

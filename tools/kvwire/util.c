@@ -52,6 +52,21 @@ uint32_t cli_pages_needed(uint64_t b, uint64_t e, uint32_t ps)
     return b >= e ? 0 : (uint32_t)((e + ps - 1) / ps - b / ps);
 }
 
+void cli_json_str(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; s && *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            fprintf(f, "\\%c", ch);
+        else if (ch < 0x20)
+            fprintf(f, "\\u%04x", ch);
+        else
+            fputc(ch, f);
+    }
+    fputc('"', f);
+}
+
 /* The wait a context's creation may take, for its progress line (0: unknown). */
 static uint32_t cli_wait_limit_s(const kvw_ctx_params_t *p)
 {

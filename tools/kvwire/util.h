@@ -29,6 +29,9 @@ uint64_t cli_swa_window(const kvt_model_t *m);
 /* Pages of `ps` tokens that hold tokens [b, e) (0 when b >= e). */
 uint32_t cli_pages_needed(uint64_t b, uint64_t e, uint32_t ps);
 
+/* `s` as a JSON string, quotes included ('"', '\\' and control characters escaped). */
+void cli_json_str(FILE *f, const char *s);
+
 /*
  * One context per rank of ranks[0 .. n), from the template `tmpl` (all but side, rank,
  * bootstrap address and host_bootstrap, which are set here). Prefill (`prefill`): rank 0
