@@ -228,6 +228,19 @@ static bool peer_closed(int fd)
     return false;
 }
 
+/* The region and its guards hold exactly g_expect; `what` names the moment. */
+static int check_memory(const char *what)
+{
+    if (memcmp(g_buf, g_expect, REGION_LEN + 2 * GUARD) != 0) {
+        size_t i = 0;
+        while (g_buf[i] == g_expect[i])
+            i++;
+        FAILF("%smemory differs at byte %zd of the region (%s)", what, (ssize_t)i - GUARD,
+              i < GUARD || i >= GUARD + REGION_LEN ? "a guard byte" : "inside");
+    }
+    return 0;
+}
+
 /* After every case: the good endpoint still writes and notifies, and the region holds
  * exactly what it should, guards included. */
 static int good_round(void)
@@ -250,14 +263,7 @@ static int good_round(void)
     pthread_mutex_unlock(&S.mu);
     CHECK(same, "good endpoint: wrong notification (%s)", S.last_note);
     memcpy(g_expect + GUARD + off, data, sizeof(data));
-    if (memcmp(g_buf, g_expect, REGION_LEN + 2 * GUARD) != 0) {
-        size_t i = 0;
-        while (g_buf[i] == g_expect[i])
-            i++;
-        FAILF("memory differs at byte %zd of the region (%s)", (ssize_t)i - GUARD,
-              i < GUARD || i >= GUARD + REGION_LEN ? "a guard byte" : "inside");
-    }
-    return 0;
+    return check_memory("");
 }
 
 /* Waits for the next on_ep_error and checks it. */
@@ -561,6 +567,15 @@ static int c_refused_and_dribbled(void)
  * receiver's reads end anywhere (inside headers, payloads and notifications). Every
  * byte must land where its frame says, in order, the refused ones nowhere, every
  * notification must arrive in order, and the connection must stay up. */
+/* A NOTIFY frame carrying `text`, written at stream + *at. */
+static void pk_notify(uint8_t *stream, size_t *at, const char *text)
+{
+    size_t n = strlen(text);
+    kvw_tcp_hdr_encode(stream + *at, KVW_TCP_NOTIFY, 0, 0, 0, n);
+    memcpy(stream + *at + KVW_TCP_HDR_LEN, text, n);
+    *at += KVW_TCP_HDR_LEN + n;
+}
+
 static int c_packed_stream(void)
 {
     uint64_t s = 0x9e3779b97f4a7c15ull;
@@ -578,10 +593,8 @@ static int c_packed_stream(void)
         for (int f = 0; f < 400; f++) {
             uint64_t kind = PK_NEXT() % 100;
             if (kind < 12) { /* a notification */
-                int ml = snprintf(last, sizeof(last), "pk %d.%d", pass, f);
-                kvw_tcp_hdr_encode(stream + at, KVW_TCP_NOTIFY, 0, 0, 0, (uint64_t)ml);
-                memcpy(stream + at + KVW_TCP_HDR_LEN, last, (size_t)ml);
-                at += KVW_TCP_HDR_LEN + (size_t)ml;
+                snprintf(last, sizeof(last), "pk %d.%d", pass, f);
+                pk_notify(stream, &at, last);
                 notes++;
                 continue;
             }
@@ -597,10 +610,8 @@ static int c_packed_stream(void)
             at += len;
             puts++;
         }
-        int ml = snprintf(last, sizeof(last), "pk %d end", pass);
-        kvw_tcp_hdr_encode(stream + at, KVW_TCP_NOTIFY, 0, 0, 0, (uint64_t)ml);
-        memcpy(stream + at + KVW_TCP_HDR_LEN, last, (size_t)ml);
-        at += KVW_TCP_HDR_LEN + (size_t)ml;
+        snprintf(last, sizeof(last), "pk %d end", pass);
+        pk_notify(stream, &at, last);
         notes++;
         CHECK(at <= sizeof(stream), "stream of %zu bytes", at);
         if (pass == 0) {
@@ -628,14 +639,8 @@ static int c_packed_stream(void)
         CHECK(get(&S.errs) == e, "pass %d: the connection was dropped: %s", pass, S.last_reason);
         CHECK(pass == 1 || get(&S.runs) > r0, "pass %d: no run of PUTs was checked at once%s",
               pass, "");
-        if (memcmp(g_buf, g_expect, REGION_LEN + 2 * GUARD) != 0) {
-            size_t i = 0;
-            while (g_buf[i] == g_expect[i])
-                i++;
-            FAILF("pass %d: memory differs at byte %zd of the region (%s)", pass,
-                  (ssize_t)i - GUARD, i < GUARD || i >= GUARD + REGION_LEN ? "a guard byte"
-                                                                           : "inside");
-        }
+        if (check_memory(pass ? "pass 1: " : "pass 0: ") != 0)
+            return 1;
         close(fd);
         CHECK(wait_counter(&S.errs, e + 1, kvt_tmo_ms(5000)),
               "close of the raw connection not reported%s", "");
