@@ -13,7 +13,7 @@
  *
  * Oracles: the guards stay untouched; every write check asks about a range inside the
  * region; every notification is at most KVW_TL_MAX_NOTIFY bytes; the receiver reports
- * the connection (on_ep_error) within 10 s of its close; and AddressSanitizer sees no
+ * the connection (on_ep_error) within 10 s of the stream's end; and AddressSanitizer sees no
  * access outside the region and the receiver's buffers.
  */
 #include "fuzz_common.h"
